@@ -1,0 +1,253 @@
+"""`mesh`: parse the command line, run one command, and turn every failure into one line.
+
+`--json` and the connection options are accepted before or after the command
+(`mesh --json status` and `mesh status --json`). Failures print `mesh: error: …` on stderr and
+exit 1; a traceback is shown only with MESH_DEBUG=1.
+"""
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgspec
+from rich.console import Console
+
+from mesh import config
+from mesh.cli import render
+from mesh.cli.client import CliError, call
+from mesh.model import NodesReply, StatusReply
+from mesh.names import InvalidName, check_name
+
+
+def _common() -> argparse.ArgumentParser:
+    """Options every command takes. SUPPRESS lets the same flag appear before or after it."""
+    p = argparse.ArgumentParser(add_help=False)
+    s = argparse.SUPPRESS
+    p.add_argument("--json", action="store_true", default=s, help="print one JSON document")
+    p.add_argument("--nats-url", default=s, metavar="URL", help="NATS server (env MESH_NATS_URL)")
+    p.add_argument("--creds", default=s, metavar="FILE", help="NATS credentials (env MESH_CREDS)")
+    p.add_argument(
+        "--timeout", type=float, default=s, metavar="S", help="how long to wait for an answer (5)"
+    )
+    return p
+
+
+def _label(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"{text!r} is not key=value")
+    try:
+        check_name(key, field="label key")
+    except InvalidName as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return key, value
+
+
+def _tier(text: str) -> int:
+    try:
+        tier = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 <= tier <= 9:
+        raise argparse.ArgumentTypeError(f"{tier} is out of range (0 to 9)")
+    return tier
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:
+        # One line, exit 2, like argparse, but without the usage block burying the message.
+        sys.stderr.write(f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+        sys.exit(2)
+
+
+def parser() -> argparse.ArgumentParser:
+    common = _common()
+    top = _Parser(prog="mesh", parents=[common], description="A fleet controller on NATS.")
+    verbs = top.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    verbs.required = True
+
+    verbs.add_parser("status", parents=[common], help="the seat, standbys, plan, node counts")
+    verbs.add_parser("nodes", parents=[common], help="every machine and its state")
+
+    dev = verbs.add_parser("dev", parents=[common], help="the embedded dev mesh")
+    dev_verbs = dev.add_subparsers(dest="dev_command", metavar="COMMAND", parser_class=_Parser)
+    dev_verbs.required = True
+    dev_up = dev_verbs.add_parser(
+        "up", parents=[common], help="run NATS, PostgreSQL, two controllers and hosts"
+    )
+    dev_up.add_argument("--hosts", type=int, default=3, metavar="N", help="number of hosts (3)")
+    dev_up.add_argument("--dir", type=Path, default=Path(".mesh/dev"), help="state (.mesh/dev)")
+    dev_up.add_argument(
+        "--port", type=int, default=None, help="NATS port (4222, or a free one if taken; 0: free)"
+    )
+
+    ctl = verbs.add_parser("controller", parents=[common], help="the controller service")
+    ctl_verbs = ctl.add_subparsers(
+        dest="controller_command", metavar="COMMAND", parser_class=_Parser
+    )
+    ctl_verbs.required = True
+    ctl_run = ctl_verbs.add_parser("run", parents=[common], help="hold the seat or stand by")
+    ctl_run.add_argument("--database-url", metavar="URL", help="PostgreSQL (env MESH_DATABASE_URL)")
+    ctl_run.add_argument("--instance", metavar="NAME", help="this controller's name")
+    ctl_run.add_argument(
+        "--down-after", type=int, default=3, metavar="N", help="missed beats before down (3)"
+    )
+
+    host = verbs.add_parser("host", parents=[common], help="the host agent")
+    host_verbs = host.add_subparsers(dest="host_command", metavar="COMMAND", parser_class=_Parser)
+    host_verbs.required = True
+    host_run = host_verbs.add_parser("run", parents=[common], help="run this machine's agent")
+    host_run.add_argument("--name", required=True, help="this machine's name")
+    host_run.add_argument(
+        "--tier", type=_tier, default=None, help="rollout tier 0-9 (kept if unset)"
+    )
+    host_run.add_argument("--root", type=Path, default=None, help="confine the host to DIR (dev)")
+    host_run.add_argument(
+        "--label", type=_label, action="append", default=[], metavar="K=V", help="repeatable"
+    )
+    host_run.add_argument(
+        "--beat", type=float, default=1.0, metavar="S", help="heartbeat interval in seconds (1)"
+    )
+    return top
+
+
+# --- commands -------------------------------------------------------------------------------
+
+
+def _out(args: argparse.Namespace) -> Console:
+    return Console(highlight=False, soft_wrap=False)
+
+
+def _print_json(value: object) -> None:
+    sys.stdout.write(msgspec.json.encode(value).decode() + "\n")
+
+
+async def _verb(args: argparse.Namespace, verb: str, reply: type) -> Any:
+    return await call(
+        url=config.nats_url(getattr(args, "nats_url", None)),
+        creds=config.creds(getattr(args, "creds", None)),
+        verb=verb,
+        reply=reply,
+        timeout=getattr(args, "timeout", 5.0),
+    )
+
+
+async def cmd_status(args: argparse.Namespace) -> None:
+    s = await _verb(args, "status", StatusReply)
+    _print_json(s) if args.json else render.status(_out(args), s)
+
+
+async def cmd_nodes(args: argparse.Namespace) -> None:
+    r = await _verb(args, "nodes", NodesReply)
+    _print_json(r) if args.json else render.nodes(_out(args), r)
+
+
+async def cmd_dev_up(args: argparse.Namespace) -> None:
+    from mesh.dev.up import up
+
+    await up(folder=args.dir, hosts=args.hosts, port=args.port)
+
+
+async def cmd_controller_run(args: argparse.Namespace) -> None:
+    # The command line starts the services; the services never import the command line.
+    from services.controller.main import run
+
+    database_url = config.database_url(args.database_url)
+    if not database_url:
+        raise CliError("no database: set MESH_DATABASE_URL or pass --database-url")
+    if args.instance:
+        check_name(args.instance, field="--instance")
+    await run(
+        nats_url=config.nats_url(getattr(args, "nats_url", None)),
+        database_url=database_url,
+        instance=args.instance,
+        creds=config.creds(getattr(args, "creds", None)),
+        down_after=args.down_after,
+    )
+
+
+async def cmd_host_run(args: argparse.Namespace) -> None:
+    from services.host.main import run
+
+    check_name(args.name, field="--name")
+    if not 0.05 <= args.beat <= 3600:
+        raise CliError(f"--beat: {args.beat:g} is out of range (0.05 to 3600 seconds)")
+    await run(
+        name=args.name,
+        nats_url=config.nats_url(getattr(args, "nats_url", None)),
+        tier=args.tier,
+        labels=dict(args.label),
+        root=args.root,
+        beat_interval=args.beat,
+        creds=config.creds(getattr(args, "creds", None)),
+    )
+
+
+COMMANDS: dict[tuple[str, ...], Callable[[argparse.Namespace], Any]] = {
+    ("status",): cmd_status,
+    ("nodes",): cmd_nodes,
+    ("dev", "up"): cmd_dev_up,
+    ("controller", "run"): cmd_controller_run,
+    ("host", "run"): cmd_host_run,
+}
+
+
+def _key(args: argparse.Namespace) -> tuple[str, ...]:
+    sub = getattr(args, f"{args.command}_command", None)
+    return (args.command, sub) if sub else (args.command,)
+
+
+def _leaf(e: BaseException) -> BaseException:
+    """The one exception inside nested single-member groups (anyio wraps task failures)."""
+    while isinstance(e, BaseExceptionGroup) and len(e.exceptions) == 1:
+        e = e.exceptions[0]
+    return e
+
+
+def _expected() -> tuple[type[BaseException], ...]:
+    from mesh.bus import Unreachable
+    from mesh.dev.natsd import NatsServerMissing
+    from mesh.dev.postgres import PostgresFailed
+    from mesh.dev.up import DevError
+    from mesh.store.db import StoreUnreachable
+    from services.controller.seat import SeatLost
+
+    return (CliError, InvalidName, Unreachable, StoreUnreachable, SeatLost, DevError,
+            PostgresFailed, NatsServerMissing)  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    args.json = getattr(args, "json", False)
+    logging.basicConfig(
+        level=logging.INFO,
+        stream=sys.stderr,
+        format="%(asctime)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    logging.getLogger("nats").setLevel(logging.CRITICAL)  # reconnect chatter; we report outcomes
+    command = COMMANDS[_key(args)]
+    try:
+        anyio.run(command, args)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except BaseException as e:
+        leaf = _leaf(e)
+        if isinstance(leaf, SystemExit):
+            raise leaf from None
+        if isinstance(leaf, KeyboardInterrupt):
+            sys.exit(130)
+        if os.environ.get("MESH_DEBUG"):
+            raise
+        if isinstance(leaf, _expected()):
+            sys.stderr.write(f"mesh: error: {leaf}\n")
+        else:
+            sys.stderr.write(
+                f"mesh: internal error: {type(leaf).__name__}: {leaf} (MESH_DEBUG=1 shows more)\n"
+            )
+        sys.exit(1)

@@ -1,0 +1,61 @@
+"""Human output: tables and short summaries. `--json` bypasses all of this."""
+
+from datetime import UTC, datetime
+
+from rich.console import Console
+from rich.table import Table
+
+from mesh.model import NodesReply, StatusReply
+
+
+def _ago(when: datetime | None) -> str:
+    if when is None:
+        return "never"
+    seconds = (datetime.now(UTC) - when).total_seconds()
+    if seconds < 1:
+        return "just now"
+    if seconds < 120:
+        return f"{seconds:.0f}s ago"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}m ago"
+    return when.strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _bytes(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n else "?"
+
+
+def status(console: Console, s: StatusReply) -> None:
+    seat = (
+        f"held by {s.seat.holder} (pid {s.seat.pid} on {s.seat.host}), epoch {s.seat.epoch}, "
+        f"since {_ago(s.seat.since)}"
+        if s.seat
+        else "no holder"
+    )
+    standbys = ", ".join(f"{b.instance} (pid {b.pid})" for b in s.standbys) or "none"
+    table = Table.grid(padding=(0, 2))
+    table.add_row("[bold]seat[/]", f"mesh-controller {seat}")
+    table.add_row("[bold]standbys[/]", standbys)
+    table.add_row("[bold]nodes[/]", f"{s.nodes.total} total, {s.nodes.up} up, {s.nodes.down} down")
+    table.add_row("[bold]plan[/]", "none in progress" if s.plan is None else str(s.plan))
+    console.print(table)
+
+
+def nodes(console: Console, r: NodesReply) -> None:
+    if not r.nodes:
+        console.print("no machines have registered yet")
+        return
+    table = Table(box=None, header_style="bold")
+    for column in ("NAME", "TIER", "STATE", "LAST SEEN", "LABELS", "SYSTEM", "PROCESSES"):
+        table.add_column(column)
+    for n in r.nodes:
+        system = (
+            f"{n.facts.os}/{n.facts.arch}, {n.facts.cpus} cpu, {_bytes(n.facts.memory)}"
+            if n.facts
+            else "?"
+        )
+        labels = ",".join(f"{k}={v}" for k, v in sorted(n.labels.items())) or "-"
+        procs = ", ".join(f"{p.name}:{p.state}" for p in n.processes) or "-"
+        state = "[green]up[/]" if n.up else "[red]down[/]"
+        table.add_row(n.name, str(n.tier), state, _ago(n.last_seen), labels, system, procs)
+    console.print(table)

@@ -1,0 +1,88 @@
+"""Child processes of `mesh dev up` and of the test fixtures: started, logged, and always stopped.
+
+Each child gets its own session (a Ctrl-C in the terminal reaches only `mesh dev up`, which then
+stops the children in order) and a parent-death signal, so not even a SIGKILL of the parent
+leaves a stray server behind.
+"""
+
+import asyncio
+import ctypes
+import os
+import signal
+import subprocess
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import anyio
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
+class Child:
+    def __init__(self, name: str, proc: asyncio.subprocess.Process, log: Path) -> None:
+        self.name = name
+        self.proc = proc
+        self.log = log
+        self.stopping = False
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def running(self) -> bool:
+        return self.proc.returncode is None
+
+    def tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    async def stop(self, *, sig: int = signal.SIGTERM, timeout: float = 10.0) -> int | None:
+        """Signal the child, wait up to `timeout`, then SIGKILL its whole process group."""
+        self.stopping = True
+        if self.running:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+            with anyio.move_on_after(timeout):
+                await self.proc.wait()
+        try:
+            os.killpg(self.pid, signal.SIGKILL)  # whatever it left in its group
+        except (ProcessLookupError, PermissionError):
+            pass
+        if self.running:
+            await self.proc.wait()
+        return self.proc.returncode
+
+
+async def spawn(
+    name: str,
+    argv: Sequence[str],
+    *,
+    log: Path,
+    env: Mapping[str, str] | None = None,
+    user: str | None = None,
+    cwd: Path | None = None,
+) -> Child:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "ab") as out:
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=dict(env) if env is not None else None,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+            user=user,
+            cwd=cwd,
+        )
+    return Child(name, proc, log)

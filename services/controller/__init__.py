@@ -1,0 +1,1 @@
+"""mesh-controller: holds the `mesh-controller` seat, answers the verbs, watches the fleet."""

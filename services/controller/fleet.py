@@ -1,0 +1,125 @@
+"""The holder's view of the fleet: machines, their heartbeats, and up/down transitions.
+
+Heartbeats are kept in memory and written to the store in batches; only registrations and
+up/down transitions are written at once, each with an event. A machine is down after
+`down_after` of its own beat intervals without a beat, and up again at its next beat.
+"""
+
+import logging
+import time
+from datetime import UTC, datetime
+
+import anyio
+import asyncpg
+
+from mesh.model import Beat, Node, NodeCounts, Register
+from mesh.store import events, machines
+from mesh.store.machines import MachineRow
+
+log = logging.getLogger(__name__)
+
+CHECK_EVERY = 0.25
+FLUSH_EVERY = 5.0
+
+
+class Fleet:
+    def __init__(self, *, pool: asyncpg.Pool, epoch: int, down_after: int = 3) -> None:
+        self._pool = pool
+        self._epoch = epoch
+        self._down_after = down_after
+        self.machines: dict[str, MachineRow] = {}
+        self._beat_at: dict[str, float] = {}  # monotonic time of the last beat (or takeover)
+        self._unflushed: dict[str, datetime] = {}
+        self._unknown_logged: set[str] = set()
+
+    async def load(self) -> None:
+        """Read the fleet from the store at takeover; up machines get a full threshold to beat."""
+        now = time.monotonic()
+        self.machines = {m.name: m for m in await machines.all_machines(self._pool)}
+        self._beat_at = dict.fromkeys(self.machines, now)
+
+    async def register(self, req: Register) -> MachineRow:
+        was = self.machines.get(req.name)
+        async with self._pool.acquire() as conn, conn.transaction():
+            row = await machines.register(
+                conn,
+                name=req.name,
+                tier=req.tier,
+                labels=req.labels,
+                facts=req.facts,
+                beat_interval=req.beat_interval,
+            )
+            await events.record(
+                conn, "machine.registered", machine=req.name, epoch=self._epoch, tier=row.tier
+            )
+            if was is not None and not was.up:
+                await events.record(conn, "machine.up", machine=req.name, epoch=self._epoch)
+        self.machines[req.name] = row
+        self._beat_at[req.name] = time.monotonic()
+        self._unknown_logged.discard(req.name)
+        log.info("machine %s registered (tier %d, pid %d)", req.name, row.tier, req.pid)
+        return row
+
+    async def beat(self, beat: Beat) -> None:
+        m = self.machines.get(beat.name)
+        if m is None:
+            if beat.name not in self._unknown_logged:
+                self._unknown_logged.add(beat.name)
+                log.info("beat from unregistered machine %s ignored until it registers", beat.name)
+            return
+        now = datetime.now(UTC)
+        self._beat_at[beat.name] = time.monotonic()
+        m.last_seen = now
+        m.beat_interval = beat.interval
+        if not m.up:
+            await self._transition(m, up=True, at=now)
+        else:
+            self._unflushed[beat.name] = now
+
+    async def _transition(self, m: MachineRow, *, up: bool, at: datetime) -> None:
+        m.up = up
+        self._unflushed.pop(m.name, None)
+        async with self._pool.acquire() as conn, conn.transaction():
+            await machines.set_up(conn, name=m.name, up=up, last_seen=m.last_seen or at)
+            await events.record(
+                conn, "machine.up" if up else "machine.down", machine=m.name, epoch=self._epoch
+            )
+        log.info("machine %s is %s", m.name, "up" if up else "down (missed heartbeats)")
+
+    async def watch(self) -> None:
+        """Mark machines down that missed their beats; batch last-seen times to the store."""
+        flushed = time.monotonic()
+        while True:
+            await anyio.sleep(CHECK_EVERY)
+            now = time.monotonic()
+            for m in list(self.machines.values()):
+                silent = now - self._beat_at.get(m.name, now)
+                if m.up and silent > self._down_after * m.beat_interval:
+                    await self._transition(m, up=False, at=datetime.now(UTC))
+            if now - flushed >= FLUSH_EVERY:
+                await self.flush()
+                flushed = now
+
+    async def flush(self) -> None:
+        seen, self._unflushed = self._unflushed, {}
+        if seen:
+            async with self._pool.acquire() as conn:
+                await machines.touch_many(conn, seen)
+
+    def counts(self) -> NodeCounts:
+        up = sum(1 for m in self.machines.values() if m.up)
+        return NodeCounts(total=len(self.machines), up=up, down=len(self.machines) - up)
+
+    def nodes(self) -> list[Node]:
+        return [
+            Node(
+                name=m.name,
+                tier=m.tier,
+                labels=m.labels,
+                up=m.up,
+                last_seen=m.last_seen,
+                facts=m.facts,
+                processes=[],
+            )
+            for m in sorted(self.machines.values(), key=lambda m: (m.tier, m.name))
+        ]

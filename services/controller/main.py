@@ -1,0 +1,156 @@
+"""`mesh controller run`: take the seat or stand by for it, then serve until told to stop.
+
+Lifetime, in order: apply migrations (under their own advisory lock), connect to NATS, try the
+seat's lock; a standby announces itself every second while blocked on the lock. The holder
+increments the epoch, loads the fleet, subscribes to the verbs in the `mesh-controller` queue
+group and serves. On SIGTERM/SIGINT it drains its subscriptions (in-flight verbs are answered),
+flushes heartbeats and closes the lock's session, which hands the lock to a waiting standby.
+If the lock's session fails, the holder stops at once rather than answer with a seat it may
+have lost.
+"""
+
+import logging
+import os
+import socket
+from datetime import UTC, datetime
+from functools import partial
+
+import anyio
+import msgspec
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from mesh import bus, subjects, wire
+from mesh.lifetime import stop_on_signals
+from mesh.model import Beat, SeatAnnounce
+from mesh.store import db, events, seats
+from mesh.store.migrate import migrate
+from services.controller.fleet import Fleet
+from services.controller.seat import SeatLock
+from services.controller.standbys import ANNOUNCE_EVERY, Standbys
+from services.controller.verbs import Holder, on_host_verb, on_verb
+
+log = logging.getLogger("mesh.controller")
+
+
+async def run(
+    *,
+    nats_url: str,
+    database_url: str,
+    instance: str | None = None,
+    creds: str | None = None,
+    down_after: int = 3,
+) -> None:
+    host = socket.gethostname()
+    pid = os.getpid()
+    instance = instance or f"{host}-{pid}"
+    started = datetime.now(UTC)
+
+    conn = await db.connect(database_url)
+    try:
+        await migrate(conn)
+    finally:
+        await conn.close()
+
+    pool = await db.pool(database_url)
+    nc: Client | None = None
+    lock = SeatLock(database_url)
+    try:
+        nc = await bus.connect(nats_url, name=f"mesh-controller {instance}", creds=creds)
+        standbys = Standbys(own_instance=instance)
+
+        async def on_seat_event(msg: Msg) -> None:
+            try:
+                announce = msgspec.json.decode(msg.data, type=SeatAnnounce)
+            except msgspec.DecodeError:
+                return
+            if msg.subject.endswith(".standby"):
+                standbys.heard(announce)
+            else:
+                standbys.gone(announce.instance)
+
+        await nc.subscribe(subjects.SEAT_EVENTS, cb=on_seat_event)
+        me = SeatAnnounce(instance=instance, pid=pid, host=host, since=started)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(stop_on_signals, tg.cancel_scope)
+            if not await lock.try_acquire():
+                log.info("controller %s standing by for the seat %s", instance, subjects.SEAT)
+                async with anyio.create_task_group() as waiting:
+                    waiting.start_soon(_announce_standby, nc, me)
+                    await lock.wait()
+                    waiting.cancel_scope.cancel()
+            await _hold(
+                nc=nc, pool=pool, lock=lock, me=me, standbys=standbys, down_after=down_after
+            )
+            tg.cancel_scope.cancel()
+    finally:
+        with anyio.CancelScope(shield=True), anyio.move_on_after(5):
+            await lock.release()
+            if nc is not None and not nc.is_closed:
+                await nc.drain()
+            await pool.close()
+
+
+async def _announce_standby(nc: Client, me: SeatAnnounce) -> None:
+    body = wire.encode(me)
+    while True:
+        await nc.publish(subjects.seat("standby"), body)
+        await anyio.sleep(ANNOUNCE_EVERY)
+
+
+async def _hold(
+    *, nc: Client, pool, lock: SeatLock, me: SeatAnnounce, standbys: Standbys, down_after: int
+) -> None:
+    assert lock.conn is not None
+    row = await seats.take(
+        lock.conn, seat=subjects.SEAT, holder=me.instance, pid=me.pid, host=me.host
+    )
+    assert row.since is not None
+    await events.record(pool, "seat.taken", epoch=row.epoch, holder=me.instance, pid=me.pid)
+    log.info("controller %s holds the seat %s, epoch %d", me.instance, subjects.SEAT, row.epoch)
+
+    fleet = Fleet(pool=pool, epoch=row.epoch, down_after=down_after)
+    await fleet.load()
+    holder = Holder(
+        instance=me.instance,
+        pid=me.pid,
+        host=me.host,
+        epoch=row.epoch,
+        since=row.since,
+        fleet=fleet,
+        standbys=standbys,
+    )
+
+    async def on_beat(msg: Msg) -> None:
+        try:
+            beat = wire.decode(msg.data, Beat)
+        except wire.BadRequest:
+            return  # a malformed beat is noise, not a reason to stop
+        if msg.subject != subjects.host(beat.name, "beat"):
+            return  # a machine speaks only for itself
+        await fleet.beat(beat)
+
+    subs = [
+        await nc.subscribe(subjects.CTL_VERBS, queue=subjects.QUEUE, cb=partial(on_verb, holder)),
+        await nc.subscribe(
+            subjects.CTL_HOST_VERBS, queue=subjects.QUEUE, cb=partial(on_host_verb, holder)
+        ),
+        await nc.subscribe(subjects.HOST_BEATS, queue=subjects.QUEUE, cb=on_beat),
+    ]
+    await nc.flush()
+    held = msgspec.structs.replace(me, since=row.since, epoch=row.epoch)
+    await nc.publish(subjects.seat("held"), wire.encode(held))
+    try:
+        async with anyio.create_task_group() as serving:
+            serving.start_soon(lock.watch)
+            serving.start_soon(fleet.watch)
+    finally:
+        with anyio.CancelScope(shield=True), anyio.move_on_after(5):
+            for sub in subs:
+                await sub.drain()  # answers what is already in flight
+            await fleet.flush()
+            await events.record(pool, "seat.released", epoch=row.epoch, holder=me.instance)
+            await lock.release()
+            await nc.publish(subjects.seat("released"), wire.encode(held))
+            log.info("controller %s released the seat, epoch %d", me.instance, row.epoch)

@@ -1,0 +1,137 @@
+"""`mesh host run`: register with the seat's holder, then beat until told to stop.
+
+The host registers at start and again whenever a new controller announces that it holds the
+seat (so a takeover never loses a machine), and publishes a heartbeat every interval on
+`mesh.host.<name>.beat`. It answers its own `mesh.host.<name>.status`.
+"""
+
+import logging
+import os
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import anyio
+import msgspec
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from mesh import bus, subjects, wire
+from mesh.lifetime import stop_on_signals
+from mesh.model import Beat, Register, RegisterReply
+from services.host.facts import gather
+
+log = logging.getLogger("mesh.host")
+
+REGISTER_ATTEMPT = 2.0
+
+
+class HostStatus(msgspec.Struct):
+    name: str
+    pid: int
+    tier: int | None
+    labels: dict[str, str]
+    root: str
+    dev_mode: bool  # no root rights: accounts map to the current user
+    registered: bool
+    epoch: int
+    started: datetime
+
+
+async def run(
+    *,
+    name: str,
+    nats_url: str,
+    tier: int | None = None,
+    labels: dict[str, str] | None = None,
+    root: Path | None = None,
+    beat_interval: float = 1.0,
+    creds: str | None = None,
+) -> None:
+    root = (root or Path("/")).resolve()
+    if root != Path("/"):
+        root.mkdir(parents=True, exist_ok=True)
+    status = HostStatus(
+        name=name,
+        pid=os.getpid(),
+        tier=tier,
+        labels=labels or {},
+        root=str(root),
+        dev_mode=os.geteuid() != 0 or root != Path("/"),
+        registered=False,
+        epoch=0,
+        started=datetime.now(UTC),
+    )
+    registration = Register(
+        name=name,
+        tier=tier,
+        labels=labels or {},
+        facts=gather(),
+        beat_interval=beat_interval,
+        pid=os.getpid(),
+    )
+    nc = await bus.connect(nats_url, name=f"mesh-host {name}", creds=creds)
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(stop_on_signals, tg.cancel_scope)
+            # A new holder announcing itself is the cue to register again.
+            reregister = anyio.Event()
+            held_events: list[anyio.Event] = [reregister]
+
+            async def on_held(_: Msg) -> None:
+                held_events[0].set()
+
+            async def on_status(msg: Msg) -> None:
+                await msg.respond(wire.encode(status))
+
+            await nc.subscribe(subjects.seat("held"), cb=on_held)
+            await nc.subscribe(subjects.host(name, "status"), cb=on_status)
+            await _register(nc, registration, status)
+            tg.start_soon(_beat, nc, name, beat_interval)
+            while True:
+                held_events[0] = anyio.Event()
+                await held_events[0].wait()
+                await _register(nc, registration, status)
+    finally:
+        with anyio.CancelScope(shield=True), anyio.move_on_after(3):
+            await nc.drain()
+
+
+async def _register(nc: Client, registration: Register, status: HostStatus) -> None:
+    """Register, retrying until some controller answers; log the wait once, not per attempt."""
+    subject = subjects.ctl_host(registration.name, "register")
+    body = wire.encode(registration)
+    waited = False
+    while True:
+        try:
+            data = await bus.request(
+                nc, subject, body, deadline=time.monotonic() + REGISTER_ATTEMPT
+            )
+        except bus.NoAnswer:
+            if not waited:
+                log.info("host %s: no controller answers yet; still trying", registration.name)
+                waited = True
+            continue
+        try:
+            reply = wire.decode_reply(data, RegisterReply)
+        except wire.RemoteError as e:
+            raise SystemExit(f"host {registration.name}: registration refused: {e}") from None
+        status.registered = True
+        status.epoch = reply.epoch
+        status.tier = reply.tier
+        log.info(
+            "host %s registered with the controller (epoch %d, tier %d)",
+            registration.name,
+            reply.epoch,
+            reply.tier,
+        )
+        return
+
+
+async def _beat(nc: Client, name: str, interval: float) -> None:
+    subject = subjects.host(name, "beat")
+    seq = 0
+    while True:
+        seq += 1
+        await nc.publish(subject, wire.encode(Beat(name=name, seq=seq, interval=interval)))
+        await anyio.sleep(interval)
