@@ -12,6 +12,7 @@ import signal
 import subprocess
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import anyio
 
@@ -69,9 +70,10 @@ async def spawn(
     *,
     log: Path,
     env: Mapping[str, str] | None = None,
-    user: str | None = None,
     cwd: Path | None = None,
+    **credentials: Any,
 ) -> Child:
+    """Start `argv`; `credentials` (user, group, extra_groups) drop privileges."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as out:
         proc = await asyncio.create_subprocess_exec(
@@ -82,7 +84,7 @@ async def spawn(
             env=dict(env) if env is not None else None,
             start_new_session=True,
             preexec_fn=_die_with_parent,
-            user=user,
             cwd=cwd,
+            **credentials,
         )
     return Child(name, proc, log)

@@ -11,6 +11,7 @@ import stat
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import anyio
 import asyncpg
@@ -41,6 +42,15 @@ def bin(name: str) -> str:
 def os_account() -> str | None:
     """The OS account the server runs as: None (the current user) unless we are root."""
     return PG_ACCOUNT if os.geteuid() == 0 else None
+
+
+def run_as() -> dict[str, Any]:
+    """subprocess arguments that drop to the server's account, its group and no other groups
+    (keeping root's group would apply root's group bits, not the world's, on root's folders)."""
+    account = os_account()
+    if account is None:
+        return {}
+    return {"user": account, "group": account, "extra_groups": []}
 
 
 def ensure_os_account(name: str) -> None:
@@ -106,8 +116,8 @@ def init(data: Path) -> bool:
         ],
         capture_output=True,
         text=True,
-        user=account,
         cwd=data,
+        **run_as(),
     )
     if done.returncode != 0:
         raise PostgresFailed(f"initdb failed ({done.returncode}): {done.stderr.strip()[-800:]}")

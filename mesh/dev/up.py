@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import anyio
 
@@ -89,11 +90,12 @@ class DevMesh:
         return env
 
     async def _start(
-        self, name: str, argv: list[str], *, user: str | None = None, cwd: Path | None = None
+        self, name: str, argv: list[str], *, cwd: Path | None = None, **credentials: Any
     ) -> Child:
         child = await spawn(
-            name, argv, log=self.dir / "logs" / f"{name}.log", env=self._env(), user=user, cwd=cwd
-        )
+            name, argv, log=self.dir / "logs" / f"{name}.log", env=self._env(), cwd=cwd,
+            **credentials,
+        )  # fmt: skip
         self.children.append(child)
         return child
 
@@ -126,7 +128,7 @@ class DevMesh:
         postgres.init(data)
         port = ports.free_port()
         child = await self._start(
-            "postgres", postgres.argv(data, port=port), user=postgres.os_account(), cwd=data
+            "postgres", postgres.argv(data, port=port), cwd=data, **postgres.run_as()
         )
         try:
             await postgres.wait_ready(port, deadline=30, alive=lambda: child.running)

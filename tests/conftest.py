@@ -1,0 +1,171 @@
+"""Fixtures: a real PostgreSQL once per session, a database and a nats-server per test, and
+real controller and host processes that are always killed at the end, even when a test fails.
+
+Set MESH_TEST_DATABASE_URL to use an existing PostgreSQL instead of the embedded one.
+"""
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import asyncpg
+import nats
+import pytest
+from helpers import MESH, wait_until
+
+from mesh.dev import natsd, ports, postgres
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.2)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+class Procs:
+    """Processes a test started; all are killed (process group, SIGKILL) at teardown."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.started: list[subprocess.Popen] = []
+
+    def start(self, name: str, argv: list[str], *, env: dict[str, str] | None = None, **kw):
+        log = open(self.folder / f"{name}.log", "ab")
+        proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=kw.pop("stdout", log),
+            stderr=kw.pop("stderr", subprocess.STDOUT),
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+            **kw,
+        )
+        proc.log_path = self.folder / f"{name}.log"  # type: ignore[attr-defined]
+        self.started.append(proc)
+        return proc
+
+    def kill_all(self) -> None:
+        for proc in self.started:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+@pytest.fixture
+def procs(tmp_path: Path) -> Iterator[Procs]:
+    p = Procs(tmp_path)
+    try:
+        yield p
+    finally:
+        p.kill_all()
+
+
+# --- PostgreSQL: one server per session, one database per test ----------------------------------
+
+
+@pytest.fixture(scope="session")
+def pg_admin_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    given = os.environ.get("MESH_TEST_DATABASE_URL")
+    if given:
+        yield given
+        return
+    data = tmp_path_factory.mktemp("pg") / "data"
+    postgres.init(data)
+    port = ports.free_port()
+    log = open(data.parent / "postgres.log", "ab")
+    proc = subprocess.Popen(
+        postgres.argv(data, port=port),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=data,
+        **postgres.run_as(),
+        start_new_session=True,
+    )
+    try:
+        asyncio.run(postgres.wait_ready(port, deadline=30, alive=lambda: proc.poll() is None))
+        yield postgres.url(port)
+    finally:
+        proc.send_signal(signal.SIGINT)  # fast shutdown
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+@pytest.fixture
+async def database_url(pg_admin_url: str) -> str:
+    """A fresh, empty database for this test; dropped afterwards."""
+    name = f"mesh_test_{uuid.uuid4().hex[:12]}"
+    admin = await asyncpg.connect(pg_admin_url)
+    try:
+        await admin.execute(f'CREATE DATABASE "{name}"')
+    finally:
+        await admin.close()
+    base, _, _ = pg_admin_url.rpartition("/")
+    yield f"{base}/{name}"
+    admin = await asyncpg.connect(pg_admin_url)
+    try:
+        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    finally:
+        await admin.close()
+
+
+# --- NATS: a server per test (it starts in milliseconds) ----------------------------------------
+
+
+@pytest.fixture
+def nats_url(tmp_path: Path, procs: Procs) -> str:
+    port = ports.free_port()
+    conf = natsd.write_config(tmp_path / "nats", port=port, name=f"test-{port}")
+    proc = procs.start("nats-server", natsd.argv(conf))
+    wait_until(
+        lambda: proc.poll() is not None or _port_open(port), within=10, what="nats-server to listen"
+    )
+    assert proc.poll() is None, (tmp_path / "nats-server.log").read_text()
+    return f"nats://127.0.0.1:{port}"
+
+
+@pytest.fixture
+async def nc(nats_url: str):
+    client = await nats.connect(nats_url)
+    yield client
+    await client.close()
+
+
+# --- mesh services as real processes ------------------------------------------------------------
+
+
+@pytest.fixture
+def start_controller(procs: Procs, nats_url: str, database_url: str):
+    def start(instance: str, *extra: str) -> subprocess.Popen:
+        return procs.start(
+            instance,
+            [*MESH, "controller", "run", "--instance", instance, *extra],
+            env={"MESH_NATS_URL": nats_url, "MESH_DATABASE_URL": database_url},
+        )
+
+    return start
+
+
+@pytest.fixture
+def start_host(procs: Procs, nats_url: str, tmp_path: Path):
+    def start(name: str, *extra: str, beat: float = 0.2) -> subprocess.Popen:
+        return procs.start(
+            name,
+            [*MESH, "host", "run", "--name", name, "--root", str(tmp_path / "hosts" / name),
+             "--beat", str(beat), *extra],
+            env={"MESH_NATS_URL": nats_url},
+        )  # fmt: skip
+
+    return start

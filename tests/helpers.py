@@ -1,0 +1,62 @@
+"""Small helpers shared by tests: verb calls over a real NATS connection."""
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from nats.aio.client import Client
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
+
+MESH = [sys.executable, "-P", "-m", "mesh"]
+
+
+async def ask(nc: Client, subject: str, body: bytes | dict = b"{}", timeout: float = 2) -> Any:
+    """One request; returns the decoded JSON reply, or None if nobody answered in time."""
+    data = json.dumps(body).encode() if isinstance(body, dict) else body
+    try:
+        msg = await nc.request(subject, data, timeout=timeout)
+    except (NoRespondersError, NatsTimeout):
+        return None
+    return json.loads(msg.data)
+
+
+def wait_until(predicate: Callable[[], object], *, within: float, what: str) -> object:
+    """Poll `predicate` until it returns something truthy; fail the test after `within` s."""
+    deadline = time.monotonic() + within
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {within:g}s waiting for {what}")
+        time.sleep(0.05)  # ok: polling interval of a condition with a deadline
+
+
+async def await_until(predicate, *, within: float, what: str):
+    """Async form of wait_until: `predicate` is an async callable."""
+    deadline = time.monotonic() + within
+    while True:
+        value = await predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {within:g}s waiting for {what}")
+        await asyncio.sleep(0.05)  # ok: polling interval of a condition with a deadline
+
+
+def mesh_cli(*args: str, nats_url: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    """Run the `mesh` command line as a user would."""
+    return subprocess.run(
+        [*MESH, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "MESH_NATS_URL": nats_url},
+    )

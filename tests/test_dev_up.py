@@ -1,0 +1,126 @@
+"""`mesh dev up` end to end, as a user runs it: ready, nodes listed, a second one on the same
+folder refused, SIGTERM leaves nothing running, and a restart on the same folder keeps the data."""
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from helpers import MESH, mesh_cli
+
+
+class DevUp:
+    def __init__(self, folder: Path) -> None:
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.proc = subprocess.Popen(
+            [*MESH, "dev", "up", "--hosts", "3", "--dir", str(folder), "--port", "0"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        self.seen: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line.rstrip("\n"))
+
+    def wait_for(self, prefix: str, within: float) -> str:
+        deadline = time.monotonic() + within
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            self.seen.append(line)
+            if line.startswith(prefix):
+                return line
+        pytest.fail(
+            f"no line starting {prefix!r} within {within:g}s; saw:\n" + "\n".join(self.seen)
+        )
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=10)
+
+
+def _running_under(folder: Path) -> list[str]:
+    """Processes whose command line or working folder mentions `folder` (ours, left behind)."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            cwd = os.readlink(f"/proc/{pid}/cwd")
+        except OSError:
+            continue
+        if str(folder) in cmdline or cwd.startswith(str(folder)):
+            found.append(f"{pid}: {cmdline}")
+    return found
+
+
+def _cli_json(*args: str, url: str) -> dict:
+    done = mesh_cli("--json", *args, nats_url=url)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_dev_up_end_to_end(tmp_path: Path) -> None:
+    folder = tmp_path / "dev"
+    dev = DevUp(folder)
+    try:
+        url = dev.wait_for("ready ", within=90).split()[1]
+        assert url.startswith("nats://127.0.0.1:")
+        env = (folder / "env").read_text()
+        assert f"export MESH_NATS_URL={url}" in env
+
+        nodes = _cli_json("nodes", url=url)["nodes"]
+        assert [(n["name"], n["tier"], n["up"]) for n in nodes] == [
+            ("node-1", 0, True),
+            ("node-2", 1, True),
+            ("node-3", 2, True),
+        ]
+        status = _cli_json("status", url=url)
+        assert status["seat"]["holder"] in ("ctl-1", "ctl-2")
+        assert status["seat"]["epoch"] >= 1
+        assert len(status["standbys"]) == 1
+        first_epoch = status["seat"]["epoch"]
+
+        second = subprocess.run(
+            [*MESH, "dev", "up", "--dir", str(folder), "--port", "0"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert second.returncode == 1
+        assert "in use" in second.stderr and str(folder) in second.stderr
+        assert "Traceback" not in second.stderr
+
+        dev.proc.send_signal(signal.SIGTERM)
+        assert dev.proc.wait(timeout=60) == 0
+        assert _running_under(folder) == []
+    finally:
+        dev.kill()
+
+    again = DevUp(folder)
+    try:
+        url = again.wait_for("ready ", within=90).split()[1]
+        status = _cli_json("status", url=url)
+        assert status["seat"]["epoch"] > first_epoch  # the store survived the restart
+        assert status["nodes"]["total"] == 3
+        again.proc.send_signal(signal.SIGINT)  # Ctrl-C
+        assert again.proc.wait(timeout=60) == 0
+        assert _running_under(folder) == []
+    finally:
+        again.kill()

@@ -1,0 +1,95 @@
+"""Machines go down after missed heartbeats and come back up when they resume; both transitions
+are events in the store. The host is really paused (SIGSTOP) and resumed (SIGCONT)."""
+
+import os
+import signal
+import time
+
+import asyncpg
+from helpers import ask, await_until
+
+
+async def _node(nc, name):
+    reply = await ask(nc, "mesh.ctl.nodes")
+    if not reply:
+        return None
+    return next((n for n in reply["nodes"] if n["name"] == name), None)
+
+
+async def test_node_up_down_up(nc, start_controller, start_host, database_url) -> None:
+    start_controller("ctl-a")
+    host = start_host("node-7", "--tier", "1", "--label", "zone=a", beat=0.2)
+
+    async def up():
+        n = await _node(nc, "node-7")
+        return n if n and n["up"] else None
+
+    node = await await_until(up, within=20, what="node-7 to register")
+    assert node["tier"] == 1
+    assert node["labels"] == {"zone": "a"}
+    assert node["facts"]["os"] == "linux"
+    assert node["facts"]["cpus"] >= 1
+    assert node["facts"]["memory"] > 0
+    assert node["facts"]["mesh_version"]
+
+    os.kill(host.pid, signal.SIGSTOP)
+    paused = time.monotonic()
+    try:
+
+        async def down():
+            n = await _node(nc, "node-7")
+            return n if n and not n["up"] else None
+
+        await await_until(down, within=5, what="node-7 to be marked down")
+        print(f"down after {time.monotonic() - paused:.2f}s (threshold 3 x 0.2s)")
+        status = await ask(nc, "mesh.ctl.status")
+        assert status["nodes"] == {"total": 1, "up": 0, "down": 1}
+    finally:
+        os.kill(host.pid, signal.SIGCONT)
+
+    await await_until(up, within=5, what="node-7 to come back up")
+
+    conn = await asyncpg.connect(database_url)
+    try:
+        kinds = [
+            r["kind"]
+            for r in await conn.fetch(
+                "SELECT kind FROM events WHERE machine = 'node-7' ORDER BY id"
+            )
+        ]
+        stored = await conn.fetchrow("SELECT up, tier FROM machines WHERE name = 'node-7'")
+    finally:
+        await conn.close()
+    assert kinds == ["machine.registered", "machine.down", "machine.up"]
+    assert stored["up"] is True
+    assert stored["tier"] == 1
+
+
+async def test_a_new_holder_keeps_the_fleet(nc, start_controller, start_host) -> None:
+    first = start_controller("ctl-a")
+    start_host("node-1", "--tier", "0")
+    start_host("node-2", "--tier", "2")
+
+    async def both_up():
+        r = await ask(nc, "mesh.ctl.nodes")
+        return r if r and sum(n["up"] for n in r["nodes"]) == 2 else None
+
+    await await_until(both_up, within=20, what="two nodes up")
+    start_controller("ctl-b")
+
+    async def standby():
+        s = await ask(nc, "mesh.ctl.status")
+        return s if s and s["standbys"] else None
+
+    await await_until(standby, within=20, what="a standby")
+    os.kill(first.pid, signal.SIGKILL)
+
+    async def new_holder_sees_both():
+        s = await ask(nc, "mesh.ctl.status")
+        if not s or s["seat"]["holder"] != "ctl-b":
+            return None
+        return s if s["nodes"] == {"total": 2, "up": 2, "down": 0} else None
+
+    await await_until(new_holder_sees_both, within=10, what="ctl-b to hold with both nodes up")
+    nodes = await ask(nc, "mesh.ctl.nodes")
+    assert [(n["name"], n["tier"]) for n in nodes["nodes"]] == [("node-1", 0), ("node-2", 2)]
