@@ -12,6 +12,7 @@ have lost.
 import logging
 import os
 import socket
+from collections.abc import Awaitable
 from datetime import UTC, datetime
 from functools import partial
 
@@ -146,11 +147,24 @@ async def _hold(
             serving.start_soon(lock.watch)
             serving.start_soon(fleet.watch)
     finally:
+        # Each step on its own: a store or bus that is gone must not keep the lock held.
         with anyio.CancelScope(shield=True), anyio.move_on_after(5):
             for sub in subs:
-                await sub.drain()  # answers what is already in flight
-            await fleet.flush()
-            await events.record(pool, "seat.released", epoch=row.epoch, holder=me.instance)
+                await _attempt("drain verbs", sub.drain())  # answers what is in flight
+            await _attempt("flush heartbeats", fleet.flush())
+            await _attempt(
+                "record release",
+                events.record(pool, "seat.released", epoch=row.epoch, holder=me.instance),
+            )
             await lock.release()
-            await nc.publish(subjects.seat("released"), wire.encode(held))
+            await _attempt(
+                "announce release", nc.publish(subjects.seat("released"), wire.encode(held))
+            )
             log.info("controller %s released the seat, epoch %d", me.instance, row.epoch)
+
+
+async def _attempt(what: str, step: Awaitable[object]) -> None:
+    try:
+        await step
+    except Exception as e:
+        log.warning("while stopping, could not %s: %s", what, e or type(e).__name__)
