@@ -17,7 +17,7 @@ from nats.errors import TimeoutError as NatsTimeout
 MESH = [sys.executable, "-P", "-m", "mesh"]
 
 
-async def ask(nc: Client, subject: str, body: bytes | dict = b"{}", timeout: float = 0.5) -> Any:
+async def ask(nc: Client, subject: str, body: bytes | dict = b"{}", timeout: float = 2) -> Any:
     """One request; returns the decoded JSON reply, or None if nobody answered in time."""
     data = json.dumps(body).encode() if isinstance(body, dict) else body
     try:

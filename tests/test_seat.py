@@ -12,7 +12,7 @@ from services.controller.seat import SEAT_LOCK
 
 
 async def _status(nc):
-    reply = await ask(nc, "mesh.ctl.status")
+    reply = await ask(nc, "mesh.ctl.status", timeout=0.5)
     return reply if reply and reply.get("seat") else None
 
 

@@ -18,7 +18,7 @@ from nats.aio.msg import Msg
 
 from mesh import bus, subjects, wire
 from mesh.lifetime import stop_on_signals
-from mesh.model import Beat, Register, RegisterReply
+from mesh.model import Beat, Register, RegisterReply, SeatAnnounce
 from services.host.facts import gather
 
 log = logging.getLogger("mesh.host")
@@ -74,24 +74,22 @@ async def run(
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(stop_on_signals, tg.cancel_scope)
-            # A new holder announcing itself is the cue to register again.
-            reregister = anyio.Event()
-            held_events: list[anyio.Event] = [reregister]
-
-            async def on_held(_: Msg) -> None:
-                held_events[0].set()
 
             async def on_status(msg: Msg) -> None:
                 await msg.respond(wire.encode(status))
 
-            await nc.subscribe(subjects.seat("held"), cb=on_held)
             await nc.subscribe(subjects.host(name, "status"), cb=on_status)
+            # Subscribed before registering, so a takeover during registration is not missed.
+            held = await nc.subscribe(subjects.seat("held"))
             await _register(nc, registration, status)
             tg.start_soon(_beat, nc, name, beat_interval)
-            while True:
-                held_events[0] = anyio.Event()
-                await held_events[0].wait()
-                await _register(nc, registration, status)
+            async for msg in held.messages:
+                try:
+                    announce = wire.decode(msg.data, SeatAnnounce)
+                except wire.BadRequest:
+                    continue
+                if announce.epoch > status.epoch:  # a holder we have not registered with
+                    await _register(nc, registration, status)
     finally:
         with anyio.CancelScope(shield=True), anyio.move_on_after(3):
             await nc.drain()

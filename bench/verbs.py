@@ -1,0 +1,462 @@
+"""Benchmark: the controller's `status` verb against a raw nats-py echo responder.
+
+What it measures, in one run, on one nats-server:
+
+1. the baseline: a bare nats-py subscription (queue group `bench-echo`) on `bench.echo` that
+   answers every request with a small fixed JSON body, in a process of its own;
+2. the real `status` verb (`mesh.ctl.status`, body `{}`) of a real controller process
+   (`python -m mesh controller run`) that holds the seat against a real PostgreSQL.
+
+For each, from one client connection: (a) sequential requests, one in flight, for latency;
+(b) concurrent requests, `--concurrency` in flight as asyncio tasks, for throughput. Both give
+requests/s and p50/p99 latency in ms. It also reads the CPU time each process spent during each
+phase (responder, nats-server, this client), which shows where the time goes.
+
+Why: the controller's verbs should cost little more than the bus itself; the aim is `status`
+at >= 60% of the raw echo rate. The script prints the figures and whether the aim is met; it
+never fails on a timing (timings are not asserted anywhere, see docs/performance.md).
+
+    .venv/bin/python bench/verbs.py [--requests 5000] [--concurrent-requests 20000]
+                                    [--concurrency 64] [--deadline 600]
+
+Everything lives in a temporary folder; every child runs in its own session and is stopped in
+a `finally`, so nothing is left running when the script ends or fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import nats
+from nats.aio.client import Client
+from nats.aio.client import __version__ as nats_py_version
+from nats.aio.msg import Msg
+
+from mesh import bus, wire
+from mesh.dev import natsd, ports, postgres
+from mesh.dev.children import Child, spawn
+from mesh.model import Facts, Register, RegisterReply, StatusReply
+
+ECHO_SUBJECT = "bench.echo"
+ECHO_QUEUE = "bench-echo"
+ECHO_BODY = b'{"ok":true,"echo":"bench"}'
+STATUS_SUBJECT = "mesh.ctl.status"
+REQUEST_TIMEOUT = 10.0
+AIM = 0.60  # the issue's aim: status at >= 60% of the raw echo rate
+
+
+def say(line: str) -> None:
+    print(line, flush=True)
+
+
+# --- the echo responder (its own process: `python bench/verbs.py --echo-server URL`) ---------
+
+
+async def echo_server(url: str) -> None:
+    """Answer every request on ECHO_SUBJECT with ECHO_BODY until SIGTERM/SIGINT."""
+    nc = await nats.connect(url, name="bench echo")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    async def answer(msg: Msg) -> None:
+        await msg.respond(ECHO_BODY)
+
+    await nc.subscribe(ECHO_SUBJECT, queue=ECHO_QUEUE, cb=answer)
+    await nc.flush()
+    await stop.wait()
+    await nc.drain()
+
+
+# --- measuring ---------------------------------------------------------------------------
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (all its threads), from /proc/<pid>/stat."""
+    text = Path(f"/proc/{pid}/stat").read_text()
+    fields = text[text.rindex(")") + 2 :].split()  # after "pid (comm) "
+    utime, stime = int(fields[11]), int(fields[12])  # fields 14 and 15 of the whole line
+    return (utime + stime) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class Result:
+    subject: str
+    mode: str  # "sequential" or "concurrent"
+    in_flight: int
+    requests: int
+    seconds: float
+    latencies: list[float]  # seconds, one per request
+    errors: int
+    reply_bytes: int
+    cpu: dict[str, float]  # process name -> CPU seconds spent during the phase
+
+    @property
+    def rate(self) -> float:
+        return self.requests / self.seconds
+
+    def percentile(self, q: float) -> float:
+        """Nearest-rank percentile of the latencies, in ms."""
+        ordered = sorted(self.latencies)
+        index = min(len(ordered) - 1, max(0, round(q / 100 * len(ordered)) - 1))
+        return ordered[index] * 1000
+
+    def cpu_per_request_us(self, name: str) -> float:
+        return self.cpu[name] / self.requests * 1e6
+
+
+class Cpu:
+    """CPU seconds of the responder, nats-server and this client over one phase."""
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        self._pids = pids
+        self._start: dict[str, float] = {}
+
+    def _read(self) -> dict[str, float]:
+        now = {name: cpu_seconds(pid) for name, pid in self._pids.items()}
+        now["client"] = time.process_time()
+        return now
+
+    def start(self) -> None:
+        self._start = self._read()
+
+    def stop(self) -> dict[str, float]:
+        end = self._read()
+        return {name: end[name] - self._start[name] for name in end}
+
+
+def _is_error(data: bytes) -> bool:
+    return data.startswith(b'{"error":')
+
+
+async def sequential(nc: Client, subject: str, body: bytes, n: int, cpu: Cpu) -> Result:
+    latencies: list[float] = []
+    errors = 0
+    size = 0
+    cpu.start()
+    started = time.perf_counter()
+    for _ in range(n):
+        t0 = time.perf_counter()
+        msg = await nc.request(subject, body, timeout=REQUEST_TIMEOUT)
+        latencies.append(time.perf_counter() - t0)
+        errors += _is_error(msg.data)
+        size = len(msg.data)
+    seconds = time.perf_counter() - started
+    return Result(subject, "sequential", 1, n, seconds, latencies, errors, size, cpu.stop())
+
+
+async def concurrent(
+    nc: Client, subject: str, body: bytes, n: int, in_flight: int, cpu: Cpu
+) -> Result:
+    latencies: list[float] = []
+    errors = 0
+    size = 0
+    todo: Iterator[int] = iter(range(n))  # shared: each worker takes the next request number
+
+    async def worker() -> None:
+        nonlocal errors, size
+        for _ in todo:
+            t0 = time.perf_counter()
+            msg = await nc.request(subject, body, timeout=REQUEST_TIMEOUT)
+            latencies.append(time.perf_counter() - t0)
+            errors += _is_error(msg.data)
+            size = len(msg.data)
+
+    cpu.start()
+    started = time.perf_counter()
+    async with asyncio.TaskGroup() as tg:
+        for _ in range(in_flight):
+            tg.create_task(worker())
+    seconds = time.perf_counter() - started
+    return Result(subject, "concurrent", in_flight, n, seconds, latencies, errors, size, cpu.stop())
+
+
+# --- starting the pieces (the project's own helpers) ---------------------------------------
+
+
+async def _port_open(port: int) -> bool:
+    try:
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+    except OSError:
+        return False
+    writer.close()
+    await writer.wait_closed()
+    return True
+
+
+async def _until(
+    what: str, child: Child, probe: Callable[[], Awaitable[bool]], *, within: float
+) -> None:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if not child.running:
+            raise BenchError(f"{what} exited while starting; last lines of {child.log}:\n"
+                             f"{child.tail()}")  # fmt: skip
+        if await probe():
+            return
+        await asyncio.sleep(0.1)
+    raise BenchError(f"{what} did not answer within {within:g}s; last lines of {child.log}:\n"
+                     f"{child.tail()}")  # fmt: skip
+
+
+class BenchError(Exception):
+    pass
+
+
+class Pieces:
+    """The child processes of one benchmark run, stopped in reverse order."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.children: list[Child] = []
+        self.nats_url = ""
+        self.database_url = ""
+
+    async def _start(self, name: str, argv: list[str], **kwargs: object) -> Child:
+        env = dict(os.environ)
+        env["PYTHONUNBUFFERED"] = "1"
+        if self.nats_url:
+            env["MESH_NATS_URL"] = self.nats_url
+        if self.database_url:
+            env["MESH_DATABASE_URL"] = self.database_url
+        child = await spawn(name, argv, log=self.folder / "logs" / f"{name}.log", env=env, **kwargs)
+        self.children.append(child)
+        return child
+
+    async def nats(self) -> Child:
+        port = ports.free_port()
+        conf = natsd.write_config(self.folder / "nats", port=port, name="bench")
+        child = await self._start("nats-server", natsd.argv(conf))
+        await _until("nats-server", child, lambda: _port_open(port), within=20)
+        self.nats_url = f"nats://127.0.0.1:{port}"
+        return child
+
+    async def postgres(self) -> Child:
+        data = self.folder / "pg"
+        await asyncio.to_thread(postgres.init, data)
+        port = ports.free_port()
+        child = await self._start(
+            "postgres", postgres.argv(data, port=port), cwd=data, **postgres.run_as()
+        )
+        try:
+            await postgres.wait_ready(port, deadline=30, alive=lambda: child.running)
+        except postgres.PostgresFailed as e:
+            raise BenchError(f"{e}; last lines of {child.log}:\n{child.tail()}") from None
+        await postgres.ensure_database(port, "mesh")
+        self.database_url = postgres.url(port, "mesh")
+        return child
+
+    async def controller(self, nc: Client) -> Child:
+        argv = [sys.executable, "-P", "-m", "mesh", "controller", "run", "--instance", "bench-ctl"]
+        child = await self._start("controller", argv)
+
+        async def holds_seat() -> bool:
+            try:
+                data = await bus.request(nc, STATUS_SUBJECT, b"{}", deadline=time.monotonic() + 1)
+                return wire.decode_reply(data, StatusReply).seat is not None
+            except (bus.NoAnswer, wire.RemoteError):
+                return False
+
+        await _until("the controller", child, holds_seat, within=60)
+        return child
+
+    async def echo(self, nc: Client) -> Child:
+        argv = [sys.executable, str(Path(__file__).resolve()), "--echo-server", self.nats_url]
+        child = await self._start("echo", argv)
+
+        async def answers() -> bool:
+            try:
+                await bus.request(nc, ECHO_SUBJECT, b"{}", deadline=time.monotonic() + 1)
+            except bus.NoAnswer:
+                return False
+            return True
+
+        await _until("the echo responder", child, answers, within=20)
+        return child
+
+    async def stop(self) -> None:
+        for child in reversed(self.children):  # controller/echo, postgres, nats-server
+            sig = signal.SIGINT if child.name == "postgres" else signal.SIGTERM
+            await child.stop(sig=sig, timeout=10)
+
+
+async def register_machines(nc: Client, n: int) -> None:
+    """Register `n` machines (bench-1 …) as a host would; they never beat, and their hour-long
+    beat interval keeps them up for the whole run."""
+    facts = Facts(os="linux", arch="x86_64", cpus=1, memory=1 << 30, mesh_version="bench")
+    todo: Iterator[int] = iter(range(1, n + 1))
+
+    async def worker() -> None:
+        for i in todo:
+            name = f"bench-{i}"
+            body = wire.encode(
+                Register(name=name, tier=2, labels={}, facts=facts, beat_interval=3600, pid=i)
+            )
+            data = await bus.request(
+                nc, f"mesh.ctl.host.{name}.register", body, deadline=time.monotonic() + 30
+            )
+            wire.decode_reply(data, RegisterReply)
+
+    async with asyncio.TaskGroup() as tg:
+        for _ in range(min(n, 16)):
+            tg.create_task(worker())
+
+
+# --- the run -----------------------------------------------------------------------------
+
+
+async def bench(args: argparse.Namespace, pieces: Pieces) -> list[Result]:
+    say("starting nats-server…")
+    natsd_child = await pieces.nats()
+    say(f"  nats-server on {pieces.nats_url} (pid {natsd_child.pid})")
+    say("starting PostgreSQL…")
+    pg = await pieces.postgres()
+    say(f"  postgres pid {pg.pid}")
+
+    nc = await bus.connect(pieces.nats_url, name="bench client", reconnect=False)
+    try:
+        say("starting the controller…")
+        ctl = await pieces.controller(nc)
+        say(f"  controller pid {ctl.pid} holds the seat")
+        if args.machines:
+            say(f"registering {args.machines} machines through the register verb…")
+            await register_machines(nc, args.machines)
+            data = (await nc.request(STATUS_SUBJECT, b"{}", timeout=REQUEST_TIMEOUT)).data
+            counts = wire.decode_reply(data, StatusReply).nodes
+            say(f"  status counts {counts.total} machines, {counts.up} up")
+        say("starting the echo responder…")
+        echo = await pieces.echo(nc)
+        say(f"  echo responder pid {echo.pid}")
+
+        targets = [(ECHO_SUBJECT, echo), (STATUS_SUBJECT, ctl)]
+        results: list[Result] = []
+        for subject, _ in targets:
+            say(f"warming up {subject} ({args.warmup} requests)…")
+            for _ in range(args.warmup):
+                await nc.request(subject, b"{}", timeout=REQUEST_TIMEOUT)
+        for subject, child in targets:
+            cpu = Cpu({"responder": child.pid, "nats-server": natsd_child.pid})
+            say(f"measuring {subject}: {args.requests} sequential requests…")
+            results.append(await sequential(nc, subject, b"{}", args.requests, cpu))
+        for subject, child in targets:
+            cpu = Cpu({"responder": child.pid, "nats-server": natsd_child.pid})
+            say(
+                f"measuring {subject}: {args.concurrent_requests} requests, "
+                f"{args.concurrency} in flight…"
+            )
+            results.append(
+                await concurrent(
+                    nc, subject, b"{}", args.concurrent_requests, args.concurrency, cpu
+                )
+            )
+        return results
+    finally:
+        await nc.close()
+
+
+def report(results: list[Result], args: argparse.Namespace) -> None:
+    by = {(r.subject, r.mode): r for r in results}
+    say("")
+    say(
+        f"machines registered: {args.machines}; "
+        f"machine: {os.cpu_count()} cores, Python {platform.python_version()}, "
+        f"nats-py {nats_py_version}, load average {os.getloadavg()[0]:.2f}; "
+        f"reply bodies: echo {by[ECHO_SUBJECT, 'sequential'].reply_bytes} B, "
+        f"status {by[STATUS_SUBJECT, 'sequential'].reply_bytes} B"
+    )
+    say("")
+    header = (
+        f"{'subject':<16} {'mode':<14} {'requests':>8} {'req/s':>8} {'p50 ms':>7} "
+        f"{'p99 ms':>7} {'errors':>6} | {'CPU µs/request: responder':>25} {'nats':>5} "
+        f"{'client':>6}"
+    )
+    say(header)
+    say("-" * len(header))
+    for r in results:
+        mode = "sequential" if r.mode == "sequential" else f"{r.in_flight} in flight"
+        say(
+            f"{r.subject:<16} {mode:<14} {r.requests:>8} {r.rate:>8.0f} "
+            f"{r.percentile(50):>7.3f} {r.percentile(99):>7.3f} {r.errors:>6} | "
+            f"{r.cpu_per_request_us('responder'):>25.0f} "
+            f"{r.cpu_per_request_us('nats-server'):>5.0f} {r.cpu_per_request_us('client'):>6.0f}"
+        )
+    say("")
+    for mode, label in (
+        ("sequential", "sequential"),
+        ("concurrent", f"{args.concurrency} in flight"),
+    ):
+        s, e = by[STATUS_SUBJECT, mode], by[ECHO_SUBJECT, mode]
+        cpu_s, cpu_e = s.cpu_per_request_us("responder"), e.cpu_per_request_us("responder")
+        say(
+            f"status/echo, {label}: rate {s.rate / e.rate:.0%}, "
+            f"p50 {s.percentile(50) / e.percentile(50):.2f}x, "
+            f"responder CPU {cpu_s / cpu_e:.2f}x"
+        )
+    ratio = by[STATUS_SUBJECT, "concurrent"].rate / by[ECHO_SUBJECT, "concurrent"].rate
+    verdict = "met" if ratio >= AIM else "NOT met"
+    say(f"aim: status at >= {AIM:.0%} of the raw echo rate (concurrent): {verdict} ({ratio:.0%})")
+    if any(r.errors for r in results):
+        say("note: some replies were error replies; see the errors column")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--requests", type=int, default=5000, help="sequential requests per subject")
+    p.add_argument(
+        "--concurrent-requests", type=int, default=20000, help="concurrent requests per subject"
+    )
+    p.add_argument("--concurrency", type=int, default=64, help="requests in flight (concurrent)")
+    p.add_argument(
+        "--machines", type=int, default=0, help="machines to register before measuring (0)"
+    )
+    p.add_argument("--warmup", type=int, default=500, help="unmeasured requests per subject")
+    p.add_argument("--deadline", type=float, default=600, help="seconds for the whole run")
+    p.add_argument("--echo-server", metavar="URL", help=argparse.SUPPRESS)  # the child's mode
+    return p
+
+
+async def run(args: argparse.Namespace) -> list[Result]:
+    with tempfile.TemporaryDirectory(prefix="mesh-bench-") as tmp:
+        pieces = Pieces(Path(tmp))
+        try:
+            async with asyncio.timeout(args.deadline):
+                return await bench(args, pieces)
+        except TimeoutError:
+            raise BenchError(f"the run took longer than --deadline {args.deadline:g}s") from None
+        finally:
+            say("stopping…")
+            await pieces.stop()
+
+
+def main() -> None:
+    args = parser().parse_args()
+    if args.echo_server:
+        asyncio.run(echo_server(args.echo_server))
+        return
+    for flag in ("requests", "concurrent_requests", "concurrency"):
+        if getattr(args, flag) < 1:
+            sys.exit(f"--{flag.replace('_', '-')} must be at least 1")
+    if not 0 <= args.machines <= 100_000:
+        sys.exit("--machines must be between 0 and 100000")
+    try:
+        results = asyncio.run(run(args))
+    except BenchError as e:
+        sys.exit(f"bench failed: {e}")
+    except KeyboardInterrupt:
+        sys.exit(130)
+    report(results, args)
+
+
+if __name__ == "__main__":
+    main()
