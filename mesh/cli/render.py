@@ -22,7 +22,7 @@ def _ago(when: datetime | None) -> str:
 
 
 def _bytes(n: int) -> str:
-    return f"{n / 2**30:.1f} GiB" if n else "?"
+    return f"{n / 2**30:.1f}G" if n else "?"
 
 
 def status(console: Console, s: StatusReply) -> None:
@@ -50,7 +50,7 @@ def nodes(console: Console, r: NodesReply) -> None:
         table.add_column(column)
     for n in r.nodes:
         system = (
-            f"{n.facts.os}/{n.facts.arch}, {n.facts.cpus} cpu, {_bytes(n.facts.memory)}"
+            f"{n.facts.os}/{n.facts.arch} {n.facts.cpus}cpu {_bytes(n.facts.memory)}"
             if n.facts
             else "?"
         )
