@@ -10,14 +10,17 @@ What it measures, in one run, on one nats-server:
 For each, from one client connection: (a) sequential requests, one in flight, for latency;
 (b) concurrent requests, `--concurrency` in flight as asyncio tasks, for throughput. Both give
 requests/s and p50/p99 latency in ms. It also reads the CPU time each process spent during each
-phase (responder, nats-server, this client), which shows where the time goes.
+phase (responder, nats-server, this client), which shows where the time goes, and the CPU the
+rest of the machine used, which flags a run disturbed by other work. `--machines N` registers N
+machines through the real register verb first, to see how `status` scales with the fleet.
 
 Why: the controller's verbs should cost little more than the bus itself; the aim is `status`
 at >= 60% of the raw echo rate. The script prints the figures and whether the aim is met; it
 never fails on a timing (timings are not asserted anywhere, see docs/performance.md).
 
     .venv/bin/python bench/verbs.py [--requests 5000] [--concurrent-requests 20000]
-                                    [--concurrency 64] [--deadline 600]
+                                    [--concurrency 64] [--machines 0] [--warmup 500]
+                                    [--deadline 600]
 
 Everything lives in a temporary folder; every child runs in its own session and is stopped in
 a `finally`, so nothing is left running when the script ends or fails.
@@ -33,11 +36,12 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import nats
+import nats.errors
 from nats.aio.client import Client
 from nats.aio.client import __version__ as nats_py_version
 from nats.aio.msg import Msg
@@ -53,10 +57,15 @@ ECHO_BODY = b'{"ok":true,"echo":"bench"}'
 STATUS_SUBJECT = "mesh.ctl.status"
 REQUEST_TIMEOUT = 10.0
 AIM = 0.60  # the issue's aim: status at >= 60% of the raw echo rate
+DISTURBED = 0.15  # cores busy outside the measured processes beyond which a run is suspect
 
 
 def say(line: str) -> None:
     print(line, flush=True)
+
+
+class BenchError(Exception):
+    """The run cannot go on; the message says why."""
 
 
 # --- the echo responder (its own process: `python bench/verbs.py --echo-server URL`) ---------
@@ -84,10 +93,21 @@ async def echo_server(url: str) -> None:
 
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of a process (all its threads), from /proc/<pid>/stat."""
-    text = Path(f"/proc/{pid}/stat").read_text()
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        raise BenchError(f"process {pid} is gone (it exited during the run)") from None
     fields = text[text.rindex(")") + 2 :].split()  # after "pid (comm) "
     utime, stime = int(fields[11]), int(fields[12])  # fields 14 and 15 of the whole line
     return (utime + stime) / os.sysconf("SC_CLK_TCK")
+
+
+def machine_busy_seconds() -> float:
+    """CPU time all cores spent busy (not idle, not waiting on I/O), from /proc/stat."""
+    with open("/proc/stat") as f:
+        ticks = [int(v) for v in f.readline().split()[1:]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = ticks[:8]
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
 @dataclass
@@ -115,9 +135,17 @@ class Result:
     def cpu_per_request_us(self, name: str) -> float:
         return self.cpu[name] / self.requests * 1e6
 
+    @property
+    def others_cores(self) -> float:
+        """Cores busy with anything but the responder, nats-server and this client: the rest
+        of the bench (idle) and whatever else runs on the machine, which disturbs the figures."""
+        ours = self.cpu["responder"] + self.cpu["nats-server"] + self.cpu["client"]
+        return max(0.0, self.cpu["machine"] - ours) / self.seconds
+
 
 class Cpu:
-    """CPU seconds of the responder, nats-server and this client over one phase."""
+    """CPU seconds of the responder, nats-server, this client and the whole machine over one
+    phase."""
 
     def __init__(self, pids: dict[str, int]) -> None:
         self._pids = pids
@@ -126,6 +154,7 @@ class Cpu:
     def _read(self) -> dict[str, float]:
         now = {name: cpu_seconds(pid) for name, pid in self._pids.items()}
         now["client"] = time.process_time()
+        now["machine"] = machine_busy_seconds()
         return now
 
     def start(self) -> None:
@@ -136,17 +165,47 @@ class Cpu:
         return {name: end[name] - self._start[name] for name in end}
 
 
+class Guard:
+    """The run's deadline and Ctrl-C, checked before every request. Cancelling the task is not
+    enough on its own: Python 3.11's asyncio.wait_for (inside nats-py's request) can swallow a
+    cancellation that arrives as the reply does."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.deadline = time.monotonic() + seconds
+        self.interrupted = False
+
+    def check(self) -> None:
+        if self.interrupted:
+            raise BenchError("interrupted")
+        if time.monotonic() > self.deadline:
+            raise BenchError(f"the run took longer than --deadline {self.seconds:g}s")
+
+
+async def _all(coros: Iterable[Coroutine[object, object, None]]) -> None:
+    """Run the coroutines as tasks; the first failure stops them all and is raised as itself."""
+    try:
+        async with asyncio.TaskGroup() as tg:
+            for coro in coros:
+                tg.create_task(coro)
+    except* Exception as group:
+        raise group.exceptions[0] from None
+
+
 def _is_error(data: bytes) -> bool:
     return data.startswith(b'{"error":')
 
 
-async def sequential(nc: Client, subject: str, body: bytes, n: int, cpu: Cpu) -> Result:
+async def sequential(
+    nc: Client, subject: str, body: bytes, n: int, cpu: Cpu, guard: Guard
+) -> Result:
     latencies: list[float] = []
     errors = 0
     size = 0
     cpu.start()
     started = time.perf_counter()
     for _ in range(n):
+        guard.check()
         t0 = time.perf_counter()
         msg = await nc.request(subject, body, timeout=REQUEST_TIMEOUT)
         latencies.append(time.perf_counter() - t0)
@@ -157,7 +216,7 @@ async def sequential(nc: Client, subject: str, body: bytes, n: int, cpu: Cpu) ->
 
 
 async def concurrent(
-    nc: Client, subject: str, body: bytes, n: int, in_flight: int, cpu: Cpu
+    nc: Client, subject: str, body: bytes, n: int, in_flight: int, cpu: Cpu, guard: Guard
 ) -> Result:
     latencies: list[float] = []
     errors = 0
@@ -167,6 +226,7 @@ async def concurrent(
     async def worker() -> None:
         nonlocal errors, size
         for _ in todo:
+            guard.check()
             t0 = time.perf_counter()
             msg = await nc.request(subject, body, timeout=REQUEST_TIMEOUT)
             latencies.append(time.perf_counter() - t0)
@@ -175,9 +235,7 @@ async def concurrent(
 
     cpu.start()
     started = time.perf_counter()
-    async with asyncio.TaskGroup() as tg:
-        for _ in range(in_flight):
-            tg.create_task(worker())
+    await _all(worker() for _ in range(in_flight))
     seconds = time.perf_counter() - started
     return Result(subject, "concurrent", in_flight, n, seconds, latencies, errors, size, cpu.stop())
 
@@ -196,29 +254,29 @@ async def _port_open(port: int) -> bool:
 
 
 async def _until(
-    what: str, child: Child, probe: Callable[[], Awaitable[bool]], *, within: float
+    what: str, child: Child, probe: Callable[[], Awaitable[bool]], *, within: float, guard: Guard
 ) -> None:
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
+        guard.check()
         if not child.running:
-            raise BenchError(f"{what} exited while starting; last lines of {child.log}:\n"
-                             f"{child.tail()}")  # fmt: skip
+            raise BenchError(f"{what} exited while starting; {_last_lines(child)}")
         if await probe():
             return
         await asyncio.sleep(0.1)
-    raise BenchError(f"{what} did not answer within {within:g}s; last lines of {child.log}:\n"
-                     f"{child.tail()}")  # fmt: skip
+    raise BenchError(f"{what} did not answer within {within:g}s; {_last_lines(child)}")
 
 
-class BenchError(Exception):
-    pass
+def _last_lines(child: Child) -> str:
+    return f"last lines of its log {child.log}:\n{child.tail()}"
 
 
 class Pieces:
     """The child processes of one benchmark run, stopped in reverse order."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, guard: Guard) -> None:
         self.folder = folder
+        self.guard = guard
         self.children: list[Child] = []
         self.nats_url = ""
         self.database_url = ""
@@ -238,7 +296,7 @@ class Pieces:
         port = ports.free_port()
         conf = natsd.write_config(self.folder / "nats", port=port, name="bench")
         child = await self._start("nats-server", natsd.argv(conf))
-        await _until("nats-server", child, lambda: _port_open(port), within=20)
+        await _until("nats-server", child, lambda: _port_open(port), within=20, guard=self.guard)
         self.nats_url = f"nats://127.0.0.1:{port}"
         return child
 
@@ -252,7 +310,7 @@ class Pieces:
         try:
             await postgres.wait_ready(port, deadline=30, alive=lambda: child.running)
         except postgres.PostgresFailed as e:
-            raise BenchError(f"{e}; last lines of {child.log}:\n{child.tail()}") from None
+            raise BenchError(f"{e}; {_last_lines(child)}") from None
         await postgres.ensure_database(port, "mesh")
         self.database_url = postgres.url(port, "mesh")
         return child
@@ -268,7 +326,7 @@ class Pieces:
             except (bus.NoAnswer, wire.RemoteError):
                 return False
 
-        await _until("the controller", child, holds_seat, within=60)
+        await _until("the controller", child, holds_seat, within=60, guard=self.guard)
         return child
 
     async def echo(self, nc: Client) -> Child:
@@ -282,7 +340,7 @@ class Pieces:
                 return False
             return True
 
-        await _until("the echo responder", child, answers, within=20)
+        await _until("the echo responder", child, answers, within=20, guard=self.guard)
         return child
 
     async def stop(self) -> None:
@@ -291,7 +349,7 @@ class Pieces:
             await child.stop(sig=sig, timeout=10)
 
 
-async def register_machines(nc: Client, n: int) -> None:
+async def register_machines(nc: Client, n: int, guard: Guard) -> None:
     """Register `n` machines (bench-1 …) as a host would; they never beat, and their hour-long
     beat interval keeps them up for the whole run."""
     facts = Facts(os="linux", arch="x86_64", cpus=1, memory=1 << 30, mesh_version="bench")
@@ -299,6 +357,7 @@ async def register_machines(nc: Client, n: int) -> None:
 
     async def worker() -> None:
         for i in todo:
+            guard.check()
             name = f"bench-{i}"
             body = wire.encode(
                 Register(name=name, tier=2, labels={}, facts=facts, beat_interval=3600, pid=i)
@@ -308,9 +367,7 @@ async def register_machines(nc: Client, n: int) -> None:
             )
             wire.decode_reply(data, RegisterReply)
 
-    async with asyncio.TaskGroup() as tg:
-        for _ in range(min(n, 16)):
-            tg.create_task(worker())
+    await _all(worker() for _ in range(min(n, 16)))
 
 
 # --- the run -----------------------------------------------------------------------------
@@ -331,7 +388,7 @@ async def bench(args: argparse.Namespace, pieces: Pieces) -> list[Result]:
         say(f"  controller pid {ctl.pid} holds the seat")
         if args.machines:
             say(f"registering {args.machines} machines through the register verb…")
-            await register_machines(nc, args.machines)
+            await register_machines(nc, args.machines, pieces.guard)
             data = (await nc.request(STATUS_SUBJECT, b"{}", timeout=REQUEST_TIMEOUT)).data
             counts = wire.decode_reply(data, StatusReply).nodes
             say(f"  status counts {counts.total} machines, {counts.up} up")
@@ -344,11 +401,12 @@ async def bench(args: argparse.Namespace, pieces: Pieces) -> list[Result]:
         for subject, _ in targets:
             say(f"warming up {subject} ({args.warmup} requests)…")
             for _ in range(args.warmup):
+                pieces.guard.check()
                 await nc.request(subject, b"{}", timeout=REQUEST_TIMEOUT)
         for subject, child in targets:
             cpu = Cpu({"responder": child.pid, "nats-server": natsd_child.pid})
             say(f"measuring {subject}: {args.requests} sequential requests…")
-            results.append(await sequential(nc, subject, b"{}", args.requests, cpu))
+            results.append(await sequential(nc, subject, b"{}", args.requests, cpu, pieces.guard))
         for subject, child in targets:
             cpu = Cpu({"responder": child.pid, "nats-server": natsd_child.pid})
             say(
@@ -357,7 +415,13 @@ async def bench(args: argparse.Namespace, pieces: Pieces) -> list[Result]:
             )
             results.append(
                 await concurrent(
-                    nc, subject, b"{}", args.concurrent_requests, args.concurrency, cpu
+                    nc,
+                    subject,
+                    b"{}",
+                    args.concurrent_requests,
+                    args.concurrency,
+                    cpu,
+                    pieces.guard,
                 )
             )
         return results
@@ -379,7 +443,7 @@ def report(results: list[Result], args: argparse.Namespace) -> None:
     header = (
         f"{'subject':<16} {'mode':<14} {'requests':>8} {'req/s':>8} {'p50 ms':>7} "
         f"{'p99 ms':>7} {'errors':>6} | {'CPU µs/request: responder':>25} {'nats':>5} "
-        f"{'client':>6}"
+        f"{'client':>6} | {'others (cores)':>14}"
     )
     say(header)
     say("-" * len(header))
@@ -389,7 +453,8 @@ def report(results: list[Result], args: argparse.Namespace) -> None:
             f"{r.subject:<16} {mode:<14} {r.requests:>8} {r.rate:>8.0f} "
             f"{r.percentile(50):>7.3f} {r.percentile(99):>7.3f} {r.errors:>6} | "
             f"{r.cpu_per_request_us('responder'):>25.0f} "
-            f"{r.cpu_per_request_us('nats-server'):>5.0f} {r.cpu_per_request_us('client'):>6.0f}"
+            f"{r.cpu_per_request_us('nats-server'):>5.0f} {r.cpu_per_request_us('client'):>6.0f} | "
+            f"{r.others_cores:>14.2f}"
         )
     say("")
     for mode, label in (
@@ -406,6 +471,12 @@ def report(results: list[Result], args: argparse.Namespace) -> None:
     ratio = by[STATUS_SUBJECT, "concurrent"].rate / by[ECHO_SUBJECT, "concurrent"].rate
     verdict = "met" if ratio >= AIM else "NOT met"
     say(f"aim: status at >= {AIM:.0%} of the raw echo rate (concurrent): {verdict} ({ratio:.0%})")
+    busiest = max(r.others_cores for r in results)
+    if busiest > DISTURBED:
+        say(
+            f"warning: other processes kept up to {busiest:.2f} cores busy during a phase; "
+            "the figures are disturbed, run again on a quiet machine"
+        )
     if any(r.errors for r in results):
         say("note: some replies were error replies; see the errors column")
 
@@ -427,14 +498,34 @@ def parser() -> argparse.ArgumentParser:
 
 
 async def run(args: argparse.Namespace) -> list[Result]:
+    guard = Guard(args.deadline)
+    main_task = asyncio.current_task()
+    assert main_task is not None
+    stopping = False
+
+    def interrupt() -> None:
+        if not guard.interrupted and not stopping:
+            main_task.cancel()  # for a wait that is not a request; the guard does the rest
+        guard.interrupted = True
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, interrupt)
     with tempfile.TemporaryDirectory(prefix="mesh-bench-") as tmp:
-        pieces = Pieces(Path(tmp))
+        pieces = Pieces(Path(tmp), guard)
         try:
             async with asyncio.timeout(args.deadline):
                 return await bench(args, pieces)
+        except (nats.errors.Error, wire.RemoteError) as e:  # before TimeoutError: nats-py's
+            raise BenchError(f"a request failed: {type(e).__name__}: {e}") from None  # is one
         except TimeoutError:
             raise BenchError(f"the run took longer than --deadline {args.deadline:g}s") from None
+        except asyncio.CancelledError:
+            if guard.interrupted:
+                raise BenchError("interrupted") from None
+            raise
         finally:
+            stopping = True
             say("stopping…")
             await pieces.stop()
 

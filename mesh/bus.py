@@ -7,7 +7,7 @@ deadline, so a user sees a slow answer rather than an error.
 
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -27,9 +27,56 @@ class NoAnswer(Exception):
     """Nobody answered the subject before the deadline."""
 
 
-async def _quiet(_: Exception) -> None:
-    # nats-py logs every reconnect attempt by default; the caller reports what matters.
-    return None
+async def _quiet(e: Exception) -> None:
+    # Connection trouble is reported by the callers (once, not per reconnect attempt); anything
+    # else, such as an exception escaping a subscription callback, must not vanish.
+    if not isinstance(
+        e,
+        OSError
+        | NatsTimeout
+        | nats.errors.ConnectionClosedError
+        | nats.errors.StaleConnectionError
+        | nats.errors.UnexpectedEOF,
+    ):
+        log.warning("nats: %s: %s", type(e).__name__, e)
+
+
+class Link:
+    """The state of one connection, fed by nats-py's disconnect/reconnect callbacks, so a
+    service can act on an outage that lasts (step down) and on its end (forgive lost beats)."""
+
+    def __init__(self) -> None:
+        self.up = True
+        self.on_up: Callable[[], None] | None = None
+        self._changed = anyio.Event()
+
+    def _kick(self) -> None:
+        self._changed.set()
+        self._changed = anyio.Event()
+
+    async def disconnected(self) -> None:
+        if self.up:
+            log.info("lost the NATS connection; reconnecting")
+        self.up = False
+        self._kick()
+
+    async def reconnected(self) -> None:
+        log.info("NATS connection back")
+        self.up = True
+        if self.on_up:
+            self.on_up()
+        self._kick()
+
+    async def down_for(self, grace: float) -> None:
+        """Return once the connection has been down for `grace` seconds without a break."""
+        while True:
+            while self.up:
+                await self._changed.wait()
+            with anyio.move_on_after(grace) as waiting:
+                while not self.up:
+                    await self._changed.wait()
+            if waiting.cancelled_caught:
+                return
 
 
 async def connect(
@@ -38,8 +85,7 @@ async def connect(
     name: str,
     creds: str | None = None,
     reconnect: bool = True,
-    on_disconnect: Callable[[], Awaitable[None]] | None = None,
-    on_reconnect: Callable[[], Awaitable[None]] | None = None,
+    link: Link | None = None,
 ) -> Client:
     """Connect to NATS. Services reconnect forever; one-shot clients fail fast."""
     options: dict[str, Any] = {
@@ -55,14 +101,24 @@ async def connect(
     }
     if creds:
         options["user_credentials"] = creds
-    if on_disconnect:
-        options["disconnected_cb"] = on_disconnect
-    if on_reconnect:
-        options["reconnected_cb"] = on_reconnect
+    if link:
+        options["disconnected_cb"] = link.disconnected
+        options["reconnected_cb"] = link.reconnected
     try:
         return await nats.connect(**options)
     except (NoServersError, OSError, NatsTimeout) as e:
         raise Unreachable(f"cannot reach NATS at {url}: {e or type(e).__name__}") from None
+
+
+async def close(nc: Client) -> None:
+    """Drain when connected (in-flight replies go out); otherwise just close. Never raises."""
+    try:
+        if nc.is_connected:
+            await nc.drain()
+        elif not nc.is_closed:
+            await nc.close()
+    except Exception as e:
+        log.warning("closing the NATS connection: %s", e or type(e).__name__)
 
 
 async def request(

@@ -10,7 +10,7 @@ from typing import Annotated
 import msgspec
 
 Name = Annotated[
-    str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
+    str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]*\Z")
 ]
 Tier = Annotated[int, msgspec.Meta(ge=0, le=9)]
 Labels = Annotated[dict[str, str], msgspec.Meta(max_length=64)]

@@ -215,10 +215,12 @@ def _expected() -> tuple[type[BaseException], ...]:
     from mesh.dev.postgres import PostgresFailed
     from mesh.dev.up import DevError
     from mesh.store.db import StoreUnreachable
+    from services.controller.main import BusLost
     from services.controller.seat import SeatLost
+    from services.host.main import RegistrationRefused
 
-    return (CliError, InvalidName, Unreachable, StoreUnreachable, SeatLost, DevError,
-            PostgresFailed, NatsServerMissing)  # fmt: skip
+    return (CliError, InvalidName, Unreachable, StoreUnreachable, SeatLost, BusLost, DevError,
+            PostgresFailed, NatsServerMissing, RegistrationRefused)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:

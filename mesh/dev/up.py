@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
+from nats.aio.client import Client
 
 from mesh import bus, subjects, wire
 from mesh.dev import natsd, ports, postgres
@@ -78,6 +80,7 @@ class DevMesh:
         self.children: list[Child] = []
         self.nats_url = ""
         self.database_url = ""
+        self.lost: str | None = None  # a server that died under us
 
     def _mesh_argv(self, *args: str) -> list[str]:
         return [sys.executable, "-P", "-m", "mesh", *args]  # -P: not the cwd's `mesh`
@@ -161,31 +164,13 @@ class DevMesh:
     async def wait_ready(self) -> None:
         """Until the seat has a holder and a standby and every host is registered and up."""
         nc = await bus.connect(self.nats_url, name="mesh dev up", reconnect=False)
-        wanted = {f"node-{i}" for i in range(1, self.hosts + 1)}
-        missing = "the seat's holder"
         deadline = time.monotonic() + READY_WITHIN
         try:
             while time.monotonic() < deadline:
                 self._check_alive()
-                try:
-                    data = await bus.request(
-                        nc, subjects.ctl("status"), b"{}", deadline=time.monotonic() + 1
-                    )
-                    status = wire.decode_reply(data, StatusReply)
-                    data = await bus.request(
-                        nc, subjects.ctl("nodes"), b"{}", deadline=time.monotonic() + 1
-                    )
-                    nodes = wire.decode_reply(data, NodesReply)
-                except (bus.NoAnswer, wire.RemoteError):
-                    missing = "the seat's holder"
-                else:
-                    up = {n.name for n in nodes.nodes if n.up}
-                    if not status.standbys:
-                        missing = "a standby controller"
-                    elif not wanted <= up:
-                        missing = "hosts " + ", ".join(sorted(wanted - up))
-                    else:
-                        return
+                missing = await self._missing(nc)
+                if missing is None:
+                    return
                 await anyio.sleep(0.2)
         finally:
             await nc.close()
@@ -193,6 +178,28 @@ class DevMesh:
             f"not ready within {READY_WITHIN:g}s: waiting for {missing}; "
             f"logs in {self.dir / 'logs'}"
         )
+
+    async def _missing(self, nc: Client) -> str | None:
+        """What the mesh still lacks to be ready, in words; None when nothing."""
+        try:
+            data = await bus.request(nc, subjects.ctl("status"), b"{}", deadline=_in(1))
+            status = wire.decode_reply(data, StatusReply)
+            data = await bus.request(nc, subjects.ctl("nodes"), b"{}", deadline=_in(1))
+            nodes = wire.decode_reply(data, NodesReply)
+        except (bus.NoAnswer, wire.RemoteError):
+            return "the seat's holder"
+        if status.seat is None:
+            return "the seat's holder"
+        if not status.standbys:
+            return "a standby controller"
+        wanted = [f"node-{i}" for i in range(1, self.hosts + 1)]
+        up = {n.name for n in nodes.nodes if n.up}
+        late = [n for n in wanted if n not in up]
+        if not late:
+            # The store may still say "up" from the last run: ask each host itself whether it
+            # has registered with this holder.
+            late = [n for n in wanted if not await _registered(nc, n, status.seat.epoch)]
+        return "hosts " + ", ".join(late) if late else None
 
     def _check_alive(self) -> None:
         for child in self.children:
@@ -224,6 +231,7 @@ class DevMesh:
         say(f"{child.name} exited ({how}); its log: {child.log}")
         if child.name in ("nats-server", "postgres"):
             say(f"{child.name} is gone: stopping the mesh")
+            self.lost = f"{child.name} exited ({how}); see {child.log}"
             scope.cancel()
 
     async def stop(self) -> None:
@@ -239,6 +247,26 @@ class DevMesh:
                     if belongs(child):
                         tg.start_soon(lambda c=child, s=sig: c.stop(sig=s))
         say("stopped")
+
+
+def _in(seconds: float) -> float:
+    return time.monotonic() + seconds
+
+
+class _HostRegistration(msgspec.Struct):
+    registered: bool
+    epoch: int
+
+
+async def _registered(nc: Client, name: str, epoch: int) -> bool:
+    try:
+        data = await bus.request(
+            nc, subjects.host(name, "status"), b"{}", deadline=time.monotonic() + 1
+        )
+        host = msgspec.json.decode(data, type=_HostRegistration)
+    except (bus.NoAnswer, msgspec.DecodeError):
+        return False
+    return host.registered and host.epoch >= epoch
 
 
 async def _nats_answers(url: str) -> bool:
@@ -287,3 +315,5 @@ async def up(*, folder: Path, hosts: int, port: int | None) -> None:
         with anyio.CancelScope(shield=True):
             await mesh.stop()
         lock.release()
+    if mesh.lost:
+        raise DevError(mesh.lost)

@@ -31,14 +31,25 @@ class Fleet:
         self._beat_at: dict[str, float] = {}  # monotonic time of the last beat (or takeover)
         self._unflushed: dict[str, datetime] = {}
         self._unknown_logged: set[str] = set()
+        # Registrations and up/down transitions come from three tasks (verbs, beats, watch);
+        # one at a time keeps memory, the store and the event order in agreement.
+        self._changing = anyio.Lock()
 
     async def load(self) -> None:
         """Read the fleet from the store at takeover; up machines get a full threshold to beat."""
-        now = time.monotonic()
         self.machines = {m.name: m for m in await machines.all_machines(self._pool)}
-        self._beat_at = dict.fromkeys(self.machines, now)
+        self.forgive()
+
+    def forgive(self) -> None:
+        """Judge nobody on the silence just past: after a takeover, a reconnect to NATS, or a
+        stall of this process, beats were lost by us, not by the machines."""
+        self._beat_at = dict.fromkeys(self.machines, time.monotonic())
 
     async def register(self, req: Register) -> MachineRow:
+        async with self._changing:
+            return await self._register(req)
+
+    async def _register(self, req: Register) -> MachineRow:
         was = self.machines.get(req.name)
         async with self._pool.acquire() as conn, conn.transaction():
             row = await machines.register(
@@ -72,30 +83,38 @@ class Fleet:
         m.last_seen = now
         m.beat_interval = beat.interval
         if not m.up:
-            await self._transition(m, up=True, at=now)
+            await self._transition(beat.name, up=True, at=now)
         else:
             self._unflushed[beat.name] = now
 
-    async def _transition(self, m: MachineRow, *, up: bool, at: datetime) -> None:
-        m.up = up
-        self._unflushed.pop(m.name, None)
-        async with self._pool.acquire() as conn, conn.transaction():
-            await machines.set_up(conn, name=m.name, up=up, last_seen=m.last_seen or at)
-            await events.record(
-                conn, "machine.up" if up else "machine.down", machine=m.name, epoch=self._epoch
-            )
+    async def _transition(self, name: str, *, up: bool, at: datetime) -> None:
+        async with self._changing:
+            m = self.machines.get(name)
+            if m is None or m.up == up:
+                return  # someone else got there first (a registration, another beat)
+            async with self._pool.acquire() as conn, conn.transaction():
+                await machines.set_up(conn, name=m.name, up=up, last_seen=m.last_seen or at)
+                await events.record(
+                    conn, "machine.up" if up else "machine.down", machine=m.name, epoch=self._epoch
+                )
+            m.up = up  # only once the store has it
+            self._unflushed.pop(m.name, None)
         log.info("machine %s is %s", m.name, "up" if up else "down (missed heartbeats)")
 
     async def watch(self) -> None:
         """Mark machines down that missed their beats; batch last-seen times to the store."""
-        flushed = time.monotonic()
+        flushed = tick = time.monotonic()
         while True:
             await anyio.sleep(CHECK_EVERY)
             now = time.monotonic()
+            if now - tick > 4 * CHECK_EVERY:
+                log.info("this controller stalled for %.1fs: heartbeat clocks restart", now - tick)
+                self.forgive()
+            tick = now
             for m in list(self.machines.values()):
                 silent = now - self._beat_at.get(m.name, now)
                 if m.up and silent > self._down_after * m.beat_interval:
-                    await self._transition(m, up=False, at=datetime.now(UTC))
+                    await self._transition(m.name, up=False, at=datetime.now(UTC))
             if now - flushed >= FLUSH_EVERY:
                 await self.flush()
                 flushed = now

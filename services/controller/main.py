@@ -17,6 +17,7 @@ from datetime import UTC, datetime
 from functools import partial
 
 import anyio
+import asyncpg
 import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -32,6 +33,12 @@ from services.controller.standbys import ANNOUNCE_EVERY, Standbys
 from services.controller.verbs import Holder, on_host_verb, on_verb
 
 log = logging.getLogger("mesh.controller")
+
+BUS_GRACE = 3.0  # a holder cut off from NATS this long steps down (design.md §5.4)
+
+
+class BusLost(Exception):
+    """The holder lost NATS for longer than BUS_GRACE and gave up the seat."""
 
 
 async def run(
@@ -56,8 +63,9 @@ async def run(
     pool = await db.pool(database_url)
     nc: Client | None = None
     lock = SeatLock(database_url)
+    link = bus.Link()
     try:
-        nc = await bus.connect(nats_url, name=f"mesh-controller {instance}", creds=creds)
+        nc = await bus.connect(nats_url, name=f"mesh-controller {instance}", creds=creds, link=link)
         standbys = Standbys(own_instance=instance)
 
         async def on_seat_event(msg: Msg) -> None:
@@ -82,15 +90,21 @@ async def run(
                     await lock.wait()
                     waiting.cancel_scope.cancel()
             await _hold(
-                nc=nc, pool=pool, lock=lock, me=me, standbys=standbys, down_after=down_after
+                nc=nc,
+                link=link,
+                pool=pool,
+                lock=lock,
+                me=me,
+                standbys=standbys,
+                down_after=down_after,
             )
             tg.cancel_scope.cancel()
     finally:
-        with anyio.CancelScope(shield=True), anyio.move_on_after(5):
+        with anyio.CancelScope(shield=True):
             await lock.release()
-            if nc is not None and not nc.is_closed:
-                await nc.drain()
-            await pool.close()
+            if nc is not None:
+                await _attempt("close NATS", bus.close(nc))
+            await _attempt("close the store pool", pool.close())
 
 
 async def _announce_standby(nc: Client, me: SeatAnnounce) -> None:
@@ -101,7 +115,14 @@ async def _announce_standby(nc: Client, me: SeatAnnounce) -> None:
 
 
 async def _hold(
-    *, nc: Client, pool, lock: SeatLock, me: SeatAnnounce, standbys: Standbys, down_after: int
+    *,
+    nc: Client,
+    link: bus.Link,
+    pool: asyncpg.Pool,
+    lock: SeatLock,
+    me: SeatAnnounce,
+    standbys: Standbys,
+    down_after: int,
 ) -> None:
     assert lock.conn is not None
     row = await seats.take(
@@ -142,15 +163,20 @@ async def _hold(
     await nc.flush()
     held = msgspec.structs.replace(me, since=row.since, epoch=row.epoch)
     await nc.publish(subjects.seat("held"), wire.encode(held))
+    link.on_up = fleet.forgive  # beats lost while we were away are not the machines' fault
     try:
         async with anyio.create_task_group() as serving:
             serving.start_soon(lock.watch)
             serving.start_soon(fleet.watch)
+            serving.start_soon(_step_down_without_bus, link)
     finally:
-        # Each step on its own: a store or bus that is gone must not keep the lock held.
-        with anyio.CancelScope(shield=True), anyio.move_on_after(5):
+        # Each step on its own deadline: a store or bus that is gone must not keep the lock.
+        with anyio.CancelScope(shield=True):
+            if not nc.is_connected:
+                await lock.release()  # nobody can hear us: let the standby have the seat now
             for sub in subs:
-                await _attempt("drain verbs", sub.drain())  # answers what is in flight
+                # drain answers what is in flight; without a connection there is nothing to drain
+                await _attempt("stop verbs", sub.drain() if nc.is_connected else sub.unsubscribe())
             await _attempt("flush heartbeats", fleet.flush())
             await _attempt(
                 "record release",
@@ -163,8 +189,14 @@ async def _hold(
             log.info("controller %s released the seat, epoch %d", me.instance, row.epoch)
 
 
-async def _attempt(what: str, step: Awaitable[object]) -> None:
+async def _step_down_without_bus(link: bus.Link) -> None:
+    await link.down_for(BUS_GRACE)
+    raise BusLost(f"lost NATS for more than {BUS_GRACE:g}s: gave up the seat")
+
+
+async def _attempt(what: str, step: Awaitable[object], *, within: float = 3.0) -> None:
     try:
-        await step
+        with anyio.fail_after(within):
+            await step
     except Exception as e:
         log.warning("while stopping, could not %s: %s", what, e or type(e).__name__)

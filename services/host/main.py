@@ -24,6 +24,11 @@ from services.host.facts import gather
 log = logging.getLogger("mesh.host")
 
 REGISTER_ATTEMPT = 2.0
+REFUSALS = ("bad_request", "forbidden")  # the controller's answer is final for these
+
+
+class RegistrationRefused(Exception):
+    """The controller refused this host's registration for what it is, not for a passing fault."""
 
 
 class HostStatus(msgspec.Struct):
@@ -92,7 +97,7 @@ async def run(
                     await _register(nc, registration, status)
     finally:
         with anyio.CancelScope(shield=True), anyio.move_on_after(3):
-            await nc.drain()
+            await bus.close(nc)
 
 
 async def _register(nc: Client, registration: Register, status: HostStatus) -> None:
@@ -113,7 +118,13 @@ async def _register(nc: Client, registration: Register, status: HostStatus) -> N
         try:
             reply = wire.decode_reply(data, RegisterReply)
         except wire.RemoteError as e:
-            raise SystemExit(f"host {registration.name}: registration refused: {e}") from None
+            if e.code in REFUSALS:  # retrying the same registration cannot help
+                raise RegistrationRefused(
+                    f"host {registration.name}: registration refused: {e}"
+                ) from None
+            log.warning("host %s: registration failed (%s), retrying", registration.name, e)
+            await anyio.sleep(REGISTER_ATTEMPT)
+            continue
         status.registered = True
         status.epoch = reply.epoch
         status.tier = reply.tier
