@@ -125,7 +125,8 @@ async def database_url(pg_admin_url: str) -> str:
 
 
 @pytest.fixture
-def nats_url(tmp_path: Path, procs: Procs) -> str:
+def nats_server(tmp_path: Path, procs: Procs) -> subprocess.Popen:
+    """This test's nats-server process (its URL is the `nats_url` fixture)."""
     port = ports.free_port()
     conf = natsd.write_config(tmp_path / "nats", port=port, name=f"test-{port}")
     proc = procs.start("nats-server", natsd.argv(conf))
@@ -133,7 +134,13 @@ def nats_url(tmp_path: Path, procs: Procs) -> str:
         lambda: proc.poll() is not None or _port_open(port), within=10, what="nats-server to listen"
     )
     assert proc.poll() is None, (tmp_path / "nats-server.log").read_text()
-    return f"nats://127.0.0.1:{port}"
+    proc.url = f"nats://127.0.0.1:{port}"  # type: ignore[attr-defined]
+    return proc
+
+
+@pytest.fixture
+def nats_url(nats_server: subprocess.Popen) -> str:
+    return nats_server.url  # type: ignore[attr-defined]
 
 
 @pytest.fixture
@@ -160,7 +167,7 @@ def start_controller(procs: Procs, nats_url: str, database_url: str):
 
 @pytest.fixture
 def start_host(procs: Procs, nats_url: str, tmp_path: Path):
-    def start(name: str, *extra: str, beat: float = 0.2) -> subprocess.Popen:
+    def start(name: str, *extra: str, beat: float = 1.0) -> subprocess.Popen:
         return procs.start(
             name,
             [*MESH, "host", "run", "--name", name, "--root", str(tmp_path / "hosts" / name),

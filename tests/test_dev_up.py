@@ -4,6 +4,7 @@ folder refused, SIGTERM leaves nothing running, and a restart on the same folder
 import json
 import os
 import queue
+import re
 import signal
 import subprocess
 import threading
@@ -70,6 +71,24 @@ def _running_under(folder: Path) -> list[str]:
     return found
 
 
+def _pids(lines: list[str]) -> list[int]:
+    """Every piece's pid, from `mesh dev up`'s own lines ("… (pid 123)")."""
+    pids = [int(m) for line in lines for m in re.findall(r"pid (\d+)", line)]
+    assert len(pids) == 7, lines  # nats, postgres, two controllers, three hosts
+    return pids
+
+
+def _alive(pids: list[int]) -> list[int]:
+    alive = []
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        alive.append(pid)
+    return alive
+
+
 def _cli_json(*args: str, url: str) -> dict:
     done = mesh_cli("--json", *args, nats_url=url)
     assert done.returncode == 0, done.stderr
@@ -110,6 +129,7 @@ def test_dev_up_end_to_end(tmp_path: Path) -> None:
         dev.proc.send_signal(signal.SIGTERM)
         assert dev.proc.wait(timeout=60) == 0
         assert _running_under(folder) == []
+        assert _alive(_pids(dev.seen)) == []
     finally:
         dev.kill()
 
@@ -122,5 +142,6 @@ def test_dev_up_end_to_end(tmp_path: Path) -> None:
         again.proc.send_signal(signal.SIGINT)  # Ctrl-C
         assert again.proc.wait(timeout=60) == 0
         assert _running_under(folder) == []
+        assert _alive(_pids(again.seen)) == []
     finally:
         again.kill()

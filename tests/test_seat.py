@@ -6,6 +6,7 @@ import signal
 import time
 
 import asyncpg
+import nats as nats_client
 from helpers import ask, await_until
 
 from services.controller.seat import SEAT_LOCK
@@ -96,3 +97,30 @@ async def test_sigterm_releases_the_seat_to_the_standby(nc, start_controller) ->
 
     after = await await_until(taken_over, within=10, what="ctl-b to take the seat")
     assert after["seat"]["epoch"] == before["seat"]["epoch"] + 1
+
+
+async def test_holder_that_loses_nats_steps_down_and_frees_the_lock(
+    nats_server, start_controller, database_url
+) -> None:
+    client = await nats_client.connect(nats_server.url)
+    holder = start_controller("ctl-a")
+    try:
+        await await_until(lambda: _status(client), within=20, what="a holder")
+    finally:
+        await client.close()
+    assert await _lock_holders(database_url) == 1
+
+    nats_server.kill()  # the bus is gone, for good
+    lost_at = time.monotonic()
+    (code,) = await await_until(lambda: _exited(holder), within=20, what="the holder to step down")
+    print(f"stepped down {time.monotonic() - lost_at:.1f}s after losing NATS")
+    assert code == 1
+    log = holder.log_path.read_text()
+    assert "lost NATS for more than" in log
+    assert "Traceback" not in log
+    assert await _lock_holders(database_url) == 0
+
+
+async def _exited(proc):
+    code = proc.poll()
+    return None if code is None else (code,)  # a tuple, so that exit code 0 is truthy too

@@ -3,7 +3,7 @@
 import pytest
 
 from mesh import wire
-from mesh.model import Register, StatusRequest
+from mesh.model import Beat, Register, StatusRequest
 
 FACTS = {"os": "linux", "arch": "x86_64", "cpus": 1, "memory": 1, "mesh_version": "0"}
 
@@ -42,3 +42,10 @@ def test_error_reply_round_trips_as_remote_error() -> None:
         wire.decode_reply(wire.error("forbidden", "no"), StatusRequest)
     assert raised.value.code == "forbidden"
     assert str(raised.value) == "no"
+
+
+def test_a_name_with_a_trailing_newline_is_refused() -> None:
+    # A newline in a subject token would end a NATS protocol line.
+    with pytest.raises(wire.BadRequest) as refused:
+        wire.decode(b'{"name": "node-x\\n", "seq": 1, "interval": 1}', Beat)
+    assert "$.name" in str(refused.value)
