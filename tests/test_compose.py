@@ -14,6 +14,7 @@ def test_compose_parses_and_runs_real_mesh_commands() -> None:
     doc = yaml.safe_load(COMPOSE.read_text())
     services = doc["services"]
     assert {"nats", "postgres"} <= set(services)
+    assert "sync_interval: always" in doc["configs"]["nats_conf"]["content"]
     controllers = [s for s in services if s.startswith("controller")]
     hosts = [s for s in services if s.startswith("node-")]
     assert len(controllers) == 2
