@@ -120,7 +120,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _out(args: argparse.Namespace) -> Console:
-    return Console(highlight=False, soft_wrap=False)
+    # In a terminal, rich fits its width; piped, it would assume 80 columns and wrap the rows.
+    return Console(highlight=False, width=None if sys.stdout.isatty() else 200)
 
 
 def _print_json(value: object) -> None:
