@@ -24,7 +24,7 @@ from nats.aio.msg import Msg
 
 from mesh import bus, subjects, wire
 from mesh.lifetime import stop_on_signals
-from mesh.model import Beat, SeatAnnounce
+from mesh.model import Beat, SeatAnnounce, SeatInfo
 from mesh.store import db, events, seats
 from mesh.store.migrate import migrate
 from services.controller.fleet import Fleet
@@ -135,11 +135,9 @@ async def _hold(
     fleet = Fleet(pool=pool, epoch=row.epoch, down_after=down_after)
     await fleet.load()
     holder = Holder(
-        instance=me.instance,
-        pid=me.pid,
-        host=me.host,
-        epoch=row.epoch,
-        since=row.since,
+        seat=SeatInfo(
+            holder=me.instance, pid=me.pid, host=me.host, epoch=row.epoch, since=row.since
+        ),
         fleet=fleet,
         standbys=standbys,
     )

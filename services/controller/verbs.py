@@ -7,7 +7,6 @@ error reply naming what was wrong and the controller keeps serving.
 
 import logging
 from collections.abc import Awaitable, Callable
-from datetime import datetime
 from typing import Any
 
 import msgspec
@@ -33,18 +32,14 @@ log = logging.getLogger(__name__)
 class Holder(msgspec.Struct):
     """What the verbs need of the controller that holds the seat."""
 
-    instance: str
-    pid: int
-    host: str
-    epoch: int
-    since: datetime
+    seat: SeatInfo  # fixed for as long as this controller holds the seat
     fleet: Fleet
     standbys: Standbys
 
 
 async def status(h: Holder, _: StatusRequest) -> StatusReply:
     return StatusReply(
-        seat=SeatInfo(holder=h.instance, pid=h.pid, host=h.host, epoch=h.epoch, since=h.since),
+        seat=h.seat,
         standbys=h.standbys.current(),
         nodes=h.fleet.counts(),
     )
@@ -60,7 +55,7 @@ async def register(h: Holder, machine: str, req: Register) -> RegisterReply:
             f"name: {req.name!r} differs from the subject's machine {machine!r}", code="forbidden"
         )
     row = await h.fleet.register(req)
-    return RegisterReply(name=row.name, tier=row.tier, epoch=h.epoch)
+    return RegisterReply(name=row.name, tier=row.tier, epoch=h.seat.epoch)
 
 
 Verb = tuple[type, Callable[..., Awaitable[Any]]]
