@@ -227,28 +227,10 @@ def _is_error(data: bytes) -> bool:
     return data.startswith(b'{"error":')
 
 
-async def sequential(
-    nc: Client, subject: str, body: bytes, n: int, cpu: Cpu, guard: Guard
-) -> Result:
-    latencies: list[float] = []
-    errors = 0
-    size = 0
-    cpu.start()
-    started = time.perf_counter()
-    for _ in range(n):
-        guard.check()
-        t0 = time.perf_counter()
-        msg = await nc.request(subject, body, timeout=REQUEST_TIMEOUT)
-        latencies.append(time.perf_counter() - t0)
-        errors += _is_error(msg.data)
-        size = len(msg.data)
-    seconds = time.perf_counter() - started
-    return Result(subject, "sequential", 1, n, seconds, latencies, errors, size, cpu.stop())
-
-
-async def concurrent(
+async def run_requests(
     nc: Client, subject: str, body: bytes, n: int, in_flight: int, cpu: Cpu, guard: Guard
 ) -> Result:
+    """`n` requests with `in_flight` of them outstanding at once (1: sequential)."""
     latencies: list[float] = []
     errors = 0
     size = 0
@@ -268,7 +250,8 @@ async def concurrent(
     started = time.perf_counter()
     await _all(worker() for _ in range(in_flight))
     seconds = time.perf_counter() - started
-    return Result(subject, "concurrent", in_flight, n, seconds, latencies, errors, size, cpu.stop())
+    mode = "sequential" if in_flight == 1 else "concurrent"
+    return Result(subject, mode, in_flight, n, seconds, latencies, errors, size, cpu.stop())
 
 
 # --- starting the pieces (the project's own helpers) ---------------------------------------
@@ -333,17 +316,13 @@ class Pieces:
 
     async def postgres(self) -> Child:
         data = self.folder / "pg"
-        await asyncio.to_thread(postgres.init, data)
-        port = ports.free_port()
-        child = await self._start(
-            "postgres", postgres.argv(data, port=port), cwd=data, **postgres.run_as()
-        )
         try:
-            await postgres.wait_ready(port, deadline=30, alive=lambda: child.running)
+            child, self.database_url = await postgres.start(
+                data, log=self.folder / "logs" / "postgres.log", database="mesh"
+            )
         except postgres.PostgresFailed as e:
-            raise BenchError(f"{e}; {_last_lines(child)}") from None
-        await postgres.ensure_database(port, "mesh")
-        self.database_url = postgres.url(port, "mesh")
+            raise BenchError(str(e)) from None
+        self.children.append(child)
         return child
 
     async def controller(self, nc: Client) -> Child:
@@ -437,8 +416,8 @@ async def bench(args: argparse.Namespace, pieces: Pieces) -> dict[tuple[str, str
         async def measure(mode: str, subject: str, child: Child, n: int) -> Result:
             cpu = Cpu({"responder": child.pid, "nats-server": natsd_child.pid})
             if mode == "sequential":
-                return await sequential(nc, subject, b"{}", n, cpu, pieces.guard)
-            return await concurrent(nc, subject, b"{}", n, args.concurrency, cpu, pieces.guard)
+                return await run_requests(nc, subject, b"{}", n, 1, cpu, pieces.guard)
+            return await run_requests(nc, subject, b"{}", n, args.concurrency, cpu, pieces.guard)
 
         # Rounds in the order echo-status, status-echo, …: a machine whose speed drifts during
         # the run (a shared VM does) then slows both subjects alike, and neither is always first.

@@ -7,6 +7,7 @@ PostgreSQL refuses to run as root; as root, the server runs as the system accoun
 
 import importlib.util
 import os
+import signal
 import stat
 import subprocess
 from collections.abc import Callable
@@ -16,6 +17,8 @@ from typing import Any
 import anyio
 import asyncpg
 
+from mesh.dev.children import Child, spawn
+from mesh.dev.ports import free_port
 from mesh.names import check_name
 
 PG_ACCOUNT = "mesh-postgres"
@@ -171,3 +174,18 @@ async def ensure_database(port: int, name: str) -> None:
             await conn.execute(f'CREATE DATABASE "{name}"')
     finally:
         await conn.close()
+
+
+async def start(data: Path, *, log: Path, database: str) -> tuple[Child, str]:
+    """Initialise `data` if it is new, run the server on a free local port, wait until it
+    answers and create `database`. Returns the running child and the database's URL."""
+    await anyio.to_thread.run_sync(init, data)
+    port = free_port()
+    child = await spawn("postgres", argv(data, port=port), log=log, cwd=data, **run_as())
+    try:
+        await wait_ready(port, deadline=30, alive=lambda: child.running)
+        await ensure_database(port, database)
+    except (PostgresFailed, OSError, asyncpg.PostgresError) as e:
+        await child.stop(sig=signal.SIGINT)
+        raise PostgresFailed(f"{e}; last lines of {child.log}:\n{child.tail()}") from None
+    return child, url(port, database)

@@ -15,7 +15,6 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import anyio
 import msgspec
@@ -92,13 +91,8 @@ class DevMesh:
         env["PYTHONUNBUFFERED"] = "1"
         return env
 
-    async def _start(
-        self, name: str, argv: list[str], *, cwd: Path | None = None, **credentials: Any
-    ) -> Child:
-        child = await spawn(
-            name, argv, log=self.dir / "logs" / f"{name}.log", env=self._env(), cwd=cwd,
-            **credentials,
-        )  # fmt: skip
+    async def _start(self, name: str, argv: list[str]) -> Child:
+        child = await spawn(name, argv, log=self.dir / "logs" / f"{name}.log", env=self._env())
         self.children.append(child)
         return child
 
@@ -128,18 +122,12 @@ class DevMesh:
         data = self.dir / "pg"
         if not (data / "PG_VERSION").exists():
             say(f"initialising PostgreSQL in {data}")
-        postgres.init(data)
-        port = ports.free_port()
-        child = await self._start(
-            "postgres", postgres.argv(data, port=port), cwd=data, **postgres.run_as()
+        child, self.database_url = await postgres.start(
+            data, log=self.dir / "logs" / "postgres.log", database=DATABASE
         )
-        try:
-            await postgres.wait_ready(port, deadline=30, alive=lambda: child.running)
-        except postgres.PostgresFailed as e:
-            raise DevError(f"{e}; last lines of {child.log}:\n{child.tail()}") from None
-        await postgres.ensure_database(port, DATABASE)
-        self.database_url = postgres.url(port, DATABASE)
-        say(f"postgres up on 127.0.0.1:{port} (data in {data}, pid {child.pid})")
+        self.children.append(child)
+        where = self.database_url.rsplit("@", 1)[-1].rsplit("/", 1)[0]
+        say(f"postgres up on {where} (data in {data}, pid {child.pid})")
 
     async def start_controllers(self) -> None:
         for i in (1, 2):
