@@ -5,7 +5,7 @@ encoded with the same Structs, which keeps the JSON shapes of design.md §3 in o
 """
 
 from datetime import datetime
-from typing import Annotated
+from typing import Annotated, Any
 
 import msgspec
 
@@ -140,3 +140,120 @@ class ErrorBody(msgspec.Struct):
 
 class ErrorReply(msgspec.Struct):
     error: ErrorBody
+
+
+# --- modules ----------------------------------------------------------------------------------
+
+Digest = Annotated[str, msgspec.Meta(pattern=r"^sha256:[0-9a-f]{64}\Z")]
+Text = Annotated[str, msgspec.Meta(max_length=256 * 1024)]
+
+
+class PushRequest(Request):
+    manifest: Text  # module.toml as written
+    source: Digest  # the module's archive, already in the object store
+    by: Annotated[str, msgspec.Meta(max_length=200)] = ""
+
+
+class ChangeReply(msgspec.Struct):
+    """What push, assign, unassign and secret set answer: the plan, or null for no change."""
+
+    plan: int | None
+    machines: list[str]  # whose declarations changed
+    message: str
+    version: str | None = None
+
+
+class AssignRequest(Request):
+    module: Name
+    machines: Annotated[list[Name], msgspec.Meta(max_length=10000)] = []
+    tier: Tier | None = None
+    labels: Labels = {}
+
+
+class ModulesRequest(Request):
+    pass
+
+
+class ModuleInfo(msgspec.Struct):
+    name: str
+    version: str
+    pushed_at: datetime
+    pushed_by: str
+    assigned: list[str]
+    processes: list[str]
+    containers: list[str]
+
+
+class ModulesReply(msgspec.Struct):
+    modules: list[ModuleInfo]
+
+
+class DeclarationRequest(Request):
+    machine: Name
+
+
+class DeclarationReply(msgspec.Struct):
+    machine: str
+    digest: str
+    epoch: int
+    declaration: msgspec.Raw
+
+
+class SecretSetRequest(Request):
+    name: Name
+    value: Annotated[str, msgspec.Meta(max_length=1024 * 1024)]  # base64
+
+
+class DiffRequest(Request):
+    manifest: Text
+    source: Digest
+
+
+class MachineDiff(msgspec.Struct):
+    machine: str
+    before: str | None  # digest
+    after: str
+    changes: list[Any]  # mesh.modules.diff.Change as builtins
+
+
+class DiffReply(msgspec.Struct):
+    module: str
+    version: str
+    machines: list[MachineDiff]
+    builds: list[str]  # bundles that would be built first
+
+
+class BuildLogsRequest(Request):
+    module: Name
+    bundle: Name | None = None
+
+
+class BuildLogsReply(msgspec.Struct):
+    key: str
+    module: str
+    bundle: str
+    state: str
+    builder: str | None
+    log: str
+
+
+# --- builds (controller -> builder host) -------------------------------------------------------
+
+
+class BuildRequest(Request):
+    key: str
+    module: Name
+    bundle: Name
+    source: Digest
+    path: str  # the bundle's source folder in the module
+    argv: list[str]
+    output: str  # relative to `path`
+    timeout: float
+
+
+class BuildReply(msgspec.Struct):
+    ok: bool
+    digest: str | None
+    tail: str  # the last lines of the build's output
+    log: str  # the object holding the whole log
+    error: str = ""

@@ -14,12 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import msgspec
-from rich.console import Console
 
 from mesh import config
-from mesh.cli import render
+from mesh.cli import modules, render
+from mesh.cli.args import Parser, label, tier
 from mesh.cli.client import CliError, call
+from mesh.cli.output import console, print_json
 from mesh.model import NodesReply, StatusReply
 from mesh.names import InvalidName, check_name
 
@@ -37,45 +37,17 @@ def _common() -> argparse.ArgumentParser:
     return p
 
 
-def _label(text: str) -> tuple[str, str]:
-    key, sep, value = text.partition("=")
-    if not sep:
-        raise argparse.ArgumentTypeError(f"{text!r} is not key=value")
-    try:
-        check_name(key, field="label key")
-    except InvalidName as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return key, value
-
-
-def _tier(text: str) -> int:
-    try:
-        tier = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 <= tier <= 9:
-        raise argparse.ArgumentTypeError(f"{tier} is out of range (0 to 9)")
-    return tier
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> Any:
-        # One line, exit 2, like argparse, but without the usage block burying the message.
-        sys.stderr.write(f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
-        sys.exit(2)
-
-
 def parser() -> argparse.ArgumentParser:
     common = _common()
-    top = _Parser(prog="mesh", parents=[common], description="A fleet controller on NATS.")
-    verbs = top.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    top = Parser(prog="mesh", parents=[common], description="A fleet controller on NATS.")
+    verbs = top.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     verbs.required = True
 
     verbs.add_parser("status", parents=[common], help="the seat, standbys, plan, node counts")
     verbs.add_parser("nodes", parents=[common], help="every machine and its state")
 
     dev = verbs.add_parser("dev", parents=[common], help="the embedded dev mesh")
-    dev_verbs = dev.add_subparsers(dest="dev_command", metavar="COMMAND", parser_class=_Parser)
+    dev_verbs = dev.add_subparsers(dest="dev_command", metavar="COMMAND", parser_class=Parser)
     dev_verbs.required = True
     dev_up = dev_verbs.add_parser(
         "up", parents=[common], help="run NATS, PostgreSQL, two controllers and hosts"
@@ -88,7 +60,7 @@ def parser() -> argparse.ArgumentParser:
 
     ctl = verbs.add_parser("controller", parents=[common], help="the controller service")
     ctl_verbs = ctl.add_subparsers(
-        dest="controller_command", metavar="COMMAND", parser_class=_Parser
+        dest="controller_command", metavar="COMMAND", parser_class=Parser
     )
     ctl_verbs.required = True
     ctl_run = ctl_verbs.add_parser("run", parents=[common], help="hold the seat or stand by")
@@ -99,33 +71,25 @@ def parser() -> argparse.ArgumentParser:
     )
 
     host = verbs.add_parser("host", parents=[common], help="the host agent")
-    host_verbs = host.add_subparsers(dest="host_command", metavar="COMMAND", parser_class=_Parser)
+    host_verbs = host.add_subparsers(dest="host_command", metavar="COMMAND", parser_class=Parser)
     host_verbs.required = True
     host_run = host_verbs.add_parser("run", parents=[common], help="run this machine's agent")
     host_run.add_argument("--name", required=True, help="this machine's name")
     host_run.add_argument(
-        "--tier", type=_tier, default=None, help="rollout tier 0-9 (kept if unset)"
+        "--tier", type=tier, default=None, help="rollout tier 0-9 (kept if unset)"
     )
     host_run.add_argument("--root", type=Path, default=None, help="confine the host to DIR (dev)")
     host_run.add_argument(
-        "--label", type=_label, action="append", default=[], metavar="K=V", help="repeatable"
+        "--label", type=label, action="append", default=[], metavar="K=V", help="repeatable"
     )
     host_run.add_argument(
         "--beat", type=float, default=1.0, metavar="S", help="heartbeat interval in seconds (1)"
     )
+    modules.add_parsers(verbs, common)
     return top
 
 
 # --- commands -------------------------------------------------------------------------------
-
-
-def _out(args: argparse.Namespace) -> Console:
-    # In a terminal, rich fits its width; piped, it would assume 80 columns and wrap the rows.
-    return Console(highlight=False, width=None if sys.stdout.isatty() else 200)
-
-
-def _print_json(value: object) -> None:
-    sys.stdout.write(msgspec.json.encode(value).decode() + "\n")
 
 
 async def _verb(args: argparse.Namespace, verb: str, reply: type) -> Any:
@@ -140,12 +104,12 @@ async def _verb(args: argparse.Namespace, verb: str, reply: type) -> Any:
 
 async def cmd_status(args: argparse.Namespace) -> None:
     s = await _verb(args, "status", StatusReply)
-    _print_json(s) if args.json else render.status(_out(args), s)
+    print_json(s) if args.json else render.status(console(), s)
 
 
 async def cmd_nodes(args: argparse.Namespace) -> None:
     r = await _verb(args, "nodes", NodesReply)
-    _print_json(r) if args.json else render.nodes(_out(args), r)
+    print_json(r) if args.json else render.nodes(console(), r)
 
 
 async def cmd_dev_up(args: argparse.Namespace) -> None:
@@ -195,6 +159,7 @@ COMMANDS: dict[tuple[str, ...], Callable[[argparse.Namespace], Any]] = {
     ("dev", "up"): cmd_dev_up,
     ("controller", "run"): cmd_controller_run,
     ("host", "run"): cmd_host_run,
+    **modules.COMMANDS,
 }
 
 

@@ -1,11 +1,12 @@
 """Human output: tables and short summaries. `--json` bypasses all of this."""
 
+import json
 from datetime import UTC, datetime
 
 from rich.console import Console
 from rich.table import Table
 
-from mesh.model import NodesReply, StatusReply
+from mesh.model import ChangeReply, DiffReply, ModulesReply, NodesReply, StatusReply
 
 
 def _ago(when: datetime | None) -> str:
@@ -58,4 +59,46 @@ def nodes(console: Console, r: NodesReply) -> None:
         procs = ", ".join(f"{p.name}:{p.state}" for p in n.processes) or "-"
         state = "[green]up[/]" if n.up else "[red]down[/]"
         table.add_row(n.name, str(n.tier), state, _ago(n.last_seen), labels, system, procs)
+    console.print(table)
+
+
+def change(console: Console, r: ChangeReply) -> None:
+    plan = f"plan {r.plan}" if r.plan is not None else "no plan"
+    console.print(f"{r.message} ({plan})")
+    for machine in r.machines:
+        console.print(f"  ~ {machine}")
+
+
+def _short(value: object) -> str:
+    text = json.dumps(value, sort_keys=True)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def diff(console: Console, r: DiffReply) -> None:
+    console.print(f"module {r.module} {r.version[:19]}: {len(r.machines)} machine(s) would change")
+    for name in r.builds:
+        console.print(f"  would build bundle {name} first")
+    for m in r.machines:
+        console.print(
+            f"[bold]{m.machine}[/] {m.before[:19] if m.before else '(none)'} -> {m.after[:19]}"
+        )
+        for c in m.changes:
+            console.print(f"  {c['op']} {c['kind']} {c['name']}", markup=False)
+            for field, (old, new) in sorted(c.get("fields", {}).items()):
+                console.print(f"      {field}: {_short(old)} -> {_short(new)}", markup=False)
+
+
+def modules(console: Console, r: ModulesReply) -> None:
+    if not r.modules:
+        console.print("no modules have been pushed yet")
+        return
+    table = Table(box=None, header_style="bold")
+    for column in ("MODULE", "VERSION", "PUSHED", "BY", "ASSIGNED TO", "PROCESSES", "CONTAINERS"):
+        table.add_column(column)
+    for m in r.modules:
+        table.add_row(
+            m.name, m.version[7:19], _ago(m.pushed_at), m.pushed_by or "-",
+            ", ".join(m.assigned) or "-", ", ".join(m.processes) or "-",
+            ", ".join(m.containers) or "-",
+        )  # fmt: skip
     console.print(table)

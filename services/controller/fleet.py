@@ -135,7 +135,7 @@ class Fleet:
         total, up = len(self.machines), len(self._up)
         return NodeCounts(total=total, up=up, down=total - up)
 
-    def nodes(self) -> list[Node]:
+    def nodes(self, *, wanted: dict[str, str]) -> list[Node]:
         return [
             Node(
                 name=m.name,
@@ -145,6 +145,7 @@ class Fleet:
                 last_seen=m.last_seen,
                 facts=m.facts,
                 processes=[],
+                digest_wanted=wanted.get(m.name),
             )
             for m in sorted(self.machines.values(), key=lambda m: (m.tier, m.name))
         ]

@@ -22,11 +22,12 @@ import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from mesh import bus, subjects, wire
+from mesh import blobs, bus, subjects, wire
 from mesh.lifetime import stop_on_signals
 from mesh.model import Beat, SeatAnnounce, SeatInfo
 from mesh.store import db, events, seats
 from mesh.store.migrate import migrate
+from services.controller.catalog import Catalog
 from services.controller.fleet import Fleet
 from services.controller.seat import SeatLock
 from services.controller.standbys import ANNOUNCE_EVERY, Standbys
@@ -134,13 +135,7 @@ async def _hold(
 
     fleet = Fleet(pool=pool, epoch=row.epoch, down_after=down_after)
     await fleet.load()
-    holder = Holder(
-        seat=SeatInfo(
-            holder=me.instance, pid=me.pid, host=me.host, epoch=row.epoch, since=row.since
-        ),
-        fleet=fleet,
-        standbys=standbys,
-    )
+    kv, obs = await blobs.ensure(nc)
 
     async def on_beat(msg: Msg) -> None:
         try:
@@ -151,19 +146,35 @@ async def _hold(
             return  # a machine speaks only for itself
         await fleet.beat(beat)
 
-    subs = [
-        await nc.subscribe(subjects.CTL_VERBS, queue=subjects.QUEUE, cb=partial(on_verb, holder)),
-        await nc.subscribe(
-            subjects.CTL_HOST_VERBS, queue=subjects.QUEUE, cb=partial(on_host_verb, holder)
-        ),
-        await nc.subscribe(subjects.HOST_BEATS, queue=subjects.QUEUE, cb=on_beat),
-    ]
-    await nc.flush()
+    subs = []
     held = msgspec.structs.replace(me, since=row.since, epoch=row.epoch)
-    await nc.publish(subjects.seat("held"), wire.encode(held))
-    link.on_up = fleet.forgive  # beats lost while we were away are not the machines' fault
     try:
         async with anyio.create_task_group() as serving:
+            catalog = Catalog(pool=pool, nc=nc, kv=kv, obs=obs, fleet=fleet, epoch=row.epoch)
+            holder = Holder(
+                seat=SeatInfo(
+                    holder=me.instance, pid=me.pid, host=me.host, epoch=row.epoch, since=row.since
+                ),
+                fleet=fleet,
+                standbys=standbys,
+                catalog=catalog,
+                tasks=serving,
+            )
+            republished = await catalog.republish()
+            if republished:
+                log.info("republished %d declaration(s) under epoch %d", republished, row.epoch)
+            subs = [
+                await nc.subscribe(
+                    subjects.CTL_VERBS, queue=subjects.QUEUE, cb=partial(on_verb, holder)
+                ),
+                await nc.subscribe(
+                    subjects.CTL_HOST_VERBS, queue=subjects.QUEUE, cb=partial(on_host_verb, holder)
+                ),
+                await nc.subscribe(subjects.HOST_BEATS, queue=subjects.QUEUE, cb=on_beat),
+            ]
+            await nc.flush()
+            await nc.publish(subjects.seat("held"), wire.encode(held))
+            link.on_up = fleet.forgive  # beats lost while we were away are not the machines' fault
             serving.start_soon(lock.watch)
             serving.start_soon(fleet.watch)
             serving.start_soon(_step_down_without_bus, link)

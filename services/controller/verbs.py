@@ -10,19 +10,33 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
+from anyio.abc import TaskGroup
 from nats.aio.msg import Msg
 
 from mesh import wire
 from mesh.model import (
+    AssignRequest,
+    BuildLogsReply,
+    BuildLogsRequest,
+    ChangeReply,
+    DeclarationReply,
+    DeclarationRequest,
+    DiffReply,
+    DiffRequest,
+    ModulesReply,
+    ModulesRequest,
     NodesReply,
     NodesRequest,
+    PushRequest,
     Register,
     RegisterReply,
     SeatInfo,
+    SecretSetRequest,
     StatusReply,
     StatusRequest,
 )
 from mesh.names import InvalidName, check_name
+from services.controller.catalog import Catalog
 from services.controller.fleet import Fleet
 from services.controller.standbys import Standbys
 
@@ -35,6 +49,8 @@ class Holder(msgspec.Struct):
     seat: SeatInfo  # fixed for as long as this controller holds the seat
     fleet: Fleet
     standbys: Standbys
+    catalog: Catalog
+    tasks: TaskGroup  # where verbs that wait on the store or a build run, off the hot path
 
 
 async def status(h: Holder, _: StatusRequest) -> StatusReply:
@@ -46,7 +62,7 @@ async def status(h: Holder, _: StatusRequest) -> StatusReply:
 
 
 async def nodes(h: Holder, _: NodesRequest) -> NodesReply:
-    return NodesReply(nodes=h.fleet.nodes())
+    return NodesReply(nodes=h.fleet.nodes(wanted=h.catalog.wanted))
 
 
 async def register(h: Holder, machine: str, req: Register) -> RegisterReply:
@@ -58,15 +74,62 @@ async def register(h: Holder, machine: str, req: Register) -> RegisterReply:
     return RegisterReply(name=row.name, tier=row.tier, epoch=h.seat.epoch)
 
 
-Verb = tuple[type, Callable[..., Awaitable[Any]]]
+async def push(h: Holder, req: PushRequest) -> ChangeReply:
+    return await h.catalog.push(req)
+
+
+async def assign(h: Holder, req: AssignRequest) -> ChangeReply:
+    return await h.catalog.assign(req)
+
+
+async def unassign(h: Holder, req: AssignRequest) -> ChangeReply:
+    return await h.catalog.assign(req, undo=True)
+
+
+async def modules(h: Holder, _: ModulesRequest) -> ModulesReply:
+    return await h.catalog.modules()
+
+
+async def declaration(h: Holder, req: DeclarationRequest) -> DeclarationReply:
+    return await h.catalog.declaration(req.machine)
+
+
+async def secret_set(h: Holder, req: SecretSetRequest) -> ChangeReply:
+    return await h.catalog.secret_set(req)
+
+
+async def diff(h: Holder, req: DiffRequest) -> DiffReply:
+    return await h.catalog.diff(req)
+
+
+async def build_logs(h: Holder, req: BuildLogsRequest) -> BuildLogsReply:
+    return await h.catalog.build_logs(req)
+
+
+class Verb(msgspec.Struct, frozen=True):
+    request: type
+    handler: Callable[..., Awaitable[Any]]
+    slow: bool = False  # waits on the store or a build: runs in its own task
+    limit: int = wire.MAX_BODY
+
+
+_MODULE_BODY = 640 * 1024  # a manifest of up to 256 KiB, JSON-escaped
 
 VERBS: dict[str, Verb] = {
-    "status": (StatusRequest, status),
-    "nodes": (NodesRequest, nodes),
+    "status": Verb(StatusRequest, status),
+    "nodes": Verb(NodesRequest, nodes),
+    "push": Verb(PushRequest, push, slow=True, limit=_MODULE_BODY),
+    "diff": Verb(DiffRequest, diff, slow=True, limit=_MODULE_BODY),
+    "assign": Verb(AssignRequest, assign, slow=True, limit=_MODULE_BODY),
+    "unassign": Verb(AssignRequest, unassign, slow=True, limit=_MODULE_BODY),
+    "modules": Verb(ModulesRequest, modules, slow=True),
+    "declaration": Verb(DeclarationRequest, declaration, slow=True),
+    "secret-set": Verb(SecretSetRequest, secret_set, slow=True, limit=2 * 1024 * 1024),
+    "build-logs": Verb(BuildLogsRequest, build_logs, slow=True),
 }
 
 HOST_VERBS: dict[str, Verb] = {
-    "register": (Register, register),
+    "register": Verb(Register, register),
 }
 
 
@@ -86,17 +149,23 @@ async def _answer(msg: Msg, serve: Callable[[], Awaitable[Any]]) -> None:
 async def on_verb(h: Holder, msg: Msg) -> None:
     """mesh.ctl.<verb>"""
 
+    name = msg.subject.split(".")[2]
+    verb = VERBS.get(name)
+
     async def serve() -> Any:
-        name = msg.subject.split(".")[2]
-        verb = VERBS.get(name)
         if verb is None:
             raise wire.BadRequest(
                 f"unknown verb {name[:64]!r}; known: {', '.join(sorted(VERBS))}",
                 code="unknown_verb",
             )
-        req_type, handler = verb
-        return await handler(h, wire.decode(msg.data, req_type))
+        return await verb.handler(h, wire.decode(msg.data, verb.request, limit=verb.limit))
 
+    if verb is not None and verb.slow:
+        try:
+            h.tasks.start_soon(_answer, msg, serve)
+            return
+        except RuntimeError:  # stopping: the task group is closed; answer here instead
+            pass
     await _answer(msg, serve)
 
 
@@ -115,7 +184,6 @@ async def on_host_verb(h: Holder, msg: Msg) -> None:
                 f"unknown host verb {name[:64]!r}; known: {', '.join(sorted(HOST_VERBS))}",
                 code="unknown_verb",
             )
-        req_type, handler = verb
-        return await handler(h, machine, wire.decode(msg.data, req_type))
+        return await verb.handler(h, machine, wire.decode(msg.data, verb.request))
 
     await _answer(msg, serve)

@@ -18,7 +18,8 @@ from nats.aio.msg import Msg
 
 from mesh import bus, subjects, wire
 from mesh.lifetime import stop_on_signals
-from mesh.model import Beat, Register, RegisterReply, SeatAnnounce
+from mesh.model import Beat, BuildRequest, Register, RegisterReply, SeatAnnounce
+from services.host import builds
 from services.host.facts import gather
 
 log = logging.getLogger("mesh.host")
@@ -56,6 +57,7 @@ async def run(
     root = (root or Path("/")).resolve()
     if root != Path("/"):
         root.mkdir(parents=True, exist_ok=True)
+    state = root if root != Path("/") else Path("/var/lib/mesh")  # builds, bundles, logs
     status = HostStatus(
         name=name,
         pid=os.getpid(),
@@ -83,7 +85,16 @@ async def run(
             async def on_status(msg: Msg) -> None:
                 await msg.respond(wire.encode(status))
 
+            async def on_build(msg: Msg) -> None:
+                try:
+                    req = wire.decode(msg.data, BuildRequest)
+                except wire.BadRequest as e:
+                    await msg.respond(wire.error(e.code, str(e)))
+                    return
+                await msg.respond(wire.encode(await builds.build(nc, req, root=state)))
+
             await nc.subscribe(subjects.host(name, "status"), cb=on_status)
+            await nc.subscribe(subjects.host(name, "build"), cb=on_build)
             # Subscribed before registering, so a takeover during registration is not missed.
             held = await nc.subscribe(subjects.seat("held"))
             await _register(nc, registration, status)

@@ -1,0 +1,89 @@
+"""The JetStream side of the truth's copies: the object store `mesh-bundles` (module sources,
+bundles and build logs, content-addressed) and the KV bucket `mesh-declarations`.
+
+Everything here can be rebuilt from PostgreSQL; the controller creates both at takeover.
+"""
+
+import hashlib
+
+from nats.aio.client import Client
+from nats.js.errors import BucketNotFoundError, NotFoundError, ObjectNotFoundError
+from nats.js.kv import KeyValue
+from nats.js.object_store import ObjectStore
+
+BUNDLES = "mesh-bundles"
+DECLARATIONS = "mesh-declarations"
+
+
+class BlobMissing(Exception):
+    pass
+
+
+class BlobCorrupt(Exception):
+    pass
+
+
+def digest(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def _object_name(d: str) -> str:
+    return d.replace(":", "-")  # object names become subject tokens inside JetStream
+
+
+async def ensure(nc: Client) -> tuple[KeyValue, ObjectStore]:
+    """Open (creating if new) the declarations bucket and the bundle store."""
+    js = nc.jetstream()
+    try:
+        kv = await js.key_value(DECLARATIONS)
+    except (BucketNotFoundError, NotFoundError):
+        kv = await js.create_key_value(bucket=DECLARATIONS, history=5)
+    try:
+        obs = await js.object_store(BUNDLES)
+    except (BucketNotFoundError, NotFoundError):
+        obs = await js.create_object_store(BUNDLES)
+    return kv, obs
+
+
+async def store(nc: Client) -> ObjectStore:
+    """The bundle store, for clients and hosts: it exists once a controller has held the seat."""
+    try:
+        return await nc.jetstream().object_store(BUNDLES)
+    except (BucketNotFoundError, NotFoundError):
+        raise BlobMissing(
+            f"no object store {BUNDLES}: has a controller held the seat yet?"
+        ) from None
+
+
+async def put(obs: ObjectStore, data: bytes) -> str:
+    """Store `data` under its digest (once) and return the digest."""
+    d = digest(data)
+    try:
+        await obs.get_info(_object_name(d))
+    except (ObjectNotFoundError, NotFoundError):
+        await obs.put(_object_name(d), data)
+    return d
+
+
+async def get(obs: ObjectStore, d: str) -> bytes:
+    """Fetch by digest and verify it: a corrupt or substituted blob is refused."""
+    try:
+        result = await obs.get(_object_name(d))
+    except (ObjectNotFoundError, NotFoundError):
+        raise BlobMissing(f"{d} is not in {BUNDLES}") from None
+    data = result.data or b""
+    if digest(data) != d:
+        raise BlobCorrupt(f"{d}: the stored bytes have digest {digest(data)}")
+    return data
+
+
+async def put_named(obs: ObjectStore, name: str, data: bytes) -> None:
+    """A named object (a build log), replaced on every put."""
+    await obs.put(name, data)
+
+
+async def get_named(obs: ObjectStore, name: str) -> bytes:
+    try:
+        return (await obs.get(name)).data or b""
+    except (ObjectNotFoundError, NotFoundError):
+        raise BlobMissing(f"{name} is not in {BUNDLES}") from None

@@ -1,0 +1,35 @@
+"""Argument types and the parser class shared by every `mesh` command."""
+
+import argparse
+import sys
+from typing import Any
+
+from mesh.names import InvalidName, check_name
+
+
+def label(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"{text!r} is not key=value")
+    try:
+        check_name(key, field="label key")
+    except InvalidName as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return key, value
+
+
+def tier(text: str) -> int:
+    try:
+        tier = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 <= tier <= 9:
+        raise argparse.ArgumentTypeError(f"{tier} is out of range (0 to 9)")
+    return tier
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:
+        # One line, exit 2, like argparse, but without the usage block burying the message.
+        sys.stderr.write(f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+        sys.exit(2)

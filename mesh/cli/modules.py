@@ -1,0 +1,229 @@
+"""`mesh push`, `plan diff`, `assign`, `unassign`, `modules`, `declaration`, `secret set`,
+`build logs`: the module verbs from the command line."""
+
+import argparse
+import base64
+import getpass
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from mesh import blobs, config
+from mesh.cli import render
+from mesh.cli.args import Parser, label, tier
+from mesh.cli.client import CliError, ask, call, connected
+from mesh.cli.output import console, print_json
+from mesh.model import (
+    AssignRequest,
+    BuildLogsReply,
+    BuildLogsRequest,
+    ChangeReply,
+    DeclarationReply,
+    DeclarationRequest,
+    DiffReply,
+    DiffRequest,
+    ModulesReply,
+    PushRequest,
+    SecretSetRequest,
+)
+from mesh.modules import gate
+from mesh.modules.load import load
+from mesh.wire import encode
+
+CHANGE_TIMEOUT = 900.0  # a push may wait for a build (10 minutes by default) and then some
+
+
+def add_parsers(verbs: Any, common: argparse.ArgumentParser) -> None:
+    push = verbs.add_parser("push", parents=[common], help="validate and upload a module")
+    push.add_argument("dir", type=Path, metavar="DIR", help="the module's folder")
+
+    plan = verbs.add_parser("plan", parents=[common], help="plans; `plan diff DIR`: a dry run")
+    plan_verbs = plan.add_subparsers(dest="plan_command", metavar="COMMAND", parser_class=Parser)
+    plan_verbs.required = True
+    diff = plan_verbs.add_parser("diff", parents=[common], help="what a push of DIR would change")
+    diff.add_argument("dir", type=Path, metavar="DIR")
+
+    for name, what in (("assign", "assign a module to machines"),
+                       ("unassign", "take a module off machines")):  # fmt: skip
+        p = verbs.add_parser(name, parents=[common], help=what)
+        p.add_argument("module")
+        p.add_argument("machines", nargs="*", metavar="MACHINE")
+        p.add_argument("--tier", type=tier, default=None, help="every machine in tier T")
+        p.add_argument(
+            "--label", type=label, action="append", default=[], metavar="K=V",
+            help="every machine with these labels (repeatable)",
+        )  # fmt: skip
+
+    verbs.add_parser("modules", parents=[common], help="modules, versions, assignments")
+    decl = verbs.add_parser("declaration", parents=[common], help="a machine's declaration")
+    decl.add_argument("machine")
+
+    secret = verbs.add_parser("secret", parents=[common], help="secrets")
+    secret_verbs = secret.add_subparsers(
+        dest="secret_command", metavar="COMMAND", parser_class=Parser
+    )
+    secret_verbs.required = True
+    secret_set = secret_verbs.add_parser("set", parents=[common], help="store a secret")
+    secret_set.add_argument("name")
+    secret_set.add_argument("--from-file", type=Path, metavar="F", help="read the value from F")
+
+    build = verbs.add_parser("build", parents=[common], help="builds")
+    build_verbs = build.add_subparsers(dest="build_command", metavar="COMMAND", parser_class=Parser)
+    build_verbs.required = True
+    logs = build_verbs.add_parser("logs", parents=[common], help="the last build's whole log")
+    logs.add_argument("module")
+    logs.add_argument("bundle", nargs="?")
+
+
+def _where(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "url": config.nats_url(getattr(args, "nats_url", None)),
+        "creds": config.creds(getattr(args, "creds", None)),
+    }
+
+
+def _local(folder: Path) -> Any:
+    try:
+        return load(folder)
+    except gate.Refused as e:
+        raise CliError(str(e)) from None
+    except OSError as e:
+        raise CliError(f"{folder}: {e.strerror or e}") from None
+
+
+async def _upload_and_ask(args: argparse.Namespace, verb: str, body_of: Any, reply: type) -> Any:
+    module = _local(args.dir)
+    where = _where(args)
+    async with connected(url=where["url"], creds=where["creds"], what=verb) as nc:
+        try:
+            store = await blobs.store(nc)
+            await blobs.put(store, module.source)
+        except blobs.BlobMissing as e:
+            raise CliError(f"{e}; {where['url']}") from None
+        timeout = getattr(args, "timeout", CHANGE_TIMEOUT)
+        return await ask(
+            nc, url=where["url"], verb=verb, reply=reply, timeout=timeout,
+            body=encode(body_of(module)), attempt=timeout,
+        )  # fmt: skip
+
+
+async def cmd_push(args: argparse.Namespace) -> None:
+    reply: ChangeReply = await _upload_and_ask(
+        args,
+        "push",
+        lambda m: PushRequest(manifest=m.manifest_text, source=m.version, by=getpass.getuser()),
+        ChangeReply,
+    )
+    if args.json:
+        print_json(reply)
+    else:
+        render.change(console(), reply)
+
+
+async def cmd_plan_diff(args: argparse.Namespace) -> None:
+    reply: DiffReply = await _upload_and_ask(
+        args, "diff", lambda m: DiffRequest(manifest=m.manifest_text, source=m.version), DiffReply
+    )
+    if args.json:
+        print_json(reply)
+    else:
+        render.diff(console(), reply)
+
+
+async def _assign(args: argparse.Namespace, verb: str) -> None:
+    if not args.machines and args.tier is None and not args.label:
+        raise CliError(f"{verb}: name machines, or select them with --tier or --label")
+    body = AssignRequest(
+        module=args.module, machines=args.machines, tier=args.tier, labels=dict(args.label)
+    )
+    timeout = getattr(args, "timeout", CHANGE_TIMEOUT)
+    where = _where(args)
+    async with connected(url=where["url"], creds=where["creds"], what=verb) as nc:
+        reply = await ask(
+            nc, url=where["url"], verb=verb, reply=ChangeReply, timeout=timeout,
+            body=encode(body), attempt=timeout,
+        )  # fmt: skip
+    if args.json:
+        print_json(reply)
+    else:
+        render.change(console(), reply)
+
+
+async def cmd_assign(args: argparse.Namespace) -> None:
+    await _assign(args, "assign")
+
+
+async def cmd_unassign(args: argparse.Namespace) -> None:
+    await _assign(args, "unassign")
+
+
+async def _simple(args: argparse.Namespace, verb: str, reply: type, body: Any = None) -> Any:
+    return await call(
+        **_where(args),
+        verb=verb,
+        reply=reply,
+        timeout=getattr(args, "timeout", 5.0),
+        body=encode(body) if body is not None else b"{}",
+    )
+
+
+async def cmd_modules(args: argparse.Namespace) -> None:
+    reply = await _simple(args, "modules", ModulesReply)
+    if args.json:
+        print_json(reply)
+    else:
+        render.modules(console(), reply)
+
+
+async def cmd_declaration(args: argparse.Namespace) -> None:
+    reply: DeclarationReply = await _simple(
+        args, "declaration", DeclarationReply, DeclarationRequest(machine=args.machine)
+    )
+    if args.json:
+        print_json(reply)
+    else:
+        console().print(f"{reply.machine}  {reply.digest}  epoch {reply.epoch}")
+        sys.stdout.write(json.dumps(json.loads(bytes(reply.declaration)), indent=2) + "\n")
+
+
+async def cmd_secret_set(args: argparse.Namespace) -> None:
+    if args.from_file:
+        try:
+            value = args.from_file.read_bytes()
+        except OSError as e:
+            raise CliError(f"--from-file: {args.from_file}: {e.strerror or e}") from None
+    elif sys.stdin.isatty():
+        value = getpass.getpass(f"value of secret {args.name}: ").encode()
+    else:
+        value = sys.stdin.buffer.read()
+    body = SecretSetRequest(name=args.name, value=base64.b64encode(value).decode())
+    reply = await _simple(args, "secret-set", ChangeReply, body)
+    if args.json:
+        print_json(reply)
+    else:
+        render.change(console(), reply)
+
+
+async def cmd_build_logs(args: argparse.Namespace) -> None:
+    reply: BuildLogsReply = await _simple(
+        args, "build-logs", BuildLogsReply, BuildLogsRequest(module=args.module, bundle=args.bundle)
+    )
+    if args.json:
+        print_json(reply)
+    else:
+        sys.stderr.write(f"build {reply.key[:19]} of {reply.module}/{reply.bundle} on "
+                         f"{reply.builder}: {reply.state}\n")  # fmt: skip
+        sys.stdout.write(reply.log)
+
+
+COMMANDS = {
+    ("push",): cmd_push,
+    ("plan", "diff"): cmd_plan_diff,
+    ("assign",): cmd_assign,
+    ("unassign",): cmd_unassign,
+    ("modules",): cmd_modules,
+    ("declaration",): cmd_declaration,
+    ("secret", "set"): cmd_secret_set,
+    ("build", "logs"): cmd_build_logs,
+}

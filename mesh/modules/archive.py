@@ -1,0 +1,166 @@
+"""Canonical archives of module sources and bundles: the same tree gives the same bytes.
+
+Entries are sorted, owners and times zeroed, modes reduced to 0755/0644, and nothing but
+regular files, folders and symlinks that stay inside the tree is accepted, packing or reading.
+"""
+
+import hashlib
+import io
+import os
+import posixpath
+import stat
+import tarfile
+from pathlib import Path
+
+SKIP = {".git", "__pycache__", ".mesh"}
+MAX_ARCHIVE = 64 * 2**20
+
+
+class ArchiveRefused(ValueError):
+    """An entry that would escape its root or is not a plain file, folder or inner symlink."""
+
+
+def digest(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def _inside(link_dir: str, target: str) -> bool:
+    if target.startswith("/"):
+        return False
+    joined = posixpath.normpath(posixpath.join(link_dir, target))
+    return not (joined == ".." or joined.startswith("../"))
+
+
+def _info(
+    name: str, *, kind: bytes, mode: int = 0o644, size: int = 0, link: str = ""
+) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type = kind
+    info.mode = mode
+    info.size = size
+    info.linkname = link
+    info.mtime = 0
+    info.uid = info.gid = 0
+    info.uname = info.gname = ""
+    return info
+
+
+def pack(root: Path) -> bytes:
+    """Pack the file or folder `root` canonically; a file becomes one entry under its name."""
+    root = Path(root)
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        if root.is_file() and not root.is_symlink():
+            _add_file(tar, root, root.name)
+        else:
+            for rel in _walk(root):
+                path = root / rel
+                st = path.lstat()
+                if stat.S_ISLNK(st.st_mode):
+                    target = os.readlink(path)
+                    if not _inside(posixpath.dirname(rel), target):
+                        raise ArchiveRefused(
+                            f"{rel}: symlink to {target!r} points outside the module"
+                        )
+                    tar.addfile(_info(rel, kind=tarfile.SYMTYPE, mode=0o777, link=target))
+                elif stat.S_ISDIR(st.st_mode):
+                    tar.addfile(_info(rel, kind=tarfile.DIRTYPE, mode=0o755))
+                elif stat.S_ISREG(st.st_mode):
+                    _add_file(tar, path, rel)
+                else:
+                    raise ArchiveRefused(f"{rel}: not a regular file, folder or symlink")
+    data = out.getvalue()
+    if len(data) > MAX_ARCHIVE:
+        raise ArchiveRefused(f"the archive is {len(data)} bytes, at most {MAX_ARCHIVE}")
+    return data
+
+
+def _add_file(tar: tarfile.TarFile, path: Path, name: str) -> None:
+    mode = 0o755 if path.stat().st_mode & 0o111 else 0o644
+    data = path.read_bytes()
+    tar.addfile(_info(name, kind=tarfile.REGTYPE, mode=mode, size=len(data)), io.BytesIO(data))
+
+
+def _walk(root: Path) -> list[str]:
+    found: list[str] = []
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if d not in SKIP)
+        base = Path(folder).relative_to(root).as_posix()
+        for name in dirs + sorted(files):
+            rel = name if base == "." else f"{base}/{name}"
+            found.append(rel)
+    return sorted(found)
+
+
+def members(data: bytes) -> dict[str, tarfile.TarInfo]:
+    """The entries of an archive, each checked: no absolute or `..` names, no links out, no
+    hard links, no devices. Raises ArchiveRefused naming the entry."""
+    entries: dict[str, tarfile.TarInfo] = {}
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
+        for info in tar.getmembers():
+            name = info.name
+            norm = posixpath.normpath(name)
+            if name.startswith("/") or norm == ".." or norm.startswith("../"):
+                raise ArchiveRefused(f"{name}: escapes the archive's root")
+            if info.issym():
+                if not _inside(posixpath.dirname(norm), info.linkname):
+                    raise ArchiveRefused(f"{name}: symlink to {info.linkname!r} points outside")
+            elif info.islnk():
+                raise ArchiveRefused(f"{name}: hard links are not accepted")
+            elif not (info.isfile() or info.isdir()):
+                raise ArchiveRefused(f"{name}: not a regular file, folder or symlink")
+            entries[norm] = info
+    return entries
+
+
+def subtree(data: bytes, path: str) -> bytes:
+    """The canonical archive of `path` (a file or folder) inside the archive `data`."""
+    entries = members(data)
+    path = posixpath.normpath(path)
+    if path not in entries:
+        raise ArchiveRefused(f"{path}: not in the module")
+    out = io.BytesIO()
+    with (
+        tarfile.open(fileobj=io.BytesIO(data), mode="r:") as src,
+        tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar,
+    ):
+        top = entries[path]
+        if top.isfile():
+            chosen = [(posixpath.basename(path), top)]
+        else:
+            prefix = path + "/"
+            chosen = sorted(
+                (n[len(prefix) :], i) for n, i in entries.items() if n.startswith(prefix)
+            )
+        for name, info in chosen:
+            copy = _info(name, kind=info.type, mode=info.mode, size=info.size, link=info.linkname)
+            if info.isfile():
+                tar.addfile(copy, src.extractfile(info))
+            else:
+                tar.addfile(copy)
+    packed = out.getvalue()
+    members(packed)  # a symlink that stayed inside the module may leave this subtree
+    return packed
+
+
+def unpack(data: bytes, dest: Path) -> None:
+    """Write the archive's entries under `dest` (an empty folder), each checked first."""
+    entries = members(data)
+    dest = Path(dest)
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
+        for name in sorted(entries):
+            info = entries[name]
+            target = dest / name
+            if info.isdir():
+                target.mkdir(parents=True, exist_ok=True)
+            elif info.issym():
+                target.parent.mkdir(parents=True, exist_ok=True)
+                os.symlink(info.linkname, target)
+            else:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                src = tar.extractfile(info)
+                assert src is not None
+                fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+                with os.fdopen(fd, "wb") as out:
+                    out.write(src.read())
+                os.chmod(target, 0o755 if info.mode & 0o111 else 0o644)

@@ -1,0 +1,262 @@
+"""The registration gate: what `push` refuses, each refusal naming module, field and value.
+
+Refused: unknown fields; a shell string where argv is required; a container built from the
+module's own source (a module's own code is bundles, never an image); a process naming an
+unknown bundle or account; a path that escapes its root (`..`, absolute, symlink out);
+durations and modes that do not parse; names that are not valid subject tokens.
+"""
+
+import posixpath
+import re
+import tomllib
+from typing import Any
+
+import msgspec
+
+from mesh.modules.manifest import Check, Manifest, Process
+from mesh.names import InvalidName, check_name
+
+MAX_MANIFEST = 256 * 1024
+SHELLS = {
+    "sh",
+    "bash",
+    "dash",
+    "zsh",
+    "ksh",
+    "/bin/sh",
+    "/bin/bash",
+    "/usr/bin/sh",
+    "/usr/bin/bash",
+}
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h)")
+_MODE = re.compile(r"0?[0-7]{3}")
+_ACCOUNT = re.compile(r"[a-z_][a-z0-9_-]{0,31}")
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+class Refused(ValueError):
+    """A module the gate will not register. str() is one line: module, field, value, why."""
+
+    def __init__(self, module: str, field: str, message: str) -> None:
+        super().__init__(f"module {module}: {field}: {message}")
+        self.module = module
+        self.field = field
+
+
+def duration(text: str) -> float:
+    """'500ms', '2s', '1.5m', '1h' -> seconds."""
+    m = _DURATION.fullmatch(text)
+    if not m:
+        raise ValueError(f"{text!r} is not a duration (like 500ms, 2s, 1m, 1h)")
+    return float(m.group(1)) * _UNITS[m.group(2)]
+
+
+def mode(text: str) -> int:
+    if not _MODE.fullmatch(text):
+        raise ValueError(f'{text!r} is not an octal file mode (like "0400")')
+    return int(text, 8)
+
+
+def parse(text: str, *, origin: str = "module.toml") -> Manifest:
+    """Parse and strictly decode a manifest. Refusals name the field (`$.process.x.command`)."""
+    if len(text.encode()) > MAX_MANIFEST:
+        raise Refused("?", origin, f"is larger than {MAX_MANIFEST} bytes")
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise Refused("?", origin, f"not valid TOML: {e}") from None
+    name = raw.get("module", {}).get("name", "?") if isinstance(raw.get("module"), dict) else "?"
+    module = str(name)[:64]
+    _refuse_shell_strings(module, raw)
+    try:
+        manifest = msgspec.convert(raw, Manifest)
+    except msgspec.ValidationError as e:
+        field, _, why = _split(str(e))
+        raise Refused(module, field, why) from None
+    check(manifest)
+    return manifest
+
+
+def _split(message: str) -> tuple[str, str, str]:
+    # msgspec: "Object contains unknown field `x` - at `$.process.hello`"
+    why, sep, at = message.rpartition(" - at ")
+    if not sep:
+        return "module.toml", "", message
+    return at.strip("`").removeprefix("$."), "", why
+
+
+def _argv_fields(raw: dict[str, Any]) -> list[tuple[str, Any]]:
+    found: list[tuple[str, Any]] = []
+    for kind, fields in (("process", ("command", "prepare")), ("bundle", ("build",)),
+                         ("container", ("command",))):  # fmt: skip
+        for name, table in (raw.get(kind) or {}).items():
+            if not isinstance(table, dict):
+                continue
+            for f in fields:
+                if f in table:
+                    found.append((f"{kind}.{name}.{f}", table[f]))
+            check_table = table.get("check") if kind == "process" else None
+            if isinstance(check_table, dict) and "exec" in check_table:
+                found.append((f"{kind}.{name}.check.exec", check_table["exec"]))
+    return found
+
+
+def _refuse_shell_strings(module: str, raw: dict[str, Any]) -> None:
+    for field, value in _argv_fields(raw):
+        if isinstance(value, str):
+            words = value.split()
+            raise Refused(
+                module,
+                field,
+                f"{value!r} is a shell string; commands are argv lists, "
+                f"like {msgspec.json.encode(words).decode()}",
+            )
+        if isinstance(value, list) and len(value) >= 2 and value[0] in SHELLS and value[1] == "-c":
+            raise Refused(
+                module,
+                field,
+                f"{value[0]} -c runs a shell string; write the command as argv instead",
+            )
+        if isinstance(value, list) and not value:
+            raise Refused(module, field, "an empty command")
+
+
+def _name(module: str, field: str, value: str) -> None:
+    try:
+        check_name(value, field=field)
+    except InvalidName as e:
+        raise Refused(module, field, str(e).split(": ", 1)[1]) from None
+
+
+def _relative(module: str, field: str, value: str) -> None:
+    norm = posixpath.normpath(value)
+    if value.startswith("/") or norm == ".." or norm.startswith("../") or "\0" in value:
+        raise Refused(module, field, f"{value!r} escapes the module: use a path inside it")
+
+
+def _absolute(module: str, field: str, value: str) -> None:
+    if not value.startswith("/") or ".." in value.split("/"):
+        raise Refused(module, field, f"{value!r} must be an absolute path without '..'")
+
+
+def _duration(module: str, field: str, value: str) -> None:
+    try:
+        duration(value)
+    except ValueError as e:
+        raise Refused(module, field, str(e)) from None
+
+
+def check(m: Manifest) -> None:
+    """Every rule msgspec cannot express. Raises Refused at the first problem."""
+    mod = m.module.name
+    _name(mod, "module.name", mod)
+    for name, b in m.bundle.items():
+        f = f"bundle.{name}"
+        _name(mod, f, name)
+        if b.kind == "system":
+            if b.source or b.build or b.output:
+                raise Refused(mod, f, "a system bundle is already on the machine: no source/build")
+            if b.path:
+                _absolute(mod, f"{f}.path", b.path)
+        elif not b.source:
+            raise Refused(mod, f"{f}.source", f"a {b.kind} bundle needs a source folder or file")
+        if b.source:
+            _relative(mod, f"{f}.source", b.source)
+        if b.output:
+            _relative(mod, f"{f}.output", b.output)
+        if b.build and not b.output:
+            raise Refused(mod, f"{f}.output", "a bundle with build must say which output it keeps")
+        _duration(mod, f"{f}.timeout", b.timeout)
+    for name, a in m.account.items():
+        f = f"account.{name}"
+        if not _ACCOUNT.fullmatch(name):
+            raise Refused(mod, f, f"{name!r} is not a valid account name ([a-z_][a-z0-9_-], ≤32)")
+        if a.home:
+            _absolute(mod, f"{f}.home", a.home)
+        for g in a.groups:
+            if not _ACCOUNT.fullmatch(g):
+                raise Refused(mod, f"{f}.groups", f"{g!r} is not a valid group name")
+    ports: dict[int, str] = {}
+    for name, p in m.process.items():
+        _process(mod, name, p, m, ports)
+    for name, c in m.container.items():
+        f = f"container.{name}"
+        _name(mod, f, name)
+        if c.build is not None:
+            raise Refused(
+                mod,
+                f"{f}.build",
+                "a container built from the module's own source: a module's own code is a "
+                f"bundle, never an image; declare [bundle.{name}] and [process.{name}] instead",
+            )
+        if not c.image:
+            raise Refused(mod, f"{f}.image", "a container needs a third-party image")
+        if c.image.startswith((".", "/")):
+            raise Refused(mod, f"{f}.image", f"{c.image!r} is a local path, not an image")
+        for port in c.ports:
+            if not re.fullmatch(r"\d{1,5}(:\d{1,5})?(/(tcp|udp))?", port):
+                raise Refused(mod, f"{f}.ports", f'{port!r} is not like "8080:80"')
+    if m.assign:
+        for machine in m.assign.machines:
+            _name(mod, "assign.machines", machine)
+
+
+def _process(mod: str, name: str, p: Process, m: Manifest, ports: dict[int, str]) -> None:
+    f = f"process.{name}"
+    _name(mod, f, name)
+    if p.bundle is None or p.bundle not in m.bundle:
+        known = ", ".join(sorted(m.bundle)) or "none declared"
+        raise Refused(mod, f"{f}.bundle", f"unknown bundle {p.bundle!r} (known: {known})")
+    if p.account is None and not p.root:
+        raise Refused(
+            mod, f"{f}.account", "processes never run as root unless said: name an account"
+        )
+    if p.account is not None and p.root:
+        raise Refused(mod, f"{f}.root", "name an account or set root = true, not both")
+    if p.account is not None and p.account not in m.account:
+        known = ", ".join(sorted(m.account)) or "none declared"
+        raise Refused(mod, f"{f}.account", f"unknown account {p.account!r} (known: {known})")
+    for key in p.env:
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+            raise Refused(mod, f"{f}.env", f"{key!r} is not a valid environment variable name")
+    for path, spec in p.files.items():
+        ff = f"{f}.files.{path}"
+        _relative(mod, ff, path)
+        if (spec.text is None) == (spec.secret is None):
+            raise Refused(mod, ff, "a file has either text or secret, exactly one")
+        try:
+            bits = mode(spec.mode)
+        except ValueError as e:
+            raise Refused(mod, f"{ff}.mode", str(e)) from None
+        if spec.secret is not None:
+            _name(mod, f"{ff}.secret", spec.secret)
+            if bits & 0o077:
+                raise Refused(
+                    mod, f"{ff}.mode", f"{spec.mode!r} lets others read a secret: use 0400 or 0600"
+                )
+    _duration(mod, f"{f}.stop_timeout", p.stop_timeout)
+    _duration(mod, f"{f}.prepare_timeout", p.prepare_timeout)
+    if p.replaces is not None:
+        _name(mod, f"{f}.replaces", p.replaces)
+    if p.check is not None:
+        _check(mod, f"{f}.check", p.check, name, ports)
+
+
+def _check(mod: str, f: str, c: Check, process: str, ports: dict[int, str]) -> None:
+    kinds = [k for k in ("tcp", "http", "exec", "nats") if getattr(c, k) is not None]
+    if len(kinds) != 1:
+        raise Refused(mod, f, "a check is exactly one of tcp, http, exec, nats")
+    if c.tcp is not None:
+        if not 1 <= c.tcp <= 65535:
+            raise Refused(mod, f"{f}.tcp", f"{c.tcp} is not a port (1-65535)")
+        if c.tcp in ports:
+            raise Refused(mod, f"{f}.tcp", f"port {c.tcp} is checked by process {ports[c.tcp]} too")
+        ports[c.tcp] = process
+    if c.http is not None and not c.http.startswith(("http://", "https://")):
+        raise Refused(mod, f"{f}.http", f"{c.http!r} is not an http(s) URL")
+    if c.nats is not None and not re.fullmatch(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*", c.nats):
+        raise Refused(mod, f"{f}.nats", f"{c.nats!r} is not a subject without wildcards")
+    if not 1 <= c.passes <= 100:
+        raise Refused(mod, f"{f}.passes", f"{c.passes} is out of range (1-100)")
+    _duration(mod, f"{f}.every", c.every)
+    _duration(mod, f"{f}.timeout", c.timeout)

@@ -1,0 +1,95 @@
+"""`module.toml` as msgspec Structs (design.md §3; every field is documented in docs/modules.md).
+
+Decoding is strict: an unknown field is an error naming it. Checks that msgspec cannot express
+(argv vs shell strings, paths, durations, modes, cross-references) are the gate's (`gate.py`).
+"""
+
+from typing import Literal
+
+import msgspec
+
+BundleKind = Literal["binary", "files", "python", "system"]
+Restart = Literal["always", "on-failure", "never"]
+Update = Literal["start-first", "stop-first"]
+
+
+class Strict(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    pass
+
+
+class ModuleHead(Strict):
+    name: str
+    description: str = ""
+
+
+class Bundle(Strict):
+    kind: BundleKind
+    source: str | None = None  # folder in the module; not for `system`
+    build: list[str] | None = None  # argv, run on a builder host in a scratch copy of source
+    output: str | None = None  # what the build leaves (relative to source) that is the bundle
+    timeout: str = "10m"  # the build's time limit
+    path: str | None = None  # `system`: where it is on the machine (e.g. /usr/bin)
+
+
+class Account(Strict):
+    home: str | None = None
+    groups: list[str] = []
+    shell: str = "/usr/sbin/nologin"
+
+
+class File(Strict):
+    text: str | None = None
+    secret: str | None = None
+    mode: str = "0440"
+
+
+class Check(Strict):
+    tcp: int | None = None
+    http: str | None = None
+    exec: list[str] | None = None
+    nats: str | None = None
+    every: str = "2s"
+    timeout: str = "1s"
+    passes: int = 2
+
+
+class Process(Strict):
+    command: list[str]
+    bundle: str | None = None
+    account: str | None = None
+    root: bool = False  # run as root: only when said
+    env: dict[str, str] = {}
+    files: dict[str, File] = {}
+    prepare: list[str] | None = None
+    prepare_timeout: str = "5m"
+    restart: Restart = "always"
+    check: Check | None = None
+    update: Update = "stop-first"
+    replaces: str | None = None
+    stop_timeout: str = "10s"
+
+
+class Container(Strict):
+    image: str | None = None
+    build: str | dict | None = None  # present only so the gate can refuse it by name
+    command: list[str] | None = None
+    env: dict[str, str] = {}
+    ports: list[str] = []
+    restart: Restart = "always"
+
+
+class Assign(Strict):
+    """The default assignment, applied when the module is first pushed."""
+
+    machines: list[str] = []
+    tiers: list[int] = []
+    labels: dict[str, str] = {}
+
+
+class Manifest(Strict):
+    module: ModuleHead
+    bundle: dict[str, Bundle] = {}
+    account: dict[str, Account] = {}
+    process: dict[str, Process] = {}
+    container: dict[str, Container] = {}
+    assign: Assign | None = None

@@ -1,0 +1,97 @@
+"""Builds of bundles with `build`: run on a host labelled builder=true, never in the controller.
+
+Keyed by the digest of the bundle's source folder, its argv and its output: the same inputs
+reuse the cached bundle. A failed build fails the change with the build's last lines.
+"""
+
+import hashlib
+import json
+import logging
+
+import asyncpg
+import msgspec
+from nats.aio.client import Client
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
+
+from mesh import subjects, wire
+from mesh.model import BuildReply, BuildRequest
+from mesh.modules import archive, gate, load
+from mesh.modules.manifest import Bundle
+from mesh.store import catalog
+from services.controller.fleet import Fleet
+
+log = logging.getLogger(__name__)
+
+
+def build_key(*, source: bytes, bundle: Bundle) -> str:
+    assert bundle.source is not None and bundle.build is not None
+    tree = archive.digest(load.source_tree(source, bundle.source))
+    recipe = json.dumps([tree, bundle.build, bundle.output], separators=(",", ":"))
+    return "sha256:" + hashlib.sha256(recipe.encode()).hexdigest()
+
+
+def builder(fleet: Fleet) -> str:
+    candidates = sorted(
+        m.name for m in fleet.machines.values() if m.up and m.labels.get("builder") == "true"
+    )
+    if not candidates:
+        raise wire.BadRequest(
+            "no machine is up with the label builder=true to build on", code="no_builder"
+        )
+    return candidates[0]
+
+
+async def cached(pool: asyncpg.Pool, key: str) -> str | None:
+    row = await catalog.build(pool, key)
+    return row.digest if row and row.state == "done" else None
+
+
+async def build(
+    *,
+    nc: Client,
+    pool: asyncpg.Pool,
+    fleet: Fleet,
+    key: str,
+    module: str,
+    name: str,
+    bundle: Bundle,
+    source: str,
+) -> str:
+    """Build on a builder host and return the bundle's digest; raise BadRequest on failure."""
+    assert bundle.source is not None and bundle.build is not None and bundle.output is not None
+    on = builder(fleet)
+    timeout = gate.duration(bundle.timeout)
+    await catalog.start_build(pool, key=key, module=module, bundle=name, source=source, builder=on)
+    log.info("building %s/%s on %s (key %s)", module, name, on, key[:19])
+    req = BuildRequest(
+        key=key,
+        module=module,
+        bundle=name,
+        source=source,
+        path=bundle.source,
+        argv=bundle.build,
+        output=bundle.output,
+        timeout=timeout,
+    )
+    try:
+        msg = await nc.request(subjects.host(on, "build"), wire.encode(req), timeout=timeout + 30)
+        reply = msgspec.json.decode(msg.data, type=BuildReply)
+    except (NoRespondersError, NatsTimeout, msgspec.DecodeError) as e:
+        await catalog.finish_build(pool, key=key, ok=False, digest=None, tail="", log_object=None)
+        raise wire.BadRequest(
+            f"the build of {module}/{name} on {on} got no answer ({type(e).__name__})",
+            code="build_failed",
+        ) from None
+    await catalog.finish_build(
+        pool, key=key, ok=reply.ok, digest=reply.digest, tail=reply.tail, log_object=reply.log
+    )
+    if not reply.ok or reply.digest is None:
+        log.info("build of %s/%s on %s failed: %s", module, name, on, reply.error)
+        raise wire.BadRequest(
+            f"the build of {module}/{name} on {on} failed: {reply.error}; "
+            f"last lines:\n{reply.tail}",
+            code="build_failed",
+        )
+    log.info("built %s/%s on %s: %s", module, name, on, reply.digest[:19])
+    return reply.digest

@@ -1,0 +1,406 @@
+"""The holder's module work: push, assign, unassign, secrets, declarations and the dry run.
+
+Each change runs in one transaction that checks the seat's epoch, records the change,
+recomposes the affected machines' declarations (a conflict rolls everything back and names both
+modules), stores those whose digest changed and records a plan; after the commit, each changed
+declaration goes to the KV bucket `mesh-declarations` under the machine's name with the epoch.
+Until tiered rollouts exist, a change reaches all affected machines at once. One change at a time.
+"""
+
+import base64
+import binascii
+import logging
+from collections.abc import Iterable
+
+import anyio
+import asyncpg
+import msgspec
+from nats.aio.client import Client
+from nats.js.kv import KeyValue
+from nats.js.object_store import ObjectStore
+
+from mesh import blobs, wire
+from mesh.model import (
+    AssignRequest,
+    BuildLogsReply,
+    BuildLogsRequest,
+    ChangeReply,
+    DeclarationReply,
+    DiffReply,
+    DiffRequest,
+    MachineDiff,
+    ModuleInfo,
+    ModulesReply,
+    PushRequest,
+    SecretSetRequest,
+)
+from mesh.modules import archive, gate, load
+from mesh.modules.compose import Conflict, Declaration, ModuleVersion, canonical, compose, digest
+from mesh.modules.diff import diff
+from mesh.modules.manifest import Assign, Manifest
+from mesh.store import catalog
+from services.controller import builds
+from services.controller.fleet import Fleet
+
+log = logging.getLogger(__name__)
+
+UNBUILT = "unbuilt:"  # the dry run's stand-in for a bundle that a push would build first
+
+
+class Changed(msgspec.Struct):
+    before: str | None
+    after: str
+    body: bytes
+    declaration: Declaration
+
+
+class Catalog:
+    def __init__(
+        self,
+        *,
+        pool: asyncpg.Pool,
+        nc: Client,
+        kv: KeyValue,
+        obs: ObjectStore,
+        fleet: Fleet,
+        epoch: int,
+    ) -> None:
+        self._pool = pool
+        self._nc = nc
+        self._kv = kv
+        self._obs = obs
+        self._fleet = fleet
+        self._epoch = epoch
+        self._one_change = anyio.Lock()
+        self._parsed: dict[int, Manifest] = {}  # module_versions.id -> its manifest
+        self.wanted: dict[str, str] = {}  # machine -> digest of its published declaration
+
+    # --- reading ---------------------------------------------------------------------------
+
+    def _manifest(self, v: catalog.StoredVersion) -> Manifest:
+        if v.id not in self._parsed:
+            self._parsed[v.id] = gate.parse(v.manifest)
+        return self._parsed[v.id]
+
+    async def _recompose(
+        self, conn: asyncpg.Connection, machines: Iterable[str]
+    ) -> dict[str, Changed]:
+        """Compose `machines` from the store as this transaction sees it; the changed ones."""
+        machines = sorted(set(machines))
+        current = await catalog.current_modules(conn)
+        assigned = await catalog.assignments(conn)
+        secrets = await catalog.secret_versions(conn)
+        stored = await catalog.declarations(conn, machines)
+        changed: dict[str, Changed] = {}
+        for machine in machines:
+            modules = [
+                ModuleVersion(
+                    name=name,
+                    version=current[name].version,
+                    manifest=self._manifest(current[name]),
+                    bundles=current[name].bundles,
+                )
+                for name in sorted(assigned.get(machine, ()))
+            ]
+            try:
+                decl = compose(machine, modules, secrets)
+            except Conflict as e:
+                raise wire.BadRequest(str(e), code="conflict") from None
+            after = digest(decl)
+            before = stored.get(machine)
+            if before is None or before[0] != after:
+                changed[machine] = Changed(
+                    before=before[0] if before else None,
+                    after=after,
+                    body=canonical(decl),
+                    declaration=decl,
+                )
+        return changed
+
+    async def _commit(
+        self, conn: asyncpg.Connection, *, trigger: str, subject: str, changed: dict[str, Changed]
+    ) -> int | None:
+        for machine, c in changed.items():
+            await catalog.write_declaration(
+                conn, machine=machine, digest=c.after, body=c.body, epoch=self._epoch
+            )
+        if not changed:
+            return None
+        return await catalog.record_plan(
+            conn,
+            trigger=trigger,
+            subject=subject,
+            epoch=self._epoch,
+            machines={m: {"before": c.before, "after": c.after} for m, c in changed.items()},
+        )
+
+    async def _publish(self, bodies: dict[str, tuple[str, bytes]]) -> None:
+        for machine, (d, body) in sorted(bodies.items()):
+            envelope = DeclarationReply(
+                machine=machine, digest=d, epoch=self._epoch, declaration=msgspec.Raw(body)
+            )
+            await self._kv.put(machine, wire.encode(envelope))
+            self.wanted[machine] = d
+
+    async def republish(self) -> int:
+        """At takeover: every stored declaration, under this holder's epoch."""
+        async with self._pool.acquire() as conn:
+            stored = await catalog.declarations(conn)
+        await self._publish({m: (d, body) for m, (d, body, _) in stored.items()})
+        return len(stored)
+
+    def _select(
+        self, *, machines: list[str], tier: int | None, labels: dict[str, str]
+    ) -> list[str]:
+        """Machines by name, plus every machine that matches all the given selectors."""
+        for name in machines:
+            if name not in self._fleet.machines:
+                raise wire.BadRequest(f"machine {name} is not registered", code="not_found")
+        chosen = set(machines)
+        if tier is not None or labels:
+            chosen |= {
+                m.name
+                for m in self._fleet.machines.values()
+                if (tier is None or m.tier == tier)
+                and all(m.labels.get(k) == v for k, v in labels.items())
+            }
+        return sorted(chosen)
+
+    async def _register(
+        self,
+        conn: asyncpg.Connection,
+        *,
+        manifest: Manifest,
+        text: str,
+        version: str,
+        bundles: dict[str, str],
+        by: str,
+    ) -> list[str]:
+        """Record the version (and, at the first push, the default assignment); return the
+        machines the module is assigned to."""
+        name = manifest.module.name
+        first = name not in await catalog.current_modules(conn)
+        await catalog.record_version(
+            conn, module=name, version=version, manifest=text, bundles=bundles, by=by
+        )
+        if first and manifest.assign:
+            await catalog.assign(conn, module=name, machines=self._default(manifest.assign))
+        return sorted(m for m, mods in (await catalog.assignments(conn)).items() if name in mods)
+
+    def _default(self, a: Assign) -> list[str]:
+        """Registered machines named, in one of the tiers, or carrying all the labels."""
+        chosen = {m for m in a.machines if m in self._fleet.machines}
+        for m in self._fleet.machines.values():
+            in_tier = bool(a.tiers) and m.tier in a.tiers
+            labelled = bool(a.labels) and all(m.labels.get(k) == v for k, v in a.labels.items())
+            if in_tier or labelled:
+                chosen.add(m.name)
+        return sorted(chosen)
+
+    # --- verbs -----------------------------------------------------------------------------
+
+    async def _source(self, manifest_text: str, source: str) -> tuple[Manifest, bytes]:
+        try:
+            manifest = gate.parse(manifest_text)
+        except gate.Refused as e:
+            raise wire.BadRequest(str(e), code="refused") from None
+        try:
+            data = await blobs.get(self._obs, source)
+        except (blobs.BlobMissing, blobs.BlobCorrupt) as e:
+            raise wire.BadRequest(f"source: {e}", code="not_found") from None
+        try:
+            load.check_sources(manifest, data)
+            inside = archive.members(data).get("module.toml")
+        except (gate.Refused, archive.ArchiveRefused) as e:
+            raise wire.BadRequest(str(e), code="refused") from None
+        if inside is None:
+            raise wire.BadRequest("source: the archive has no module.toml", code="refused")
+        return manifest, data
+
+    async def _bundles(
+        self, manifest: Manifest, data: bytes, version: str, *, dry: bool
+    ) -> tuple[dict[str, str], list[str]]:
+        """Bundle name -> digest, packing (or building) what is not stored yet; the names of
+        bundles that were (or, dry, would be) built."""
+        digests: dict[str, str] = {}
+        built: list[str] = []
+        for name, b in sorted(manifest.bundle.items()):
+            if b.kind == "system":
+                continue
+            if b.build is None:
+                packed = load.bundle_archive(manifest, name, data)
+                digests[name] = (
+                    archive.digest(packed) if dry else await blobs.put(self._obs, packed)
+                )
+                continue
+            key = builds.build_key(source=data, bundle=b)
+            hit = await builds.cached(self._pool, key)
+            if hit is not None:
+                digests[name] = hit
+                continue
+            built.append(name)
+            if dry:
+                digests[name] = UNBUILT + key
+                continue
+            digests[name] = await builds.build(
+                nc=self._nc,
+                pool=self._pool,
+                fleet=self._fleet,
+                key=key,
+                module=manifest.module.name,
+                name=name,
+                bundle=b,
+                source=version,
+            )
+        return digests, built
+
+    async def push(self, req: PushRequest) -> ChangeReply:
+        manifest, data = await self._source(req.manifest, req.source)
+        name = manifest.module.name
+        async with self._one_change:
+            async with self._pool.acquire() as conn:
+                current = (await catalog.current_modules(conn)).get(name)
+            if current is not None and current.version == req.source:
+                return ChangeReply(plan=None, machines=[], message="no change", version=req.source)
+            bundles, _ = await self._bundles(manifest, data, req.source, dry=False)
+            async with self._pool.acquire() as conn, conn.transaction():
+                await catalog.fence(conn, epoch=self._epoch)
+                targets = await self._register(
+                    conn, manifest=manifest, text=req.manifest, version=req.source,
+                    bundles=bundles, by=req.by,
+                )  # fmt: skip
+                changed = await self._recompose(conn, targets)
+                plan = await self._commit(conn, trigger="push", subject=name, changed=changed)
+            await self._publish({m: (c.after, c.body) for m, c in changed.items()})
+        log.info("pushed %s %s: %d machine(s) changed", name, req.source[:19], len(changed))
+        message = (
+            f"{name} {req.source[:19]}: {len(changed)} machine(s) changed"
+            if changed
+            else f"{name} {req.source[:19]} registered; no machine's declaration changed"
+        )
+        return ChangeReply(plan=plan, machines=sorted(changed), message=message, version=req.source)
+
+    async def assign(self, req: AssignRequest, *, undo: bool = False) -> ChangeReply:
+        async with self._one_change:
+            machines = self._select(machines=req.machines, tier=req.tier, labels=req.labels)
+            if not machines:
+                raise wire.BadRequest("no machine matches", code="not_found")
+            async with self._pool.acquire() as conn, conn.transaction():
+                await catalog.fence(conn, epoch=self._epoch)
+                if req.module not in await catalog.current_modules(conn):
+                    raise wire.BadRequest(
+                        f"module {req.module} has not been pushed", code="not_found"
+                    )
+                change = catalog.unassign if undo else catalog.assign
+                await change(conn, module=req.module, machines=machines)
+                changed = await self._recompose(conn, machines)
+                trigger = "unassign" if undo else "assign"
+                plan = await self._commit(
+                    conn, trigger=trigger, subject=req.module, changed=changed
+                )
+            await self._publish({m: (c.after, c.body) for m, c in changed.items()})
+        verb = "unassigned from" if undo else "assigned to"
+        log.info("%s %s %s", req.module, verb, ", ".join(machines))
+        return ChangeReply(
+            plan=plan,
+            machines=sorted(changed),
+            message=f"{req.module} {verb} {', '.join(machines)}; {len(changed)} changed",
+        )
+
+    async def secret_set(self, req: SecretSetRequest) -> ChangeReply:
+        try:
+            value = base64.b64decode(req.value, validate=True)
+        except binascii.Error:
+            raise wire.BadRequest("value: not base64") from None
+        async with self._one_change:
+            async with self._pool.acquire() as conn, conn.transaction():
+                await catalog.fence(conn, epoch=self._epoch)
+                version = await catalog.set_secret(conn, name=req.name, value=value)
+                changed = await self._recompose(conn, await catalog.assignments(conn))
+                plan = await self._commit(conn, trigger="secret", subject=req.name, changed=changed)
+            await self._publish({m: (c.after, c.body) for m, c in changed.items()})
+        log.info(
+            "secret %s set (version %d): %d machine(s) changed", req.name, version, len(changed)
+        )
+        return ChangeReply(
+            plan=plan,
+            machines=sorted(changed),
+            message=f"secret {req.name} is at version {version}; {len(changed)} machine(s) changed",
+        )
+
+    async def modules(self) -> ModulesReply:
+        async with self._pool.acquire() as conn:
+            current = await catalog.current_modules(conn)
+            assigned = await catalog.assignments(conn)
+        found = []
+        for name, v in sorted(current.items()):
+            m = self._manifest(v)
+            found.append(
+                ModuleInfo(
+                    name=name,
+                    version=v.version,
+                    pushed_at=v.pushed_at,
+                    pushed_by=v.pushed_by,
+                    assigned=sorted(machine for machine, mods in assigned.items() if name in mods),
+                    processes=sorted(m.process),
+                    containers=sorted(m.container),
+                )
+            )
+        return ModulesReply(modules=found)
+
+    async def declaration(self, machine: str) -> DeclarationReply:
+        async with self._pool.acquire() as conn:
+            stored = (await catalog.declarations(conn, [machine])).get(machine)
+        if stored is None:
+            raise wire.BadRequest(f"machine {machine} has no declaration yet", code="not_found")
+        d, body, epoch = stored
+        return DeclarationReply(
+            machine=machine, digest=d, epoch=epoch, declaration=msgspec.Raw(body)
+        )
+
+    async def diff(self, req: DiffRequest) -> DiffReply:
+        """The dry run of a push: the same transaction, rolled back; nothing stored or built."""
+        manifest, data = await self._source(req.manifest, req.source)
+        name = manifest.module.name
+        bundles, built = await self._bundles(manifest, data, req.source, dry=True)
+        async with self._pool.acquire() as conn:
+            tx = conn.transaction()
+            await tx.start()
+            try:
+                targets = await self._register(
+                    conn, manifest=manifest, text=req.manifest, version=req.source,
+                    bundles=bundles, by="",
+                )  # fmt: skip
+                changed = await self._recompose(conn, targets)
+                stored = await catalog.declarations(conn, sorted(changed))
+            finally:
+                await tx.rollback()
+        machines = []
+        for machine, c in sorted(changed.items()):
+            old = None
+            if machine in stored:
+                old = msgspec.json.decode(stored[machine][1], type=Declaration)
+            changes = [msgspec.to_builtins(ch) for ch in diff(old, c.declaration)]
+            machines.append(
+                MachineDiff(machine=machine, before=c.before, after=c.after, changes=changes)
+            )
+        return DiffReply(module=name, version=req.source, machines=machines, builds=built)
+
+    async def build_logs(self, req: BuildLogsRequest) -> BuildLogsReply:
+        row = await catalog.last_build(self._pool, module=req.module, bundle=req.bundle)
+        if row is None:
+            raise wire.BadRequest(f"no build of module {req.module} yet", code="not_found")
+        text = row.log_tail
+        if row.log_object:
+            try:
+                text = (await blobs.get_named(self._obs, row.log_object)).decode(errors="replace")
+            except blobs.BlobMissing:
+                pass
+        return BuildLogsReply(
+            key=row.key,
+            module=row.module,
+            bundle=row.bundle,
+            state=row.state,
+            builder=row.builder,
+            log=text,
+        )

@@ -1,0 +1,120 @@
+"""Building a bundle on this host (labelled builder=true), as the controller asks.
+
+The module's source is fetched by digest and verified, unpacked into a scratch folder, and the
+build's argv runs there as the unprivileged account `mesh-build` (the current user in dev mode),
+in its own process group, with a time limit. The output is packed canonically and stored by its
+digest; the whole log is stored as `build-log-<key>`, the last lines go back in the reply.
+"""
+
+import logging
+import os
+import pwd
+import shutil
+import signal
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import anyio
+from nats.aio.client import Client
+
+from mesh import blobs, osaccounts
+from mesh.model import BuildReply, BuildRequest
+from mesh.modules import archive
+
+log = logging.getLogger(__name__)
+
+BUILD_ACCOUNT = "mesh-build"
+TAIL_LINES = 20
+
+
+def _credentials() -> dict[str, Any]:
+    if os.geteuid() != 0:
+        return {}  # dev mode: builds run as the current user
+    osaccounts.ensure_system_account(BUILD_ACCOUNT)
+    return {"user": BUILD_ACCOUNT, "group": BUILD_ACCOUNT, "extra_groups": []}
+
+
+def _inside(root: Path, rel: str) -> Path:
+    path = (root / rel).resolve()
+    if path != root.resolve() and root.resolve() not in path.parents:
+        raise ValueError(f"{rel!r} escapes the build folder")
+    return path
+
+
+def _tail(text: str) -> str:
+    return "\n".join(text.splitlines()[-TAIL_LINES:])
+
+
+async def build(nc: Client, req: BuildRequest, *, root: Path) -> BuildReply:
+    log_name = "build-log-" + req.key.replace(":", "-")
+    obs = await blobs.store(nc)
+    folder = root / "builds"
+    folder.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f"{req.module}-{req.bundle}-", dir=folder))
+    output = scratch.with_suffix(".log")
+    try:
+        source = await blobs.get(obs, req.source)
+        archive.unpack(source, scratch)
+        workdir = _inside(scratch, req.path)
+        credentials = _credentials()
+        if credentials:
+            entry = pwd.getpwnam(BUILD_ACCOUNT)
+            os.chmod(folder, 0o711)
+            for path in [scratch, *scratch.rglob("*")]:
+                os.lchown(path, entry.pw_uid, entry.pw_gid)
+        log.info("building %s/%s in %s: %s", req.module, req.bundle, workdir, req.argv)
+        code, timed_out = await _run(req, workdir=workdir, output=output, credentials=credentials)
+        text = output.read_text(errors="replace") if output.exists() else ""
+        await blobs.put_named(obs, log_name, text.encode())
+        if timed_out:
+            return BuildReply(ok=False, digest=None, tail=_tail(text), log=log_name,
+                              error=f"timed out after {req.timeout:g}s")  # fmt: skip
+        if code != 0:
+            return BuildReply(ok=False, digest=None, tail=_tail(text), log=log_name,
+                              error=f"exit code {code}")  # fmt: skip
+        result = _inside(workdir, req.output)
+        if not result.exists():
+            return BuildReply(ok=False, digest=None, tail=_tail(text), log=log_name,
+                              error=f"the build left no {req.output!r}")  # fmt: skip
+        digest = await blobs.put(obs, archive.pack(result))
+        log.info("built %s/%s: %s", req.module, req.bundle, digest)
+        return BuildReply(ok=True, digest=digest, tail=_tail(text), log=log_name)
+    except (blobs.BlobMissing, blobs.BlobCorrupt, archive.ArchiveRefused, ValueError, OSError) as e:
+        return BuildReply(ok=False, digest=None, tail="", log="", error=str(e))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+        output.unlink(missing_ok=True)
+
+
+async def _run(
+    req: BuildRequest, *, workdir: Path, output: Path, credentials: dict[str, Any]
+) -> tuple[int | None, bool]:
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": str(workdir),
+        "LANG": "C.UTF-8",
+    }
+    with open(output, "wb") as out:
+        process = await anyio.open_process(
+            req.argv,
+            cwd=workdir,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            **credentials,
+        )
+        try:
+            with anyio.move_on_after(req.timeout) as limit:
+                await process.wait()
+            if limit.cancelled_caught:
+                return None, True
+            return process.returncode, False
+        finally:
+            if process.returncode is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                with anyio.CancelScope(shield=True):
+                    await process.wait()
