@@ -13,7 +13,7 @@ from typing import Any
 
 import msgspec
 
-from mesh.modules.manifest import Check, Manifest, Process
+from mesh.modules.manifest import Account, Bundle, Check, Container, Manifest, Process
 from mesh.names import InvalidName, check_name
 
 MAX_MANIFEST = 256 * 1024
@@ -71,18 +71,41 @@ def parse(text: str, *, origin: str = "module.toml") -> Manifest:
     try:
         manifest = msgspec.convert(raw, Manifest)
     except msgspec.ValidationError as e:
-        field, _, why = _split(str(e))
+        field, _, why = _split(_locate(raw) or str(e))
         raise Refused(module, field, why) from None
     check(manifest)
     return manifest
 
 
+_SECTIONS = {"bundle": Bundle, "account": Account, "process": Process, "container": Container}
+
+
+def _locate(raw: dict[str, Any]) -> str | None:
+    """msgspec writes a table's key as `[...]`; find the entry that fails, to name it."""
+    for section, kind in _SECTIONS.items():
+        table = raw.get(section)
+        if not isinstance(table, dict):
+            continue
+        for key, value in table.items():
+            try:
+                msgspec.convert(value, kind)
+            except msgspec.ValidationError as e:
+                why, sep, at = str(e).rpartition(" - at ")
+                path = at.strip("`").removeprefix("$") if sep else ""
+                return f"{why if sep else e} - at `$.{section}.{key}{path}`"
+    return None
+
+
 def _split(message: str) -> tuple[str, str, str]:
     # msgspec: "Object contains unknown field `x` - at `$.process.hello`"
     why, sep, at = message.rpartition(" - at ")
+    field = at.strip("`").removeprefix("$").removeprefix(".") if sep else ""
+    unknown = re.fullmatch(r"Object contains unknown field `(.+)`", why if sep else message)
+    if unknown:
+        return ".".join(p for p in (field, unknown.group(1)) if p), "", "unknown field"
     if not sep:
         return "module.toml", "", message
-    return at.strip("`").removeprefix("$."), "", why
+    return field or "module.toml", "", why
 
 
 def _argv_fields(raw: dict[str, Any]) -> list[tuple[str, Any]]:

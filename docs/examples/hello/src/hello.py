@@ -1,0 +1,28 @@
+"""A tiny HTTP server for the `hello` example module: answers every GET with "hello\n"."""
+
+import argparse
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+class Hello(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        body = b"hello\n"
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain; charset=utf-8")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--port", type=int, default=8080)
+    parser.add_argument("--host", default="0.0.0.0")
+    args = parser.parse_args()
+    with ThreadingHTTPServer((args.host, args.port), Hello) as server:
+        print(f"hello: listening on {args.host}:{args.port}", flush=True)
+        server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()

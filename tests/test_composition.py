@@ -1,0 +1,140 @@
+"""Composition (design.md §3, must): identical duplicates merge, conflicts name both modules,
+and a declaration's bytes and digest do not depend on module or field order."""
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mesh.modules.compose import Conflict, ModuleVersion, canonical, compose, digest
+from mesh.modules.diff import diff
+from mesh.modules.gate import parse
+
+
+def module(name: str, body: str, *, bundles: dict[str, str] | None = None) -> ModuleVersion:
+    manifest = parse(f'[module]\nname = "{name}"\n' + body)
+    digests = bundles if bundles is not None else {b: f"sha256:{name}-{b}" for b in manifest.bundle}
+    return ModuleVersion(name=name, version=f"sha256:v-{name}", manifest=manifest, bundles=digests)
+
+
+def process(name: str, *, account: str = "app", port: int | None = None, extra: str = "") -> str:
+    check = f"check = {{ tcp = {port} }}\n" if port else ""
+    return (
+        f'[bundle.{name}]\nkind = "files"\nsource = "src"\n'
+        f'[process.{name}]\nbundle = "{name}"\ncommand = ["./{name}"]\naccount = "{account}"\n'
+        f"{check}{extra}"
+    )
+
+
+ACCOUNT = '[account.app]\nhome = "/var/lib/app"\ngroups = ["a", "b"]\n'
+
+
+def test_identical_accounts_from_two_modules_merge() -> None:
+    a = module("a", ACCOUNT + process("web"))
+    b = module("b", ACCOUNT.replace('["a", "b"]', '["b", "a"]') + process("worker"))
+    decl = compose("node-1", [a, b])
+    assert set(decl.accounts) == {"app"}
+    assert set(decl.processes) == {"web", "worker"}
+    assert decl.modules == {"a": "sha256:v-a", "b": "sha256:v-b"}
+
+
+def test_same_process_name_conflicts_naming_both_modules() -> None:
+    with pytest.raises(Conflict, match=r"process web is declared by modules a and b \(on node-1\)"):
+        compose(
+            "node-1", [module("a", ACCOUNT + process("web")), module("b", ACCOUNT + process("web"))]
+        )
+
+
+def test_same_account_with_different_settings_conflicts() -> None:
+    other = ACCOUNT.replace("/var/lib/app", "/srv/app")
+    with pytest.raises(Conflict, match="account app is declared differently by modules a and b"):
+        compose("n", [module("a", ACCOUNT + process("x")), module("b", other + process("y"))])
+
+
+def test_two_checks_on_one_port_conflict() -> None:
+    a = module("a", ACCOUNT + process("x", port=8080))
+    b = module("b", ACCOUNT + process("y", port=8080))
+    with pytest.raises(Conflict, match=r"port 8080 .* module a .* module b"):
+        compose("n", [a, b])
+
+
+def test_two_containers_of_one_name_conflict() -> None:
+    c = '[container.cache]\nimage = "docker.io/library/redis:7"\n'
+    with pytest.raises(Conflict, match="container cache is declared by modules a and b"):
+        compose("n", [module("a", c), module("b", c)])
+
+
+def test_a_secret_change_changes_the_digest_but_never_carries_the_value() -> None:
+    body = ACCOUNT + process("x", extra='files = { "t" = { secret = "tok", mode = "0400" } }\n')
+    before = compose("n", [module("a", body)], {"tok": 1})
+    after = compose("n", [module("a", body)], {"tok": 2})
+    assert digest(before) != digest(after)
+    assert b"tok" in canonical(after)  # the name, so the host knows which file
+    changes = diff(before, after)
+    assert [(c.op, c.kind, c.name) for c in changes] == [("~", "process", "x")]
+
+
+def test_diff_shows_added_changed_removed() -> None:
+    old = compose("n", [module("a", ACCOUNT + process("x") + process("y"))])
+    new = compose(
+        "n", [module("a", ACCOUNT + process("x", extra='env = { A = "1" }\n') + process("z"))]
+    )
+    ops = {(c.op, c.kind, c.name) for c in diff(old, new)}
+    assert ("~", "process", "x") in ops
+    assert ("-", "process", "y") in ops
+    assert ("+", "process", "z") in ops
+    changed = next(c for c in diff(old, new) if c.name == "x")
+    assert changed.fields["env"] == ({}, {"A": "1"}) or changed.fields["env"] == (None, {"A": "1"})
+
+
+# --- determinism ----------------------------------------------------------------------------
+
+FIELDS = [
+    'bundle = "{n}"',
+    'command = ["./{n}", "--flag"]',
+    'account = "app"',
+    'env = {{ B = "2", A = "1" }}',
+    'restart = "on-failure"',
+    'update = "start-first"',
+    'stop_timeout = "5s"',
+]
+
+
+def shuffled_module(name: str, rng: random.Random) -> ModuleVersion:
+    lines = [f.format(n=name) for f in FIELDS]
+    rng.shuffle(lines)
+    body = ACCOUNT + f'[bundle.{name}]\nsource = "src"\nkind = "files"\n'
+    body += f"[process.{name}]\n" + "\n".join(lines) + "\n"
+    return module(name, body)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    names=st.lists(
+        st.from_regex(r"[a-z][a-z0-9]{0,8}", fullmatch=True), min_size=1, max_size=6, unique=True
+    ),
+    seed=st.integers(0, 2**32),
+)
+def test_the_same_inputs_give_the_same_bytes_whatever_the_order(
+    names: list[str], seed: int
+) -> None:
+    rng = random.Random(seed)
+    first = [shuffled_module(n, rng) for n in names]
+    second = [shuffled_module(n, rng) for n in names]
+    rng.shuffle(second)
+    one = compose("node-1", first, {"s": 1})
+    two = compose("node-1", second, {"s": 1})
+    assert canonical(one) == canonical(two)
+    assert digest(one) == digest(two)
+    assert digest(one).startswith("sha256:") and len(digest(one)) == 71
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(1, 5))
+def test_different_inputs_give_different_digests(n: int) -> None:
+    mods = [module(f"m{i}", ACCOUNT + process(f"p{i}")) for i in range(n)]
+    fewer = compose("node-1", mods[:-1])
+    more = compose("node-1", mods)
+    assert digest(fewer) != digest(more)
+    assert digest(more) != digest(compose("node-2", mods))

@@ -1,0 +1,147 @@
+"""The registration gate: one test per rule, each refusal naming module, field and value."""
+
+import textwrap
+
+import pytest
+
+from mesh.modules.gate import Refused, duration, parse
+
+GOOD = """
+[module]
+name = "hello"
+
+[bundle.hello]
+kind = "files"
+source = "src"
+
+[account.hello]
+home = "/var/lib/hello"
+
+[process.hello]
+bundle = "hello"
+command = ["python3", "hello.py"]
+account = "hello"
+files = { "token" = { secret = "hello-token", mode = "0400" }, "app.conf" = { text = "x" } }
+check = { tcp = 8080, every = "2s", passes = 2 }
+"""
+
+
+def refused(toml: str) -> str:
+    with pytest.raises(Refused) as e:
+        parse(textwrap.dedent(toml))
+    return str(e.value)
+
+
+def test_a_good_manifest_passes() -> None:
+    m = parse(GOOD)
+    assert m.module.name == "hello"
+    assert m.process["hello"].command == ["python3", "hello.py"]
+
+
+def test_container_built_from_own_source_is_refused() -> None:
+    line = refused(GOOD + '[container.cache]\nbuild = "."\n')
+    assert line.startswith("module hello: container.cache.build:")
+    assert "never an image" in line
+
+
+def test_container_with_a_local_path_image_is_refused() -> None:
+    assert "container.cache.image" in refused(GOOD + '[container.cache]\nimage = "./img"\n')
+
+
+def test_unknown_bundle_is_refused() -> None:
+    line = refused(GOOD.replace('bundle = "hello"', 'bundle = "nope"'))
+    assert "process.hello.bundle" in line and "'nope'" in line
+
+
+def test_unknown_account_is_refused() -> None:
+    line = refused(GOOD.replace('account = "hello"', 'account = "ghost"'))
+    assert "process.hello.account" in line and "'ghost'" in line
+
+
+def test_a_process_without_account_is_refused_unless_root() -> None:
+    line = refused(GOOD.replace('account = "hello"\n', ""))
+    assert "process.hello.account" in line and "root" in line
+
+
+@pytest.mark.parametrize("path", ["../up", "/etc", "a/../../b"])
+def test_bundle_source_escaping_is_refused(path: str) -> None:
+    line = refused(GOOD.replace('source = "src"', f'source = "{path}"'))
+    assert "bundle.hello.source" in line and "escapes" in line
+
+
+@pytest.mark.parametrize("path", ["../token", "/etc/passwd"])
+def test_file_path_escaping_is_refused(path: str) -> None:
+    line = refused(GOOD.replace('"app.conf" = { text', f'"{path}" = {{ text'))
+    assert f"process.hello.files.{path}" in line and "escapes" in line
+
+
+def test_shell_string_command_is_refused_with_the_argv_it_should_be() -> None:
+    line = refused(
+        GOOD.replace('command = ["python3", "hello.py"]', 'command = "python3 hello.py"')
+    )
+    assert "process.hello.command" in line
+    assert "shell string" in line and '["python3","hello.py"]' in line
+
+
+def test_sh_dash_c_is_a_shell_string_too() -> None:
+    line = refused(GOOD.replace('["python3", "hello.py"]', '["sh", "-c", "python3 hello.py"]'))
+    assert "process.hello.command" in line and "-c" in line
+
+
+def test_shell_string_prepare_and_build_are_refused() -> None:
+    assert "process.hello.prepare" in refused(GOOD + 'prepare = "make migrate"\n')
+    built = GOOD.replace('source = "src"', 'source = "src"\nbuild = "make"\noutput = "out"')
+    assert "bundle.hello.build" in refused(built)
+
+
+def test_unknown_fields_are_refused_by_name() -> None:
+    assert refused(GOOD + 'colour = "red"\n').endswith("process.hello.colour: unknown field")
+    assert "module.owner: unknown field" in refused(
+        GOOD.replace('name = "hello"', 'name = "hello"\nowner = "me"')
+    )
+
+
+@pytest.mark.parametrize("value", ["2 seconds", "fast", "-1s", "2"])
+def test_durations_that_do_not_parse_are_refused(value: str) -> None:
+    line = refused(GOOD.replace('every = "2s"', f'every = "{value}"'))
+    assert "process.hello.check.every" in line and repr(value) in line
+
+
+@pytest.mark.parametrize("value", ["rw", "0999", "400000"])
+def test_modes_that_do_not_parse_are_refused(value: str) -> None:
+    line = refused(GOOD.replace('mode = "0400"', f'mode = "{value}"'))
+    assert "process.hello.files.token.mode" in line and repr(value) in line
+
+
+def test_a_secret_readable_by_others_is_refused() -> None:
+    line = refused(GOOD.replace('mode = "0400"', 'mode = "0644"'))
+    assert "process.hello.files.token.mode" in line and "secret" in line
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "field"),
+    [
+        ('name = "hello"', 'name = "hel.lo"', "module.name"),
+        ("[process.hello]", '[process."a*b"]', "process.a*b"),
+        ("[bundle.hello]", '[bundle."x y"]', "bundle.x y"),
+        ('secret = "hello-token"', 'secret = "hello.token"', "process.hello.files.token.secret"),
+    ],
+)
+def test_names_that_are_not_subject_tokens_are_refused(old: str, new: str, field: str) -> None:
+    line = refused(GOOD.replace(old, new))
+    assert f": {field}:" in line
+
+
+def test_two_checks_on_one_port_in_one_module_are_refused() -> None:
+    second = '[process.other]\nbundle = "hello"\ncommand = ["x"]\naccount = "hello"\n'
+    line = refused(GOOD + second + "check = { tcp = 8080 }\n")
+    assert "process.other.check.tcp" in line and "8080" in line
+
+
+def test_wrong_types_name_the_field() -> None:
+    assert "process.hello.check.passes" in refused(GOOD.replace("passes = 2", 'passes = "two"'))
+
+
+def test_duration_parses() -> None:
+    assert duration("500ms") == 0.5
+    assert duration("1m") == 60
