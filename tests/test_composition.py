@@ -138,3 +138,18 @@ def test_different_inputs_give_different_digests(n: int) -> None:
     more = compose("node-1", mods)
     assert digest(fewer) != digest(more)
     assert digest(more) != digest(compose("node-2", mods))
+
+
+def test_a_check_written_with_or_without_its_defaults_gives_one_digest() -> None:
+    short = module("a", ACCOUNT + process("x", extra="check = { tcp = 8080 }\n"))
+    full = module(
+        "a",
+        ACCOUNT
+        + process("x", extra='check = { tcp = 8080, every = "2s", timeout = "1s", passes = 2 }\n'),
+    )
+    assert digest(compose("n", [short])) == digest(compose("n", [full]))
+
+
+def test_a_bundle_without_its_digest_cannot_be_composed() -> None:
+    with pytest.raises(ValueError, match="without a digest"):
+        compose("n", [module("a", ACCOUNT + process("x"), bundles={})])

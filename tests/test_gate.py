@@ -1,6 +1,7 @@
 """The registration gate: one test per rule, each refusal naming module, field and value."""
 
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -145,3 +146,32 @@ def test_wrong_types_name_the_field() -> None:
 def test_duration_parses() -> None:
     assert duration("500ms") == 0.5
     assert duration("1m") == 60
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        '["/usr/bin/env", "sh", "-c", "x"]',
+        '["bash", "-lc", "x"]',
+        '["sh", "-ec", "x"]',
+        '["/bin/dash", "-c", "x"]',
+    ],
+)
+def test_shells_given_a_command_string_are_refused(argv: str) -> None:
+    line = refused(GOOD.replace('["python3", "hello.py"]', argv))
+    assert "process.hello.command" in line and "shell string" in line
+
+
+@pytest.mark.parametrize("argv", ['["sh", "build.sh"]', '["bash", "-e", "build.sh"]'])
+def test_a_shell_running_a_script_file_is_argv(argv: str) -> None:
+    assert parse(GOOD.replace('["python3", "hello.py"]', argv)).process["hello"].command[0]
+
+
+def test_every_module_in_the_repository_passes_the_gate() -> None:
+    root = Path(__file__).parent.parent
+    found = sorted(root.glob("services/*/module.toml")) + sorted(
+        root.glob("docs/examples/*/module.toml")
+    )
+    assert len(found) >= 4
+    for path in found:
+        assert parse(path.read_text(), origin=str(path)).module.name

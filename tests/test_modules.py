@@ -258,4 +258,4 @@ async def test_secrets_never_appear_in_answers_logs_or_declarations(
     token = (await declarations(nc))["node-2"]["declaration"]["processes"]["hello"]["files"][
         "token"
     ]
-    assert token == {"mode": "0400", "secret": "hello-token", "secret_version": 2}
+    assert token == {"mode": "0400", "secret": "hello-token", "secret_version": 2, "text": None}

@@ -17,26 +17,26 @@ class Conflict(ValueError):
     """Two modules want incompatible things on one machine."""
 
 
-class DFile(msgspec.Struct, omit_defaults=True):
+class DFile(msgspec.Struct):
     mode: str
     text: str | None = None
     secret: str | None = None  # the name only: values travel to the host, never in here
     secret_version: int | None = None  # bumps the digest when the secret changes
 
 
-class DBundle(msgspec.Struct, omit_defaults=True):
+class DBundle(msgspec.Struct):
     kind: str
     digest: str | None = None  # of the packed (or built) bundle; None for `system`
     path: str | None = None  # `system`: where it is on the machine
 
 
-class DAccount(msgspec.Struct, omit_defaults=True):
+class DAccount(msgspec.Struct):
     home: str | None
     groups: list[str]
     shell: str
 
 
-class DProcess(msgspec.Struct, omit_defaults=True):
+class DProcess(msgspec.Struct):
     module: str
     bundle: str  # a key of Declaration.bundles
     command: list[str]
@@ -53,7 +53,7 @@ class DProcess(msgspec.Struct, omit_defaults=True):
     stop_timeout: str
 
 
-class DContainer(msgspec.Struct, omit_defaults=True):
+class DContainer(msgspec.Struct):
     module: str
     image: str
     command: list[str] | None
@@ -92,7 +92,11 @@ def digest(decl: Declaration) -> str:
 
 
 def bundle_key(kind: str, digest: str | None, path: str | None) -> str:
-    return digest if digest else f"system:{path or ''}"
+    if kind == "system":
+        return f"system:{path or ''}"
+    if not digest:
+        raise ValueError(f"a {kind} bundle without a digest (not packed or built yet)")
+    return digest
 
 
 def compose(

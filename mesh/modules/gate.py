@@ -17,17 +17,7 @@ from mesh.modules.manifest import Account, Bundle, Check, Container, Manifest, P
 from mesh.names import InvalidName, check_name
 
 MAX_MANIFEST = 256 * 1024
-SHELLS = {
-    "sh",
-    "bash",
-    "dash",
-    "zsh",
-    "ksh",
-    "/bin/sh",
-    "/bin/bash",
-    "/usr/bin/sh",
-    "/usr/bin/bash",
-}
+SHELLS = {"sh", "bash", "dash", "zsh", "ksh", "ash", "fish", "csh", "tcsh"}  # by basename
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h)")
 _MODE = re.compile(r"0?[0-7]{3}")
 _ACCOUNT = re.compile(r"[a-z_][a-z0-9_-]{0,31}")
@@ -124,6 +114,23 @@ def _argv_fields(raw: dict[str, Any]) -> list[tuple[str, Any]]:
     return found
 
 
+def _runs_shell_string(argv: list[Any]) -> bool:
+    """`sh -c …`, `bash -lc …`, `/usr/bin/env sh -ec …`: a shell given a command string."""
+    words = [w for w in argv if isinstance(w, str)]
+    if words and posixpath.basename(words[0]) == "env":
+        words = words[1:]
+        while words and ("=" in words[0] or words[0].startswith("-")):
+            words = words[1:]  # env's own options and assignments
+    if not words or posixpath.basename(words[0]) not in SHELLS:
+        return False
+    for word in words[1:]:
+        if not word.startswith("-") or word == "--":
+            return False  # a script path: the shell runs a file, not a string
+        if not word.startswith("--") and "c" in word[1:]:
+            return True
+    return False
+
+
 def _refuse_shell_strings(module: str, raw: dict[str, Any]) -> None:
     for field, value in _argv_fields(raw):
         if isinstance(value, str):
@@ -134,11 +141,11 @@ def _refuse_shell_strings(module: str, raw: dict[str, Any]) -> None:
                 f"{value!r} is a shell string; commands are argv lists, "
                 f"like {msgspec.json.encode(words).decode()}",
             )
-        if isinstance(value, list) and len(value) >= 2 and value[0] in SHELLS and value[1] == "-c":
+        if isinstance(value, list) and _runs_shell_string(value):
             raise Refused(
                 module,
                 field,
-                f"{value[0]} -c runs a shell string; write the command as argv instead",
+                f"{value!r} runs a shell string; write the command as argv instead",
             )
         if isinstance(value, list) and not value:
             raise Refused(module, field, "an empty command")
@@ -217,7 +224,9 @@ def check(m: Manifest) -> None:
         if c.image.startswith((".", "/")):
             raise Refused(mod, f"{f}.image", f"{c.image!r} is a local path, not an image")
         for port in c.ports:
-            if not re.fullmatch(r"\d{1,5}(:\d{1,5})?(/(tcp|udp))?", port):
+            found = re.fullmatch(r"(\d{1,5})(?::(\d{1,5}))?(/(tcp|udp))?", port)
+            numbers = [int(n) for n in found.groups()[:2] if n] if found else []
+            if not found or not all(1 <= n <= 65535 for n in numbers):
                 raise Refused(mod, f"{f}.ports", f'{port!r} is not like "8080:80"')
     if m.assign:
         for machine in m.assign.machines:
@@ -227,7 +236,9 @@ def check(m: Manifest) -> None:
 def _process(mod: str, name: str, p: Process, m: Manifest, ports: dict[int, str]) -> None:
     f = f"process.{name}"
     _name(mod, f, name)
-    if p.bundle is None or p.bundle not in m.bundle:
+    if p.bundle is None:
+        raise Refused(mod, f"{f}.bundle", "a process runs from a bundle: name one")
+    if p.bundle not in m.bundle:
         known = ", ".join(sorted(m.bundle)) or "none declared"
         raise Refused(mod, f"{f}.bundle", f"unknown bundle {p.bundle!r} (known: {known})")
     if p.account is None and not p.root:
@@ -245,6 +256,8 @@ def _process(mod: str, name: str, p: Process, m: Manifest, ports: dict[int, str]
     for path, spec in p.files.items():
         ff = f"{f}.files.{path}"
         _relative(mod, ff, path)
+        if posixpath.normpath(path) in (".", "") or path.endswith("/"):
+            raise Refused(mod, ff, f"{path!r} is not a file name")
         if (spec.text is None) == (spec.secret is None):
             raise Refused(mod, ff, "a file has either text or secret, exactly one")
         try:

@@ -13,7 +13,9 @@ Restart = Literal["always", "on-failure", "never"]
 Update = Literal["start-first", "stop-first"]
 
 
-class Strict(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+class Strict(msgspec.Struct, forbid_unknown_fields=True):
+    # No omit_defaults: a Check carried into a declaration must encode every field, or two
+    # equal checks written differently would give different digests.
     pass
 
 
@@ -40,7 +42,7 @@ class Account(Strict):
 class File(Strict):
     text: str | None = None
     secret: str | None = None
-    mode: str = "0440"
+    mode: str = "0400"  # readable by the process's account alone
 
 
 class Check(Strict):
