@@ -7,6 +7,7 @@ bytes and the same sha256, whatever the order of modules or of fields (design.md
 """
 
 import hashlib
+from typing import Any
 
 import msgspec
 
@@ -99,81 +100,163 @@ def bundle_key(kind: str, digest: str | None, path: str | None) -> str:
     return digest
 
 
+class Piece(msgspec.Struct):
+    """One account, bundle, process or container of a module, with its canonical bytes."""
+
+    value: Any
+    raw: msgspec.Raw  # compared for equality byte by byte, inserted into encodings as is
+
+
+class Prepared(msgspec.Struct):
+    """A module version turned into declaration pieces once, for every machine it goes to."""
+
+    name: str
+    version: str
+    accounts: dict[str, Piece]
+    bundles: dict[str, Piece]
+    processes: dict[str, Piece]
+    containers: dict[str, Piece]
+    ports: dict[int, str]  # tcp check port -> process
+
+
+def _piece(value: Any) -> Piece:
+    return Piece(value=value, raw=msgspec.Raw(_encoder.encode(value)))
+
+
+def prepare(mv: ModuleVersion, secrets: dict[str, int] | None = None) -> Prepared:
+    """The pieces of one module version (given the secrets' versions)."""
+    secrets = secrets or {}
+    m = mv.manifest
+    out = Prepared(
+        name=mv.name, version=mv.version, accounts={}, bundles={}, processes={}, containers={},
+        ports={},
+    )  # fmt: skip
+    for name, a in m.account.items():
+        out.accounts[name] = _piece(
+            DAccount(home=a.home, groups=sorted(set(a.groups)), shell=a.shell)
+        )
+    for name, p in m.process.items():
+        assert p.bundle is not None  # the gate made sure
+        b = m.bundle[p.bundle]
+        key = bundle_key(b.kind, mv.bundles.get(p.bundle), b.path)
+        out.bundles[key] = _piece(
+            DBundle(kind=b.kind, digest=mv.bundles.get(p.bundle), path=b.path)
+        )
+        if p.check is not None and p.check.tcp is not None:
+            out.ports[p.check.tcp] = name
+        files = {
+            path: DFile(
+                mode=f.mode,
+                text=f.text,
+                secret=f.secret,
+                secret_version=secrets.get(f.secret, 0) if f.secret else None,
+            )
+            for path, f in p.files.items()
+        }
+        out.processes[name] = _piece(
+            DProcess(
+                module=mv.name, bundle=key, command=p.command, account=p.account, root=p.root,
+                env=p.env, files=files, prepare=p.prepare, prepare_timeout=p.prepare_timeout,
+                restart=p.restart, check=p.check, update=p.update, replaces=p.replaces,
+                stop_timeout=p.stop_timeout,
+            )
+        )  # fmt: skip
+    for name, c in m.container.items():
+        assert c.image is not None
+        out.containers[name] = _piece(
+            DContainer(
+                module=mv.name, image=c.image, command=c.command, env=c.env, ports=c.ports,
+                restart=c.restart,
+            )
+        )  # fmt: skip
+    return out
+
+
+class Merged(msgspec.Struct):
+    machine: str
+    modules: dict[str, str]
+    accounts: dict[str, Piece]
+    bundles: dict[str, Piece]
+    processes: dict[str, Piece]
+    containers: dict[str, Piece]
+
+
+def merge(machine: str, prepared: list[Prepared]) -> Merged:
+    """Put a machine's modules together: identical duplicates merge, conflicts name both.
+    This runs once per machine per change: keep it to dict operations."""
+    mods = sorted(prepared, key=lambda p: p.name)
+    out = Merged(machine=machine, modules={}, accounts={}, bundles={}, processes={}, containers={})
+    port_from: dict[int, tuple[str, str]] = {}
+    accounts, processes, containers = out.accounts, out.processes, out.containers
+    for mod in mods:
+        out.modules[mod.name] = mod.version
+        for name, piece in mod.accounts.items():
+            have = accounts.setdefault(name, piece)
+            if have is not piece and have.raw != piece.raw:
+                first = next(m.name for m in mods if name in m.accounts)
+                raise Conflict(
+                    f"account {name} is declared differently by modules {first} and {mod.name} "
+                    f"(on {machine})"
+                )
+        out.bundles.update(mod.bundles)  # keyed by content: the same key is the same bundle
+        for kind, mine, theirs in (("process", processes, mod.processes),
+                                   ("container", containers, mod.containers)):  # fmt: skip
+            common = mine.keys() & theirs.keys()
+            if common:
+                name = min(common)
+                raise Conflict(
+                    f"{kind} {name} is declared by modules {mine[name].value.module} "
+                    f"and {mod.name} (on {machine})"
+                )
+            mine.update(theirs)
+        for port, process in mod.ports.items():
+            other = port_from.setdefault(port, (mod.name, process))
+            if other[0] != mod.name:
+                raise Conflict(
+                    f"port {port} is checked by process {other[1]} of module {other[0]} "
+                    f"and process {process} of module {mod.name} (on {machine})"
+                )
+    return out
+
+
+class _Encoded(msgspec.Struct):
+    # The same field names as Declaration: encoded sorted, the bytes are canonical(decl).
+    machine: str
+    modules: dict[str, str]
+    accounts: dict[str, msgspec.Raw]
+    bundles: dict[str, msgspec.Raw]
+    processes: dict[str, msgspec.Raw]
+    containers: dict[str, msgspec.Raw]
+
+
+def encode(merged: Merged) -> tuple[bytes, str]:
+    """The canonical bytes and the digest of a merged declaration, from the pieces' bytes."""
+    body = _encoder.encode(
+        _Encoded(
+            machine=merged.machine,
+            modules=merged.modules,
+            accounts={k: p.raw for k, p in merged.accounts.items()},
+            bundles={k: p.raw for k, p in merged.bundles.items()},
+            processes={k: p.raw for k, p in merged.processes.items()},
+            containers={k: p.raw for k, p in merged.containers.items()},
+        )
+    )
+    return body, "sha256:" + hashlib.sha256(body).hexdigest()
+
+
+def declaration(merged: Merged) -> Declaration:
+    return Declaration(
+        machine=merged.machine,
+        modules=merged.modules,
+        accounts={k: p.value for k, p in merged.accounts.items()},
+        bundles={k: p.value for k, p in merged.bundles.items()},
+        processes={k: p.value for k, p in merged.processes.items()},
+        containers={k: p.value for k, p in merged.containers.items()},
+    )
+
+
 def compose(
     machine: str, modules: list[ModuleVersion], secrets: dict[str, int] | None = None
 ) -> Declaration:
     """The declaration of `machine` from the modules assigned to it. Raises Conflict."""
-    secrets = secrets or {}
-    decl = Declaration(machine=machine, modules={})
-    account_from: dict[str, str] = {}
-    port_from: dict[int, tuple[str, str]] = {}
-    for mv in sorted(modules, key=lambda m: m.name):
-        m = mv.manifest
-        decl.modules[mv.name] = mv.version
-        for name, a in m.account.items():
-            account = DAccount(home=a.home, groups=sorted(set(a.groups)), shell=a.shell)
-            if name in decl.accounts and decl.accounts[name] != account:
-                raise Conflict(
-                    f"account {name} is declared differently by modules "
-                    f"{account_from[name]} and {mv.name} (on {machine})"
-                )
-            decl.accounts[name] = account
-            account_from.setdefault(name, mv.name)
-        for name, p in m.process.items():
-            if name in decl.processes:
-                raise Conflict(
-                    f"process {name} is declared by modules {decl.processes[name].module} "
-                    f"and {mv.name} (on {machine})"
-                )
-            assert p.bundle is not None  # the gate made sure
-            b = m.bundle[p.bundle]
-            key = bundle_key(b.kind, mv.bundles.get(p.bundle), b.path)
-            decl.bundles[key] = DBundle(kind=b.kind, digest=mv.bundles.get(p.bundle), path=b.path)
-            if p.check is not None and p.check.tcp is not None:
-                other = port_from.get(p.check.tcp)
-                if other is not None:
-                    raise Conflict(
-                        f"port {p.check.tcp} is checked by process {other[1]} of module "
-                        f"{other[0]} and process {name} of module {mv.name} (on {machine})"
-                    )
-                port_from[p.check.tcp] = (mv.name, name)
-            decl.processes[name] = DProcess(
-                module=mv.name,
-                bundle=key,
-                command=p.command,
-                account=p.account,
-                root=p.root,
-                env=p.env,
-                files={
-                    path: DFile(
-                        mode=f.mode,
-                        text=f.text,
-                        secret=f.secret,
-                        secret_version=secrets.get(f.secret, 0) if f.secret else None,
-                    )
-                    for path, f in p.files.items()
-                },
-                prepare=p.prepare,
-                prepare_timeout=p.prepare_timeout,
-                restart=p.restart,
-                check=p.check,
-                update=p.update,
-                replaces=p.replaces,
-                stop_timeout=p.stop_timeout,
-            )
-        for name, c in m.container.items():
-            if name in decl.containers:
-                raise Conflict(
-                    f"container {name} is declared by modules {decl.containers[name].module} "
-                    f"and {mv.name} (on {machine})"
-                )
-            assert c.image is not None
-            decl.containers[name] = DContainer(
-                module=mv.name,
-                image=c.image,
-                command=c.command,
-                env=c.env,
-                ports=c.ports,
-                restart=c.restart,
-            )
-    return decl
+    return declaration(merge(machine, [prepare(mv, secrets) for mv in modules]))

@@ -35,7 +35,15 @@ from mesh.model import (
     SecretSetRequest,
 )
 from mesh.modules import archive, gate, load
-from mesh.modules.compose import Conflict, Declaration, ModuleVersion, canonical, compose, digest
+from mesh.modules.compose import (
+    Conflict,
+    Declaration,
+    ModuleVersion,
+    Prepared,
+    encode,
+    merge,
+    prepare,
+)
 from mesh.modules.diff import diff
 from mesh.modules.manifest import Assign, Manifest
 from mesh.store import catalog
@@ -50,8 +58,7 @@ UNBUILT = "unbuilt:"  # the dry run's stand-in for a bundle that a push would bu
 class Changed(msgspec.Struct):
     before: str | None
     after: str
-    body: bytes
-    declaration: Declaration
+    body: bytes  # the canonical declaration
 
 
 class Catalog:
@@ -91,29 +98,26 @@ class Catalog:
         assigned = await catalog.assignments(conn)
         secrets = await catalog.secret_versions(conn)
         stored = await catalog.declarations(conn, machines)
+        prepared: dict[str, Prepared] = {}  # each module version once, for all machines
         changed: dict[str, Changed] = {}
         for machine in machines:
-            modules = [
-                ModuleVersion(
-                    name=name,
-                    version=current[name].version,
-                    manifest=self._manifest(current[name]),
-                    bundles=current[name].bundles,
-                )
-                for name in sorted(assigned.get(machine, ()))
-            ]
+            mine = []
+            for name in sorted(assigned.get(machine, ())):
+                if name not in prepared:
+                    v = current[name]
+                    mv = ModuleVersion(
+                        name=name, version=v.version, manifest=self._manifest(v), bundles=v.bundles
+                    )
+                    prepared[name] = prepare(mv, secrets)
+                mine.append(prepared[name])
             try:
-                decl = compose(machine, modules, secrets)
+                body, after = encode(merge(machine, mine))
             except Conflict as e:
                 raise wire.BadRequest(str(e), code="conflict") from None
-            after = digest(decl)
             before = stored.get(machine)
             if before is None or before[0] != after:
                 changed[machine] = Changed(
-                    before=before[0] if before else None,
-                    after=after,
-                    body=canonical(decl),
-                    declaration=decl,
+                    before=before[0] if before else None, after=after, body=body
                 )
         return changed
 
@@ -380,7 +384,8 @@ class Catalog:
             old = None
             if machine in stored:
                 old = msgspec.json.decode(stored[machine][1], type=Declaration)
-            changes = [msgspec.to_builtins(ch) for ch in diff(old, c.declaration)]
+            new = msgspec.json.decode(c.body, type=Declaration)
+            changes = [msgspec.to_builtins(ch) for ch in diff(old, new)]
             machines.append(
                 MachineDiff(machine=machine, before=c.before, after=c.after, changes=changes)
             )
