@@ -4,6 +4,7 @@ bundles and build logs, content-addressed) and the KV bucket `mesh-declarations`
 Everything here can be rebuilt from PostgreSQL; the controller creates both at takeover.
 """
 
+import base64
 import hashlib
 
 from nats.aio.client import Client
@@ -55,14 +56,31 @@ async def store(nc: Client) -> ObjectStore:
         ) from None
 
 
+def _nats_digest(data: bytes) -> str:
+    # How JetStream's object store names an object's digest.
+    return "SHA-256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).decode()
+
+
 async def put(obs: ObjectStore, data: bytes) -> str:
-    """Store `data` under its digest (once) and return the digest."""
+    """Store `data` under its digest and return the digest. An object already stored under that
+    name is kept only if it really has those bytes: nobody can squat a digest with garbage."""
     d = digest(data)
     try:
-        await obs.get_info(_object_name(d))
+        info = await obs.get_info(_object_name(d))
+        if info.digest == _nats_digest(data) and not info.deleted:
+            return d
     except (ObjectNotFoundError, NotFoundError):
-        await obs.put(_object_name(d), data)
+        pass
+    await obs.put(_object_name(d), data)
     return d
+
+
+async def has(obs: ObjectStore, d: str) -> bool:
+    try:
+        info = await obs.get_info(_object_name(d))
+    except (ObjectNotFoundError, NotFoundError):
+        return False
+    return not info.deleted
 
 
 async def get(obs: ObjectStore, d: str) -> bytes:

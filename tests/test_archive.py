@@ -94,3 +94,38 @@ def test_hostile_archive_entries_are_refused(
     with pytest.raises(ArchiveRefused):
         unpack(data, tmp_path)
     assert list(tmp_path.iterdir()) == []
+
+
+def _links_then_file(links: list[tuple[str, str]], file: str | None) -> bytes:
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w") as tar:
+        for name, target in links:
+            entry = tarfile.TarInfo(name)
+            entry.type = tarfile.SYMTYPE
+            entry.linkname = target
+            tar.addfile(entry)
+        if file:
+            entry = tarfile.TarInfo(file)
+            entry.size = 5
+            tar.addfile(entry, io.BytesIO(b"pwned"))
+    return out.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("links", "file"),
+    [
+        ([("d/l", ".."), ("d/l/x", "..")], "d/l/x/pwned"),  # a chain of links, each "inside"
+        ([("d/l", "..")], "d/l/pwned"),  # a file written through a link
+        ([("d/l", ".."), ("m", "d/l/..")], None),  # textually inside, really outside
+        ([("a", "b"), ("b", "a")], None),  # a loop
+    ],
+)
+def test_chained_symlinks_cannot_escape(tmp_path: Path, links, file) -> None:
+    data = _links_then_file(links, file)
+    dest = tmp_path / "scratch" / "dest"
+    dest.mkdir(parents=True)
+    with pytest.raises(ArchiveRefused):
+        members(data)
+    with pytest.raises(ArchiveRefused):
+        unpack(data, dest)
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["dest", "scratch"]

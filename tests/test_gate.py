@@ -155,6 +155,10 @@ def test_duration_parses() -> None:
         '["bash", "-lc", "x"]',
         '["sh", "-ec", "x"]',
         '["/bin/dash", "-c", "x"]',
+        '["bash", "-o", "pipefail", "-c", "x"]',
+        '["sh", "+e", "-c", "x"]',
+        '["env", "-S", "sh -c id"]',
+        '["busybox", "sh", "-c", "x"]',
     ],
 )
 def test_shells_given_a_command_string_are_refused(argv: str) -> None:
@@ -162,7 +166,10 @@ def test_shells_given_a_command_string_are_refused(argv: str) -> None:
     assert "process.hello.command" in line and "shell string" in line
 
 
-@pytest.mark.parametrize("argv", ['["sh", "build.sh"]', '["bash", "-e", "build.sh"]'])
+@pytest.mark.parametrize(
+    "argv",
+    ['["sh", "build.sh"]', '["bash", "-e", "build.sh"]', '["bash", "-o", "pipefail", "b.sh"]'],
+)
 def test_a_shell_running_a_script_file_is_argv(argv: str) -> None:
     assert parse(GOOD.replace('["python3", "hello.py"]', argv)).process["hello"].command[0]
 

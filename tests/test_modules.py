@@ -158,6 +158,18 @@ async def test_the_controller_gates_what_it_is_sent(fleet, nc) -> None:
     assert (await ask(nc, "mesh.ctl.status"))["seat"]["holder"] == "ctl-a"
 
 
+async def test_the_manifest_must_be_the_one_in_the_source(fleet, nc) -> None:
+    from mesh import blobs
+    from mesh.modules.load import load
+
+    module = load(EXAMPLE)
+    await blobs.put(await blobs.store(nc), module.source)
+    other = module.manifest_text.replace('"--port", "8080"', '"--port", "9999"')
+    reply = await ask(nc, "mesh.ctl.push", {"manifest": other, "source": module.version})
+    assert reply["error"]["code"] == "refused"
+    assert "differs from the module.toml in the source archive" in reply["error"]["message"]
+
+
 def _built_module(folder: Path, *, script: str, description: str = "") -> Path:
     (folder / "src").mkdir(parents=True, exist_ok=True)
     (folder / "src" / "build.sh").write_text(script)
@@ -191,10 +203,12 @@ async def test_builds_run_on_the_builder_are_cached_and_fail_clearly(
     pushed = json.loads(ok(run(nats_url, "--json", "push", str(module))))
     assert pushed["machines"] == ["node-3"]
     assert await _builds(database_url) == [("app", "done", "node-1")]
-    bundle = (await declarations(nc))["node-3"]["declaration"]["processes"]["app"]["bundle"]
-    assert bundle.startswith("sha256:")
+    decl = (await declarations(nc))["node-3"]["declaration"]
+    bundle = decl["processes"]["app"]["bundle"]
+    assert bundle.startswith("binary:sha256:")
+    digest = decl["bundles"][bundle]["digest"]
     store = await nc.jetstream().object_store("mesh-bundles")
-    assert (await store.get(bundle.replace(":", "-"))).data  # the built bundle is stored
+    assert (await store.get(digest.replace(":", "-"))).data  # the built bundle is stored
 
     # Same source folder and argv: the cached bundle is used, nothing is built again.
     _built_module(module, script=GOOD_BUILD, description="only the manifest changed")

@@ -12,7 +12,7 @@ from typing import Any
 from mesh import blobs, config
 from mesh.cli import render
 from mesh.cli.args import Parser, label, tier
-from mesh.cli.client import CliError, ask, call, connected
+from mesh.cli.client import CliError, ask, connected
 from mesh.cli.output import console, print_json
 from mesh.model import (
     AssignRequest,
@@ -137,13 +137,7 @@ async def _assign(args: argparse.Namespace, verb: str) -> None:
     body = AssignRequest(
         module=args.module, machines=args.machines, tier=args.tier, labels=dict(args.label)
     )
-    timeout = getattr(args, "timeout", CHANGE_TIMEOUT)
-    where = _where(args)
-    async with connected(url=where["url"], creds=where["creds"], what=verb) as nc:
-        reply = await ask(
-            nc, url=where["url"], verb=verb, reply=ChangeReply, timeout=timeout,
-            body=encode(body), attempt=timeout,
-        )  # fmt: skip
+    reply = await _simple(args, verb, ChangeReply, body, changes=True)
     if args.json:
         print_json(reply)
     else:
@@ -158,14 +152,18 @@ async def cmd_unassign(args: argparse.Namespace) -> None:
     await _assign(args, "unassign")
 
 
-async def _simple(args: argparse.Namespace, verb: str, reply: type, body: Any = None) -> Any:
-    return await call(
-        **_where(args),
-        verb=verb,
-        reply=reply,
-        timeout=getattr(args, "timeout", 5.0),
-        body=encode(body) if body is not None else b"{}",
-    )
+async def _simple(
+    args: argparse.Namespace, verb: str, reply: type, body: Any = None, *, changes: bool = False
+) -> Any:
+    """One verb. One that changes things is tried once per answer window (`attempt` = the whole
+    timeout): a slow answer must not be taken for a lost request and sent again."""
+    where = _where(args)
+    timeout = getattr(args, "timeout", CHANGE_TIMEOUT if changes else 5.0)
+    async with connected(url=where["url"], creds=where["creds"], what=verb) as nc:
+        return await ask(
+            nc, url=where["url"], verb=verb, reply=reply, timeout=timeout,
+            body=encode(body) if body is not None else b"{}", attempt=timeout if changes else 1.0,
+        )  # fmt: skip
 
 
 async def cmd_modules(args: argparse.Namespace) -> None:
@@ -198,7 +196,7 @@ async def cmd_secret_set(args: argparse.Namespace) -> None:
     else:
         value = sys.stdin.buffer.read()
     body = SecretSetRequest(name=args.name, value=base64.b64encode(value).decode())
-    reply = await _simple(args, "secret-set", ChangeReply, body)
+    reply = await _simple(args, "secret-set", ChangeReply, body, changes=True)
     if args.json:
         print_json(reply)
     else:

@@ -25,10 +25,38 @@ def digest(data: bytes) -> str:
 
 
 def _inside(link_dir: str, target: str) -> bool:
+    """A first, textual check; `members` also resolves targets through the other links."""
     if target.startswith("/"):
         return False
     joined = posixpath.normpath(posixpath.join(link_dir, target))
     return not (joined == ".." or joined.startswith("../"))
+
+
+def _resolve(
+    base: list[str], target: str, links: dict[str, str], depth: int = 0
+) -> list[str] | None:
+    """Where `target`, followed from folder `base`, ends up: through every symlink of the
+    archive on the way. None if it leaves the root, is absolute, or loops."""
+    if target.startswith("/") or depth > 40:
+        return None
+    parts = list(base)
+    for comp in target.split("/"):
+        if comp in ("", "."):
+            continue
+        if comp == "..":
+            if not parts:
+                return None
+            parts.pop()
+            continue
+        parts.append(comp)
+        key = "/".join(parts)
+        if key in links:
+            parts.pop()
+            resolved = _resolve(parts, links[key], links, depth + 1)
+            if resolved is None:
+                return None
+            parts = resolved
+    return parts
 
 
 def _info(
@@ -72,12 +100,29 @@ def pack(root: Path) -> bytes:
     data = out.getvalue()
     if len(data) > MAX_ARCHIVE:
         raise ArchiveRefused(f"the archive is {len(data)} bytes, at most {MAX_ARCHIVE}")
+    members(data)  # the full check: links resolved through each other
     return data
 
 
+def read(data: bytes, name: str) -> bytes | None:
+    """The contents of the regular file `name` in the archive, or None."""
+    info = members(data).get(name)
+    if info is None or not info.isfile():
+        return None
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
+        f = tar.extractfile(info)
+        return f.read() if f else None
+
+
 def _add_file(tar: tarfile.TarFile, path: Path, name: str) -> None:
-    mode = 0o755 if path.stat().st_mode & 0o111 else 0o644
-    data = path.read_bytes()
+    # Never follow a link here: the tree may belong to a build that is still changing it.
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise ArchiveRefused(f"{name}: not a regular file")
+        data = f.read()
+    mode = 0o755 if st.st_mode & 0o111 else 0o644
     tar.addfile(_info(name, kind=tarfile.REGTYPE, mode=mode, size=len(data)), io.BytesIO(data))
 
 
@@ -96,6 +141,7 @@ def members(data: bytes) -> dict[str, tarfile.TarInfo]:
     """The entries of an archive, each checked: no absolute or `..` names, no links out, no
     hard links, no devices. Raises ArchiveRefused naming the entry."""
     entries: dict[str, tarfile.TarInfo] = {}
+    links: dict[str, str] = {}
     with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
         for info in tar.getmembers():
             name = info.name
@@ -109,7 +155,19 @@ def members(data: bytes) -> dict[str, tarfile.TarInfo]:
                 raise ArchiveRefused(f"{name}: hard links are not accepted")
             elif not (info.isfile() or info.isdir()):
                 raise ArchiveRefused(f"{name}: not a regular file, folder or symlink")
+            if norm in entries:
+                raise ArchiveRefused(f"{name}: appears twice")
             entries[norm] = info
+            if info.issym():
+                links[norm] = info.linkname
+    for name in entries:
+        parents = name.split("/")[:-1]
+        for i in range(1, len(parents) + 1):
+            if "/".join(parents[:i]) in links:
+                raise ArchiveRefused(f"{name}: lies under a symlink")  # would write through it
+    for name, target in links.items():
+        if _resolve(name.split("/")[:-1], target, links) is None:
+            raise ArchiveRefused(f"{name}: symlink to {target!r} points outside")
     return entries
 
 

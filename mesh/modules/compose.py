@@ -97,7 +97,7 @@ def bundle_key(kind: str, digest: str | None, path: str | None) -> str:
         return f"system:{path or ''}"
     if not digest:
         raise ValueError(f"a {kind} bundle without a digest (not packed or built yet)")
-    return digest
+    return f"{kind}:{digest}"  # the same bytes as `files` and as `python` are two bundles
 
 
 class Piece(msgspec.Struct):
@@ -146,7 +146,7 @@ def prepare(mv: ModuleVersion, secrets: dict[str, int] | None = None) -> Prepare
             out.ports[p.check.tcp] = name
         files = {
             path: DFile(
-                mode=f.mode,
+                mode=f"{int(f.mode, 8):04o}",  # "400" and "0400" are one mode
                 text=f.text,
                 secret=f.secret,
                 secret_version=secrets.get(f.secret, 0) if f.secret else None,
@@ -165,7 +165,8 @@ def prepare(mv: ModuleVersion, secrets: dict[str, int] | None = None) -> Prepare
         assert c.image is not None
         out.containers[name] = _piece(
             DContainer(
-                module=mv.name, image=c.image, command=c.command, env=c.env, ports=c.ports,
+                module=mv.name, image=c.image, command=c.command, env=c.env,
+                ports=sorted(set(c.ports)),
                 restart=c.restart,
             )
         )  # fmt: skip

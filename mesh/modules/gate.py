@@ -115,19 +115,34 @@ def _argv_fields(raw: dict[str, Any]) -> list[tuple[str, Any]]:
 
 
 def _runs_shell_string(argv: list[Any]) -> bool:
-    """`sh -c …`, `bash -lc …`, `/usr/bin/env sh -ec …`: a shell given a command string."""
+    """A shell given a command string: `sh -c …`, `bash -o pipefail -lc …`, `sh +e -c …`,
+    `/usr/bin/env sh -ec …`, `env -S "sh -c …"`, `busybox sh -c …`."""
     words = [w for w in argv if isinstance(w, str)]
-    if words and posixpath.basename(words[0]) == "env":
-        words = words[1:]
-        while words and ("=" in words[0] or words[0].startswith("-")):
-            words = words[1:]  # env's own options and assignments
+    while words:
+        base = posixpath.basename(words[0])
+        if base == "env":
+            if any(w.startswith(("-S", "--split-string")) for w in words[1:]):
+                return True  # env splits a string into a command: a shell string by another name
+            words = words[1:]
+            while words and ("=" in words[0] or words[0].startswith("-")):
+                words = words[1:]
+        elif base == "busybox":
+            words = words[1:]
+        else:
+            break
     if not words or posixpath.basename(words[0]) not in SHELLS:
         return False
-    for word in words[1:]:
-        if not word.startswith("-") or word == "--":
+    i = 1
+    while i < len(words):
+        word = words[i]
+        if word == "--" or not word.startswith(("-", "+")):
             return False  # a script path: the shell runs a file, not a string
+        if word in ("-o", "+o", "-O", "+O"):
+            i += 2  # an option that takes a name
+            continue
         if not word.startswith("--") and "c" in word[1:]:
             return True
+        i += 1
     return False
 
 

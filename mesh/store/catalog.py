@@ -140,6 +140,13 @@ async def declarations(
     return {r["machine"]: (r["digest"], bytes(r["body"]), r["epoch"]) for r in rows}
 
 
+async def digests(conn: asyncpg.Connection) -> dict[str, str]:
+    return {
+        r["machine"]: r["digest"]
+        for r in await conn.fetch("SELECT machine, digest FROM declarations")
+    }
+
+
 async def write_declaration(
     conn: asyncpg.Connection, *, machine: str, digest: str, body: bytes, epoch: int
 ) -> None:

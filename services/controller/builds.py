@@ -13,10 +13,11 @@ import msgspec
 from nats.aio.client import Client
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
+from nats.js.object_store import ObjectStore
 
-from mesh import subjects, wire
+from mesh import blobs, subjects, wire
 from mesh.model import BuildReply, BuildRequest
-from mesh.modules import archive, gate, load
+from mesh.modules import gate
 from mesh.modules.manifest import Bundle
 from mesh.store import catalog
 from services.controller.fleet import Fleet
@@ -24,9 +25,9 @@ from services.controller.fleet import Fleet
 log = logging.getLogger(__name__)
 
 
-def build_key(*, source: bytes, bundle: Bundle) -> str:
-    assert bundle.source is not None and bundle.build is not None
-    tree = archive.digest(load.source_tree(source, bundle.source))
+def build_key(*, tree: str, bundle: Bundle) -> str:
+    """The digest of what a build sees (its source folder's archive) and what it runs."""
+    assert bundle.build is not None
     recipe = json.dumps([tree, bundle.build, bundle.output], separators=(",", ":"))
     return "sha256:" + hashlib.sha256(recipe.encode()).hexdigest()
 
@@ -42,15 +43,19 @@ def builder(fleet: Fleet) -> str:
     return candidates[0]
 
 
-async def cached(pool: asyncpg.Pool, key: str) -> str | None:
+async def cached(pool: asyncpg.Pool, obs: ObjectStore, key: str) -> str | None:
+    """The bundle a finished build with this key made, if it is still stored."""
     row = await catalog.build(pool, key)
-    return row.digest if row and row.state == "done" else None
+    if row is None or row.state != "done" or row.digest is None:
+        return None
+    return row.digest if await blobs.has(obs, row.digest) else None
 
 
 async def build(
     *,
     nc: Client,
     pool: asyncpg.Pool,
+    obs: ObjectStore,
     fleet: Fleet,
     key: str,
     module: str,
@@ -69,7 +74,7 @@ async def build(
         module=module,
         bundle=name,
         source=source,
-        path=bundle.source,
+        path=".",  # the source is the bundle's folder already
         argv=bundle.build,
         output=bundle.output,
         timeout=timeout,
@@ -83,6 +88,8 @@ async def build(
             f"the build of {module}/{name} on {on} got no answer ({type(e).__name__})",
             code="build_failed",
         ) from None
+    if reply.ok and (reply.digest is None or not await blobs.has(obs, reply.digest)):
+        reply = msgspec.structs.replace(reply, ok=False, error="the builder stored no bundle")
     await catalog.finish_build(
         pool, key=key, ok=reply.ok, digest=reply.digest, tail=reply.tail, log_object=reply.log
     )

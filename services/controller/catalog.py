@@ -13,6 +13,7 @@ import logging
 from collections.abc import Iterable
 
 import anyio
+import anyio.to_thread
 import asyncpg
 import msgspec
 from nats.aio.client import Client
@@ -139,12 +140,29 @@ class Catalog:
         )
 
     async def _publish(self, bodies: dict[str, tuple[str, bytes]]) -> None:
+        """After the commit. A put that fails is logged, not raised: the change is stored, and
+        `keep_published` puts it again (the store is the truth, the KV its copy)."""
         for machine, (d, body) in sorted(bodies.items()):
             envelope = DeclarationReply(
                 machine=machine, digest=d, epoch=self._epoch, declaration=msgspec.Raw(body)
             )
-            await self._kv.put(machine, wire.encode(envelope))
+            try:
+                await self._kv.put(machine, wire.encode(envelope))
+            except Exception as e:
+                log.warning("could not publish the declaration of %s (will retry): %s", machine, e)
+                continue
             self.wanted[machine] = d
+
+    async def keep_published(self, every: float = 5.0) -> None:
+        """Put again every stored declaration whose digest the KV does not have yet."""
+        while True:
+            await anyio.sleep(every)
+            async with self._pool.acquire() as conn:
+                stored = await catalog.digests(conn)
+                behind = [m for m, d in stored.items() if self.wanted.get(m) != d]
+                bodies = await catalog.declarations(conn, behind) if behind else {}
+            if bodies:
+                await self._publish({m: (d, body) for m, (d, body, _) in bodies.items()})
 
     async def republish(self) -> int:
         """At takeover: every stored declaration, under this holder's epoch."""
@@ -213,12 +231,16 @@ class Catalog:
         except (blobs.BlobMissing, blobs.BlobCorrupt) as e:
             raise wire.BadRequest(f"source: {e}", code="not_found") from None
         try:
-            load.check_sources(manifest, data)
-            inside = archive.members(data).get("module.toml")
+            # Archive work is CPU on up to 64 MiB: off the event loop that answers verbs.
+            await anyio.to_thread.run_sync(load.check_sources, manifest, data)
+            inside = await anyio.to_thread.run_sync(archive.read, data, "module.toml")
         except (gate.Refused, archive.ArchiveRefused) as e:
             raise wire.BadRequest(str(e), code="refused") from None
-        if inside is None:
-            raise wire.BadRequest("source: the archive has no module.toml", code="refused")
+        if inside is None or inside.decode(errors="replace") != manifest_text:
+            # The version is the archive's digest: what is registered must be what it holds.
+            raise wire.BadRequest(
+                "manifest: differs from the module.toml in the source archive", code="refused"
+            )
         return manifest, data
 
     async def _bundles(
@@ -231,14 +253,20 @@ class Catalog:
         for name, b in sorted(manifest.bundle.items()):
             if b.kind == "system":
                 continue
+            assert b.source is not None  # the gate made sure
+            try:
+                # A build sees only its source folder, so its key covers exactly that.
+                tree = await anyio.to_thread.run_sync(load.source_tree, data, b.source)
+            except archive.ArchiveRefused as e:
+                raise wire.BadRequest(
+                    f"module {manifest.module.name}: bundle.{name}.source: {e}", code="refused"
+                ) from None
+            tree_digest = archive.digest(tree) if dry else await blobs.put(self._obs, tree)
             if b.build is None:
-                packed = load.bundle_archive(manifest, name, data)
-                digests[name] = (
-                    archive.digest(packed) if dry else await blobs.put(self._obs, packed)
-                )
+                digests[name] = tree_digest
                 continue
-            key = builds.build_key(source=data, bundle=b)
-            hit = await builds.cached(self._pool, key)
+            key = builds.build_key(tree=tree_digest, bundle=b)
+            hit = await builds.cached(self._pool, self._obs, key)
             if hit is not None:
                 digests[name] = hit
                 continue
@@ -249,12 +277,13 @@ class Catalog:
             digests[name] = await builds.build(
                 nc=self._nc,
                 pool=self._pool,
+                obs=self._obs,
                 fleet=self._fleet,
                 key=key,
                 module=manifest.module.name,
                 name=name,
                 bundle=b,
-                source=version,
+                source=tree_digest,
             )
         return digests, built
 

@@ -177,6 +177,7 @@ async def _hold(
             link.on_up = fleet.forgive  # beats lost while we were away are not the machines' fault
             serving.start_soon(lock.watch)
             serving.start_soon(fleet.watch)
+            serving.start_soon(catalog.keep_published)
             serving.start_soon(_step_down_without_bus, link)
     finally:
         # Each step on its own deadline: a store or bus that is gone must not keep the lock.

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.to_thread
 from nats.aio.client import Client
 
 from mesh import blobs, osaccounts
@@ -48,6 +49,21 @@ def _tail(text: str) -> str:
 
 
 async def build(nc: Client, req: BuildRequest, *, root: Path) -> BuildReply:
+    """Always a reply, never an exception: the controller waits on it holding its change lock."""
+    try:
+        return await _build(nc, req, root=root)
+    except Exception as e:
+        log.exception("build of %s/%s failed", req.module, req.bundle)
+        return BuildReply(ok=False, digest=None, tail="", log="", error=f"{type(e).__name__}: {e}")
+
+
+def _give(scratch: Path, account: str) -> None:
+    entry = pwd.getpwnam(account)
+    for path in [scratch, *scratch.rglob("*")]:
+        os.lchown(path, entry.pw_uid, entry.pw_gid)
+
+
+async def _build(nc: Client, req: BuildRequest, *, root: Path) -> BuildReply:
     log_name = "build-log-" + req.key.replace(":", "-")
     obs = await blobs.store(nc)
     folder = root / "builds"
@@ -56,14 +72,12 @@ async def build(nc: Client, req: BuildRequest, *, root: Path) -> BuildReply:
     output = scratch.with_suffix(".log")
     try:
         source = await blobs.get(obs, req.source)
-        archive.unpack(source, scratch)
+        await anyio.to_thread.run_sync(archive.unpack, source, scratch)
         workdir = _inside(scratch, req.path)
         credentials = _credentials()
         if credentials:
-            entry = pwd.getpwnam(BUILD_ACCOUNT)
             os.chmod(folder, 0o711)
-            for path in [scratch, *scratch.rglob("*")]:
-                os.lchown(path, entry.pw_uid, entry.pw_gid)
+            await anyio.to_thread.run_sync(_give, scratch, BUILD_ACCOUNT)
         log.info("building %s/%s in %s: %s", req.module, req.bundle, workdir, req.argv)
         code, timed_out = await _run(req, workdir=workdir, output=output, credentials=credentials)
         text = output.read_text(errors="replace") if output.exists() else ""
@@ -78,7 +92,7 @@ async def build(nc: Client, req: BuildRequest, *, root: Path) -> BuildReply:
         if not result.exists():
             return BuildReply(ok=False, digest=None, tail=_tail(text), log=log_name,
                               error=f"the build left no {req.output!r}")  # fmt: skip
-        digest = await blobs.put(obs, archive.pack(result))
+        digest = await blobs.put(obs, await anyio.to_thread.run_sync(archive.pack, result))
         log.info("built %s/%s: %s", req.module, req.bundle, digest)
         return BuildReply(ok=True, digest=digest, tail=_tail(text), log=log_name)
     except (blobs.BlobMissing, blobs.BlobCorrupt, archive.ArchiveRefused, ValueError, OSError) as e:
@@ -114,7 +128,11 @@ async def _run(
                 return None, True
             return process.returncode, False
         finally:
-            if process.returncode is None:
+            # Always, not only on a timeout: nothing a build started may outlive it (and change
+            # its output while it is packed).
+            try:
                 os.killpg(process.pid, signal.SIGKILL)
-                with anyio.CancelScope(shield=True):
-                    await process.wait()
+            except ProcessLookupError:
+                pass
+            with anyio.CancelScope(shield=True):
+                await process.wait()
