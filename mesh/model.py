@@ -103,6 +103,7 @@ class Register(Request):
     facts: Facts
     beat_interval: Interval
     pid: int
+    applied: str | None = None  # the digest of the declaration it has applied, if any
 
 
 class RegisterReply(msgspec.Struct):
@@ -256,4 +257,28 @@ class BuildReply(msgspec.Struct):
     digest: str | None
     tail: str  # the last lines of the build's output
     log: str  # the object holding the whole log
+    error: str = ""
+
+
+# --- applying declarations (host -> controller) -------------------------------------------------
+
+
+class SecretRequest(Request):
+    name: Name
+
+
+class SecretReply(msgspec.Struct):
+    name: str
+    version: int
+    value: str  # base64; only ever sent to a host whose declaration names the secret
+
+
+class Applied(msgspec.Struct, forbid_unknown_fields=True):
+    """Published on mesh.event.<name>.applied after each apply, good or not."""
+
+    name: Name
+    digest: str
+    epoch: int
+    ok: bool
+    step: str = ""  # where it stopped, when not ok
     error: str = ""

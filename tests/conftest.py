@@ -27,6 +27,26 @@ def _port_open(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
+def _names(database: str) -> set[str]:
+    out = subprocess.run(["getent", database], capture_output=True, text=True).stdout
+    return {line.split(":", 1)[0] for line in out.splitlines() if line}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def remove_accounts_made_by_tests() -> Iterator[None]:
+    """Hosts in tests create real accounts (as root): every account and group that appears
+    during the session is removed at its end, even when tests fail. Set up first, torn down
+    last, after the servers that run as such accounts have stopped."""
+    users, groups = _names("passwd"), _names("group")
+    yield
+    if os.geteuid() != 0:
+        return
+    for name in sorted(_names("passwd") - users):
+        subprocess.run(["userdel", "--remove", name], capture_output=True)
+    for name in sorted(_names("group") - groups):
+        subprocess.run(["groupdel", name], capture_output=True)
+
+
 class Procs:
     """Processes a test started; all are killed (process group, SIGKILL) at teardown."""
 

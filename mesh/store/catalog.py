@@ -128,6 +128,11 @@ async def set_secret(conn: asyncpg.Connection, *, name: str, value: bytes) -> in
     )
 
 
+async def secret(conn: asyncpg.Connection | asyncpg.Pool, name: str) -> tuple[int, bytes] | None:
+    r = await conn.fetchrow("SELECT version, value FROM secrets WHERE name = $1", name)
+    return (r["version"], bytes(r["value"])) if r else None
+
+
 async def declarations(
     conn: asyncpg.Connection, machines: list[str] | None = None
 ) -> dict[str, tuple[str, bytes, int]]:

@@ -33,6 +33,7 @@ from mesh.model import (
     ModuleInfo,
     ModulesReply,
     PushRequest,
+    SecretReply,
     SecretSetRequest,
 )
 from mesh.modules import archive, gate, load
@@ -419,6 +420,24 @@ class Catalog:
                 MachineDiff(machine=machine, before=c.before, after=c.after, changes=changes)
             )
         return DiffReply(module=name, version=req.source, machines=machines, builds=built)
+
+    async def secret_for(self, machine: str, name: str) -> SecretReply:
+        """A secret's value, for a host whose declaration names it; nobody else gets it."""
+        async with self._pool.acquire() as conn:
+            stored = (await catalog.declarations(conn, [machine])).get(machine)
+            value = await catalog.secret(conn, name)
+        named = False
+        if stored is not None:
+            decl = msgspec.json.decode(stored[1], type=Declaration)
+            named = any(f.secret == name for p in decl.processes.values() for f in p.files.values())
+        if not named:
+            raise wire.BadRequest(
+                f"machine {machine}'s declaration names no secret {name}", code="forbidden"
+            )
+        if value is None:
+            raise wire.BadRequest(f"secret {name} has not been set", code="not_found")
+        version, data = value
+        return SecretReply(name=name, version=version, value=base64.b64encode(data).decode())
 
     async def build_logs(self, req: BuildLogsRequest) -> BuildLogsReply:
         row = await catalog.last_build(self._pool, module=req.module, bundle=req.bundle)

@@ -37,6 +37,7 @@ class Fleet:
         # Registrations and up/down transitions come from three tasks (verbs, beats, watch);
         # one at a time keeps memory, the store and the event order in agreement.
         self._changing = anyio.Lock()
+        self.applied: dict[str, str] = {}  # machine -> digest it reports applied
 
     async def load(self) -> None:
         """Read the fleet from the store at takeover; up machines get a full threshold to beat."""
@@ -70,6 +71,8 @@ class Fleet:
             if was is not None and not was.up:
                 await events.record(conn, "machine.up", machine=req.name, epoch=self._epoch)
         self.machines[req.name] = row
+        if req.applied:
+            self.applied[req.name] = req.applied
         self._up.add(req.name)  # registering is a sign of life
         self._beat_at[req.name] = time.monotonic()
         self._unknown_logged.discard(req.name)
@@ -146,6 +149,7 @@ class Fleet:
                 facts=m.facts,
                 processes=[],
                 digest_wanted=wanted.get(m.name),
+                digest_applied=self.applied.get(m.name),
             )
             for m in sorted(self.machines.values(), key=lambda m: (m.tier, m.name))
         ]

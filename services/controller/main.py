@@ -24,7 +24,7 @@ from nats.aio.msg import Msg
 
 from mesh import blobs, bus, subjects, wire
 from mesh.lifetime import stop_on_signals
-from mesh.model import Beat, SeatAnnounce, SeatInfo
+from mesh.model import Applied, Beat, SeatAnnounce, SeatInfo
 from mesh.store import db, events, seats
 from mesh.store.migrate import migrate
 from services.controller.catalog import Catalog
@@ -146,6 +146,19 @@ async def _hold(
             return  # a machine speaks only for itself
         await fleet.beat(beat)
 
+    async def on_applied(msg: Msg) -> None:
+        try:
+            applied = wire.decode(msg.data, Applied)
+        except wire.BadRequest:
+            return
+        if msg.subject != f"mesh.event.{applied.name}.applied":
+            return  # a machine speaks only for itself
+        if applied.ok:
+            fleet.applied[applied.name] = applied.digest
+        else:
+            log.info("machine %s could not apply %s: %s: %s", applied.name,
+                     applied.digest[:19], applied.step, applied.error)  # fmt: skip
+
     subs = []
     held = msgspec.structs.replace(me, since=row.since, epoch=row.epoch)
     try:
@@ -171,6 +184,7 @@ async def _hold(
                     subjects.CTL_HOST_VERBS, queue=subjects.QUEUE, cb=partial(on_host_verb, holder)
                 ),
                 await nc.subscribe(subjects.HOST_BEATS, queue=subjects.QUEUE, cb=on_beat),
+                await nc.subscribe("mesh.event.*.applied", queue=subjects.QUEUE, cb=on_applied),
             ]
             await nc.flush()
             await nc.publish(subjects.seat("held"), wire.encode(held))

@@ -31,6 +31,8 @@ from mesh.model import (
     Register,
     RegisterReply,
     SeatInfo,
+    SecretReply,
+    SecretRequest,
     SecretSetRequest,
     StatusReply,
     StatusRequest,
@@ -128,8 +130,14 @@ VERBS: dict[str, Verb] = {
     "build-logs": Verb(BuildLogsRequest, build_logs, slow=True),
 }
 
+
+async def host_secret(h: Holder, machine: str, req: SecretRequest) -> SecretReply:
+    return await h.catalog.secret_for(machine, req.name)
+
+
 HOST_VERBS: dict[str, Verb] = {
     "register": Verb(Register, register),
+    "secret": Verb(SecretRequest, host_secret),
 }
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import anyio
 import msgspec
+from msgspec.structs import replace
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
@@ -20,6 +21,7 @@ from mesh import bus, subjects, wire
 from mesh.lifetime import stop_on_signals
 from mesh.model import Beat, BuildRequest, Register, RegisterReply, SeatAnnounce
 from services.host import builds
+from services.host.apply import Applier
 from services.host.facts import gather
 
 log = logging.getLogger("mesh.host")
@@ -42,6 +44,8 @@ class HostStatus(msgspec.Struct):
     registered: bool
     epoch: int
     started: datetime
+    applied: str | None = None  # digest of the declaration applied
+    applied_epoch: int = 0
 
 
 async def run(
@@ -82,7 +86,10 @@ async def run(
         async with anyio.create_task_group() as tg:
             tg.start_soon(stop_on_signals, tg.cancel_scope)
 
+            applier = Applier(name=name, nc=nc, root=state)
+
             async def on_status(msg: Msg) -> None:
+                status.applied, status.applied_epoch = applier.digest, applier.epoch
                 await msg.respond(wire.encode(status))
 
             async def on_build(msg: Msg) -> None:
@@ -97,15 +104,16 @@ async def run(
             await nc.subscribe(subjects.host(name, "build"), cb=on_build)
             # Subscribed before registering, so a takeover during registration is not missed.
             held = await nc.subscribe(subjects.seat("held"))
-            await _register(nc, registration, status)
+            await _register(nc, replace(registration, applied=applier.digest), status)
             tg.start_soon(_beat, nc, name, beat_interval)
+            tg.start_soon(applier.watch)
             async for msg in held.messages:
                 try:
                     announce = wire.decode(msg.data, SeatAnnounce)
                 except wire.BadRequest:
                     continue
                 if announce.epoch > status.epoch:  # a holder we have not registered with
-                    await _register(nc, registration, status)
+                    await _register(nc, replace(registration, applied=applier.digest), status)
     finally:
         with anyio.CancelScope(shield=True), anyio.move_on_after(3):
             await bus.close(nc)

@@ -1,0 +1,49 @@
+"""Accounts on this machine, created with the system's tools (useradd, groupadd).
+
+Existence is decided by exit codes (`getent`: 0 found, 2 absent), never by message text: the
+seed's host read an account that did not exist yet as "the user database did not answer" and
+stopped. Without root (dev mode) accounts map to the current user, and the host says so.
+"""
+
+import grp
+import logging
+import os
+import pwd
+
+from mesh import osaccounts
+from mesh.modules.compose import DAccount
+
+log = logging.getLogger(__name__)
+
+
+class Identity:
+    """Who a process or file belongs to on this machine."""
+
+    def __init__(self, name: str, uid: int, gid: int, home: str) -> None:
+        self.name, self.uid, self.gid, self.home = name, uid, gid, home
+
+
+def dev_mode() -> bool:
+    return os.geteuid() != 0
+
+
+def current() -> Identity:
+    entry = pwd.getpwuid(os.geteuid())
+    return Identity(entry.pw_name, entry.pw_uid, entry.pw_gid, entry.pw_dir)
+
+
+def ensure(name: str, account: DAccount) -> Identity:
+    """The account, created if absent. Idempotent; in dev mode, the current user."""
+    if dev_mode():
+        return current()
+    created = osaccounts.ensure_system_account(
+        name, home=account.home, shell=account.shell, groups=account.groups
+    )
+    if created:
+        log.info("created account %s", name)
+    entry = pwd.getpwnam(name)
+    return Identity(name, entry.pw_uid, entry.pw_gid, entry.pw_dir)
+
+
+def gid_of(group: str) -> int:
+    return grp.getgrnam(group).gr_gid

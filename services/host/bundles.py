@@ -1,0 +1,63 @@
+"""The bundle store: bundles fetched by digest, verified, unpacked safely and kept read-only
+under ROOT/bundles/<kind>-<digest>. A bundle is made whole in a scratch folder and renamed into
+place, so a half-unpacked bundle is never seen."""
+
+import logging
+import os
+import shutil
+import stat
+import tempfile
+from pathlib import Path
+
+import anyio
+import anyio.to_thread
+from nats.js.object_store import ObjectStore
+
+from mesh import blobs
+from mesh.modules import archive
+from mesh.modules.compose import DBundle
+
+log = logging.getLogger(__name__)
+
+
+def folder(root: Path, key: str) -> Path:
+    return root / "bundles" / key.replace(":", "-")
+
+
+def _read_only(path: Path) -> None:
+    for p in [path, *path.rglob("*")]:
+        st = p.lstat()
+        if stat.S_ISLNK(st.st_mode):
+            continue
+        if stat.S_ISDIR(st.st_mode):
+            p.chmod(0o555)
+        else:
+            p.chmod(0o555 if st.st_mode & 0o111 else 0o444)
+
+
+def _unpack(data: bytes, scratch: Path, final: Path) -> None:
+    archive.unpack(data, scratch)
+    _read_only(scratch)
+    os.rename(scratch, final)
+
+
+async def ensure(obs: ObjectStore, root: Path, key: str, bundle: DBundle) -> Path | None:
+    """The bundle's folder, fetched if absent; None for a `system` bundle (already here)."""
+    if bundle.kind == "system" or bundle.digest is None:
+        return None
+    final = folder(root, key)
+    if final.is_dir():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    data = await blobs.get(obs, bundle.digest)  # verified against its digest
+    scratch = Path(tempfile.mkdtemp(prefix=".unpacking-", dir=final.parent))
+    try:
+        await anyio.to_thread.run_sync(_unpack, data, scratch, final)
+    except BaseException:
+        for p in [scratch, *scratch.rglob("*")]:
+            if p.is_dir() and not p.is_symlink():
+                p.chmod(0o755)
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise
+    log.info("bundle %s stored in %s", key, final)
+    return final
