@@ -282,3 +282,34 @@ class Applied(msgspec.Struct, forbid_unknown_fields=True):
     ok: bool
     step: str = ""  # where it stopped, when not ok
     error: str = ""
+
+
+# --- host verbs (mesh.host.<name>.<verb>) --------------------------------------------------------
+
+
+class LogsRequest(Request):
+    process: Name
+    offset: Annotated[int, msgspec.Meta(ge=0)] | None = None  # None: the last `max` bytes
+    max: Annotated[int, msgspec.Meta(ge=1, le=512 * 1024)] = 64 * 1024
+
+
+class LogsReply(msgspec.Struct):
+    process: str
+    offset: int  # where the next read starts
+    data: str
+
+
+class RestartRequest(Request):
+    process: Name
+
+
+class RestartReply(msgspec.Struct):
+    process: str
+    restarted: bool
+
+
+class ProcessesEvent(msgspec.Struct, forbid_unknown_fields=True):
+    """Published on mesh.event.<name>.processes when a process changes state."""
+
+    name: Name
+    processes: list[ProcessState]

@@ -19,6 +19,7 @@ import pytest
 from helpers import MESH, wait_until
 
 from mesh.dev import natsd, ports, postgres
+from mesh.dev.children import stop_supervised
 
 
 def _port_open(port: int) -> bool:
@@ -79,6 +80,7 @@ class Procs:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 pass
+        stop_supervised(self.folder / "hosts")  # what the test's hosts started, hosts gone
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from typing import Any
 import anyio
 
 from mesh import config
-from mesh.cli import modules, render
+from mesh.cli import hosts, modules, render
 from mesh.cli.args import Parser, label, tier
 from mesh.cli.client import CliError, call
 from mesh.cli.output import console, print_json
@@ -86,6 +86,7 @@ def parser() -> argparse.ArgumentParser:
         "--beat", type=float, default=1.0, metavar="S", help="heartbeat interval in seconds (1)"
     )
     modules.add_parsers(verbs, common)
+    hosts.add_parsers(verbs, common)
     return top
 
 
@@ -160,6 +161,7 @@ COMMANDS: dict[tuple[str, ...], Callable[[argparse.Namespace], Any]] = {
     ("controller", "run"): cmd_controller_run,
     ("host", "run"): cmd_host_run,
     **modules.COMMANDS,
+    **hosts.COMMANDS,
 }
 
 

@@ -88,3 +88,31 @@ async def spawn(
             **credentials,
         )
     return Child(name, proc, log)
+
+
+def stop_supervised(hosts_root: Path) -> list[int]:
+    """Kill the process groups the hosts under `hosts_root` supervise (their
+    state/processes.json: pid and kernel start time). Hosts leave their processes running when
+    they stop, so that a restarted host adopts them; a dev mesh that stops must not."""
+    import json
+
+    killed = []
+    for state in sorted(hosts_root.glob("*/state/processes.json")):
+        try:
+            instances = json.loads(state.read_text())
+        except (OSError, ValueError):
+            continue
+        for instance in instances.values():
+            pid, started = instance.get("pid"), instance.get("start_time")
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat[stat.rindex(")") + 2 :].split()[19]) != started:
+                continue  # the pid was reused: not ours
+            try:
+                os.killpg(pid, signal.SIGKILL)
+                killed.append(pid)
+            except (ProcessLookupError, PermissionError):
+                pass
+    return killed

@@ -22,7 +22,7 @@ from nats.aio.client import Client
 
 from mesh import bus, subjects, wire
 from mesh.dev import natsd, ports, postgres
-from mesh.dev.children import Child, spawn
+from mesh.dev.children import Child, spawn, stop_supervised
 from mesh.lifetime import stop_on_signals
 from mesh.model import NodesReply, StatusReply
 
@@ -234,6 +234,10 @@ class DevMesh:
                 for child in self.children:
                     if belongs(child):
                         tg.start_soon(lambda c=child, s=sig: c.stop(sig=s))
+            if sig == signal.SIGTERM and belongs is groups[0][0]:
+                stopped = stop_supervised(self.dir / "hosts")
+                if stopped:
+                    say(f"stopped {len(stopped)} process(es) the hosts supervised")
         say("stopped")
 
 

@@ -84,6 +84,10 @@ class ModuleVersion(msgspec.Struct):
 _encoder = msgspec.json.Encoder(order="sorted")
 
 
+def canonical_process(p: DProcess) -> bytes:
+    return _encoder.encode(p)
+
+
 def canonical(decl: Declaration) -> bytes:
     return _encoder.encode(decl)
 

@@ -12,7 +12,7 @@ from datetime import UTC, datetime
 import anyio
 import asyncpg
 
-from mesh.model import Beat, Node, NodeCounts, Register
+from mesh.model import Beat, Node, NodeCounts, ProcessState, Register
 from mesh.store import events, machines
 from mesh.store.machines import MachineRow
 
@@ -38,6 +38,7 @@ class Fleet:
         # one at a time keeps memory, the store and the event order in agreement.
         self._changing = anyio.Lock()
         self.applied: dict[str, str] = {}  # machine -> digest it reports applied
+        self.processes: dict[str, list[ProcessState]] = {}  # machine -> as it last reported
 
     async def load(self) -> None:
         """Read the fleet from the store at takeover; up machines get a full threshold to beat."""
@@ -147,7 +148,7 @@ class Fleet:
                 up=m.up,
                 last_seen=m.last_seen,
                 facts=m.facts,
-                processes=[],
+                processes=self.processes.get(m.name, []),
                 digest_wanted=wanted.get(m.name),
                 digest_applied=self.applied.get(m.name),
             )

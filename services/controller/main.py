@@ -24,7 +24,7 @@ from nats.aio.msg import Msg
 
 from mesh import blobs, bus, subjects, wire
 from mesh.lifetime import stop_on_signals
-from mesh.model import Applied, Beat, SeatAnnounce, SeatInfo
+from mesh.model import Applied, Beat, ProcessesEvent, SeatAnnounce, SeatInfo
 from mesh.store import db, events, seats
 from mesh.store.migrate import migrate
 from services.controller.catalog import Catalog
@@ -146,6 +146,14 @@ async def _hold(
             return  # a machine speaks only for itself
         await fleet.beat(beat)
 
+    async def on_processes(msg: Msg) -> None:
+        try:
+            event = wire.decode(msg.data, ProcessesEvent)
+        except wire.BadRequest:
+            return
+        if msg.subject == f"mesh.event.{event.name}.processes":  # only for itself
+            fleet.processes[event.name] = event.processes
+
     async def on_applied(msg: Msg) -> None:
         try:
             applied = wire.decode(msg.data, Applied)
@@ -185,6 +193,7 @@ async def _hold(
                 ),
                 await nc.subscribe(subjects.HOST_BEATS, queue=subjects.QUEUE, cb=on_beat),
                 await nc.subscribe("mesh.event.*.applied", queue=subjects.QUEUE, cb=on_applied),
+                await nc.subscribe("mesh.event.*.processes", queue=subjects.QUEUE, cb=on_processes),
             ]
             await nc.flush()
             await nc.publish(subjects.seat("held"), wire.encode(held))

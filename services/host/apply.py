@@ -1,7 +1,7 @@
 """Applying this machine's declaration: watch its key in `mesh-declarations`, and make the machine
 match, step by step, idempotently, reporting each apply on `mesh.event.<name>.applied`.
 
-Order: accounts -> bundles -> files (processes, checks and containers come next). A declaration
+Order: accounts -> bundles -> files -> prepare -> processes (containers come next). A declaration
 whose epoch is older than one already applied is ignored (fencing: a paused old controller
 cannot roll the machine back). What was applied is kept in ROOT/state/applied.json, so a host
 restart does not redo it.
@@ -10,6 +10,8 @@ restart does not redo it.
 import base64
 import json
 import logging
+import os
+import subprocess
 import time
 from pathlib import Path
 
@@ -20,8 +22,11 @@ from nats.js.errors import BucketNotFoundError, NotFoundError
 
 from mesh import blobs, bus, subjects, wire
 from mesh.model import Applied, SecretReply, SecretRequest
-from mesh.modules.compose import Declaration
+from mesh.modules.compose import Declaration, DProcess
+from mesh.modules.gate import duration
 from services.host import accounts, bundles, files
+from services.host.processes import credentials
+from services.host.supervisor import Launch, Supervisor, spec_digest
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +46,10 @@ class StepFailed(Exception):
 
 
 class Applier:
-    def __init__(self, *, name: str, nc: Client, root: Path) -> None:
+    def __init__(self, *, name: str, nc: Client, root: Path, supervisor: Supervisor) -> None:
         self.name = name
+        self.supervisor = supervisor
+        self._first = True  # after a (re)start, apply once even an applied digest: adopt
         self._nc = nc
         self._root = root
         self._state = root / "state" / "applied.json"
@@ -88,10 +95,11 @@ class Applier:
             log.info("host %s: a declaration of %s", self.name, why)
             await self._report(env, ok=False, step="fence", error=why)
             return
-        if env.digest == self.digest:
+        if env.digest == self.digest and not self._first:
             self.epoch = env.epoch
             self._save()
             return
+        self._first = False
         started = time.monotonic()
         try:
             await self._apply(env.declaration)
@@ -135,6 +143,71 @@ class Applier:
                     files.write(folder, rel, data, mode=int(f.mode, 8), owner=owner)
                 except Exception as e:
                     raise StepFailed(f"file {proc}/{rel}", str(e)) from None
+        launches = {
+            name: self._launch(name, p, decl, ids) for name, p in sorted(decl.processes.items())
+        }
+        for name, launch in launches.items():
+            running = self.supervisor.running.get(name)
+            if launch.decl.prepare and (running is None or running.launch.spec != launch.spec):
+                if not self.supervisor.adoptable(name, launch.spec):
+                    await self._prepare(launch)
+        problems = await self.supervisor.reconcile(launches)
+        if problems:
+            raise StepFailed("processes", "; ".join(problems))
+
+    def _launch(
+        self, name: str, p: DProcess, decl: Declaration, ids: dict[str, accounts.Identity]
+    ) -> Launch:
+        owner = ids[p.account] if p.account else None
+        bundle = decl.bundles[p.bundle]
+        if bundle.kind == "system":
+            cwd = Path(bundle.path or "/")
+        else:
+            cwd = bundles.folder(self._root, p.bundle)
+        files_folder = self._root / "processes" / name / "files"
+        env = {
+            "PATH": os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin"),
+            "LANG": "C.UTF-8",
+            "HOME": owner.home if owner and owner.home else str(files_folder),
+            "MESH_FILES": str(files_folder),
+            "MESH_PROCESS": name,
+            **p.env,
+        }
+        uid = owner.uid if owner else (None if not p.root else 0)
+        gid = owner.gid if owner else (None if not p.root else 0)
+        return Launch(
+            name=name,
+            decl=p,
+            spec=spec_digest(p),
+            cwd=cwd,
+            env=env,
+            uid=uid,
+            gid=gid,
+            log_file=self._root / "processes" / name / "logs" / "output.log",
+        )
+
+    async def _prepare(self, launch: Launch) -> None:
+        """The prepare step, as the account, before a new version starts; a failure leaves
+        whatever runs now running."""
+        assert launch.decl.prepare is not None
+        limit = duration(launch.decl.prepare_timeout)
+        log.info("process %s: prepare %s", launch.name, launch.decl.prepare)
+        try:
+            with anyio.fail_after(limit):
+                done = await anyio.run_process(
+                    launch.decl.prepare, cwd=launch.cwd, env=launch.env, check=False,
+                    stdin=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                    **credentials(launch.uid, launch.gid),
+                )  # fmt: skip
+        except TimeoutError:
+            raise StepFailed(f"prepare {launch.name}", f"timed out after {limit:g}s") from None
+        except OSError as e:
+            raise StepFailed(f"prepare {launch.name}", str(e)) from None
+        if done.returncode != 0:
+            tail = done.stdout.decode(errors="replace").strip().splitlines()[-3:]
+            raise StepFailed(
+                f"prepare {launch.name}", f"exit code {done.returncode}: {' | '.join(tail)}"
+            )
 
     async def _secret(self, name: str | None) -> bytes:
         assert name is not None

@@ -15,14 +15,21 @@ import anyio
 import msgspec
 from msgspec.structs import replace
 from nats.aio.client import Client
-from nats.aio.msg import Msg
 
 from mesh import bus, subjects, wire
 from mesh.lifetime import stop_on_signals
-from mesh.model import Beat, BuildRequest, Register, RegisterReply, SeatAnnounce
-from services.host import builds
+from mesh.model import (
+    Beat,
+    ProcessesEvent,
+    ProcessState,
+    Register,
+    RegisterReply,
+    SeatAnnounce,
+)
+from services.host import verbs
 from services.host.apply import Applier
 from services.host.facts import gather
+from services.host.supervisor import Supervisor
 
 log = logging.getLogger("mesh.host")
 
@@ -46,6 +53,7 @@ class HostStatus(msgspec.Struct):
     started: datetime
     applied: str | None = None  # digest of the declaration applied
     applied_epoch: int = 0
+    processes: list[ProcessState] = []
 
 
 async def run(
@@ -86,25 +94,30 @@ async def run(
         async with anyio.create_task_group() as tg:
             tg.start_soon(stop_on_signals, tg.cancel_scope)
 
-            applier = Applier(name=name, nc=nc, root=state)
+            async def report_processes() -> None:
+                event = ProcessesEvent(name=name, processes=supervisor.states())
+                await nc.publish(f"mesh.event.{name}.processes", wire.encode(event))
 
-            async def on_status(msg: Msg) -> None:
+            supervisor = Supervisor(
+                nc=nc, root=state, changed=lambda: tg.start_soon(report_processes)
+            )
+            tg.start_soon(supervisor.run)
+            applier = Applier(name=name, nc=nc, root=state, supervisor=supervisor)
+
+            def current_status() -> HostStatus:
                 status.applied, status.applied_epoch = applier.digest, applier.epoch
-                await msg.respond(wire.encode(status))
+                status.processes = supervisor.states()
+                return status
 
-            async def on_build(msg: Msg) -> None:
-                try:
-                    req = wire.decode(msg.data, BuildRequest)
-                except wire.BadRequest as e:
-                    await msg.respond(wire.error(e.code, str(e)))
-                    return
-                await msg.respond(wire.encode(await builds.build(nc, req, root=state)))
-
-            await nc.subscribe(subjects.host(name, "status"), cb=on_status)
-            await nc.subscribe(subjects.host(name, "build"), cb=on_build)
+            await verbs.serve(
+                verbs.Host(
+                    name=name, root=state, nc=nc, supervisor=supervisor, status=current_status
+                )
+            )
             # Subscribed before registering, so a takeover during registration is not missed.
             held = await nc.subscribe(subjects.seat("held"))
             await _register(nc, replace(registration, applied=applier.digest), status)
+            await report_processes()
             tg.start_soon(_beat, nc, name, beat_interval)
             tg.start_soon(applier.watch)
             async for msg in held.messages:
@@ -114,6 +127,7 @@ async def run(
                     continue
                 if announce.epoch > status.epoch:  # a holder we have not registered with
                     await _register(nc, replace(registration, applied=applier.digest), status)
+                    await report_processes()
     finally:
         with anyio.CancelScope(shield=True), anyio.move_on_after(3):
             await bus.close(nc)

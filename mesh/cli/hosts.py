@@ -1,0 +1,59 @@
+"""`mesh logs MACHINE PROCESS [-f]`: a process's output, asked of its host."""
+
+import argparse
+import sys
+import time
+from typing import Any
+
+import anyio
+
+from mesh import bus, config, subjects, wire
+from mesh.cli.client import CliError, connected
+from mesh.model import LogsReply, LogsRequest
+from mesh.names import check_name
+
+FOLLOW_EVERY = 0.5
+
+
+def add_parsers(verbs: Any, common: argparse.ArgumentParser) -> None:
+    logs = verbs.add_parser("logs", parents=[common], help="a process's output, from its host")
+    logs.add_argument("machine")
+    logs.add_argument("process")
+    logs.add_argument("-f", "--follow", action="store_true", help="keep printing new output")
+
+
+async def _read(nc: Any, machine: str, req: LogsRequest, timeout: float) -> LogsReply:
+    subject = subjects.host(machine, "logs")
+    try:
+        data = await bus.request(nc, subject, wire.encode(req), deadline=time.monotonic() + timeout)
+    except bus.NoAnswer:
+        raise CliError(
+            f"host {machine} did not answer on {subject}; is it up? (`mesh nodes`)"
+        ) from None
+    try:
+        return wire.decode_reply(data, LogsReply)
+    except wire.RemoteError as e:
+        raise CliError(f"logs: {e}") from None
+
+
+async def cmd_logs(args: argparse.Namespace) -> None:
+    check_name(args.machine, field="MACHINE")
+    check_name(args.process, field="PROCESS")
+    url = config.nats_url(getattr(args, "nats_url", None))
+    timeout = getattr(args, "timeout", 5.0)
+    async with connected(
+        url=url, creds=config.creds(getattr(args, "creds", None)), what="logs"
+    ) as nc:
+        reply = await _read(nc, args.machine, LogsRequest(process=args.process), timeout)
+        sys.stdout.write(reply.data)
+        sys.stdout.flush()
+        while args.follow:
+            await anyio.sleep(FOLLOW_EVERY)
+            reply = await _read(
+                nc, args.machine, LogsRequest(process=args.process, offset=reply.offset), timeout
+            )
+            sys.stdout.write(reply.data)
+            sys.stdout.flush()
+
+
+COMMANDS = {("logs",): cmd_logs}

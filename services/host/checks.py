@@ -1,0 +1,63 @@
+"""Health checks: tcp, http, exec, nats. One check passes or fails; `passes` consecutive passes
+make a process healthy (counted by the supervisor)."""
+
+import subprocess
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import anyio
+from nats.aio.client import Client
+
+from mesh.modules.compose import DProcess
+from mesh.modules.gate import duration
+from services.host.processes import credentials
+
+
+async def once(
+    p: DProcess, *, nc: Client, cwd: Path, uid: int | None, gid: int | None, env: dict[str, str]
+) -> tuple[bool, str]:
+    """Run the process's check once: (passed, why not)."""
+    c = p.check
+    assert c is not None
+    limit = duration(c.timeout)
+    try:
+        with anyio.fail_after(limit):
+            if c.tcp is not None:
+                stream = await anyio.connect_tcp("127.0.0.1", c.tcp)
+                await stream.aclose()
+                return True, ""
+            if c.http is not None:
+                return await _http(c.http)
+            if c.exec is not None:
+                done = await anyio.run_process(
+                    c.exec, cwd=cwd, env=env, check=False, stdin=subprocess.DEVNULL,
+                    **credentials(uid, gid),
+                )  # fmt: skip
+                return done.returncode == 0, f"exit code {done.returncode}"
+            if c.nats is not None:
+                await nc.request(c.nats, b"{}", timeout=limit)
+                return True, ""
+    except TimeoutError:
+        return False, f"no answer within {c.timeout}"
+    except OSError as e:
+        return False, str(e) or type(e).__name__
+    except Exception as e:  # a nats error: no responders, timeout
+        return False, type(e).__name__
+    return False, "no check"
+
+
+async def _http(url: str) -> tuple[bool, str]:
+    parts = urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    stream = await anyio.connect_tcp(
+        parts.hostname or "127.0.0.1", port, tls=parts.scheme == "https"
+    )
+    async with stream:
+        path = parts.path or "/"
+        if parts.query:
+            path += "?" + parts.query
+        await stream.send(f"GET {path} HTTP/1.0\r\nHost: {parts.hostname}\r\n\r\n".encode())
+        head = await stream.receive(1024)
+    status = head.split(b"\r\n", 1)[0].split()
+    code = int(status[1]) if len(status) > 1 and status[1].isdigit() else 0
+    return 200 <= code < 400, f"HTTP status {code}"

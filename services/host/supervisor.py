@@ -1,0 +1,283 @@
+"""The supervisor: every declared process kept running as declared.
+
+Each process has one task (owned by the supervisor's task group) that starts it, or adopts the
+instance a previous host left running, waits for it to exit and restarts it by its policy with
+exponential backoff (1 s doubling to 30 s; reset after 30 s up), while its check runs: `passes`
+consecutive passes make it healthy. A changed process is swapped as declared: stop-first, or
+start-first (the new beside the old; the old stopped once the new is healthy; a new version that
+never gets healthy is stopped and the old keeps running). Instances are recorded in
+ROOT/state/processes.json for adoption; stopping the host does not stop its processes.
+"""
+
+import hashlib
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import anyio
+import msgspec
+from anyio.abc import TaskGroup
+from nats.aio.client import Client
+
+from mesh.model import ProcessState
+from mesh.modules.compose import DProcess, canonical_process
+from mesh.modules.gate import duration
+from services.host import checks, processes
+from services.host.processes import Instance
+
+log = logging.getLogger(__name__)
+
+BACKOFF_MAX = 30.0
+STEADY_AFTER = 30.0  # up this long, and the backoff starts again from 1 s
+
+
+def spec_digest(p: DProcess) -> str:
+    return "sha256:" + hashlib.sha256(canonical_process(p)).hexdigest()
+
+
+class Launch(msgspec.Struct):
+    """Everything needed to run one declared process on this machine."""
+
+    name: str
+    decl: DProcess
+    spec: str
+    cwd: Path
+    env: dict[str, str]
+    uid: int | None
+    gid: int | None
+    log_file: Path
+
+
+class Supervised:
+    def __init__(self, launch: Launch, *, nc: Client, changed: Callable[[], None]) -> None:
+        self.launch = launch
+        self._nc = nc
+        self._changed = changed
+        self.instance: Instance | None = None
+        self.state = "starting"
+        self.healthy = False
+        self.became_healthy = anyio.Event()
+        self.last_error = ""
+        self.restarts = 0
+        self._stopping = False
+        self.scope = anyio.CancelScope()
+
+    def report(self) -> ProcessState:
+        return ProcessState(
+            name=self.launch.name,
+            state=self.state,
+            healthy=self.healthy,
+            pid=self.instance.pid if self.instance else None,
+        )
+
+    def _set(self, state: str, *, healthy: bool | None = None, error: str = "") -> None:
+        changed = state != self.state or (healthy is not None and healthy != self.healthy)
+        self.state = state
+        if healthy is not None:
+            self.healthy = healthy
+            if healthy:
+                self.became_healthy.set()
+        if error:
+            self.last_error = error
+        if changed:
+            self._changed()
+
+    async def run(self, *, adopt: Instance | None = None) -> None:
+        with self.scope:
+            backoff = 1.0
+            while not self._stopping:
+                if adopt is not None:
+                    self.instance, adopt = adopt, None
+                    log.info("process %s: adopted pid %d", self.launch.name, self.instance.pid)
+                else:
+                    try:
+                        self.instance = self._spawn()
+                    except OSError as e:
+                        self._set("failed", healthy=False, error=f"could not start: {e}")
+                        log.warning("process %s could not start: %s", self.launch.name, e)
+                        await self._back_off(backoff)
+                        backoff = min(backoff * 2, BACKOFF_MAX)
+                        continue
+                    log.info("process %s started, pid %d", self.launch.name, self.instance.pid)
+                self._changed()
+                up_since = time.monotonic()
+                self._set("running", healthy=self.launch.decl.check is None)
+                async with anyio.create_task_group() as tg:
+                    if self.launch.decl.check is not None:
+                        tg.start_soon(self._check_loop)
+                    code = await processes.wait(self.instance)
+                    tg.cancel_scope.cancel()
+                self.instance = None
+                if self._stopping:
+                    self._set("stopped", healthy=False)
+                    return
+                how = "exited" if code is None else f"exited with code {code}"
+                policy = self.launch.decl.restart
+                if policy == "never" or (policy == "on-failure" and code == 0):
+                    self._set("exited" if code == 0 else "failed", healthy=False, error=how)
+                    log.info("process %s %s; restart = %s", self.launch.name, how, policy)
+                    return
+                if time.monotonic() - up_since > STEADY_AFTER:
+                    backoff = 1.0
+                self.restarts += 1
+                log.info("process %s %s; restarting in %gs", self.launch.name, how, backoff)
+                self._set("backoff", healthy=False, error=how)
+                await self._back_off(backoff)
+                backoff = min(backoff * 2, BACKOFF_MAX)
+
+    async def _back_off(self, seconds: float) -> None:
+        await anyio.sleep(seconds)
+
+    def _spawn(self) -> Instance:
+        return processes.spawn(
+            self.launch.decl.command,
+            cwd=self.launch.cwd,
+            env=self.launch.env,
+            log_file=self.launch.log_file,
+            spec=self.launch.spec,
+            uid=self.launch.uid,
+            gid=self.launch.gid,
+        )
+
+    async def _check_loop(self) -> None:
+        check = self.launch.decl.check
+        assert check is not None
+        every = duration(check.every)
+        passes = 0
+        while True:
+            ok, why = await checks.once(
+                self.launch.decl, nc=self._nc, cwd=self.launch.cwd, uid=self.launch.uid,
+                gid=self.launch.gid, env=self.launch.env,
+            )  # fmt: skip
+            passes = passes + 1 if ok else 0
+            if ok and passes >= check.passes and not self.healthy:
+                log.info("process %s is healthy (%d passes)", self.launch.name, passes)
+                self._set("running", healthy=True)
+            elif not ok and self.healthy:
+                log.info("process %s is unhealthy: %s", self.launch.name, why)
+                self._set("running", healthy=False, error=why)
+            elif not ok:
+                self.last_error = why
+            await anyio.sleep(every)
+
+    async def stop(self) -> None:
+        self._stopping = True
+        instance = self.instance
+        if instance is not None:
+            await processes.stop(instance, timeout=duration(self.launch.decl.stop_timeout))
+        self.scope.cancel()
+        self._set("stopped", healthy=False)
+
+
+class Supervisor:
+    def __init__(self, *, nc: Client, root: Path, changed: Callable[[], None]) -> None:
+        self._nc = nc
+        self._state = root / "state" / "processes.json"
+        self._changed = changed
+        self.running: dict[str, Supervised] = {}
+        self._tg: TaskGroup | None = None
+        self._ready = anyio.Event()
+        self._left = self._load()  # instances a previous host left running
+
+    def _load(self) -> dict[str, Instance]:
+        try:
+            saved = msgspec.json.decode(self._state.read_bytes(), type=dict[str, Instance])
+        except (OSError, msgspec.DecodeError):
+            return {}
+        return {name: replace_child(i) for name, i in saved.items() if processes.alive(i)}
+
+    def adoptable(self, name: str, spec: str) -> bool:
+        left = self._left.get(name)
+        return left is not None and left.spec == spec
+
+    def save(self) -> None:
+        current = {n: s.instance for n, s in self.running.items() if s.instance is not None}
+        self._state.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self._state.with_suffix(".tmp")
+        tmp.write_bytes(msgspec.json.encode(current))
+        tmp.replace(self._state)
+
+    def _on_change(self) -> None:
+        self.save()
+        self._changed()
+
+    def states(self) -> list[ProcessState]:
+        return [s.report() for _, s in sorted(self.running.items())]
+
+    async def run(self) -> None:
+        """Own the processes' tasks until cancelled (the host stopping leaves them running)."""
+        async with anyio.create_task_group() as tg:
+            self._tg = tg
+            self._ready.set()
+            await anyio.sleep_forever()
+
+    def _start(self, launch: Launch, *, adopt: Instance | None = None) -> Supervised:
+        assert self._tg is not None, "the supervisor is not running"
+        s = Supervised(launch, nc=self._nc, changed=self._on_change)
+        self._tg.start_soon(lambda: s.run(adopt=adopt))
+        return s
+
+    async def reconcile(self, launches: dict[str, Launch]) -> list[str]:
+        """Make the running processes match `launches`; the problems, in words."""
+        await self._ready.wait()
+        problems: list[str] = []
+        for name in sorted(set(self.running) - set(launches)):
+            log.info("process %s is no longer declared: stopping it", name)
+            await self.running.pop(name).stop()
+        for name, launch in sorted(launches.items()):
+            current = self.running.get(name)
+            if current is None:
+                left = self._left.pop(name, None)
+                if left is not None and left.spec != launch.spec:
+                    log.info("process %s: the instance left running is another version", name)
+                    await processes.stop(left, timeout=duration(launch.decl.stop_timeout))
+                    left = None
+                self.running[name] = self._start(launch, adopt=left)
+            elif current.launch.spec != launch.spec:
+                problem = await self._update(name, current, launch)
+                if problem:
+                    problems.append(problem)
+        for name, left in list(self._left.items()):
+            log.info("process %s (pid %d) is not declared any more: stopping it", name, left.pid)
+            await processes.stop(left, timeout=10)
+            del self._left[name]
+        self._on_change()
+        return problems
+
+    async def _update(self, name: str, old: Supervised, launch: Launch) -> str | None:
+        if launch.decl.update == "stop-first":
+            log.info("process %s: new version, stop-first", name)
+            await old.stop()
+            self.running[name] = self._start(launch)
+            return None
+        log.info("process %s: new version, start-first", name)
+        new = self._start(launch)
+        check = launch.decl.check
+        within = 60.0
+        if check is not None:
+            within = max(within, (check.passes + 3) * duration(check.every))
+        with anyio.move_on_after(within):
+            await new.became_healthy.wait()
+        if not new.healthy:
+            await new.stop()
+            why = f"the new version never got healthy within {within:g}s: {new.last_error}"
+            log.warning("process %s: %s; the old version keeps running", name, why)
+            return why
+        await old.stop()
+        self.running[name] = new
+        return None
+
+    async def restart(self, name: str) -> bool:
+        s = self.running.get(name)
+        if s is None:
+            return False
+        await s.stop()
+        self.running[name] = self._start(s.launch)
+        self._on_change()
+        return True
+
+
+def replace_child(instance: Instance) -> Instance:
+    """An instance recorded by a previous host is not our child: we cannot reap it."""
+    return msgspec.structs.replace(instance, child=False)

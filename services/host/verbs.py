@@ -1,0 +1,106 @@
+"""The host's own verbs on mesh.host.<name>.<verb>: a fixed table, strict bodies, error replies.
+
+status (this host: registration, applied declaration, processes), logs (a process's output from
+an offset, for `mesh logs [-f]`), restart (one process), build (for the controller, on a
+builder)."""
+
+import logging
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from mesh import subjects, wire
+from mesh.model import (
+    BuildRequest,
+    LogsReply,
+    LogsRequest,
+    RestartReply,
+    RestartRequest,
+    StatusRequest,
+)
+from services.host import builds
+from services.host.supervisor import Supervisor
+
+log = logging.getLogger(__name__)
+
+
+class Host(msgspec.Struct):
+    """What the verbs need of the host."""
+
+    name: str
+    root: Path  # where bundles, files, logs and state live
+    nc: Client
+    supervisor: Supervisor
+    status: Callable[[], Any]
+
+
+def _log_file(h: Host, process: str) -> Path:
+    return h.root / "processes" / process / "logs" / "output.log"
+
+
+async def status(h: Host, _: StatusRequest) -> Any:
+    return h.status()
+
+
+async def logs(h: Host, req: LogsRequest) -> LogsReply:
+    path = _log_file(h, req.process)
+    if req.process not in h.supervisor.running and not path.exists():
+        raise wire.BadRequest(f"no process {req.process} on {h.name}", code="not_found")
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, 2)
+            start = max(0, size - req.max) if req.offset is None else min(req.offset, size)
+            f.seek(start)
+            data = f.read(req.max)
+    except FileNotFoundError:
+        return LogsReply(process=req.process, offset=0, data="")
+    return LogsReply(
+        process=req.process, offset=start + len(data), data=data.decode(errors="replace")
+    )
+
+
+async def restart(h: Host, req: RestartRequest) -> RestartReply:
+    if not await h.supervisor.restart(req.process):
+        raise wire.BadRequest(f"no process {req.process} on {h.name}", code="not_found")
+    return RestartReply(process=req.process, restarted=True)
+
+
+async def build(h: Host, req: BuildRequest) -> Any:
+    return await builds.build(h.nc, req, root=h.root)
+
+
+VERBS: dict[str, tuple[type, Callable[[Host, Any], Awaitable[Any]]]] = {
+    "status": (StatusRequest, status),
+    "logs": (LogsRequest, logs),
+    "restart": (RestartRequest, restart),
+    "build": (BuildRequest, build),
+}
+
+
+async def serve(h: Host) -> None:
+    async def on_msg(msg: Msg) -> None:
+        if not msg.reply:
+            return
+        name = msg.subject.rsplit(".", 1)[-1]
+        verb = VERBS.get(name)
+        try:
+            if verb is None:
+                raise wire.BadRequest(
+                    f"unknown host verb {name[:64]!r}; known: {', '.join(sorted(VERBS))}",
+                    code="unknown_verb",
+                )
+            body = wire.encode(await verb[1](h, wire.decode(msg.data, verb[0])))
+        except wire.BadRequest as e:
+            body = wire.error(e.code, str(e))
+        except Exception as e:
+            log.exception("host verb %s failed", msg.subject)
+            body = wire.error("internal", f"{type(e).__name__}: {e}")
+        await msg.respond(body)
+
+    # One subscription per verb: a long build does not hold up status or logs.
+    for name in VERBS:
+        await h.nc.subscribe(subjects.host(h.name, name), cb=on_msg)
