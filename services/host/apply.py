@@ -1,7 +1,8 @@
 """Applying this machine's declaration: watch its key in `mesh-declarations`, and make the machine
 match, step by step, idempotently, reporting each apply on `mesh.event.<name>.applied`.
 
-Order: accounts -> bundles -> files -> prepare -> processes (containers come next). A declaration
+Order: accounts -> bundles -> files -> containers -> prepare -> processes -> replaced
+containers (removed only once the process that replaces them is healthy). A declaration
 whose epoch is older than one already applied is ignored (fencing: a paused old controller
 cannot roll the machine back). What was applied is kept in ROOT/state/applied.json, so a host
 restart does not redo it.
@@ -24,7 +25,7 @@ from mesh import blobs, bus, subjects, wire
 from mesh.model import Applied, SecretReply, SecretRequest
 from mesh.modules.compose import Declaration, DProcess
 from mesh.modules.gate import duration
-from services.host import accounts, bundles, files
+from services.host import accounts, bundles, containers, files
 from services.host.processes import credentials
 from services.host.supervisor import Launch, Supervisor, spec_digest
 
@@ -49,6 +50,7 @@ class Applier:
     def __init__(self, *, name: str, nc: Client, root: Path, supervisor: Supervisor) -> None:
         self.name = name
         self.supervisor = supervisor
+        self.engine = containers.Engine(host=name, root=str(root))
         self._first = True  # after a (re)start, apply once even an applied digest: adopt
         self._nc = nc
         self._root = root
@@ -143,6 +145,7 @@ class Applier:
                     files.write(folder, rel, data, mode=int(f.mode, 8), owner=owner)
                 except Exception as e:
                     raise StepFailed(f"file {proc}/{rel}", str(e)) from None
+        await self._containers(decl)
         launches = {
             name: self._launch(name, p, decl, ids) for name, p in sorted(decl.processes.items())
         }
@@ -154,6 +157,51 @@ class Applier:
         problems = await self.supervisor.reconcile(launches)
         if problems:
             raise StepFailed("processes", "; ".join(problems))
+        await self._replace(decl)
+
+    async def _containers(self, decl: Declaration) -> None:
+        """Declared containers running as declared; ours that are not declared (and that no
+        process replaces: those go only once their replacement is healthy) removed."""
+        replaced = {p.replaces for p in decl.processes.values() if p.replaces}
+        try:
+            for name, c in sorted(decl.containers.items()):
+                await self.engine.ensure(name, c)
+            for name in await self.engine.mine():
+                if name not in decl.containers and name not in replaced:
+                    log.info("container %s is no longer declared: removing it", name)
+                    await self.engine.remove(name)
+        except containers.EngineMissing as e:
+            if decl.containers:
+                raise StepFailed("containers", str(e)) from None
+        except Exception as e:
+            raise StepFailed("containers", f"{type(e).__name__}: {e}") from None
+
+    async def _replace(self, decl: Declaration) -> None:
+        """A container a process replaces goes once that process is healthy, not before."""
+        for name, p in sorted(decl.processes.items()):
+            if not p.replaces:
+                continue
+            supervised = self.supervisor.running.get(name)
+            within = 60.0
+            if p.check is not None:
+                within = max(within, (p.check.passes + 3) * duration(p.check.every))
+            if supervised is not None:
+                with anyio.move_on_after(within):
+                    await supervised.became_healthy.wait()
+            if supervised is None or not supervised.healthy:
+                why = supervised.last_error if supervised else "not running"
+                raise StepFailed(
+                    f"replaces {p.replaces}",
+                    f"process {name} did not get healthy within {within:g}s ({why}); "
+                    f"container {p.replaces} left serving",
+                )
+            try:
+                if await self.engine.remove(p.replaces):
+                    log.info("process %s is healthy: container %s removed", name, p.replaces)
+            except containers.EngineMissing:
+                pass  # no engine, so no container to remove
+            except Exception as e:
+                raise StepFailed(f"replaces {p.replaces}", f"{type(e).__name__}: {e}") from None
 
     def _launch(
         self, name: str, p: DProcess, decl: Declaration, ids: dict[str, accounts.Identity]

@@ -1,0 +1,169 @@
+"""Containers through a real Docker Engine: declared ones run and go when undeclared; the one a
+process `replaces` is removed only after that process passed its checks, and left serving when
+the process never gets healthy (the seed's safe failure).
+
+Images are made here with `docker import` from a rootfs holding a static busybox: no registry
+is reachable. Without an engine or busybox, these tests skip and say why.
+"""
+
+import io
+import json
+import shutil
+import subprocess
+import tarfile
+import uuid
+from pathlib import Path
+
+import pytest
+from helpers import ask, await_until
+from test_modules import ok, run
+from test_processes import SERVER
+
+from mesh.dev import ports
+
+IMAGE = "mesh-test/busybox:1"
+
+
+def _engine_answers() -> bool:
+    if shutil.which("docker") is None:
+        return False
+    return subprocess.run(["docker", "info"], capture_output=True, timeout=30).returncode == 0
+
+
+@pytest.fixture(scope="session")
+def image():
+    if not _engine_answers():
+        pytest.skip("no Docker Engine answers (.ci/run starts dockerd where it can)")
+    if not Path("/bin/busybox").exists():
+        pytest.skip("no static busybox to make an image from (apt-get install busybox-static)")
+    rootfs = io.BytesIO()
+    with tarfile.open(fileobj=rootfs, mode="w") as tar:
+        tar.add("/bin/busybox", arcname="bin/busybox")
+        for applet in ("sh", "sleep", "nc", "httpd"):
+            link = tarfile.TarInfo(f"bin/{applet}")
+            link.type = tarfile.SYMTYPE
+            link.linkname = "busybox"
+            tar.addfile(link)
+    done = subprocess.run(
+        ["docker", "import", "-", IMAGE], input=rootfs.getvalue(), capture_output=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    yield IMAGE
+    subprocess.run(["docker", "rmi", "-f", IMAGE], capture_output=True, timeout=60)
+
+
+@pytest.fixture
+def names():
+    made: list[str] = []
+
+    def name(kind: str) -> str:
+        made.append(f"mesh-test-{kind}-{uuid.uuid4().hex[:8]}")
+        return made[-1]
+
+    yield name
+    for n in made:
+        subprocess.run(["docker", "rm", "-f", n], capture_output=True, timeout=60)
+
+
+def inspect(name: str) -> dict | None:
+    done = subprocess.run(["docker", "inspect", name], capture_output=True, text=True, timeout=30)
+    return json.loads(done.stdout)[0] if done.returncode == 0 else None
+
+
+@pytest.fixture
+async def host(nc, start_controller, start_host):
+    start_controller("ctl-a")
+    proc = start_host("node-1", "--tier", "0")
+
+    async def up():
+        s = await ask(nc, "mesh.ctl.status")
+        return s if s and s["nodes"]["up"] == 1 else None
+
+    await await_until(up, within=30, what="node-1 up")
+    return proc
+
+
+def replacing(folder: Path, *, old: str, port: int, mode: str) -> Path:
+    (folder / "src").mkdir(parents=True, exist_ok=True)
+    (folder / "src" / "server.py").write_text(SERVER)
+    (folder / "module.toml").write_text(
+        '[module]\nname = "svc"\n'
+        '[bundle.svc]\nkind = "files"\nsource = "src"\n'
+        "[account.svc]\n"
+        '[process.svc]\nbundle = "svc"\naccount = "svc"\n'
+        f'command = ["python3", "server.py", "1", "{port}", "{mode}"]\n'
+        f'check = {{ tcp = {port}, every = "300ms", passes = 2 }}\n'
+        f'replaces = "{old}"\nupdate = "start-first"\n'
+        '[assign]\nmachines = ["node-1"]\n'
+    )
+    return folder
+
+
+def _old_container(image: str, name: str) -> None:
+    done = subprocess.run(
+        ["docker", "run", "-d", "--name", name, "--network", "host", image, "sleep", "3600"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+
+
+async def test_replaces_waits_for_two_passes(image, names, host, nc, nats_url, tmp_path) -> None:
+    old = names("old")
+    _old_container(image, old)
+    assert inspect(old)["State"]["Running"]
+    port = ports.free_port()
+    ok(run(nats_url, "push", str(replacing(tmp_path / "m", old=old, port=port, mode="serve"))))
+
+    async def gone():
+        return inspect(old) is None
+
+    await await_until(gone, within=60, what=f"container {old} to be removed")
+    log = (tmp_path / "node-1.log").read_text()
+    healthy_at = log.index("process svc is healthy (2 passes)")
+    removed_at = log.index(f"container {old} stopped and removed")
+    assert healthy_at < removed_at  # the container went only after two passes
+
+
+async def test_a_never_healthy_process_leaves_the_container_serving(
+    image, names, host, nc, nats_url, tmp_path
+) -> None:
+    old = names("old")
+    _old_container(image, old)
+    events = await nc.subscribe("mesh.event.node-1.applied")
+    await nc.flush()
+    port = ports.free_port()
+    ok(run(nats_url, "push", str(replacing(tmp_path / "m", old=old, port=port, mode="deaf"))))
+    while True:
+        event = json.loads((await events.next_msg(timeout=120)).data)
+        if not event["ok"]:
+            break
+    assert event["step"] == f"replaces {old}"
+    assert "left serving" in event["error"]
+    assert inspect(old)["State"]["Running"]
+
+
+async def test_declared_containers_run_and_go_when_undeclared(
+    image, names, host, nc, nats_url, tmp_path
+) -> None:
+    name = names("c")
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "module.toml").write_text(
+        f'[module]\nname = "cache"\n[container.{name}]\nimage = "{image}"\n'
+        'command = ["sleep", "3600"]\n[assign]\nmachines = ["node-1"]\n'
+    )
+    ok(run(nats_url, "push", str(folder)))
+
+    async def running():
+        found = inspect(name)
+        return found if found and found["State"]["Running"] else None
+
+    found = await await_until(running, within=60, what=f"container {name} running")
+    assert found["Config"]["Labels"]["mesh.host"] == "node-1"
+    assert found["HostConfig"]["NetworkMode"] == "host"
+    ok(run(nats_url, "unassign", "cache", "node-1"))
+
+    async def gone():
+        return inspect(name) is None
+
+    await await_until(gone, within=60, what=f"container {name} removed once undeclared")
