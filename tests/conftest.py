@@ -19,7 +19,7 @@ import pytest
 from helpers import MESH, wait_until
 
 from mesh.dev import natsd, ports, postgres
-from mesh.dev.children import stop_supervised
+from mesh.dev.children import remove_containers, stop_supervised
 
 
 def _port_open(port: int) -> bool:
@@ -81,6 +81,7 @@ class Procs:
             except subprocess.TimeoutExpired:
                 pass
         stop_supervised(self.folder / "hosts")  # what the test's hosts started, hosts gone
+        remove_containers(self.folder / "hosts")
 
 
 @pytest.fixture

@@ -129,3 +129,22 @@ def test_chained_symlinks_cannot_escape(tmp_path: Path, links, file) -> None:
     with pytest.raises(ArchiveRefused):
         unpack(data, dest)
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["dest", "scratch"]
+
+
+def test_unused_bundles_are_collected_after_a_grace(tmp_path: Path) -> None:
+    from services.host import bundles
+
+    store = tmp_path / "bundles"
+    for name in ("files-sha256-a", "files-sha256-b"):
+        (store / name).mkdir(parents=True)
+        (store / name / "f").write_text("x")
+        (store / name).chmod(0o555)
+    unused: dict[str, float] = {}
+    assert bundles.collect(tmp_path, {"files:sha256:a"}, unused, now=1000.0) == []
+    assert (
+        bundles.collect(tmp_path, {"files:sha256:a"}, unused, now=1000.0 + bundles.GRACE - 1) == []
+    )
+    assert (store / "files-sha256-b").exists()
+    removed = bundles.collect(tmp_path, {"files:sha256:a"}, unused, now=1000.0 + bundles.GRACE)
+    assert removed == ["files-sha256-b"]
+    assert sorted(p.name for p in store.iterdir()) == ["files-sha256-a"]

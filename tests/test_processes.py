@@ -92,6 +92,20 @@ async def test_a_killed_process_comes_back(host, nc, nats_url, tmp_path) -> None
     [node] = nodes["nodes"]
     assert node["processes"][0]["pid"] == again["pid"]
 
+    # the host's restart verb: a new instance; an unknown process is an error, not a crash
+    assert (await ask(nc, "mesh.host.node-1.restart", {"process": "svc"}, timeout=30)) == {
+        "process": "svc",
+        "restarted": True,
+    }
+
+    async def restarted():
+        p = await healthy(nc)
+        return p if p and p["pid"] != again["pid"] else None
+
+    await await_until(restarted, within=20, what="svc restarted by the verb")
+    reply = await ask(nc, "mesh.host.node-1.restart", {"process": "nope"})
+    assert reply["error"]["code"] == "not_found"
+
 
 async def test_a_crashing_process_backs_off(host, nc, nats_url, tmp_path) -> None:
     folder = module(tmp_path / "m", version="1", port=ports.free_port(), mode="crash")

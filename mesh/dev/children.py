@@ -116,3 +116,23 @@ def stop_supervised(hosts_root: Path) -> list[int]:
             except (ProcessLookupError, PermissionError):
                 pass
     return killed
+
+
+def remove_containers(hosts_root: Path) -> list[str]:
+    """Remove the containers the hosts under `hosts_root` created (labelled with their root), if
+    a container engine is here at all."""
+    import shutil
+
+    if shutil.which("docker") is None:
+        return []
+    removed = []
+    for root in sorted(p for p in hosts_root.glob("*") if p.is_dir()):
+        found = subprocess.run(
+            ["docker", "ps", "-aq", "--filter", f"label=mesh.root={root}"],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        ids = found.stdout.split() if found.returncode == 0 else []
+        if ids:
+            subprocess.run(["docker", "rm", "-f", *ids], capture_output=True, timeout=120)
+            removed += ids
+    return removed

@@ -17,12 +17,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import anyio
+import anyio.to_thread
 import msgspec
 from nats.aio.client import Client
 
 from mesh import bus, subjects, wire
 from mesh.dev import natsd, ports, postgres
-from mesh.dev.children import Child, spawn, stop_supervised
+from mesh.dev.children import Child, remove_containers, spawn, stop_supervised
 from mesh.lifetime import stop_on_signals
 from mesh.model import NodesReply, StatusReply
 
@@ -238,6 +239,9 @@ class DevMesh:
                 stopped = stop_supervised(self.dir / "hosts")
                 if stopped:
                     say(f"stopped {len(stopped)} process(es) the hosts supervised")
+                removed = await anyio.to_thread.run_sync(remove_containers, self.dir / "hosts")
+                if removed:
+                    say(f"removed {len(removed)} container(s) the hosts ran")
         say("stopped")
 
 

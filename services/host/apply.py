@@ -51,6 +51,7 @@ class Applier:
         self.name = name
         self.supervisor = supervisor
         self.engine = containers.Engine(host=name, root=str(root))
+        self._unused: dict[str, float] = {}  # bundle folder -> when first seen unused
         self._first = True  # after a (re)start, apply once even an applied digest: adopt
         self._nc = nc
         self._root = root
@@ -111,6 +112,7 @@ class Applier:
             return
         self.epoch, self.digest = env.epoch, env.digest
         self._save()
+        bundles.collect(self._root, set(env.declaration.bundles), self._unused, time.time())
         log.info(
             "host %s applied %s (epoch %d) in %.2fs",
             self.name, env.digest[:19], env.epoch, time.monotonic() - started,

@@ -61,3 +61,32 @@ async def ensure(obs: ObjectStore, root: Path, key: str, bundle: DBundle) -> Pat
         raise
     log.info("bundle %s stored in %s", key, final)
     return final
+
+
+GRACE = 600.0  # an unused bundle is kept this long (a rollback may want it back)
+
+
+def collect(root: Path, keep: set[str], unused_since: dict[str, float], now: float) -> list[str]:
+    """Remove bundles that no declaration has used for GRACE seconds; `unused_since` (key ->
+    when first seen unused) is updated in place. Returns the removed keys."""
+    store = root / "bundles"
+    if not store.is_dir():
+        return []
+    kept = {key.replace(":", "-") for key in keep}
+    removed = []
+    for path in sorted(store.iterdir()):
+        if path.name.startswith("."):
+            continue
+        if path.name in kept:
+            unused_since.pop(path.name, None)
+            continue
+        since = unused_since.setdefault(path.name, now)
+        if now - since >= GRACE:
+            for p in [path, *path.rglob("*")]:
+                if p.is_dir() and not p.is_symlink():
+                    p.chmod(0o755)
+            shutil.rmtree(path, ignore_errors=True)
+            unused_since.pop(path.name, None)
+            removed.append(path.name)
+            log.info("bundle %s unused for %gs: removed", path.name, GRACE)
+    return removed

@@ -1,0 +1,77 @@
+"""Each kind of check, against real things: a listening socket, an HTTP server, a command,
+a NATS responder; and a failing one of each."""
+
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+
+import pytest
+
+from mesh.dev import ports
+from mesh.modules.compose import DProcess
+from mesh.modules.manifest import Check
+from services.host import checks
+
+
+def proc(check: Check) -> DProcess:
+    return DProcess(
+        module="m", bundle="system:/", command=["x"], account=None, root=True, env={}, files={},
+        prepare=None, prepare_timeout="5m", restart="always", check=check, update="stop-first",
+        replaces=None, stop_timeout="10s",
+    )  # fmt: skip
+
+
+async def once(nc, check: Check) -> tuple[bool, str]:
+    return await checks.once(proc(check), nc=nc, cwd=Path("/"), uid=None, gid=None, env={})
+
+
+async def test_tcp(nc) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        assert (await once(nc, Check(tcp=s.getsockname()[1], timeout="1s")))[0]
+    passed, why = await once(nc, Check(tcp=ports.free_port(), timeout="1s"))
+    assert not passed and why
+
+
+class _Status(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        self.send_response(200 if self.path == "/ok" else 503)
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def http_port():
+    server = HTTPServer(("127.0.0.1", 0), _Status)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server.server_address[1]
+    server.shutdown()
+    server.server_close()
+
+
+async def test_http(nc, http_port) -> None:
+    assert (await once(nc, Check(http=f"http://127.0.0.1:{http_port}/ok")))[0]
+    passed, why = await once(nc, Check(http=f"http://127.0.0.1:{http_port}/sick"))
+    assert not passed and "503" in why
+
+
+async def test_exec(nc) -> None:
+    assert (await once(nc, Check(exec=["true"])))[0]
+    passed, why = await once(nc, Check(exec=["false"]))
+    assert not passed and "exit code 1" in why
+
+
+async def test_nats(nc) -> None:
+    async def answer(msg):
+        await msg.respond(b"{}")
+
+    await nc.subscribe("test.health", cb=answer)
+    await nc.flush()
+    assert (await once(nc, Check(nats="test.health", timeout="2s")))[0]
+    passed, _ = await once(nc, Check(nats="test.nobody", timeout="500ms"))
+    assert not passed
