@@ -56,7 +56,12 @@ def nodes(console: Console, r: NodesReply) -> None:
             else "?"
         )
         labels = ",".join(f"{k}={v}" for k, v in sorted(n.labels.items())) or "-"
-        procs = ", ".join(f"{p.name}:{p.state}" for p in n.processes) or "-"
+        procs = (
+            ", ".join(f"{p.name} {p.state}{' healthy' if p.healthy else ''}" for p in n.processes)
+            or "-"
+        )
+        if n.digest_wanted and n.digest_applied != n.digest_wanted:
+            procs += " (applying)" if n.up else ""
         state = "[green]up[/]" if n.up else "[red]down[/]"
         table.add_row(n.name, str(n.tier), state, _ago(n.last_seen), labels, system, procs)
     console.print(table)
