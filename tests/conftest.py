@@ -6,9 +6,11 @@ Set MESH_TEST_DATABASE_URL to use an existing PostgreSQL instead of the embedded
 
 import asyncio
 import os
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -97,12 +99,15 @@ def procs(tmp_path: Path) -> Iterator[Procs]:
 
 
 @pytest.fixture(scope="session")
-def pg_admin_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def pg_admin_url() -> Iterator[str]:
     given = os.environ.get("MESH_TEST_DATABASE_URL")
     if given:
         yield given
         return
-    data = tmp_path_factory.mktemp("pg") / "data"
+    # Not under pytest's own temporary folder: pytest makes /tmp/pytest-of-<user> private
+    # (0700) whenever a session starts, which would cut PostgreSQL's account off its data.
+    folder = Path(tempfile.mkdtemp(prefix="mesh-test-pg-"))
+    data = folder / "data"
     postgres.init(data)
     port = ports.free_port()
     log = open(data.parent / "postgres.log", "ab")
@@ -124,6 +129,7 @@ def pg_admin_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture
