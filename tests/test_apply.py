@@ -90,3 +90,23 @@ async def test_the_example_is_applied_on_the_assigned_machine(fleet, nc, nats_ur
     status = await ask(nc, "mesh.host.node-2.status")
     assert status["applied"] == current["digest"]
     assert token.read_text() == SECRET
+
+
+def test_files_are_never_written_through_a_link(tmp_path) -> None:
+    from services.host import files
+
+    folder = tmp_path / "files"
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    me = accounts.current()
+    files.ensure_folder(folder, owner=me)
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    (folder / "conf").symlink_to(outside)  # what a process's account could do to its folder
+    with pytest.raises(OSError):
+        files.write(folder, "conf/app.conf", b"x", mode=0o400, owner=me)
+    with pytest.raises(ValueError):
+        files.write(folder, "../escape", b"x", mode=0o400, owner=me)
+    assert list(outside.iterdir()) == []
+    files.write(folder, "sub/ok.conf", b"fine", mode=0o440, owner=me)
+    assert (folder / "sub" / "ok.conf").read_text() == "fine"
+    assert stat.S_IMODE((folder / "sub" / "ok.conf").stat().st_mode) == 0o440

@@ -22,6 +22,13 @@ class Identity:
     def __init__(self, name: str, uid: int, gid: int, home: str) -> None:
         self.name, self.uid, self.gid, self.home = name, uid, gid, home
 
+    def groups(self) -> list[int]:
+        """The account's supplementary groups (the declared `groups`)."""
+        try:
+            return [g for g in os.getgrouplist(self.name, self.gid) if g != self.gid]
+        except OSError:
+            return []
+
 
 def dev_mode() -> bool:
     return os.geteuid() != 0
@@ -42,6 +49,9 @@ def ensure(name: str, account: DAccount) -> Identity:
     if created:
         log.info("created account %s", name)
     entry = pwd.getpwnam(name)
+    if entry.pw_uid == 0 or entry.pw_gid == 0:
+        # `root = true` is how a process runs as root; an account never is a way round it
+        raise osaccounts.AccountError(f"account {name} is root's (uid or gid 0): refused")
     return Identity(name, entry.pw_uid, entry.pw_gid, entry.pw_dir)
 
 

@@ -26,7 +26,7 @@ from mesh.model import Applied, SecretReply, SecretRequest
 from mesh.modules.compose import Declaration, DProcess
 from mesh.modules.gate import duration
 from services.host import accounts, bundles, containers, files
-from services.host.processes import credentials
+from services.host.processes import credentials, kill_group
 from services.host.supervisor import Launch, Supervisor, spec_digest
 
 log = logging.getLogger(__name__)
@@ -37,6 +37,35 @@ class Envelope(msgspec.Struct):
     digest: str
     epoch: int
     declaration: Declaration
+
+
+RETRY_FIRST = 5.0
+RETRY_MAX = 60.0
+
+
+class _Latest:
+    """The newest value of the key, and whether one came since it was last taken."""
+
+    def __init__(self) -> None:
+        self._value: bytes | None = None
+        self._event = anyio.Event()
+
+    def put(self, value: bytes) -> None:
+        self._value = value
+        self._event.set()
+
+    def put_back(self, value: bytes) -> None:
+        if not self._event.is_set():  # nothing newer came: try this one again
+            self.put(value)
+
+    async def arrived(self) -> None:
+        await self._event.wait()
+
+    async def take(self) -> bytes:
+        await self._event.wait()
+        self._event = anyio.Event()
+        assert self._value is not None
+        return self._value
 
 
 class StepFailed(Exception):
@@ -80,36 +109,59 @@ class Applier:
             except (BucketNotFoundError, NotFoundError):
                 await anyio.sleep(1)  # no controller has held the seat yet
         watcher = await kv.watch(self.name)
-        async for entry in watcher:
-            if entry is None or not entry.value:
-                continue  # the end of the initial values, or a delete
-            await self.apply(entry.value)
+        latest = _Latest()
 
-    async def apply(self, value: bytes) -> None:
+        async def receive() -> None:
+            async for entry in watcher:
+                if entry is not None and entry.value:  # not the end of the initial values
+                    latest.put(entry.value)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(receive)
+            backoff = RETRY_FIRST
+            while True:
+                # Only the newest value is applied: values that came during a long apply
+                # (a start-first trial, a replaced container) are skipped, not replayed.
+                value = await latest.take()
+                if await self.apply(value):
+                    backoff = RETRY_FIRST
+                    continue
+                # A failed apply is tried again, later, unless a newer value comes first.
+                with anyio.move_on_after(backoff):
+                    await latest.arrived()
+                latest.put_back(value)
+                backoff = min(backoff * 2, RETRY_MAX)
+
+    async def apply(self, value: bytes) -> bool:
+        """Apply one value of the key; False if a step failed (it is worth trying again)."""
         try:
             env = msgspec.json.decode(value, type=Envelope)
         except msgspec.DecodeError as e:
             log.warning("host %s: a declaration that does not decode: %s", self.name, e)
-            return
+            return True
         if env.machine != self.name:
-            return
+            return True
         if env.epoch < self.epoch:
             why = f"epoch {env.epoch} is older than the applied epoch {self.epoch}: ignored"
             log.info("host %s: a declaration of %s", self.name, why)
             await self._report(env, ok=False, step="fence", error=why)
-            return
+            return True
         if env.digest == self.digest and not self._first:
             self.epoch = env.epoch
             self._save()
-            return
-        self._first = False
+            return True
         started = time.monotonic()
         try:
             await self._apply(env.declaration)
         except StepFailed as e:
             log.warning("host %s: apply of %s stopped at %s", self.name, env.digest[:19], e)
             await self._report(env, ok=False, step=e.step, error=e.error)
-            return
+            return False
+        except Exception as e:  # a step that failed in a way we did not name: still a report
+            log.exception("host %s: apply of %s failed", self.name, env.digest[:19])
+            await self._report(env, ok=False, step="apply", error=f"{type(e).__name__}: {e}")
+            return False
+        self._first = False  # adopted what the last host left: only after an apply that worked
         self.epoch, self.digest = env.epoch, env.digest
         self._save()
         bundles.collect(self._root, set(env.declaration.bundles), self._unused, time.time())
@@ -118,6 +170,7 @@ class Applier:
             self.name, env.digest[:19], env.epoch, time.monotonic() - started,
         )  # fmt: skip
         await self._report(env, ok=True)
+        return True
 
     async def _report(self, env: Envelope, *, ok: bool, step: str = "", error: str = "") -> None:
         applied = Applied(
@@ -233,6 +286,7 @@ class Applier:
             env=env,
             uid=uid,
             gid=gid,
+            groups=owner.groups() if owner else [],
             log_file=self._root / "processes" / name / "logs" / "output.log",
         )
 
@@ -243,20 +297,30 @@ class Applier:
         limit = duration(launch.decl.prepare_timeout)
         log.info("process %s: prepare %s", launch.name, launch.decl.prepare)
         try:
+            process = await anyio.open_process(
+                launch.decl.prepare, cwd=launch.cwd, env=launch.env, stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                **credentials(launch.uid, launch.gid, launch.groups),
+            )  # fmt: skip
+        except (OSError, ValueError) as e:
+            raise StepFailed(f"prepare {launch.name}", str(e)) from None
+        output = b""
+        try:
             with anyio.fail_after(limit):
-                done = await anyio.run_process(
-                    launch.decl.prepare, cwd=launch.cwd, env=launch.env, check=False,
-                    stdin=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-                    **credentials(launch.uid, launch.gid),
-                )  # fmt: skip
+                assert process.stdout is not None
+                async for chunk in process.stdout:
+                    output = (output + chunk)[-8192:]
+                await process.wait()
         except TimeoutError:
             raise StepFailed(f"prepare {launch.name}", f"timed out after {limit:g}s") from None
-        except OSError as e:
-            raise StepFailed(f"prepare {launch.name}", str(e)) from None
-        if done.returncode != 0:
-            tail = done.stdout.decode(errors="replace").strip().splitlines()[-3:]
+        finally:
+            kill_group(process.pid)  # nothing it started outlives it
+            with anyio.CancelScope(shield=True):
+                await process.wait()
+        if process.returncode != 0:
+            tail = output.decode(errors="replace").strip().splitlines()[-3:]
             raise StepFailed(
-                f"prepare {launch.name}", f"exit code {done.returncode}: {' | '.join(tail)}"
+                f"prepare {launch.name}", f"exit code {process.returncode}: {' | '.join(tail)}"
             )
 
     async def _secret(self, name: str | None) -> bytes:

@@ -10,7 +10,7 @@ from nats.aio.client import Client
 
 from mesh.modules.compose import DProcess
 from mesh.modules.gate import duration
-from services.host.processes import credentials
+from services.host.processes import credentials, kill_group
 
 
 async def once(
@@ -29,11 +29,7 @@ async def once(
             if c.http is not None:
                 return await _http(c.http)
             if c.exec is not None:
-                done = await anyio.run_process(
-                    c.exec, cwd=cwd, env=env, check=False, stdin=subprocess.DEVNULL,
-                    **credentials(uid, gid),
-                )  # fmt: skip
-                return done.returncode == 0, f"exit code {done.returncode}"
+                return await _exec(c.exec, cwd=cwd, env=env, uid=uid, gid=gid)
             if c.nats is not None:
                 await nc.request(c.nats, b"{}", timeout=limit)
                 return True, ""
@@ -44,6 +40,22 @@ async def once(
     except Exception as e:  # a nats error: no responders, timeout
         return False, type(e).__name__
     return False, "no check"
+
+
+async def _exec(
+    argv: list[str], *, cwd: Path, env: dict[str, str], uid: int | None, gid: int | None
+) -> tuple[bool, str]:
+    process = await anyio.open_process(
+        argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL, start_new_session=True, **credentials(uid, gid),
+    )  # fmt: skip
+    try:
+        await process.wait()
+    finally:
+        kill_group(process.pid)  # a timed-out check leaves nothing behind
+        with anyio.CancelScope(shield=True):
+            await process.wait()
+    return process.returncode == 0, f"exit code {process.returncode}"
 
 
 async def _http(url: str) -> tuple[bool, str]:

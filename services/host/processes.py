@@ -59,11 +59,11 @@ def rotate(log_file: Path) -> None:
 _children: dict[int, subprocess.Popen] = {}
 
 
-def credentials(uid: int | None, gid: int | None) -> dict:
+def credentials(uid: int | None, gid: int | None, groups: Sequence[int] = ()) -> dict:
     """subprocess arguments that drop to the account (as root; in dev mode, nothing to drop)."""
     if uid is None or os.geteuid() != 0:
         return {}
-    return {"user": uid, "group": gid, "extra_groups": []}
+    return {"user": uid, "group": gid, "extra_groups": list(groups)}
 
 
 def spawn(
@@ -75,11 +75,13 @@ def spawn(
     spec: str,
     uid: int | None,
     gid: int | None,
+    groups: Sequence[int] = (),
 ) -> Instance:
     """Start `argv`; raises OSError (e.g. no such file) for the caller to report."""
     log_file.parent.mkdir(parents=True, exist_ok=True)
+    log_file.parent.chmod(0o700)  # output may carry secrets: the host's (root's) alone
     rotate(log_file)
-    with open(log_file, "ab") as out:
+    with os.fdopen(os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as out:
         proc = subprocess.Popen(
             list(argv),
             cwd=cwd,
@@ -89,7 +91,7 @@ def spawn(
             stderr=subprocess.STDOUT,
             start_new_session=True,
             close_fds=True,
-            **credentials(uid, gid),
+            **credentials(uid, gid, groups),
         )
     # Held until we reap it ourselves: a collected Popen of a live process would be reaped by
     # the subprocess module behind our back, and its exit code lost.
@@ -127,9 +129,11 @@ def _reap(instance: Instance) -> int | None:
 
 
 async def stop(instance: Instance, *, timeout: float) -> None:
-    """SIGTERM to the process group, SIGKILL after `timeout`; returns once it is gone."""
+    """SIGTERM to the process group, SIGKILL after `timeout`; returns once it is gone, and its
+    group with it (children that ignored SIGTERM, or outlived their leader)."""
     if not alive(instance):
         _reap(instance)
+        kill_group(instance.pid)
         return
     try:
         os.killpg(instance.pid, signal.SIGTERM)
@@ -145,3 +149,11 @@ async def stop(instance: Instance, *, timeout: float) -> None:
             pass
         with anyio.move_on_after(5):
             await wait(instance)
+    kill_group(instance.pid)
+
+
+def kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass

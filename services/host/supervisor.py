@@ -11,6 +11,7 @@ ROOT/state/processes.json for adoption; stopping the host does not stop its proc
 
 import hashlib
 import logging
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -47,6 +48,7 @@ class Launch(msgspec.Struct):
     uid: int | None
     gid: int | None
     log_file: Path
+    groups: list[int] = []
 
 
 class Supervised:
@@ -93,7 +95,7 @@ class Supervised:
                 else:
                     try:
                         self.instance = self._spawn()
-                    except OSError as e:
+                    except (OSError, ValueError, subprocess.SubprocessError) as e:
                         self._set("failed", healthy=False, error=f"could not start: {e}")
                         log.warning("process %s could not start: %s", self.launch.name, e)
                         await self._back_off(backoff)
@@ -108,6 +110,7 @@ class Supervised:
                         tg.start_soon(self._check_loop)
                     code = await processes.wait(self.instance)
                     tg.cancel_scope.cancel()
+                processes.kill_group(self.instance.pid)  # what it left behind goes with it
                 self.instance = None
                 if self._stopping:
                     self._set("stopped", healthy=False)
@@ -138,6 +141,7 @@ class Supervised:
             spec=self.launch.spec,
             uid=self.launch.uid,
             gid=self.launch.gid,
+            groups=self.launch.groups,
         )
 
     async def _check_loop(self) -> None:
@@ -178,6 +182,8 @@ class Supervisor:
         self.running: dict[str, Supervised] = {}
         self._tg: TaskGroup | None = None
         self._ready = anyio.Event()
+        self._one_change = anyio.Lock()  # reconcile and restart, one at a time
+        self._candidates: dict[str, Supervised] = {}  # start-first new versions on trial
         self._left = self._load()  # instances a previous host left running
 
     def _load(self) -> dict[str, Instance]:
@@ -192,7 +198,15 @@ class Supervisor:
         return left is not None and left.spec == spec
 
     def save(self) -> None:
-        current = {n: s.instance for n, s in self.running.items() if s.instance is not None}
+        # Everything alive that a next host must know of: not yet adopted, running, on trial.
+        # (A candidate is saved as "<name>~new": a next host finds it undeclared and stops it.)
+        current = dict(self._left)
+        for n, s in self.running.items():
+            if s.instance is not None:
+                current[n] = s.instance
+        for n, s in self._candidates.items():
+            if s.instance is not None:
+                current[f"{n}~new"] = s.instance
         self._state.parent.mkdir(parents=True, exist_ok=True)
         tmp = self._state.with_suffix(".tmp")
         tmp.write_bytes(msgspec.json.encode(current))
@@ -221,6 +235,10 @@ class Supervisor:
     async def reconcile(self, launches: dict[str, Launch]) -> list[str]:
         """Make the running processes match `launches`; the problems, in words."""
         await self._ready.wait()
+        async with self._one_change:
+            return await self._reconcile(launches)
+
+    async def _reconcile(self, launches: dict[str, Launch]) -> list[str]:
         problems: list[str] = []
         for name in sorted(set(self.running) - set(launches)):
             log.info("process %s is no longer declared: stopping it", name)
@@ -253,12 +271,20 @@ class Supervisor:
             return None
         log.info("process %s: new version, start-first", name)
         new = self._start(launch)
+        self._candidates[name] = new
         check = launch.decl.check
         within = 60.0
         if check is not None:
             within = max(within, (check.passes + 3) * duration(check.every))
-        with anyio.move_on_after(within):
-            await new.became_healthy.wait()
+        try:
+            with anyio.move_on_after(within):
+                await new.became_healthy.wait()
+        except BaseException:  # the host stopping mid-trial: no untracked new version left
+            with anyio.CancelScope(shield=True):
+                await new.stop()
+            raise
+        finally:
+            self._candidates.pop(name, None)
         if not new.healthy:
             await new.stop()
             why = f"the new version never got healthy within {within:g}s: {new.last_error}"
@@ -269,13 +295,14 @@ class Supervisor:
         return None
 
     async def restart(self, name: str) -> bool:
-        s = self.running.get(name)
-        if s is None:
-            return False
-        await s.stop()
-        self.running[name] = self._start(s.launch)
-        self._on_change()
-        return True
+        async with self._one_change:
+            s = self.running.get(name)
+            if s is None:
+                return False
+            await s.stop()
+            self.running[name] = self._start(s.launch)
+            self._on_change()
+            return True
 
 
 def replace_child(instance: Instance) -> Instance:
