@@ -2,6 +2,8 @@
 a NATS responder; and a failing one of each."""
 
 import socket
+import subprocess
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
@@ -75,3 +77,33 @@ async def test_nats(nc) -> None:
     assert (await once(nc, Check(nats="test.health", timeout="2s")))[0]
     passed, _ = await once(nc, Check(nats="test.nobody", timeout="500ms"))
     assert not passed
+
+
+async def test_tcp_passes_only_for_the_process_that_holds_the_port(nc) -> None:
+    # What `replaces` relies on: an old version or container on the same port is not us.
+    port = ports.free_port()
+    listener = subprocess.Popen(
+        [sys.executable, "-c", LISTEN, str(port)], start_new_session=True, stdout=subprocess.PIPE
+    )
+    other = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    try:
+        assert listener.stdout is not None
+        assert listener.stdout.readline() == b"listening\n"
+        check = Check(tcp=port, timeout="1s")
+        assert (await checks.once(proc(check), nc=nc, cwd=Path("/"), uid=None, gid=None,
+                                  env={}, session=listener.pid))[0]  # fmt: skip
+        passed, why = await checks.once(
+            proc(check), nc=nc, cwd=Path("/"), uid=None, gid=None, env={}, session=other.pid
+        )
+        assert not passed and "not from this process" in why
+    finally:
+        for p in (listener, other):
+            p.kill()
+            p.wait()
+
+
+LISTEN = """
+import socket, sys, time
+s = socket.socket(); s.bind(("127.0.0.1", int(sys.argv[1]))); s.listen()
+print("listening", flush=True); time.sleep(60)
+"""

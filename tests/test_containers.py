@@ -39,7 +39,7 @@ def image():
     rootfs = io.BytesIO()
     with tarfile.open(fileobj=rootfs, mode="w") as tar:
         tar.add("/bin/busybox", arcname="bin/busybox")
-        for applet in ("sh", "sleep", "nc", "httpd"):
+        for applet in ("sh", "sleep", "nc", "httpd", "true"):
             link = tarfile.TarInfo(f"bin/{applet}")
             link.type = tarfile.SYMTYPE
             link.linkname = "busybox"
@@ -139,6 +139,31 @@ async def test_a_never_healthy_process_leaves_the_container_serving(
             break
     assert event["step"] == f"replaces {old}"
     assert "left serving" in event["error"]
+    assert inspect(old)["State"]["Running"]
+
+
+async def test_a_container_answering_on_the_port_does_not_make_the_process_healthy(
+    image, names, host, nc, nats_url, tmp_path
+) -> None:
+    # The seed's safe failure, when the old container listens where the new process should:
+    # the process never listens, the container answers the tcp check, and it must stay.
+    old = names("old")
+    port = ports.free_port()
+    done = subprocess.run(
+        ["docker", "run", "-d", "--name", old, "--network", "host", image,
+         "nc", "-ll", "-p", str(port), "-e", "true"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    events = await nc.subscribe("mesh.event.node-1.applied")
+    await nc.flush()
+    ok(run(nats_url, "push", str(replacing(tmp_path / "m", old=old, port=port, mode="deaf"))))
+    while True:
+        event = json.loads((await events.next_msg(timeout=120)).data)
+        if not event["ok"]:
+            break
+    assert event["step"] == f"replaces {old}" and "left serving" in event["error"]
+    assert "not from this process" in event["error"]
     assert inspect(old)["State"]["Running"]
 
 

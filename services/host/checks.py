@@ -10,13 +10,22 @@ from nats.aio.client import Client
 
 from mesh.modules.compose import DProcess
 from mesh.modules.gate import duration
+from services.host import sockets
 from services.host.processes import credentials, kill_group
 
 
 async def once(
-    p: DProcess, *, nc: Client, cwd: Path, uid: int | None, gid: int | None, env: dict[str, str]
+    p: DProcess,
+    *,
+    nc: Client,
+    cwd: Path,
+    uid: int | None,
+    gid: int | None,
+    env: dict[str, str],
+    session: int | None = None,
 ) -> tuple[bool, str]:
-    """Run the process's check once: (passed, why not)."""
+    """Run the process's check once: (passed, why not). With `session` (the instance's pid, as
+    it leads its own session), a tcp check passes only if that session holds the port."""
     c = p.check
     assert c is not None
     limit = duration(c.timeout)
@@ -25,6 +34,8 @@ async def once(
             if c.tcp is not None:
                 stream = await anyio.connect_tcp("127.0.0.1", c.tcp)
                 await stream.aclose()
+                if session is not None and not sockets.held_by_session(c.tcp, session):
+                    return False, f"port {c.tcp} answers, but not from this process"
                 return True, ""
             if c.http is not None:
                 return await _http(c.http)
