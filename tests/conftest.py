@@ -18,7 +18,7 @@ from pathlib import Path
 import asyncpg
 import nats
 import pytest
-from helpers import MESH, wait_until
+from helpers import MESH, ask, await_until, wait_until
 
 from mesh.dev import natsd, ports, postgres
 from mesh.dev.children import remove_containers, stop_supervised
@@ -205,3 +205,17 @@ def start_host(procs: Procs, nats_url: str, tmp_path: Path):
         )  # fmt: skip
 
     return start
+
+
+@pytest.fixture
+async def host(nc, start_controller, start_host):
+    """A controller and one host, node-1 (tier 0), up; the host's process is returned."""
+    start_controller("ctl-a")
+    proc = start_host("node-1", "--tier", "0")
+
+    async def up():
+        s = await ask(nc, "mesh.ctl.status")
+        return s if s and s["nodes"]["up"] == 1 else None
+
+    await await_until(up, within=30, what="node-1 up")
+    return proc

@@ -60,3 +60,15 @@ def mesh_cli(*args: str, nats_url: str, timeout: float = 60) -> subprocess.Compl
         timeout=timeout,
         env={**os.environ, "MESH_NATS_URL": nats_url},
     )
+
+
+async def next_failure(events, *, within: float) -> dict:
+    """The next apply event that failed, from a subscription to mesh.event.<name>.applied."""
+    deadline = time.monotonic() + within
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            pytest.fail(f"no failed apply within {within:g}s")
+        event = json.loads((await events.next_msg(timeout=left)).data)
+        if not event["ok"]:
+            return event

@@ -15,7 +15,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from helpers import ask, await_until
+from helpers import await_until, next_failure
 from test_modules import ok, run
 from test_processes import SERVER
 
@@ -70,19 +70,6 @@ def inspect(name: str) -> dict | None:
     return json.loads(done.stdout)[0] if done.returncode == 0 else None
 
 
-@pytest.fixture
-async def host(nc, start_controller, start_host):
-    start_controller("ctl-a")
-    proc = start_host("node-1", "--tier", "0")
-
-    async def up():
-        s = await ask(nc, "mesh.ctl.status")
-        return s if s and s["nodes"]["up"] == 1 else None
-
-    await await_until(up, within=30, what="node-1 up")
-    return proc
-
-
 def replacing(folder: Path, *, old: str, port: int, mode: str) -> Path:
     (folder / "src").mkdir(parents=True, exist_ok=True)
     (folder / "src" / "server.py").write_text(SERVER)
@@ -133,10 +120,7 @@ async def test_a_never_healthy_process_leaves_the_container_serving(
     await nc.flush()
     port = ports.free_port()
     ok(run(nats_url, "push", str(replacing(tmp_path / "m", old=old, port=port, mode="deaf"))))
-    while True:
-        event = json.loads((await events.next_msg(timeout=120)).data)
-        if not event["ok"]:
-            break
+    event = await next_failure(events, within=120)
     assert event["step"] == f"replaces {old}"
     assert "left serving" in event["error"]
     assert inspect(old)["State"]["Running"]
@@ -158,10 +142,7 @@ async def test_a_container_answering_on_the_port_does_not_make_the_process_healt
     events = await nc.subscribe("mesh.event.node-1.applied")
     await nc.flush()
     ok(run(nats_url, "push", str(replacing(tmp_path / "m", old=old, port=port, mode="deaf"))))
-    while True:
-        event = json.loads((await events.next_msg(timeout=120)).data)
-        if not event["ok"]:
-            break
+    event = await next_failure(events, within=120)
     assert event["step"] == f"replaces {old}" and "left serving" in event["error"]
     assert "not from this process" in event["error"]
     assert inspect(old)["State"]["Running"]

@@ -8,8 +8,7 @@ import subprocess
 import time
 from pathlib import Path
 
-import pytest
-from helpers import MESH, ask, await_until
+from helpers import MESH, ask, await_until, next_failure
 from test_modules import ok, run
 
 from mesh.dev import ports
@@ -50,19 +49,6 @@ def module(folder: Path, *, version: str, port: int, mode: str = "serve", extra:
         '[assign]\nmachines = ["node-1"]\n'
     )
     return folder
-
-
-@pytest.fixture
-async def host(nc, start_controller, start_host):
-    start_controller("ctl-a")
-    proc = start_host("node-1", "--tier", "0")
-
-    async def up():
-        s = await ask(nc, "mesh.ctl.status")
-        return s if s and s["nodes"]["up"] == 1 else None
-
-    await await_until(up, within=30, what="node-1 up")
-    return proc
 
 
 async def svc(nc) -> dict | None:
@@ -167,10 +153,7 @@ async def test_start_first_swaps_only_when_the_new_version_is_healthy(
     deaf = ports.free_port()
     module(folder, version="2", port=deaf, mode="deaf", extra='update = "start-first"\n')
     ok(run(nats_url, "push", str(folder)))
-    while True:
-        event = __import__("json").loads((await events.next_msg(timeout=90)).data)
-        if not event["ok"]:
-            break
+    event = await next_failure(events, within=90)
     assert event["step"] == "processes" and "never got healthy" in event["error"]
     still = await await_until(lambda: healthy(nc), within=10, what="v1 still healthy")
     assert still["pid"] == v1["pid"]
@@ -214,10 +197,7 @@ async def test_prepare_runs_before_the_start_and_a_failing_one_keeps_the_old(
         extra='prepare = ["python3", "-c", "raise SystemExit(4)"]\n',
     )
     ok(run(nats_url, "push", str(folder)))
-    while True:
-        event = __import__("json").loads((await events.next_msg(timeout=60)).data)
-        if not event["ok"]:
-            break
+    event = await next_failure(events, within=60)
     assert event["step"] == "prepare svc" and "exit code 4" in event["error"]
     kept = await await_until(lambda: healthy(nc), within=10, what="v1 still healthy")
     assert kept["pid"] == v1["pid"]
