@@ -7,14 +7,17 @@ deadline, so a user sees a slow answer rather than an error.
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
 import nats
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 from nats.errors import NoRespondersError, NoServersError
 from nats.errors import TimeoutError as NatsTimeout
+
+from mesh import wire
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +111,21 @@ async def connect(
         return await nats.connect(**options)
     except (NoServersError, OSError, NatsTimeout) as e:
         raise Unreachable(f"cannot reach NATS at {url}: {e or type(e).__name__}") from None
+
+
+async def answer(msg: Msg, serve: Callable[[], Awaitable[object]]) -> None:
+    """Reply to a request with what `serve` returns, or with an error reply: a BadRequest's
+    code and message, or `internal` for anything else (logged). A publish gets no reply."""
+    if not msg.reply:
+        return
+    try:
+        body = wire.encode(await serve())
+    except wire.BadRequest as e:
+        body = wire.error(e.code, str(e))
+    except Exception as e:
+        log.exception("request on %s failed", msg.subject)
+        body = wire.error("internal", f"{type(e).__name__}: {e}")
+    await msg.respond(body)
 
 
 async def close(nc: Client) -> None:

@@ -105,5 +105,5 @@ async def test_tcp_passes_only_for_the_process_that_holds_the_port(nc) -> None:
 LISTEN = """
 import socket, sys, time
 s = socket.socket(); s.bind(("127.0.0.1", int(sys.argv[1]))); s.listen()
-print("listening", flush=True); time.sleep(60)
+print("listening", flush=True); time.sleep(60)  # ok: the listener under test stays up
 """

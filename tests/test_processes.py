@@ -20,7 +20,7 @@ print(f"version {version} starting", flush=True)
 if mode == "crash":
     sys.exit(3)
 if mode == "deaf":  # runs, never listens: never healthy
-    time.sleep(3600)
+    time.sleep(3600)  # ok: the process under test runs and never listens
 s = socket.socket()
 s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
 s.bind(("127.0.0.1", port))

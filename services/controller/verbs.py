@@ -13,7 +13,7 @@ import msgspec
 from anyio.abc import TaskGroup
 from nats.aio.msg import Msg
 
-from mesh import wire
+from mesh import bus, wire
 from mesh.model import (
     AssignRequest,
     BuildLogsReply,
@@ -141,19 +141,6 @@ HOST_VERBS: dict[str, Verb] = {
 }
 
 
-async def _answer(msg: Msg, serve: Callable[[], Awaitable[Any]]) -> None:
-    if not msg.reply:
-        return  # a publish, not a request: nobody to answer
-    try:
-        body = wire.encode(await serve())
-    except wire.BadRequest as e:
-        body = wire.error(e.code, str(e))
-    except Exception as e:
-        log.exception("verb on %s failed", msg.subject)
-        body = wire.error("internal", f"{type(e).__name__}: {e}")
-    await msg.respond(body)
-
-
 async def on_verb(h: Holder, msg: Msg) -> None:
     """mesh.ctl.<verb>"""
 
@@ -170,11 +157,11 @@ async def on_verb(h: Holder, msg: Msg) -> None:
 
     if verb is not None and verb.slow:
         try:
-            h.tasks.start_soon(_answer, msg, serve)
+            h.tasks.start_soon(bus.answer, msg, serve)
             return
         except RuntimeError:  # stopping: the task group is closed; answer here instead
             pass
-    await _answer(msg, serve)
+    await bus.answer(msg, serve)
 
 
 async def on_host_verb(h: Holder, msg: Msg) -> None:
@@ -194,4 +181,4 @@ async def on_host_verb(h: Holder, msg: Msg) -> None:
             )
         return await verb.handler(h, machine, wire.decode(msg.data, verb.request))
 
-    await _answer(msg, serve)
+    await bus.answer(msg, serve)

@@ -53,15 +53,18 @@ class Engine:
             await self._docker.close()
             self._docker = None
 
-    async def _find(self, name: str) -> dict | None:
+    async def _get(self, name: str) -> "aiodocker.containers.DockerContainer | None":
         docker = await self._client()
         try:
-            container = await docker.containers.get(name)
+            return await docker.containers.get(name)
         except aiodocker.DockerError as e:
             if e.status == 404:
                 return None
             raise
-        return container._container  # the inspect document
+
+    async def _find(self, name: str) -> dict | None:
+        container = await self._get(name)
+        return container._container if container else None  # the inspect document
 
     async def ensure(self, name: str, c: DContainer) -> None:
         spec = spec_digest(c)
@@ -70,9 +73,9 @@ class Engine:
             labels = found.get("Config", {}).get("Labels") or {}
             running = found.get("State", {}).get("Running", False)
             if labels.get("mesh.spec") == spec:
-                if not running:
-                    docker = await self._client()
-                    await (await docker.containers.get(name)).start()
+                container = await self._get(name)
+                if not running and container is not None:
+                    await container.start()
                     log.info("container %s started again", name)
                 return
             log.info("container %s is another version: recreating it", name)
@@ -93,18 +96,11 @@ class Engine:
         await container.start()
         log.info("container %s created from %s and started", name, c.image)
 
-    async def exists(self, name: str) -> bool:
-        return await self._find(name) is not None
-
     async def remove(self, name: str) -> bool:
         """Stop (SIGTERM, then SIGKILL after STOP_TIMEOUT) and remove; False if absent."""
-        docker = await self._client()
-        try:
-            container = await docker.containers.get(name)
-        except aiodocker.DockerError as e:
-            if e.status == 404:
-                return False
-            raise
+        container = await self._get(name)
+        if container is None:
+            return False
         try:
             await container.stop(t=STOP_TIMEOUT)
         except aiodocker.DockerError as e:

@@ -13,7 +13,7 @@ import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from mesh import subjects, wire
+from mesh import bus, subjects, wire
 from mesh.model import (
     BuildRequest,
     LogsReply,
@@ -83,23 +83,18 @@ VERBS: dict[str, tuple[type, Callable[[Host, Any], Awaitable[Any]]]] = {
 
 async def serve(h: Host) -> None:
     async def on_msg(msg: Msg) -> None:
-        if not msg.reply:
-            return
         name = msg.subject.rsplit(".", 1)[-1]
         verb = VERBS.get(name)
-        try:
+
+        async def serve() -> Any:
             if verb is None:
                 raise wire.BadRequest(
                     f"unknown host verb {name[:64]!r}; known: {', '.join(sorted(VERBS))}",
                     code="unknown_verb",
                 )
-            body = wire.encode(await verb[1](h, wire.decode(msg.data, verb[0])))
-        except wire.BadRequest as e:
-            body = wire.error(e.code, str(e))
-        except Exception as e:
-            log.exception("host verb %s failed", msg.subject)
-            body = wire.error("internal", f"{type(e).__name__}: {e}")
-        await msg.respond(body)
+            return await verb[1](h, wire.decode(msg.data, verb[0]))
+
+        await bus.answer(msg, serve)
 
     # One subscription per verb: a long build does not hold up status or logs.
     for name in VERBS:
