@@ -87,6 +87,7 @@ class Node(msgspec.Struct):
     processes: list[ProcessState]
     digest_wanted: str | None = None
     digest_applied: str | None = None
+    apply_error: str | None = None  # why the last apply of digest_wanted stopped, if it did
 
 
 class NodesReply(msgspec.Struct):

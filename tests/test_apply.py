@@ -51,15 +51,25 @@ async def _node(nc, name: str) -> dict | None:
 
 
 async def test_the_example_is_applied_on_the_assigned_machine(fleet, nc, nats_url, tmp_path):
-    ok(run(nats_url, "secret", "set", "hello-token", stdin=SECRET))
     ok(run(nats_url, "push", str(EXAMPLE)))
     ok(run(nats_url, "assign", "hello", "node-2"))
+
+    # Its secret is not set yet: the apply stops at that file, and `mesh nodes` says so.
+    async def stopped():
+        n = await _node(nc, "node-2")
+        return n if n and n["apply_error"] else None
+
+    node = await await_until(stopped, within=30, what="node-2 to report why it stopped")
+    assert "file hello/token" in node["apply_error"] and "hello-token" in node["apply_error"]
+    assert node["digest_applied"] != node["digest_wanted"]
+    ok(run(nats_url, "secret", "set", "hello-token", stdin=SECRET))
 
     async def applied():
         n = await _node(nc, "node-2")
         return n if n and n["digest_wanted"] and n["digest_applied"] == n["digest_wanted"] else None
 
-    await await_until(applied, within=30, what="node-2 to apply its declaration")
+    node = await await_until(applied, within=60, what="node-2 to apply its declaration")
+    assert node["apply_error"] is None
     assert (await _node(nc, "node-1"))["digest_applied"] is None
 
     root = tmp_path / "hosts" / "node-2"

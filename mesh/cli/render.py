@@ -60,8 +60,8 @@ def nodes(console: Console, r: NodesReply) -> None:
             ", ".join(f"{p.name} {p.state}{' healthy' if p.healthy else ''}" for p in n.processes)
             or "-"
         )
-        if n.digest_wanted and n.digest_applied != n.digest_wanted:
-            procs += " (applying)" if n.up else ""
+        if n.digest_wanted and n.digest_applied != n.digest_wanted and n.up:
+            procs += f" (stopped at {n.apply_error})" if n.apply_error else " (applying)"
         state = "[green]up[/]" if n.up else "[red]down[/]"
         table.add_row(n.name, str(n.tier), state, _ago(n.last_seen), labels, system, procs)
     console.print(table)

@@ -39,6 +39,7 @@ class Fleet:
         self._changing = anyio.Lock()
         self.applied: dict[str, str] = {}  # machine -> digest it reports applied
         self.processes: dict[str, list[ProcessState]] = {}  # machine -> as it last reported
+        self.apply_errors: dict[str, str] = {}  # machine -> where and why its apply stopped
 
     async def load(self) -> None:
         """Read the fleet from the store at takeover; up machines get a full threshold to beat."""
@@ -151,6 +152,7 @@ class Fleet:
                 processes=self.processes.get(m.name, []),
                 digest_wanted=wanted.get(m.name),
                 digest_applied=self.applied.get(m.name),
+                apply_error=self.apply_errors.get(m.name),
             )
             for m in sorted(self.machines.values(), key=lambda m: (m.tier, m.name))
         ]

@@ -163,7 +163,10 @@ async def _hold(
             return  # a machine speaks only for itself
         if applied.ok:
             fleet.applied[applied.name] = applied.digest
+            fleet.apply_errors.pop(applied.name, None)
         else:
+            if applied.step != "fence":  # an ignored stale value says nothing of the machine
+                fleet.apply_errors[applied.name] = f"{applied.step}: {applied.error}"
             log.info("machine %s could not apply %s: %s: %s", applied.name,
                      applied.digest[:19], applied.step, applied.error)  # fmt: skip
 
