@@ -6,6 +6,7 @@ deadline, so a user sees a slow answer rather than an error.
 """
 
 import logging
+import re
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -18,6 +19,7 @@ from nats.errors import NoRespondersError, NoServersError
 from nats.errors import TimeoutError as NatsTimeout
 
 from mesh import wire
+from mesh.auth import creds as credentials
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +30,26 @@ class Unreachable(Exception):
 
 class NoAnswer(Exception):
     """Nobody answered the subject before the deadline."""
+
+
+class Unauthorized(Exception):
+    """The NATS server refused the connection: no credentials, or ones it does not know."""
+
+
+_VIOLATION = re.compile(
+    r"permissions violation for (publish|subscription) to \"?([^\"']+)", re.IGNORECASE
+)
+_REFUSED = re.compile(r"authorization violation|authentication", re.IGNORECASE)
+
+
+def violation(error: Exception) -> str | None:
+    """What the server refused, in words, if `error` is a permissions violation it reported
+    (nats-py hands those to the error callback; the publish or subscribe is silently dropped)."""
+    found = _VIOLATION.search(str(error))
+    if found is None:
+        return None
+    what = "publish to" if found.group(1).lower() == "publish" else "subscribe to"
+    return f"{what} {found.group(2).strip()}"
 
 
 async def _quiet(e: Exception) -> None:
@@ -89,12 +111,37 @@ async def connect(
     creds: str | None = None,
     reconnect: bool = True,
     link: Link | None = None,
+    denied: Callable[[str], None] | None = None,
 ) -> Client:
-    """Connect to NATS. Services reconnect forever; one-shot clients fail fast."""
+    """Connect to NATS. Services reconnect forever; one-shot clients fail fast.
+
+    `creds` is a credentials file (mesh.auth.creds): its identity authenticates the connection
+    and its inbox prefix is the one the server lets this identity subscribe to. `denied` hears
+    every permissions violation the server reports (what was refused, in words)."""
+
+    connecting = True
+    told = False
+
+    async def on_error(e: Exception) -> None:
+        nonlocal told
+        if isinstance(e, nats.errors.Error) and _REFUSED.search(str(e)):
+            if connecting:  # raised out of nc.connect: wrong credentials do not get better
+                raise Unauthorized(_unauthorized(url, creds))
+            if not told:  # revoked while running: say so once, not at every reconnect
+                log.warning("%s", _unauthorized(url, creds))
+                told = True
+                nc.options["reconnect_time_wait"] = 5.0  # and knock less often
+            return
+        refused = violation(e)
+        if refused is not None and denied is not None:
+            denied(refused)
+            return
+        await _quiet(e)
+
     options: dict[str, Any] = {
         "servers": [url],
         "name": name,
-        "error_cb": _quiet,
+        "error_cb": on_error,
         "connect_timeout": 2,
         "allow_reconnect": reconnect,
         "max_reconnect_attempts": -1 if reconnect else 1,
@@ -103,14 +150,46 @@ async def connect(
         "max_outstanding_pings": 2,
     }
     if creds:
-        options["user_credentials"] = creds
+        held = credentials.read(creds)
+        if held.jwt:
+            options["user_credentials"] = held.path
+        else:
+            options["nkeys_seed_str"] = held.seed
+        options["inbox_prefix"] = held.inbox
     if link:
         options["disconnected_cb"] = link.disconnected
         options["reconnected_cb"] = link.reconnected
+    nc = Client()
     try:
-        return await nats.connect(**options)
+        await nc.connect(**options)
     except (NoServersError, OSError, NatsTimeout) as e:
         raise Unreachable(f"cannot reach NATS at {url}: {e or type(e).__name__}") from None
+    except Unauthorized:
+        await _discard(nc)
+        raise
+    except nats.errors.Error as e:
+        await _discard(nc)
+        if _REFUSED.search(str(e)):
+            raise Unauthorized(_unauthorized(url, creds)) from None
+        raise
+    connecting = False
+    return nc
+
+
+def _unauthorized(url: str, creds: str | None) -> str:
+    if not creds:
+        return (
+            f"NATS at {url} refused a connection without credentials: set MESH_CREDS "
+            "(or --creds) to a credentials file"
+        )
+    return f"NATS at {url} refused the credentials in {creds} (unknown or revoked)"
+
+
+async def _discard(nc: Client) -> None:
+    try:
+        await nc.close()
+    except Exception:  # half-open after a refusal: nothing left worth reporting
+        pass
 
 
 async def answer(msg: Msg, serve: Callable[[], Awaitable[object]]) -> None:

@@ -51,14 +51,17 @@ async def await_until(predicate, *, within: float, what: str):
         await asyncio.sleep(0.05)  # ok: polling interval of a condition with a deadline
 
 
-def mesh_cli(*args: str, nats_url: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    """Run the `mesh` command line as a user would."""
+def mesh_cli(
+    *args: str, nats_url: str, timeout: float = 60, creds: str | None = None
+) -> subprocess.CompletedProcess:
+    """Run the `mesh` command line as a user would (with `creds` as MESH_CREDS, or none)."""
+    env = {k: v for k, v in os.environ.items() if k != "MESH_CREDS"}
     return subprocess.run(
         [*MESH, *args],
         capture_output=True,
         text=True,
         timeout=timeout,
-        env={**os.environ, "MESH_NATS_URL": nats_url},
+        env={**env, "MESH_NATS_URL": nats_url, **({"MESH_CREDS": creds} if creds else {})},
     )
 
 

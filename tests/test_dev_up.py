@@ -1,10 +1,13 @@
 """`mesh dev up` end to end, as a user runs it: ready, nodes listed, a second one on the same
-folder refused, SIGTERM leaves nothing running, and a restart on the same folder keeps the data."""
+folder refused, SIGTERM leaves nothing running, and a restart on the same folder keeps the data
+and the credentials. Every connection authenticates: the env file's admin credentials work, no
+credentials are refused."""
 
 import json
 import os
 import queue
 import re
+import shlex
 import signal
 import subprocess
 import threading
@@ -89,8 +92,17 @@ def _alive(pids: list[int]) -> list[int]:
     return alive
 
 
-def _cli_json(*args: str, url: str) -> dict:
-    done = mesh_cli("--json", *args, nats_url=url)
+def _env_file(folder: Path) -> dict[str, str]:
+    """What `source DIR/env` would export."""
+    exported = {}
+    for line in (folder / "env").read_text().splitlines():
+        name, _, value = line.removeprefix("export ").partition("=")
+        exported[name] = shlex.split(value)[0]
+    return exported
+
+
+def _cli_json(*args: str, url: str, creds: str) -> dict:
+    done = mesh_cli("--json", *args, nats_url=url, creds=creds)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
 
@@ -101,16 +113,26 @@ def test_dev_up_end_to_end(tmp_path: Path) -> None:
     try:
         url = dev.wait_for("ready ", within=90).split()[1]
         assert url.startswith("nats://127.0.0.1:")
-        env = (folder / "env").read_text()
-        assert f"export MESH_NATS_URL={url}" in env
+        env = _env_file(folder)
+        assert env["MESH_NATS_URL"] == url
+        creds = env["MESH_CREDS"]
+        assert creds == str(folder / "creds" / "admin.creds")
+        assert os.stat(creds).st_mode & 0o777 == 0o600
+        seed = Path(creds).read_text()
 
-        nodes = _cli_json("nodes", url=url)["nodes"]
+        # Without credentials, not even a connection.
+        refused = mesh_cli("status", nats_url=url)
+        assert refused.returncode == 1
+        assert "refused a connection without credentials" in refused.stderr
+        assert "Traceback" not in refused.stderr and len(refused.stderr.splitlines()) == 1
+
+        nodes = _cli_json("nodes", url=url, creds=creds)["nodes"]
         assert [(n["name"], n["tier"], n["up"]) for n in nodes] == [
             ("node-1", 0, True),
             ("node-2", 1, True),
             ("node-3", 2, True),
         ]
-        status = _cli_json("status", url=url)
+        status = _cli_json("status", url=url, creds=creds)
         assert status["seat"]["holder"] in ("ctl-1", "ctl-2")
         assert status["seat"]["epoch"] >= 1
         assert len(status["standbys"]) == 1
@@ -136,7 +158,8 @@ def test_dev_up_end_to_end(tmp_path: Path) -> None:
     again = DevUp(folder)
     try:
         url = again.wait_for("ready ", within=90).split()[1]
-        status = _cli_json("status", url=url)
+        assert Path(creds).read_text() == seed  # the same credentials, still valid
+        status = _cli_json("status", url=url, creds=creds)
         assert status["seat"]["epoch"] > first_epoch  # the store survived the restart
         assert status["nodes"]["total"] == 3
         again.proc.send_signal(signal.SIGINT)  # Ctrl-C

@@ -5,9 +5,11 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import TypeVar
 
+import anyio
 from nats.aio.client import Client
 
 from mesh import bus, subjects, wire
+from mesh.auth.creds import CredsError
 
 T = TypeVar("T")
 
@@ -17,18 +19,41 @@ class CliError(Exception):
 
 
 HINT = "start a mesh with `mesh dev up`, or point MESH_NATS_URL (or --nats-url) at one"
+CREDS_HINT = "with `mesh dev up`, `source DIR/env` sets both (default DIR: .mesh/dev)"
 
 
 @asynccontextmanager
 async def connected(*, url: str, creds: str | None, what: str) -> AsyncIterator[Client]:
-    try:
-        nc = await bus.connect(url, name=f"mesh {what}", creds=creds, reconnect=False)
-    except bus.Unreachable as e:
-        raise CliError(f"{e}; {HINT}") from None
-    try:
-        yield nc
-    finally:
-        await nc.close()
+    """A connection for one command. If the server refuses one of its publishes or
+    subscriptions (these credentials may not do `what`), the command stops at once with a
+    `forbidden` error instead of waiting for an answer that cannot come."""
+    refused: list[str] = []
+    with anyio.CancelScope() as scope:
+
+        def denied(action: str) -> None:
+            refused.append(action)
+            scope.cancel()
+
+        try:
+            nc = await bus.connect(
+                url, name=f"mesh {what}", creds=creds, reconnect=False, denied=denied
+            )
+        except bus.Unreachable as e:
+            raise CliError(f"{e}; {HINT}") from None
+        except bus.Unauthorized as e:
+            raise CliError(f"{e}; {CREDS_HINT}") from None
+        except CredsError as e:
+            raise CliError(str(e)) from None
+        try:
+            yield nc
+        finally:
+            with anyio.CancelScope(shield=True):
+                await nc.close()
+    if refused:
+        raise CliError(
+            f"forbidden: the credentials {creds or '(none)'} do not allow `{what}` "
+            f"(NATS refused to let them {refused[0]})"
+        )
 
 
 async def ask(

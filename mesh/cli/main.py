@@ -16,7 +16,7 @@ from typing import Any
 import anyio
 
 from mesh import config
-from mesh.cli import hosts, modules, render
+from mesh.cli import hosts, machines, modules, render
 from mesh.cli.args import Parser, label, tier
 from mesh.cli.client import CliError, call
 from mesh.cli.output import console, print_json
@@ -87,6 +87,7 @@ def parser() -> argparse.ArgumentParser:
     )
     modules.add_parsers(verbs, common)
     hosts.add_parsers(verbs, common)
+    machines.add_parsers(verbs, common)
     return top
 
 
@@ -162,6 +163,7 @@ COMMANDS: dict[tuple[str, ...], Callable[[argparse.Namespace], Any]] = {
     ("host", "run"): cmd_host_run,
     **modules.COMMANDS,
     **hosts.COMMANDS,
+    **machines.COMMANDS,
 }
 
 
@@ -178,7 +180,9 @@ def _leaf(e: BaseException) -> BaseException:
 
 
 def _expected() -> tuple[type[BaseException], ...]:
-    from mesh.bus import Unreachable
+    from mesh.auth.creds import CredsError
+    from mesh.auth.registry import AuthError
+    from mesh.bus import Unauthorized, Unreachable
     from mesh.dev.natsd import NatsServerMissing
     from mesh.dev.postgres import PostgresFailed
     from mesh.dev.up import DevError
@@ -188,7 +192,8 @@ def _expected() -> tuple[type[BaseException], ...]:
     from services.host.main import RegistrationRefused
 
     return (CliError, InvalidName, Unreachable, StoreUnreachable, SeatLost, BusLost, DevError,
-            PostgresFailed, NatsServerMissing, RegistrationRefused)  # fmt: skip
+            PostgresFailed, NatsServerMissing, RegistrationRefused, Unauthorized, CredsError,
+            AuthError)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:

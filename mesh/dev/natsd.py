@@ -5,6 +5,7 @@ acknowledged writes under the default interval, and the mesh's declarations must
 """
 
 import json
+import os
 import shutil
 import sys
 import sysconfig
@@ -30,23 +31,28 @@ def binary() -> str:
     )
 
 
-def write_config(folder: Path, *, port: int, name: str = "mesh-dev") -> Path:
-    """Write `folder/nats.conf` for a server on 127.0.0.1:`port` with JetStream in `folder/js`."""
+def write_config(
+    folder: Path, *, port: int, name: str = "mesh-dev", auth: Path | None = None
+) -> Path:
+    """Write `folder/nats.conf` for a server on 127.0.0.1:`port` with JetStream in `folder/js`
+    and its pid in `folder/nats.pid`. With `auth` (a file holding an `authorization` block, see
+    mesh.auth.server), every connection must authenticate as one of its users."""
     folder.mkdir(parents=True, exist_ok=True)
     store = folder / "js"
     store.mkdir(exist_ok=True)
     # JSON strings are valid NATS-config strings, which quotes paths with spaces safely.
-    text = "\n".join(
-        [
-            f"server_name: {json.dumps(name)}",
-            "listen: 127.0.0.1:" + str(port),
-            "jetstream {",
-            f"  store_dir: {json.dumps(str(store))}",
-            "  sync_interval: always",
-            "}",
-            "",
-        ]
-    )
+    lines = [
+        f"server_name: {json.dumps(name)}",
+        "listen: 127.0.0.1:" + str(port),
+        f"pid_file: {json.dumps(str(folder / 'nats.pid'))}",
+        "jetstream {",
+        f"  store_dir: {json.dumps(str(store))}",
+        "  sync_interval: always",
+        "}",
+    ]
+    if auth is not None:  # an include is read relative to the including file's folder
+        lines.append(f"include {json.dumps(os.path.relpath(auth, folder))}")
+    text = "\n".join([*lines, ""])
     conf = folder / "nats.conf"
     conf.write_text(text)
     return conf

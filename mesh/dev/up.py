@@ -1,7 +1,9 @@
 """`mesh dev up`: NATS, PostgreSQL, two controllers and N hosts on this machine, in the foreground.
 
-Everything lives under DIR (default `.mesh/dev`): the NATS config and JetStream store, the
-PostgreSQL cluster, each host's root, and one log per piece in DIR/logs. A lock on DIR/lock keeps
+Everything lives under DIR (default `.mesh/dev`, laid out as `mesh.meshdir` says): the NATS
+config and JetStream store, the credentials of every piece and of the operators (every
+connection authenticates; DIR/env points at the admin's), the PostgreSQL cluster, each host's
+root, and one log per piece in DIR/logs. A lock on DIR/lock keeps
 a second `mesh dev up` off a folder in use. On SIGINT/SIGTERM the pieces stop in reverse order:
 hosts, controllers, PostgreSQL, NATS. Started again on the same DIR, the mesh comes back with
 its data.
@@ -22,9 +24,11 @@ import msgspec
 from nats.aio.client import Client
 
 from mesh import bus, subjects, wire
+from mesh.auth import registry
 from mesh.dev import natsd, ports, postgres
 from mesh.dev.children import Child, remove_containers, spawn, stop_supervised
 from mesh.lifetime import stop_on_signals
+from mesh.meshdir import MeshDir
 from mesh.model import NodesReply, StatusReply
 
 READY_WITHIN = 90.0
@@ -75,6 +79,8 @@ def say(line: str) -> None:
 class DevMesh:
     def __init__(self, *, folder: Path, hosts: int, port: int | None) -> None:
         self.dir = folder.resolve()
+        self.mesh = MeshDir(self.dir)
+        self.creds: dict[str, Path] = {}  # piece (or "admin", "viewer") -> its credentials
         self.hosts = hosts
         self.port = port
         self.children: list[Child] = []
@@ -87,6 +93,7 @@ class DevMesh:
 
     def _env(self) -> dict[str, str]:
         env = dict(os.environ)
+        env.pop("MESH_CREDS", None)  # each piece is given its own with --creds
         env["MESH_NATS_URL"] = self.nats_url
         env["MESH_DATABASE_URL"] = self.database_url
         env["PYTHONUNBUFFERED"] = "1"
@@ -97,6 +104,19 @@ class DevMesh:
         self.children.append(child)
         return child
 
+    def issue_credentials(self) -> None:
+        """Credentials for every piece and for the operators, kept across restarts on DIR: only
+        what is missing is issued. The server admits nobody else."""
+        with registry.locked(self.mesh) as users:
+            self.creds["admin"] = users.ensure("operator", "admin", role="admin")
+            self.creds["viewer"] = users.ensure("operator", "viewer", role="viewer")
+            self.creds["ctl"] = users.ensure("controller", registry.CONTROLLER)
+            for i in range(1, self.hosts + 1):
+                name = f"node-{i}"
+                self.creds[name] = users.ensure("host", name, builder=i == 1)
+            users.save()
+        say(f"credentials in {self.mesh.creds} (operators: admin.creds, viewer.creds)")
+
     async def start_nats(self) -> None:
         port = self.port
         if port is None:
@@ -105,13 +125,14 @@ class DevMesh:
                 say(f"port 4222 is in use; NATS takes port {port} instead")
         elif port == 0:
             port = ports.free_port()
-        conf = natsd.write_config(self.dir / "nats", port=port)
+        conf = natsd.write_config(self.mesh.nats, port=port, auth=self.mesh.auth_conf)
         self.nats_url = f"nats://127.0.0.1:{port}"
+        self.mesh.url_file.write_text(self.nats_url + "\n")
         child = await self._start("nats-server", natsd.argv(conf))
         await _wait(
             f"nats-server on {self.nats_url}",
             child,
-            lambda: _nats_answers(self.nats_url),
+            lambda: _nats_answers(self.nats_url, str(self.creds["admin"])),
             within=20,
         )
         say(
@@ -134,7 +155,10 @@ class DevMesh:
         for i in (1, 2):
             name = f"ctl-{i}"
             child = await self._start(
-                name, self._mesh_argv("controller", "run", "--instance", name)
+                name,
+                self._mesh_argv(
+                    "controller", "run", "--instance", name, "--creds", str(self.creds["ctl"])
+                ),
             )
             say(f"controller {name} started (pid {child.pid})")
 
@@ -143,7 +167,7 @@ class DevMesh:
             name = f"node-{i}"
             argv = self._mesh_argv(
                 "host", "run", "--name", name, "--tier", str(tier_of(i)),
-                "--root", str(self.dir / "hosts" / name),
+                "--root", str(self.dir / "hosts" / name), "--creds", str(self.creds[name]),
             )  # fmt: skip
             if i == 1:
                 argv += ["--label", "builder=true"]  # node-1 builds bundles (modules issue)
@@ -152,7 +176,9 @@ class DevMesh:
 
     async def wait_ready(self) -> None:
         """Until the seat has a holder and a standby and every host is registered and up."""
-        nc = await bus.connect(self.nats_url, name="mesh dev up", reconnect=False)
+        nc = await bus.connect(
+            self.nats_url, name="mesh dev up", creds=str(self.creds["admin"]), reconnect=False
+        )
         deadline = time.monotonic() + READY_WITHIN
         try:
             while time.monotonic() < deadline:
@@ -203,6 +229,7 @@ class DevMesh:
         env.write_text(
             f"export MESH_NATS_URL={shlex.quote(self.nats_url)}\n"
             f"export MESH_DATABASE_URL={shlex.quote(self.database_url)}\n"
+            f"export MESH_CREDS={shlex.quote(str(self.creds['admin']))}\n"
         )
         return env
 
@@ -265,9 +292,9 @@ async def _registered(nc: Client, name: str, epoch: int) -> bool:
     return host.registered and host.epoch >= epoch
 
 
-async def _nats_answers(url: str) -> bool:
+async def _nats_answers(url: str, creds: str) -> bool:
     try:
-        nc = await bus.connect(url, name="mesh dev up probe", reconnect=False)
+        nc = await bus.connect(url, name="mesh dev up probe", creds=creds, reconnect=False)
     except bus.Unreachable:
         return False
     await nc.close()
@@ -297,6 +324,7 @@ async def up(*, folder: Path, hosts: int, port: int | None) -> None:
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(stop_on_signals, tg.cancel_scope)
+            mesh.issue_credentials()
             await mesh.start_nats()
             await mesh.start_postgres()
             await mesh.start_controllers()

@@ -19,13 +19,12 @@ from pathlib import Path
 import anyio
 import msgspec
 from nats.aio.client import Client
-from nats.js.errors import BucketNotFoundError, NotFoundError
 
 from mesh import blobs, bus, subjects, wire
 from mesh.model import Applied, SecretReply, SecretRequest
 from mesh.modules.compose import Declaration, DProcess
 from mesh.modules.gate import duration
-from services.host import accounts, bundles, containers, files
+from services.host import accounts, bundles, containers, files, watch
 from services.host.processes import credentials, kill_group
 from services.host.supervisor import Launch, Supervisor, spec_digest
 
@@ -101,20 +100,12 @@ class Applier:
 
     async def watch(self) -> None:
         """Apply every value of this machine's key, the current one first."""
-        js = self._nc.jetstream()
-        while True:
-            try:
-                kv = await js.key_value(blobs.DECLARATIONS)
-                break
-            except (BucketNotFoundError, NotFoundError):
-                await anyio.sleep(1)  # no controller has held the seat yet
-        watcher = await kv.watch(self.name)
         latest = _Latest()
 
         async def receive() -> None:
-            async for entry in watcher:
-                if entry is not None and entry.value:  # not the end of the initial values
-                    latest.put(entry.value)
+            # Through a consumer the server lets this host create for its own key only.
+            async for value in watch.values(self._nc, self.name):
+                latest.put(value)
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(receive)

@@ -1,0 +1,83 @@
+"""Credentials files: one identity's nkey seed, decorated the way NATS tools write it (so the
+`nats` command line reads the same file with `--nkey`), with a header naming whose it is and the
+inbox prefix its permissions allow.
+
+A file made by another tool is read too: a NATS `.creds` file with a user JWT (operator mode) is
+passed to the client as it is; a bare seed file gets the default inbox prefix.
+"""
+
+import os
+import re
+from pathlib import Path
+
+import msgspec
+
+from mesh.auth.keys import public_of
+
+DEFAULT_INBOX = "_INBOX"
+_SEED_BEGIN = "-----BEGIN USER NKEY SEED-----"
+_SEED_END = "------END USER NKEY SEED------"
+_INBOX_LINE = re.compile(r"^# mesh-inbox: (\S+)\s*$", re.MULTILINE)
+_SEED_LINE = re.compile(r"^\s*(SU[A-Z2-7]+)\s*$", re.MULTILINE)
+
+
+class CredsError(Exception):
+    """A credentials file that cannot be used; the message names the file and why."""
+
+
+class Creds(msgspec.Struct, frozen=True):
+    path: str
+    seed: str | None  # None for a JWT .creds file, which the client reads itself
+    inbox: str  # the inbox prefix this identity may subscribe to
+    jwt: bool = False
+
+
+def render(*, who: str, seed: str, inbox: str) -> str:
+    return "\n".join(
+        [
+            f"# mesh credentials: {who}",
+            "# Whoever holds this file connects to the mesh's NATS as this identity:",
+            "# keep it secret (mode 0600). Revoke it by removing the identity from the mesh.",
+            f"# mesh-inbox: {inbox}",
+            _SEED_BEGIN,
+            seed,
+            _SEED_END,
+            "",
+        ]
+    )
+
+
+def write(path: Path, *, who: str, seed: str, inbox: str) -> None:
+    """Write the file readable by its owner alone (0600), atomically: never a moment when it is
+    readable by others or half written."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # whatever the umask
+        os.write(fd, render(who=who, seed=seed, inbox=inbox).encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def read(path: str | Path) -> Creds:
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise CredsError(f"credentials {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise CredsError(f"credentials {path}: not a text file") from None
+    if "BEGIN NATS USER JWT" in text:
+        return Creds(path=str(path), seed=None, inbox=DEFAULT_INBOX, jwt=True)
+    found = _SEED_LINE.search(text)
+    if found is None:
+        raise CredsError(f"credentials {path}: no NATS user seed (a line starting SU) in it")
+    seed = found.group(1)
+    try:
+        public_of(seed)
+    except ValueError as e:
+        raise CredsError(f"credentials {path}: {e}") from None
+    inbox = _INBOX_LINE.search(text)
+    return Creds(path=str(path), seed=seed, inbox=inbox.group(1) if inbox else DEFAULT_INBOX)

@@ -1,0 +1,165 @@
+"""What each identity on the mesh's NATS may publish and subscribe to: the one place the
+permissions are decided (docs/security.md explains them).
+
+- a **host** `<name>` speaks only on subjects scoped by its own name (Kubernetes
+  NodeRestriction): its requests to the controller, its beat, its events, replies to its own
+  verbs; it hears only its own verbs, the seat's announcements and its own inbox; it reads its
+  own declaration and the bundle store; a builder host also writes to the bundle store;
+- the **controller** (every instance shares one identity) serves every verb and owns JetStream;
+- an **operator** is an `admin` (every verb) or a `viewer` (the verbs that only read).
+
+The controller never decides who may call a verb from anything in the message: the server
+enforces these lists, so a viewer's `push` never reaches it.
+"""
+
+from typing import Literal
+
+import msgspec
+
+from mesh import subjects
+from mesh.blobs import BUNDLES, DECLARATIONS
+
+Kind = Literal["host", "controller", "operator"]
+Role = Literal["admin", "viewer"]
+ROLES: tuple[Role, ...] = ("admin", "viewer")
+
+# The controller verbs that only read. Every other verb, including one added later and not
+# listed here, is for admins only: a new verb fails closed.
+READ_VERBS = frozenset({"status", "nodes", "plan", "plans", "modules", "declaration", "build-logs"})
+HOST_READ_VERBS = ("status", "logs")  # mesh.host.<name>.<verb> an operator may ask
+HOST_ADMIN_VERBS = ("restart",)
+# What a host may ask of the controller's operator verbs: the controller module's own health
+# check (`check = { nats = "mesh.ctl.status" }`), which the host runs.
+HOST_CHECK_VERBS = ("status",)
+
+_API = "$JS.API"
+KV_STREAM = f"KV_{DECLARATIONS}"
+OBJ_STREAM = f"OBJ_{BUNDLES}"
+KV_SUBJECTS = f"$KV.{DECLARATIONS}"
+OBJ_SUBJECTS = f"$O.{BUNDLES}"
+
+
+class User(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    name: str  # a host's machine name; "controller"; an operator's name
+    kind: Kind
+    public: str  # the nkey the server knows
+    role: Role | None = None  # operators only
+    builder: bool = False  # hosts only: may write build outputs to the bundle store
+
+    def describe(self) -> str:
+        if self.kind == "operator":
+            return f"operator {self.name} ({self.role})"
+        if self.kind == "host":
+            return f"host {self.name}" + (" (builder)" if self.builder else "")
+        return f"the controllers ({self.name})"
+
+
+class Permissions(msgspec.Struct, frozen=True):
+    publish: list[str]
+    subscribe: list[str]
+    responses: bool = False  # may answer requests it received (allow_responses)
+
+
+def inbox(user: User) -> str:
+    """The inbox prefix of `user`: replies to it land under `<prefix>.>`, which nobody else may
+    subscribe to. A host's is `_INBOX_<name>`; the rest use a dotted form no machine name can
+    produce (names have no dots), so no machine can be named into another's inbox."""
+    if user.kind == "host":
+        return f"_INBOX_{user.name}"
+    return f"_INBOX.{user.kind}.{user.name}"
+
+
+def _bundle_reads() -> list[str]:
+    # Objects are chunked under random names ($O.<bucket>.C.<nuid>): reads cannot be narrowed
+    # to "the bundles this host was told to fetch"; a host checks every digest instead.
+    return [
+        f"{_API}.STREAM.NAMES",
+        f"{_API}.STREAM.INFO.{OBJ_STREAM}",
+        f"{_API}.STREAM.MSG.GET.{OBJ_STREAM}",
+        f"{_API}.DIRECT.GET.{OBJ_STREAM}.>",
+        f"{_API}.CONSUMER.CREATE.{OBJ_STREAM}",
+        f"{_API}.CONSUMER.CREATE.{OBJ_STREAM}.>",
+        f"{_API}.CONSUMER.INFO.{OBJ_STREAM}.*",
+    ]
+
+
+def _bundle_writes() -> list[str]:
+    return [f"{OBJ_SUBJECTS}.>", f"{_API}.STREAM.PURGE.{OBJ_STREAM}"]
+
+
+def _host(user: User) -> Permissions:
+    name = user.name
+    publish = [
+        subjects.ctl_host(name, ">"),
+        subjects.host(name, "beat"),
+        f"mesh.event.{name}.>",
+        *(subjects.ctl(v) for v in HOST_CHECK_VERBS),
+        # its own declaration only: a consumer whose filter is its key (the server checks the
+        # filter in the subject against the one in the request)
+        f"{_API}.STREAM.INFO.{KV_STREAM}",
+        f"{_API}.CONSUMER.CREATE.{KV_STREAM}.*.{KV_SUBJECTS}.{name}",
+        *_bundle_reads(),
+    ]
+    if user.builder:
+        publish += _bundle_writes()
+    return Permissions(
+        publish=publish,
+        subscribe=[subjects.host(name, "*"), subjects.seat(">"), f"{inbox(user)}.>"],
+        responses=True,
+    )
+
+
+def _controller(user: User) -> Permissions:
+    return Permissions(
+        publish=[
+            subjects.seat(">"),
+            subjects.host("*", "build"),
+            f"{_API}.>",
+            f"{KV_SUBJECTS}.>",
+            f"{OBJ_SUBJECTS}.>",
+        ],
+        subscribe=[
+            "mesh.ctl.>",
+            subjects.host("*", "beat"),
+            "mesh.event.*.>",
+            subjects.seat(">"),
+            f"{inbox(user)}.>",
+        ],
+        responses=True,
+    )
+
+
+def _operator(user: User) -> Permissions:
+    reads = [
+        *(subjects.ctl(v) for v in sorted(READ_VERBS)),
+        *(subjects.host("*", v) for v in HOST_READ_VERBS),
+    ]
+    if user.role == "viewer":
+        return Permissions(publish=reads, subscribe=[f"{inbox(user)}.>"])
+    return Permissions(
+        publish=[
+            subjects.ctl("*"),  # every verb, present and future
+            *(subjects.host("*", v) for v in (*HOST_READ_VERBS, *HOST_ADMIN_VERBS)),
+            # uploads of module sources (push, plan diff) and reading what JetStream holds
+            *_bundle_reads(),
+            *_bundle_writes(),
+            f"{_API}.INFO",
+            f"{_API}.STREAM.INFO.*",
+            f"{_API}.CONSUMER.CREATE.{KV_STREAM}",
+            f"{_API}.CONSUMER.CREATE.{KV_STREAM}.>",
+            f"{_API}.CONSUMER.INFO.{KV_STREAM}.*",
+            f"{_API}.STREAM.MSG.GET.{KV_STREAM}",
+            f"{_API}.DIRECT.GET.{KV_STREAM}.>",
+        ],
+        subscribe=[f"{inbox(user)}.>"],
+    )
+
+
+def permissions(user: User) -> Permissions:
+    if user.kind == "host":
+        return _host(user)
+    if user.kind == "controller":
+        return _controller(user)
+    if user.role not in ROLES:
+        raise ValueError(f"operator {user.name}: role {user.role!r} is not one of {ROLES}")
+    return _operator(user)

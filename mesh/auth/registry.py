@@ -1,0 +1,122 @@
+"""A mesh's identities, kept in its folder (`mesh.meshdir`): issuing one writes its credentials
+file (0600) and the server's authorization block; revoking one removes both. Public keys live in
+`creds/users.json`; each seed lives only in its own credentials file."""
+
+import fcntl
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import msgspec
+
+from mesh.auth import creds, server
+from mesh.auth.keys import new_user, public_of
+from mesh.auth.policy import Kind, Role, User, inbox
+from mesh.meshdir import MeshDir
+from mesh.names import check_name
+
+CONTROLLER = "controller"  # the one identity every controller instance uses
+
+
+class AuthError(Exception):
+    """A failure of issuing or revoking credentials; the message says what to do."""
+
+
+class _Users(msgspec.Struct):
+    users: list[User] = []
+
+
+class Registry:
+    def __init__(self, folder: MeshDir) -> None:
+        self.dir = folder
+        self.users: dict[tuple[str, str], User] = {}
+
+    @classmethod
+    def load(cls, folder: MeshDir) -> "Registry":
+        registry = cls(folder)
+        try:
+            data = folder.users.read_bytes()
+        except FileNotFoundError:
+            return registry
+        except OSError as e:
+            raise AuthError(f"{folder.users}: {e.strerror or e}") from None
+        try:
+            users = msgspec.json.decode(data, type=_Users).users
+        except msgspec.DecodeError as e:
+            raise AuthError(f"{folder.users}: {e}") from None
+        registry.users = {(u.kind, u.name): u for u in users}
+        return registry
+
+    def get(self, kind: Kind, name: str) -> User | None:
+        return self.users.get((kind, name))
+
+    def hosts(self) -> list[User]:
+        return sorted((u for u in self.users.values() if u.kind == "host"), key=lambda u: u.name)
+
+    def issue(
+        self, kind: Kind, name: str, *, role: Role | None = None, builder: bool = False
+    ) -> Path:
+        """New keys for `name` (replacing any it had: its old file stops working at the next
+        reload). Returns the credentials file's path. Call `save` to make it count."""
+        check_name(name, field="name")
+        if kind != "host" and (kind == "controller") != (name == CONTROLLER):
+            # their files sit side by side: creds/<name>.creds
+            raise AuthError(f"{name}: only the controllers' identity is called {CONTROLLER!r}")
+        key = new_user()
+        user = User(name=name, kind=kind, public=key.public, role=role, builder=builder)
+        path = self.dir.creds_file(kind, name)
+        creds.write(path, who=user.describe(), seed=key.seed, inbox=inbox(user))
+        self.users[(kind, name)] = user
+        return path
+
+    def ensure(
+        self, kind: Kind, name: str, *, role: Role | None = None, builder: bool = False
+    ) -> Path:
+        """The credentials of `name`, issued only if it has none that still match (so a mesh
+        started again on the same folder keeps its credentials)."""
+        path = self.dir.creds_file(kind, name)
+        user = self.get(kind, name)
+        if user is not None and user.role == role and user.builder == builder:
+            try:
+                held = creds.read(path)
+            except creds.CredsError:
+                held = None
+            if held is not None and held.seed and public_of(held.seed) == user.public:
+                return path
+        return self.issue(kind, name, role=role, builder=builder)
+
+    def revoke(self, kind: Kind, name: str) -> Path:
+        if self.users.pop((kind, name), None) is None:
+            raise AuthError(f"no {kind} {name} in {self.dir.users}")
+        path = self.dir.creds_file(kind, name)
+        path.unlink(missing_ok=True)
+        return path
+
+    def save(self) -> None:
+        """Write users.json and the server's authorization block."""
+        self.dir.creds.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(self.dir.creds, 0o700)
+        body = msgspec.json.format(
+            msgspec.json.encode(
+                _Users(users=sorted(self.users.values(), key=lambda u: (u.kind, u.name)))
+            )
+        )
+        tmp = self.dir.users.with_name(".users.json.tmp")
+        tmp.write_bytes(body + b"\n")
+        tmp.replace(self.dir.users)
+        self.dir.nats.mkdir(parents=True, exist_ok=True)
+        server.write(self.dir.auth_conf, self.users.values())
+
+
+@contextmanager
+def locked(folder: MeshDir) -> Iterator[Registry]:
+    """The registry of `folder`, loaded under an exclusive lock (two `mesh machine add` at once
+    must not lose one of them), saved by the caller."""
+    folder.creds.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd = os.open(folder.creds / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield Registry.load(folder)
+    finally:
+        os.close(fd)
