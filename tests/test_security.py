@@ -1,0 +1,453 @@
+"""Credentials and permissions against a real nats-server running the generated configuration:
+nobody connects without a known key; a host can touch only what is scoped by its own name; a
+viewer cannot change the fleet, an admin can; `mesh machine add/remove` issue and revoke a host.
+
+Each refusal is checked next to a permitted action of the same kind, so a test that could not
+see a refusal (a misspelt subject, a silent server) fails instead of passing."""
+
+import json
+import os
+import shlex
+import socket
+import stat
+import subprocess
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import anyio
+import msgspec
+import pytest
+from helpers import MESH, await_until, wait_until
+from nats.aio.client import Client
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js.api import ConsumerConfig, DeliverPolicy
+from nats.js.errors import APIError
+
+from mesh import blobs, bus
+from mesh.auth import creds as credentials
+from mesh.auth import registry
+from mesh.auth.keys import new_user
+from mesh.auth.policy import READ_VERBS
+from mesh.dev import natsd, ports
+from mesh.meshdir import MeshDir
+from services.controller.verbs import VERBS
+
+EXAMPLE = Path(__file__).parent.parent / "docs" / "examples" / "hello"
+SECRET = "s3cr3t-auth-2c9e"
+# Verbs that change the fleet: never a viewer's, whatever the verb table holds today.
+ADMIN_VERBS = ("push", "assign", "unassign", "secret-set", "tier", "handover", "diff")
+
+
+class Secured:
+    """A nats-server that admits only the identities in a mesh folder."""
+
+    def __init__(self, folder: MeshDir, url: str) -> None:
+        self.dir = folder
+        self.url = url
+
+    def creds(self, kind: str, name: str) -> str:
+        return str(self.dir.creds_file(kind, name))
+
+    @property
+    def admin(self) -> str:
+        return self.creds("operator", "admin")
+
+    @property
+    def viewer(self) -> str:
+        return self.creds("operator", "viewer")
+
+    async def connect(self, creds: str | None, *, denials: list[str] | None = None) -> Client:
+        return await bus.connect(
+            self.url,
+            name="test",
+            creds=creds,
+            reconnect=False,
+            denied=denials.append if denials is not None else None,
+        )
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.2)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+@pytest.fixture
+def secured(tmp_path: Path, procs) -> Secured:
+    folder = MeshDir(tmp_path / "mesh")
+    with registry.locked(folder) as users:
+        users.ensure("operator", "admin", role="admin")
+        users.ensure("operator", "viewer", role="viewer")
+        users.ensure("controller", registry.CONTROLLER)
+        users.ensure("host", "node-1", builder=True)
+        users.ensure("host", "node-2")
+        users.save()
+    port = ports.free_port()
+    conf = natsd.write_config(folder.nats, port=port, name=f"secure-{port}", auth=folder.auth_conf)
+    url = f"nats://127.0.0.1:{port}"
+    folder.url_file.write_text(url + "\n")
+    proc = procs.start("nats-server", natsd.argv(conf))
+    wait_until(lambda: proc.poll() is not None or _listening(port), within=10, what="nats-server")
+    assert proc.poll() is None, (tmp_path / "nats-server.log").read_text()
+    return Secured(folder, url)
+
+
+def cli(
+    secured: Secured, creds: str | None, *args: str, stdin: str | None = None
+) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "MESH_CREDS"}
+    return subprocess.run(
+        [*MESH, *args, "--nats-url", secured.url, *(["--creds", creds] if creds else [])],
+        capture_output=True, text=True, input=stdin, timeout=180,
+        env={**env, "MESH_NATS_URL": secured.url},
+    )  # fmt: skip
+
+
+def ok(done: subprocess.CompletedProcess) -> str:
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def one_line_error(done: subprocess.CompletedProcess) -> str:
+    assert done.returncode == 1, done.stdout
+    assert "Traceback" not in done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    return lines[0]
+
+
+class Refusals:
+    """A connection's permissions violations, as the server reports them.
+
+    The server reports them asynchronously (a flush may return before the report), but in
+    the order it handled the connection's messages: an action is followed by a publish on a
+    subject nobody may use, and once that one's refusal is in, the action's would be too."""
+
+    def __init__(self, nc: Client, seen: list[str]) -> None:
+        self.nc = nc
+        self.seen = seen
+        self._sentinels = 0
+
+    async def _refused(self, subject: str, act) -> bool:
+        before = len(self.seen)
+        await act()
+        self._sentinels += 1
+        sentinel = f"mesh.sentinel.{self._sentinels}"
+        await self.nc.publish(sentinel, b"")
+
+        async def reported():
+            return any(sentinel in s for s in self.seen[before:])
+
+        await await_until(reported, within=10, what=f"the refusal of {sentinel}")
+        return any(s.endswith(" " + subject.lower()) for s in self.seen[before:])
+
+    async def publish_refused(self, subject: str) -> bool:
+        return await self._refused(subject, lambda: self.nc.publish(subject, b"{}"))
+
+    async def subscribe_refused(self, subject: str) -> bool:
+        subs = []
+
+        async def act() -> None:
+            subs.append(await self.nc.subscribe(subject))
+
+        refused = await self._refused(subject, act)
+        await subs[0].unsubscribe()
+        return refused
+
+
+@pytest.fixture
+async def as_identity(secured: Secured) -> AsyncIterator:
+    opened: list[Client] = []
+
+    async def open_as(creds: str) -> Refusals:
+        seen: list[str] = []
+        nc = await secured.connect(creds, denials=seen)
+        opened.append(nc)
+        return Refusals(nc, seen)
+
+    yield open_as
+    for nc in opened:
+        await nc.close()
+
+
+# --- connecting --------------------------------------------------------------------------------
+
+
+async def test_no_credentials_or_an_unknown_key_cannot_connect(secured: Secured, tmp_path):
+    with pytest.raises(bus.Unauthorized, match="without credentials"):
+        await secured.connect(None)
+
+    stranger = tmp_path / "stranger.creds"
+    key = new_user()  # a well-formed key the server has never heard of
+    credentials.write(stranger, who="a stranger", seed=key.seed, inbox="_INBOX")
+    with pytest.raises(bus.Unauthorized, match="refused the credentials"):
+        await secured.connect(str(stranger))
+    # A service, which reconnects forever, is told too instead of knocking forever.
+    with anyio.fail_after(20):
+        with pytest.raises(bus.Unauthorized):
+            await bus.connect(secured.url, name="svc", creds=str(stranger), reconnect=True)
+
+    nc = await secured.connect(secured.admin)  # the same server admits a key it knows
+    assert nc.is_connected
+    await nc.close()
+
+    line = one_line_error(cli(secured, None, "status"))
+    assert "refused a connection without credentials" in line and "MESH_CREDS" in line
+    line = one_line_error(cli(secured, str(tmp_path / "missing.creds"), "status"))
+    assert "missing.creds" in line
+
+
+async def test_a_viewer_may_only_read_and_an_admin_may_call_every_verb(secured, as_identity):
+    viewer = await as_identity(secured.viewer)
+    admin = await as_identity(secured.admin)
+    for verb in sorted({*VERBS, *ADMIN_VERBS, *READ_VERBS}):
+        subject = f"mesh.ctl.{verb}"
+        assert await viewer.publish_refused(subject) == (verb not in READ_VERBS), verb
+        assert not await admin.publish_refused(subject), verb
+    assert not set(ADMIN_VERBS) & READ_VERBS
+    assert {"status", "nodes", "modules", "declaration"} <= READ_VERBS
+    # Operators read hosts' status and logs; only an admin restarts a process.
+    assert not await viewer.publish_refused("mesh.host.node-1.logs")
+    assert await viewer.publish_refused("mesh.host.node-1.restart")
+    assert not await admin.publish_refused("mesh.host.node-1.restart")
+    # Nobody reads other identities' replies or the fleet's traffic.
+    for who in (viewer, admin):
+        assert await who.subscribe_refused("_INBOX.>")
+        assert await who.subscribe_refused("mesh.>")
+        assert not await who.subscribe_refused(f"{who.nc._inbox_prefix.decode()}.x")
+
+
+# --- a secured fleet: a controller and two hosts, every piece with its own credentials ----------
+
+
+@pytest.fixture
+async def fleet(secured: Secured, procs, database_url: str, tmp_path: Path):
+    procs.start(
+        "ctl-a",
+        [*MESH, "controller", "run", "--instance", "ctl-a",
+         "--creds", secured.creds("controller", registry.CONTROLLER)],
+        env={"MESH_NATS_URL": secured.url, "MESH_DATABASE_URL": database_url},
+    )  # fmt: skip
+    for name, extra in (("node-1", ["--tier", "0", "--label", "builder=true"]),
+                        ("node-2", ["--tier", "1"])):  # fmt: skip
+        start_host(procs, secured, tmp_path, name, *extra)
+    nc = await secured.connect(secured.admin)
+
+    async def up():
+        s = await ask(nc, "mesh.ctl.status")
+        return s if s and s["nodes"]["up"] == 2 else None
+
+    await await_until(up, within=40, what="two hosts up under credentials")
+    yield nc
+    await nc.close()
+
+
+def start_host(procs, secured: Secured, tmp_path: Path, name: str, *extra: str):
+    return procs.start(
+        name,
+        [*MESH, "host", "run", "--name", name, "--root", str(tmp_path / "hosts" / name),
+         "--creds", secured.creds("host", name), *extra],
+        env={"MESH_NATS_URL": secured.url},
+    )  # fmt: skip
+
+
+async def ask(nc: Client, subject: str, body: dict | None = None) -> dict | None:
+    try:
+        data = await bus.request(
+            nc, subject, json.dumps(body or {}).encode(), deadline=anyio.current_time() + 2
+        )
+    except bus.NoAnswer:
+        return None
+    return json.loads(data)
+
+
+async def _node(nc: Client, name: str) -> dict | None:
+    reply = await ask(nc, "mesh.ctl.nodes")
+    return next((n for n in reply["nodes"] if n["name"] == name), None) if reply else None
+
+
+async def test_roles_and_a_host_applying_its_declaration_under_credentials(
+    fleet, secured, tmp_path
+):
+    # A viewer reads, and is refused a change at once, in one line that says so.
+    assert json.loads(ok(cli(secured, secured.viewer, "--json", "status")))["nodes"]["up"] == 2
+    line = one_line_error(cli(secured, secured.viewer, "push", str(EXAMPLE)))
+    assert line.startswith("mesh: error: forbidden:") and "viewer.creds" in line
+    line = one_line_error(cli(secured, secured.viewer, "assign", "hello", "node-2"))
+    assert "forbidden" in line and "mesh.ctl.assign" in line
+    line = one_line_error(cli(secured, secured.viewer, "secret", "set", "x", stdin="v"))
+    assert "forbidden" in line and "mesh.ctl.secret-set" in line
+
+    # An admin changes the fleet; the host, under its own credentials, watches its own key,
+    # fetches the bundle, asks for its secret and applies.
+    ok(cli(secured, secured.admin, "push", str(EXAMPLE), "--timeout", "120"))
+    ok(cli(secured, secured.admin, "secret", "set", "hello-token", stdin=SECRET))
+    ok(cli(secured, secured.admin, "assign", "hello", "node-2", "--timeout", "120"))
+
+    async def applied():
+        n = await _node(fleet, "node-2")
+        return n if n and n["digest_wanted"] and n["digest_applied"] == n["digest_wanted"] else None
+
+    await await_until(applied, within=60, what="node-2 to apply under its credentials")
+    token = tmp_path / "hosts" / "node-2" / "processes" / "hello" / "files" / "token"
+    assert token.read_text() == SECRET
+    declaration = json.loads(ok(cli(secured, secured.viewer, "--json", "declaration", "node-2")))
+    assert declaration["digest"] == (await _node(fleet, "node-2"))["digest_applied"]
+
+
+async def test_a_host_can_touch_only_what_is_its_own(fleet, secured, as_identity):
+    ok(cli(secured, secured.admin, "push", str(EXAMPLE), "--timeout", "120"))
+    ok(cli(secured, secured.admin, "secret", "set", "hello-token", stdin=SECRET))
+    ok(cli(secured, secured.admin, "assign", "hello", "node-2", "--timeout", "120"))
+    a = await as_identity(secured.creds("host", "node-1"))  # host A; B is node-2
+
+    # It speaks for itself only.
+    assert not await a.publish_refused("mesh.host.node-1.beat")
+    assert not await a.publish_refused("mesh.event.node-1.applied")
+    for subject in (
+        "mesh.host.node-2.beat",
+        "mesh.event.node-2.applied",
+        "mesh.event.node-2.processes",
+        "mesh.ctl.host.node-2.register",
+        "mesh.ctl.host.node-2.secret",
+        "mesh.host.node-2.status",  # B's own verbs, even a read
+        "mesh.ctl.push",
+        "mesh.ctl.assign",
+        "mesh.ctl.declaration",
+        "mesh.ctl.secret-set",
+        "$KV.mesh-declarations.node-2",  # writing declarations is the controller's alone
+        "$KV.mesh-declarations.node-1",
+        "mesh.seat.mesh-controller.held",
+    ):
+        assert await a.publish_refused(subject), subject
+    # It hears its own verbs, the seat and its own inbox; nothing of B's.
+    assert not await a.subscribe_refused("mesh.host.node-1.status")
+    assert not await a.subscribe_refused("_INBOX_node-1.x")
+    for subject in (
+        "mesh.host.node-2.status",
+        "mesh.host.*.status",
+        "_INBOX_node-2.>",
+        "_INBOX.>",
+        "mesh.event.>",
+        "mesh.ctl.>",
+        "$KV.mesh-declarations.node-2",
+    ):
+        assert await a.subscribe_refused(subject), subject
+
+    # B's secret is not A's to have: by B's subject it is refused (above); asked as itself, the
+    # request reaches the controller and the answer reaches A's own inbox, and it is no.
+    reply = await ask(a.nc, "mesh.ctl.host.node-1.secret", {"name": "hello-token"})
+    assert reply is not None and reply["error"]["code"] == "forbidden", reply
+
+    # B's declaration is in the bucket (the controller and an admin can read it) ...
+    ctl = await secured.connect(secured.creds("controller", registry.CONTROLLER))
+    try:
+        kv = await ctl.jetstream().key_value(blobs.DECLARATIONS)
+
+        async def stored():
+            try:
+                return await kv.get("node-2")
+            except Exception:
+                return None
+
+        entry = await await_until(stored, within=30, what="node-2's declaration in the bucket")
+        assert json.loads(entry.value)["machine"] == "node-2"
+    finally:
+        await ctl.close()
+    # ... and no way of reading it is open to A.
+    js = a.nc.jetstream(timeout=2)
+    kv = await js.key_value(blobs.DECLARATIONS)  # the bucket's info: allowed
+    before = len(a.seen)
+    with pytest.raises(NatsTimeout):
+        await kv.get("node-2")  # a direct or stream get: refused, never answered
+    with pytest.raises(NatsTimeout):
+        await kv.watch("node-2")  # a consumer without a name: the filter is not checkable
+    with pytest.raises(NatsTimeout):
+        await a.nc.jsm().add_consumer(
+            "KV_mesh-declarations",
+            config=ConsumerConfig(name="peek", filter_subject="$KV.mesh-declarations.node-2",
+                                  deliver_policy=DeliverPolicy.LAST_PER_SUBJECT),
+        )  # fmt: skip
+    assert len(a.seen) >= before + 3, a.seen
+    # Its own key in the subject and B's in the body: the server compares them.
+    with pytest.raises(APIError, match="filter"):
+        await _create_with_mismatched_filter(a.nc)
+    # The way the host watches its own key is open (the positive control of the above).
+    own = await a.nc.jsm().add_consumer(
+        "KV_mesh-declarations",
+        config=ConsumerConfig(name="own", filter_subject="$KV.mesh-declarations.node-1",
+                              deliver_subject=a.nc.new_inbox(), inactive_threshold=5.0,
+                              deliver_policy=DeliverPolicy.LAST_PER_SUBJECT),
+    )  # fmt: skip
+    assert own.name == "own"
+
+
+async def _create_with_mismatched_filter(nc: Client) -> None:
+    """A consumer-create request on the subject of node-1's key whose body asks for node-2's."""
+    body = {
+        "stream_name": "KV_mesh-declarations",
+        "config": {
+            "name": "peek2",
+            "filter_subject": "$KV.mesh-declarations.node-2",
+            "deliver_policy": "last_per_subject",
+            "ack_policy": "none",
+        },
+    }
+    subject = "$JS.API.CONSUMER.CREATE.KV_mesh-declarations.peek2.$KV.mesh-declarations.node-1"
+    reply = json.loads((await nc.request(subject, json.dumps(body).encode(), timeout=2)).data)
+    if "error" in reply:
+        raise APIError(description=reply["error"].get("description"))
+    raise AssertionError(f"the server created a consumer on another machine's key: {reply}")
+
+
+# --- mesh machine add / remove ------------------------------------------------------------------
+
+
+class _Added(msgspec.Struct):
+    name: str
+    creds: str
+    command: str
+    reloaded: bool
+
+
+async def test_machine_add_issues_a_working_host_and_remove_revokes_it(
+    fleet, secured, procs, tmp_path
+):
+    folder = str(secured.dir.root)
+    added = msgspec.json.decode(
+        ok(cli(secured, None, "machine", "add", "node-9", "--dir", folder, "--json")), type=_Added
+    )
+    assert added.name == "node-9" and added.reloaded
+    assert stat.S_IMODE(os.stat(added.creds).st_mode) == 0o600
+    argv = shlex.split(added.command)
+    assert argv[:3] == ["mesh", "host", "run"] and secured.url in argv
+    again = one_line_error(cli(secured, None, "machine", "add", "node-9", "--dir", folder))
+    assert "already has credentials" in again
+
+    # The printed command, as a user on the new machine runs it (confined to a folder here).
+    procs.start(
+        "node-9",
+        [*MESH, *argv[1:], "--root", str(tmp_path / "hosts" / "node-9")],
+        env={"MESH_NATS_URL": "nats://127.0.0.1:1"},  # the command names the URL itself
+    )
+
+    async def state(up: bool):
+        n = await _node(fleet, "node-9")
+        return n if n and n["up"] is up else None
+
+    await await_until(lambda: state(True), within=30, what="node-9 up with its new credentials")
+    seed = Path(added.creds).read_text()
+
+    removed = json.loads(
+        ok(cli(secured, None, "machine", "remove", "node-9", "--dir", folder, "--json"))
+    )
+    assert removed["reloaded"] and not Path(added.creds).exists()
+    # The server closed the revoked host's connection: its beats stop and it goes down.
+    await await_until(lambda: state(False), within=30, what="node-9 down after revocation")
+    kept = tmp_path / "kept.creds"
+    kept.write_text(seed)
+    with pytest.raises(bus.Unauthorized):
+        await secured.connect(str(kept))
+    assert "node-9" not in secured.dir.auth_conf.read_text()
+    line = one_line_error(cli(secured, None, "machine", "remove", "node-9", "--dir", folder))
+    assert "no credentials" in line
