@@ -451,3 +451,52 @@ async def test_machine_add_issues_a_working_host_and_remove_revokes_it(
     assert "node-9" not in secured.dir.auth_conf.read_text()
     line = one_line_error(cli(secured, None, "machine", "remove", "node-9", "--dir", folder))
     assert "no credentials" in line
+
+
+# --- the files ----------------------------------------------------------------------------------
+
+
+def test_a_credentials_file_is_private_and_reads_back(tmp_path: Path) -> None:
+    key = new_user()
+    path = tmp_path / "sub" / "node-1.creds"
+    credentials.write(path, who="host node-1", seed=key.seed, inbox="_INBOX_node-1")
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    held = credentials.read(path)
+    assert (held.seed, held.inbox, held.jwt) == (key.seed, "_INBOX_node-1", False)
+    # The seed line is the only one starting "SU": NATS tools (`nats --nkey`) find it too.
+    assert [line for line in path.read_text().splitlines() if line.startswith("SU")] == [key.seed]
+
+    bare = tmp_path / "bare.seed"
+    bare.write_text(key.seed + "\n")  # a seed file from another tool: the default inbox
+    assert credentials.read(bare).inbox == "_INBOX"
+    for text, why in (("nothing here\n", "no NATS user seed"), ("SUAAAA\n", "not a valid")):
+        bad = tmp_path / "bad.creds"
+        bad.write_text(text)
+        with pytest.raises(credentials.CredsError, match=why):
+            credentials.read(bad)
+    with pytest.raises(credentials.CredsError, match="No such file"):
+        credentials.read(tmp_path / "absent.creds")
+
+
+def test_the_registry_keeps_credentials_and_never_writes_an_open_server(tmp_path: Path) -> None:
+    from mesh.auth import server
+
+    folder = MeshDir(tmp_path / "mesh")
+    with registry.locked(folder) as users:
+        admin = users.ensure("operator", "admin", role="admin")
+        host = users.ensure("host", "node-1")
+        users.save()
+    first = (admin.read_text(), host.read_text())
+    with registry.locked(folder) as users:  # as `mesh dev up` started again
+        assert users.ensure("operator", "admin", role="admin") == admin
+        host.unlink()  # a lost file is issued anew, with a new key
+        users.ensure("host", "node-1")
+        users.save()
+    assert admin.read_text() == first[0] and host.read_text() != first[1]
+    conf = folder.auth_conf.read_text()
+    assert registry.Registry.load(folder).get("host", "node-1").public in conf
+    with pytest.raises(registry.AuthError):
+        registry.Registry.load(folder).issue("operator", registry.CONTROLLER, role="admin")
+    with pytest.raises(ValueError, match="admits anyone"):
+        server.render([])
