@@ -41,9 +41,11 @@ ADMIN_VERBS = ("push", "assign", "unassign", "secret-set", "tier", "handover", "
 class Secured:
     """A nats-server that admits only the identities in a mesh folder."""
 
-    def __init__(self, folder: MeshDir, url: str) -> None:
+    def __init__(self, folder: MeshDir, url: str, start) -> None:
         self.dir = folder
         self.url = url
+        self.start = start  # starts the server (again), returns its process
+        self.proc = start()
 
     def creds(self, kind: str, name: str) -> str:
         return str(self.dir.creds_file(kind, name))
@@ -86,10 +88,16 @@ def secured(tmp_path: Path, procs) -> Secured:
     conf = natsd.write_config(folder.nats, port=port, name=f"secure-{port}", auth=folder.auth_conf)
     url = f"nats://127.0.0.1:{port}"
     folder.url_file.write_text(url + "\n")
-    proc = procs.start("nats-server", natsd.argv(conf))
-    wait_until(lambda: proc.poll() is not None or _listening(port), within=10, what="nats-server")
-    assert proc.poll() is None, (tmp_path / "nats-server.log").read_text()
-    return Secured(folder, url)
+
+    def start():
+        proc = procs.start("nats-server", natsd.argv(conf))
+        wait_until(
+            lambda: proc.poll() is not None or _listening(port), within=10, what="nats-server"
+        )
+        assert proc.poll() is None, (tmp_path / "nats-server.log").read_text()
+        return proc
+
+    return Secured(folder, url, start)
 
 
 def cli(
@@ -293,6 +301,23 @@ async def test_roles_and_a_host_applying_its_declaration_under_credentials(
     assert token.read_text() == SECRET
     declaration = json.loads(ok(cli(secured, secured.viewer, "--json", "declaration", "node-2")))
     assert declaration["digest"] == (await _node(fleet, "node-2"))["digest_applied"]
+
+    # A build runs on the builder host, which stores its output and log under its credentials.
+    built = tmp_path / "built"
+    (built / "src").mkdir(parents=True)
+    (built / "src" / "build.sh").write_text(
+        "set -e\necho building under credentials\nmkdir -p out\n"
+        "printf '#!/bin/sh\\necho hi\\n' > out/app\n"
+    )
+    (built / "module.toml").write_text(
+        '[module]\nname = "built"\n'
+        '[bundle.app]\nkind = "binary"\nsource = "src"\nbuild = ["sh", "build.sh"]\n'
+        'output = "out/app"\ntimeout = "60s"\n'
+        '[account.app]\n[process.app]\nbundle = "app"\ncommand = ["./app"]\naccount = "app"\n'
+    )
+    ok(cli(secured, secured.admin, "push", str(built), "--timeout", "120"))
+    logs = cli(secured, secured.viewer, "build", "logs", "built")
+    assert "building under credentials" in ok(logs) and "node-1" in logs.stderr
 
 
 async def test_a_host_can_touch_only_what_is_its_own(fleet, secured, as_identity):
@@ -500,3 +525,45 @@ def test_the_registry_keeps_credentials_and_never_writes_an_open_server(tmp_path
         registry.Registry.load(folder).issue("operator", registry.CONTROLLER, role="admin")
     with pytest.raises(ValueError, match="admits anyone"):
         server.render([])
+
+
+async def test_a_hosts_watch_of_its_own_key_outlives_a_server_restart(secured: Secured):
+    from services.host import watch
+
+    ctl = await bus.connect(
+        secured.url, name="ctl", creds=secured.creds("controller", registry.CONTROLLER)
+    )
+    host = await bus.connect(secured.url, name="node-1", creds=secured.creds("host", "node-1"))
+    try:
+        kv, _ = await blobs.ensure(ctl)
+        await kv.put("node-1", b"one")
+        await kv.put("node-2", b"not yours")
+        values = watch.values(host, "node-1")
+        with anyio.fail_after(10):
+            assert await anext(values) == b"one"
+        await kv.put("node-1", b"two")
+        with anyio.fail_after(10):
+            assert await anext(values) == b"two"
+
+        # The server restarts (its file store keeps the bucket, not the consumer in memory).
+        secured.proc.terminate()
+        secured.proc.wait(timeout=10)
+        secured.proc = secured.start()
+
+        async def put_three() -> bool:
+            try:
+                await kv.put("node-1", b"three")
+            except Exception:  # not reconnected yet
+                return False
+            return True
+
+        await await_until(put_three, within=20, what="the controller back on the server")
+        with anyio.fail_after(30):
+            value = await anext(values)
+            while value != b"three":  # the newest value again first, then the new one
+                assert value == b"two"
+                value = await anext(values)
+        await values.aclose()
+    finally:
+        await host.close()
+        await ctl.close()
