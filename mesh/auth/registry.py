@@ -51,9 +51,6 @@ class Registry:
     def get(self, kind: Kind, name: str) -> User | None:
         return self.users.get((kind, name))
 
-    def hosts(self) -> list[User]:
-        return sorted((u for u in self.users.values() if u.kind == "host"), key=lambda u: u.name)
-
     def issue(
         self, kind: Kind, name: str, *, role: Role | None = None, builder: bool = False
     ) -> Path:
@@ -73,16 +70,18 @@ class Registry:
     def ensure(
         self, kind: Kind, name: str, *, role: Role | None = None, builder: bool = False
     ) -> Path:
-        """The credentials of `name`, issued only if it has none that still match (so a mesh
-        started again on the same folder keeps its credentials)."""
+        """The credentials of `name`, issued only if it has none that still match its file (so a
+        mesh started again on the same folder keeps its credentials). A changed role or builder
+        flag keeps the key: only the permissions change."""
         path = self.dir.creds_file(kind, name)
         user = self.get(kind, name)
-        if user is not None and user.role == role and user.builder == builder:
+        if user is not None:
             try:
                 held = creds.read(path)
             except creds.CredsError:
                 held = None
             if held is not None and held.seed and public_of(held.seed) == user.public:
+                self.users[(kind, name)] = msgspec.structs.replace(user, role=role, builder=builder)
                 return path
         return self.issue(kind, name, role=role, builder=builder)
 
