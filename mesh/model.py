@@ -53,11 +53,28 @@ class NodeCounts(msgspec.Struct):
     down: int
 
 
+class PlanSummary(msgspec.Struct):
+    """A plan in one line: what `status` shows of the plan in progress and `plans` lists."""
+
+    id: int
+    state: str  # pending | building | rolling | done | failed | reverted
+    trigger: str  # push | assign | unassign | secret
+    subject: str  # the module or secret it is about
+    by: str
+    created: datetime
+    finished: datetime | None
+    machines: int
+    done: int  # steps done or skipped
+    tier: int | None = None  # the tier rolling now
+    phase: str = "forward"  # forward | revert
+    failure: str | None = None  # which machine failed and why (not `error`: that is a refusal)
+
+
 class StatusReply(msgspec.Struct):
     seat: SeatInfo | None
     standbys: list[Standby]
     nodes: NodeCounts
-    plan: None = None
+    plan: PlanSummary | None = None  # the plan in progress
 
 
 class Facts(msgspec.Struct, forbid_unknown_fields=True):
@@ -150,10 +167,13 @@ Digest = Annotated[str, msgspec.Meta(pattern=r"^sha256:[0-9a-f]{64}\Z")]
 Text = Annotated[str, msgspec.Meta(max_length=256 * 1024)]
 
 
+By = Annotated[str, msgspec.Meta(max_length=200)]  # who asked, as the client says
+
+
 class PushRequest(Request):
     manifest: Text  # module.toml as written
     source: Digest  # the module's archive, already in the object store
-    by: Annotated[str, msgspec.Meta(max_length=200)] = ""
+    by: By = ""
 
 
 class ChangeReply(msgspec.Struct):
@@ -170,6 +190,83 @@ class AssignRequest(Request):
     machines: Annotated[list[Name], msgspec.Meta(max_length=10000)] = []
     tier: Tier | None = None
     labels: Labels = {}
+    by: By = ""
+
+
+class TierRequest(Request):
+    machine: Name
+    tier: Tier
+
+
+class TierReply(msgspec.Struct):
+    machine: str
+    tier: int
+    was: int
+
+
+# --- plans -------------------------------------------------------------------------------------
+
+
+class PlanRequest(Request):
+    id: Annotated[int, msgspec.Meta(ge=1)]
+
+
+class PlansRequest(Request):
+    limit: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 20
+
+
+class PlanStep(msgspec.Struct):
+    machine: str
+    tier: int
+    state: str  # pending | applying | done | failed | skipped | reverted
+    started: datetime | None
+    finished: datetime | None
+    error: str | None
+    before: str | None  # declaration digests
+    after: str
+    reverted: bool = False  # the machine got its `before` declaration back
+
+
+class PlanTier(msgspec.Struct):
+    tier: int
+    state: str  # pending | rolling | done | failed | reverted
+    total: int
+    done: int
+
+
+class PlanBuild(msgspec.Struct):
+    bundle: str
+    digest: str
+    built: bool  # built for this plan (false: the build was cached)
+
+
+class PlanSettings(msgspec.Struct):
+    deadline: float = 60.0  # seconds per machine
+    max_parallel: int = 0  # 0: the whole tier at once
+    auto_revert: bool = True
+    skip_down: bool = False
+
+
+class PlanReply(msgspec.Struct):
+    id: int
+    state: str
+    trigger: str
+    subject: str
+    by: str
+    epoch: int  # the seat's epoch that recorded it
+    created: datetime
+    started: datetime | None
+    finished: datetime | None
+    phase: str
+    failure: str | None  # which machine failed and why (not `error`: that is a refusal)
+    settings: PlanSettings
+    builds: list[PlanBuild]
+    tiers: list[PlanTier]
+    steps: list[PlanStep]
+
+
+class PlansReply(msgspec.Struct):
+    plans: list[PlanSummary]
 
 
 class ModulesRequest(Request):
@@ -204,6 +301,7 @@ class DeclarationReply(msgspec.Struct):
 class SecretSetRequest(Request):
     name: Name
     value: Annotated[str, msgspec.Meta(max_length=1024 * 1024)]  # base64
+    by: By = ""
 
 
 class DiffRequest(Request):
@@ -283,6 +381,9 @@ class Applied(msgspec.Struct, forbid_unknown_fields=True):
     ok: bool
     step: str = ""  # where it stopped, when not ok
     error: str = ""
+    # The processes as they are at the moment of this report: a plan judges health on these,
+    # never on a report from before the apply (the old version's "healthy").
+    processes: list[ProcessState] = []
 
 
 # --- host verbs (mesh.host.<name>.<verb>) --------------------------------------------------------

@@ -52,17 +52,14 @@ async def _node(nc, name: str) -> dict | None:
 
 async def test_the_example_is_applied_on_the_assigned_machine(fleet, nc, nats_url, tmp_path):
     ok(run(nats_url, "push", str(EXAMPLE)))
-    ok(run(nats_url, "assign", "hello", "node-2"))
-
-    # Its secret is not set yet: the apply stops at that file, and `mesh nodes` says so.
-    async def stopped():
-        n = await _node(nc, "node-2")
-        return n if n and n["apply_error"] else None
-
-    node = await await_until(stopped, within=30, what="node-2 to report why it stopped")
-    assert "file hello/token" in node["apply_error"] and "hello-token" in node["apply_error"]
-    assert node["digest_applied"] != node["digest_wanted"]
+    # Its secret is not set yet: the apply stops at that file, the plan stops there, gives
+    # node-2 its old declaration back, and says why.
+    failed = run(nats_url, "assign", "hello", "node-2", "--wait")
+    assert failed.returncode == 1, failed.stdout
+    assert "machine node-2: file hello/token" in failed.stderr, failed.stderr
+    assert "hello-token has not been set" in failed.stderr
     ok(run(nats_url, "secret", "set", "hello-token", stdin=SECRET))
+    ok(run(nats_url, "assign", "hello", "node-2", "--wait"))
 
     async def applied():
         n = await _node(nc, "node-2")

@@ -66,9 +66,12 @@ async def test_push_and_assign_reach_exactly_the_assigned_machines(fleet, nc, na
     again = json.loads(ok(run(nats_url, "--json", "push", str(EXAMPLE))))
     assert again["plan"] is None and again["message"] == "no change"
 
-    assigned = json.loads(ok(run(nats_url, "--json", "assign", "hello", "node-2", "node-3")))
+    assigned = json.loads(
+        ok(run(nats_url, "--json", "assign", "hello", "node-2", "node-3", "--wait"))
+    )
     assert isinstance(assigned["plan"], int)
     assert assigned["machines"] == ["node-2", "node-3"]
+    assert assigned["outcome"]["state"] == "done"
 
     kv = await declarations(nc)
     assert set(kv) == {"node-2", "node-3"}
@@ -91,25 +94,27 @@ async def test_push_and_assign_reach_exactly_the_assigned_machines(fleet, nc, na
         ("hello", ["node-2", "node-3"], ["hello"])
     ]
 
-    ok(run(nats_url, "unassign", "hello", "node-3"))
+    ok(run(nats_url, "unassign", "hello", "node-3", "--wait"))
     kv = await declarations(nc)
     assert kv["node-3"]["declaration"]["processes"] == {}
     assert "hello" in kv["node-2"]["declaration"]["processes"]
 
 
 async def test_assign_by_tier_and_label(fleet, nc, nats_url) -> None:
+    ok(run(nats_url, "secret", "set", "hello-token", stdin=SECRET))
     ok(run(nats_url, "push", str(EXAMPLE)))
-    ok(run(nats_url, "assign", "hello", "--tier", "2"))
+    ok(run(nats_url, "assign", "hello", "--tier", "2", "--wait"))
     assert set(await declarations(nc)) == {"node-3"}
-    ok(run(nats_url, "assign", "hello", "--label", "builder=true"))
+    ok(run(nats_url, "assign", "hello", "--label", "builder=true", "--wait"))
     assert set(await declarations(nc)) == {"node-1", "node-3"}
     line = one_line_error(run(nats_url, "assign", "hello", "node-9"))
     assert "node-9 is not registered" in line
 
 
 async def test_a_conflicting_module_is_refused_naming_both(fleet, nc, nats_url, tmp_path) -> None:
+    ok(run(nats_url, "secret", "set", "hello-token", stdin=SECRET))
     ok(run(nats_url, "push", str(EXAMPLE)))
-    ok(run(nats_url, "assign", "hello", "node-2"))
+    ok(run(nats_url, "assign", "hello", "node-2", "--wait"))
     before = await declarations(nc)
 
     clash = tmp_path / "clash"
@@ -229,8 +234,9 @@ async def test_builds_run_on_the_builder_are_cached_and_fail_clearly(
 
 
 async def test_plan_diff_shows_the_change_and_stores_nothing(fleet, nc, nats_url, tmp_path) -> None:
+    ok(run(nats_url, "secret", "set", "hello-token", stdin=SECRET))
     ok(run(nats_url, "push", str(EXAMPLE)))
-    ok(run(nats_url, "assign", "hello", "node-2"))
+    ok(run(nats_url, "assign", "hello", "node-2", "--wait"))
     before = await declarations(nc)
     changed = tmp_path / "hello"
     shutil.copytree(EXAMPLE, changed)

@@ -1,14 +1,15 @@
 """Calling controller verbs from the command line, with errors a user can act on."""
 
+import argparse
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import anyio
 from nats.aio.client import Client
 
-from mesh import bus, subjects, wire
+from mesh import bus, config, subjects, wire
 from mesh.auth.creds import CredsError
 
 T = TypeVar("T")
@@ -87,8 +88,25 @@ async def ask(
         raise CliError(f"{verb}: {e}" if e.code != "refused" else str(e)) from None
 
 
-async def call(
-    *, url: str, creds: str | None, verb: str, reply: type[T], timeout: float, body: bytes = b"{}"
+CHANGE_TIMEOUT = 900.0  # a push may wait for a build (10 minutes by default) and then some
+
+
+def where(args: argparse.Namespace) -> tuple[str, str | None]:
+    """The NATS URL and credentials file the command line and environment select."""
+    url = config.nats_url(getattr(args, "nats_url", None))
+    return url, config.creds(getattr(args, "creds", None))
+
+
+async def verb(
+    args: argparse.Namespace, name: str, reply: type[T], body: Any = None, *, changes: bool = False
 ) -> T:
-    async with connected(url=url, creds=creds, what=verb) as nc:
-        return await ask(nc, url=url, verb=verb, reply=reply, timeout=timeout, body=body)
+    """One verb. One that changes things is tried once per answer window (`attempt` = the whole
+    timeout): a slow answer must not be taken for a lost request and sent again."""
+    url, creds = where(args)
+    timeout = getattr(args, "timeout", CHANGE_TIMEOUT if changes else 5.0)
+    async with connected(url=url, creds=creds, what=name) as nc:
+        return await ask(
+            nc, url=url, verb=name, reply=reply, timeout=timeout,
+            body=wire.encode(body) if body is not None else b"{}",
+            attempt=timeout if changes else 1.0,
+        )  # fmt: skip

@@ -18,7 +18,7 @@ import anyio
 from mesh import config
 from mesh.cli import hosts, machines, modules, render
 from mesh.cli.args import Parser, label, tier
-from mesh.cli.client import CliError, call
+from mesh.cli.client import CliError, verb
 from mesh.cli.output import console, print_json
 from mesh.model import NodesReply, StatusReply
 from mesh.names import InvalidName, check_name
@@ -94,23 +94,13 @@ def parser() -> argparse.ArgumentParser:
 # --- commands -------------------------------------------------------------------------------
 
 
-async def _verb(args: argparse.Namespace, verb: str, reply: type) -> Any:
-    return await call(
-        url=config.nats_url(getattr(args, "nats_url", None)),
-        creds=config.creds(getattr(args, "creds", None)),
-        verb=verb,
-        reply=reply,
-        timeout=getattr(args, "timeout", 5.0),
-    )
-
-
 async def cmd_status(args: argparse.Namespace) -> None:
-    s = await _verb(args, "status", StatusReply)
+    s = await verb(args, "status", StatusReply)
     print_json(s) if args.json else render.status(console(), s)
 
 
 async def cmd_nodes(args: argparse.Namespace) -> None:
-    r = await _verb(args, "nodes", NodesReply)
+    r = await verb(args, "nodes", NodesReply)
     print_json(r) if args.json else render.nodes(console(), r)
 
 

@@ -9,10 +9,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from mesh import blobs, config
-from mesh.cli import render
+from mesh import blobs
+from mesh.cli import plans, render
 from mesh.cli.args import Parser, label, tier
-from mesh.cli.client import CliError, ask, connected
+from mesh.cli.client import CHANGE_TIMEOUT, CliError, ask, connected, verb, where
 from mesh.cli.output import console, print_json
 from mesh.model import (
     AssignRequest,
@@ -31,18 +31,22 @@ from mesh.modules import gate
 from mesh.modules.load import load
 from mesh.wire import encode
 
-CHANGE_TIMEOUT = 900.0  # a push may wait for a build (10 minutes by default) and then some
-
 
 def add_parsers(verbs: Any, common: argparse.ArgumentParser) -> None:
     push = verbs.add_parser("push", parents=[common], help="validate and upload a module")
     push.add_argument("dir", type=Path, metavar="DIR", help="the module's folder")
+    _wait_flag(push)
 
-    plan = verbs.add_parser("plan", parents=[common], help="plans; `plan diff DIR`: a dry run")
-    plan_verbs = plan.add_subparsers(dest="plan_command", metavar="COMMAND", parser_class=Parser)
-    plan_verbs.required = True
-    diff = plan_verbs.add_parser("diff", parents=[common], help="what a push of DIR would change")
-    diff.add_argument("dir", type=Path, metavar="DIR")
+    plan = verbs.add_parser(
+        "plan", parents=[common], help="recent plans; `plan ID`: one; `plan diff DIR`: a dry run"
+    )
+    plan.add_argument("what", nargs="*", metavar="ID | diff DIR")
+    plan.add_argument("--follow", action="store_true", help="show progress until the plan ends")
+    plan.add_argument("--limit", type=int, default=20, help="how many recent plans (20)")
+
+    move = verbs.add_parser("tier", parents=[common], help="move a machine to another tier")
+    move.add_argument("machine")
+    move.add_argument("tier", type=tier, metavar="T")
 
     for name, what in (("assign", "assign a module to machines"),
                        ("unassign", "take a module off machines")):  # fmt: skip
@@ -54,6 +58,7 @@ def add_parsers(verbs: Any, common: argparse.ArgumentParser) -> None:
             "--label", type=label, action="append", default=[], metavar="K=V",
             help="every machine with these labels (repeatable)",
         )  # fmt: skip
+        _wait_flag(p)
 
     verbs.add_parser("modules", parents=[common], help="modules, versions, assignments")
     decl = verbs.add_parser("declaration", parents=[common], help="a machine's declaration")
@@ -67,6 +72,7 @@ def add_parsers(verbs: Any, common: argparse.ArgumentParser) -> None:
     secret_set = secret_verbs.add_parser("set", parents=[common], help="store a secret")
     secret_set.add_argument("name")
     secret_set.add_argument("--from-file", type=Path, metavar="F", help="read the value from F")
+    _wait_flag(secret_set)
 
     build = verbs.add_parser("build", parents=[common], help="builds")
     build_verbs = build.add_subparsers(dest="build_command", metavar="COMMAND", parser_class=Parser)
@@ -76,11 +82,11 @@ def add_parsers(verbs: Any, common: argparse.ArgumentParser) -> None:
     logs.add_argument("bundle", nargs="?")
 
 
-def _where(args: argparse.Namespace) -> dict[str, Any]:
-    return {
-        "url": config.nats_url(getattr(args, "nats_url", None)),
-        "creds": config.creds(getattr(args, "creds", None)),
-    }
+def _wait_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--wait", action="store_true",
+        help="follow the plan to its end; exit non-zero if it fails or is reverted",
+    )  # fmt: skip
 
 
 def _local(folder: Path) -> Any:
@@ -92,18 +98,18 @@ def _local(folder: Path) -> Any:
         raise CliError(f"{folder}: {e.strerror or e}") from None
 
 
-async def _upload_and_ask(args: argparse.Namespace, verb: str, body_of: Any, reply: type) -> Any:
+async def _upload_and_ask(args: argparse.Namespace, name: str, body_of: Any, reply: type) -> Any:
     module = _local(args.dir)
-    where = _where(args)
-    async with connected(url=where["url"], creds=where["creds"], what=verb) as nc:
+    url, creds = where(args)
+    async with connected(url=url, creds=creds, what=name) as nc:
         try:
             store = await blobs.store(nc)
             await blobs.put(store, module.source)
         except blobs.BlobMissing as e:
-            raise CliError(f"{e}; {where['url']}") from None
+            raise CliError(f"{e}; {url}") from None
         timeout = getattr(args, "timeout", CHANGE_TIMEOUT)
         return await ask(
-            nc, url=where["url"], verb=verb, reply=reply, timeout=timeout,
+            nc, url=url, verb=name, reply=reply, timeout=timeout,
             body=encode(body_of(module)), attempt=timeout,
         )  # fmt: skip
 
@@ -115,10 +121,7 @@ async def cmd_push(args: argparse.Namespace) -> None:
         lambda m: PushRequest(manifest=m.manifest_text, source=m.version, by=getpass.getuser()),
         ChangeReply,
     )
-    if args.json:
-        print_json(reply)
-    else:
-        render.change(console(), reply)
+    await plans.wait_for(args, reply)
 
 
 async def cmd_plan_diff(args: argparse.Namespace) -> None:
@@ -131,17 +134,30 @@ async def cmd_plan_diff(args: argparse.Namespace) -> None:
         render.diff(console(), reply)
 
 
-async def _assign(args: argparse.Namespace, verb: str) -> None:
-    if not args.machines and args.tier is None and not args.label:
-        raise CliError(f"{verb}: name machines, or select them with --tier or --label")
-    body = AssignRequest(
-        module=args.module, machines=args.machines, tier=args.tier, labels=dict(args.label)
-    )
-    reply = await _simple(args, verb, ChangeReply, body, changes=True)
-    if args.json:
-        print_json(reply)
+async def cmd_plan(args: argparse.Namespace) -> None:
+    what = args.what
+    if what and what[0] == "diff":
+        if len(what) != 2:
+            raise CliError("usage: mesh plan diff DIR")
+        args.dir = Path(what[1])
+        await cmd_plan_diff(args)
+    elif not what:
+        await plans.listing(args)
+    elif len(what) == 1 and what[0].isdigit():
+        await plans.show(args, int(what[0]))
     else:
-        render.change(console(), reply)
+        raise CliError(f"plan: {' '.join(what)!r} is not a plan id (nor `diff DIR`)")
+
+
+async def _assign(args: argparse.Namespace, name: str) -> None:
+    if not args.machines and args.tier is None and not args.label:
+        raise CliError(f"{name}: name machines, or select them with --tier or --label")
+    body = AssignRequest(
+        module=args.module, machines=args.machines, tier=args.tier, labels=dict(args.label),
+        by=getpass.getuser(),
+    )  # fmt: skip
+    reply = await verb(args, name, ChangeReply, body, changes=True)
+    await plans.wait_for(args, reply)
 
 
 async def cmd_assign(args: argparse.Namespace) -> None:
@@ -152,22 +168,8 @@ async def cmd_unassign(args: argparse.Namespace) -> None:
     await _assign(args, "unassign")
 
 
-async def _simple(
-    args: argparse.Namespace, verb: str, reply: type, body: Any = None, *, changes: bool = False
-) -> Any:
-    """One verb. One that changes things is tried once per answer window (`attempt` = the whole
-    timeout): a slow answer must not be taken for a lost request and sent again."""
-    where = _where(args)
-    timeout = getattr(args, "timeout", CHANGE_TIMEOUT if changes else 5.0)
-    async with connected(url=where["url"], creds=where["creds"], what=verb) as nc:
-        return await ask(
-            nc, url=where["url"], verb=verb, reply=reply, timeout=timeout,
-            body=encode(body) if body is not None else b"{}", attempt=timeout if changes else 1.0,
-        )  # fmt: skip
-
-
 async def cmd_modules(args: argparse.Namespace) -> None:
-    reply = await _simple(args, "modules", ModulesReply)
+    reply = await verb(args, "modules", ModulesReply)
     if args.json:
         print_json(reply)
     else:
@@ -175,7 +177,7 @@ async def cmd_modules(args: argparse.Namespace) -> None:
 
 
 async def cmd_declaration(args: argparse.Namespace) -> None:
-    reply: DeclarationReply = await _simple(
+    reply: DeclarationReply = await verb(
         args, "declaration", DeclarationReply, DeclarationRequest(machine=args.machine)
     )
     if args.json:
@@ -195,16 +197,15 @@ async def cmd_secret_set(args: argparse.Namespace) -> None:
         value = getpass.getpass(f"value of secret {args.name}: ").encode()
     else:
         value = sys.stdin.buffer.read()
-    body = SecretSetRequest(name=args.name, value=base64.b64encode(value).decode())
-    reply = await _simple(args, "secret-set", ChangeReply, body, changes=True)
-    if args.json:
-        print_json(reply)
-    else:
-        render.change(console(), reply)
+    body = SecretSetRequest(
+        name=args.name, value=base64.b64encode(value).decode(), by=getpass.getuser()
+    )
+    reply = await verb(args, "secret-set", ChangeReply, body, changes=True)
+    await plans.wait_for(args, reply)
 
 
 async def cmd_build_logs(args: argparse.Namespace) -> None:
-    reply: BuildLogsReply = await _simple(
+    reply: BuildLogsReply = await verb(
         args, "build-logs", BuildLogsReply, BuildLogsRequest(module=args.module, bundle=args.bundle)
     )
     if args.json:
@@ -217,7 +218,8 @@ async def cmd_build_logs(args: argparse.Namespace) -> None:
 
 COMMANDS = {
     ("push",): cmd_push,
-    ("plan", "diff"): cmd_plan_diff,
+    ("plan",): cmd_plan,
+    ("tier",): plans.cmd_tier,
     ("assign",): cmd_assign,
     ("unassign",): cmd_unassign,
     ("modules",): cmd_modules,

@@ -6,7 +6,14 @@ from datetime import UTC, datetime
 from rich.console import Console
 from rich.table import Table
 
-from mesh.model import ChangeReply, DiffReply, ModulesReply, NodesReply, StatusReply
+from mesh.model import (
+    ChangeReply,
+    DiffReply,
+    ModulesReply,
+    NodesReply,
+    PlanSummary,
+    StatusReply,
+)
 
 
 def _ago(when: datetime | None) -> str:
@@ -38,8 +45,14 @@ def status(console: Console, s: StatusReply) -> None:
     table.add_row("[bold]seat[/]", f"mesh-controller {seat}")
     table.add_row("[bold]standbys[/]", standbys)
     table.add_row("[bold]nodes[/]", f"{s.nodes.total} total, {s.nodes.up} up, {s.nodes.down} down")
-    table.add_row("[bold]plan[/]", "none in progress" if s.plan is None else str(s.plan))
+    table.add_row("[bold]plan[/]", "none in progress" if s.plan is None else plan_line(s.plan))
     console.print(table)
+
+
+def plan_line(p: PlanSummary) -> str:
+    where = f", tier {p.tier}" if p.tier is not None else ""
+    doing = "reverting" if p.phase == "revert" else p.state
+    return f"{p.id} {p.trigger} {p.subject}: {doing}{where}, {p.done}/{p.machines} machine(s) done"
 
 
 def nodes(console: Console, r: NodesReply) -> None:

@@ -88,6 +88,15 @@ class Assign(Strict):
     labels: dict[str, str] = {}
 
 
+class Rollout(Strict):
+    """How a plan that changes this module's machines rolls out (docs/modules.md, [rollout])."""
+
+    deadline: str = "60s"  # per machine: applied and every process healthy within this
+    max_parallel: int = 0  # machines changed at once within a tier; 0: all of the tier
+    auto_revert: bool = True  # on the first failure, give changed machines their old declaration
+    skip_down: bool = False  # a machine down when its tier starts is skipped, not failed
+
+
 class Manifest(Strict):
     module: ModuleHead
     bundle: dict[str, Bundle] = {}
@@ -95,3 +104,4 @@ class Manifest(Strict):
     process: dict[str, Process] = {}
     container: dict[str, Container] = {}
     assign: Assign | None = None
+    rollout: Rollout = msgspec.field(default_factory=Rollout)

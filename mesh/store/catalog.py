@@ -152,37 +152,43 @@ async def digests(conn: asyncpg.Connection) -> dict[str, str]:
     }
 
 
-async def write_declaration(
-    conn: asyncpg.Connection, *, machine: str, digest: str, body: bytes, epoch: int
+async def write_declarations(
+    conn: asyncpg.Connection, bodies: dict[str, tuple[str, bytes]], *, epoch: int
 ) -> None:
-    await conn.execute(
+    """machine -> (digest, body), in one statement."""
+    await conn.executemany(
         """
         INSERT INTO declarations (machine, digest, body, epoch) VALUES ($1, $2, $3, $4)
         ON CONFLICT (machine) DO UPDATE SET digest = $2, body = $3, epoch = $4, updated_at = now()
         """,
-        machine,
-        digest,
-        body,
-        epoch,
+        [(m, d, b, epoch) for m, (d, b) in sorted(bodies.items())],
     )
 
 
-async def record_plan(
-    conn: asyncpg.Connection,
-    *,
-    trigger: str,
-    subject: str,
-    epoch: int,
-    machines: dict[str, dict[str, str | None]],
-) -> int:
-    return await conn.fetchval(
-        "INSERT INTO plans (trigger, subject, state, epoch, machines)"
-        " VALUES ($1, $2, 'done', $3, $4::jsonb) RETURNING id",
-        trigger,
-        subject,
-        epoch,
-        json.dumps(machines, sort_keys=True),
-    )
+async def undo(conn: asyncpg.Connection, trigger: str, change: dict) -> str:
+    """Take back the catalog change a reverted plan made; what was done, in words."""
+    module = change.get("module")
+    if trigger == "push" and module:
+        now = await conn.fetchval("SELECT version_id FROM modules WHERE name = $1", module)
+        if now != change["to"]:
+            return f"module {module} was pushed again since: its newer version stands"
+        if change["from"] is None:
+            await conn.execute("DELETE FROM assignments WHERE module = $1", module)
+            await conn.execute("DELETE FROM modules WHERE name = $1", module)
+            return f"module {module} is unregistered again (this was its first push)"
+        await conn.execute(
+            "UPDATE modules SET version_id = $2, updated_at = now() WHERE name = $1",
+            module,
+            change["from"],
+        )
+        return f"module {module} is back at its previous version"
+    if trigger == "assign" and module:
+        await unassign(conn, module=module, machines=change["machines"])
+        return f"module {module} is unassigned again from {', '.join(change['machines'])}"
+    if trigger == "unassign" and module:
+        await assign(conn, module=module, machines=change["machines"])
+        return f"module {module} is assigned again to {', '.join(change['machines'])}"
+    return "nothing to take back"
 
 
 class BuildRow(msgspec.Struct):

@@ -48,13 +48,13 @@ async def register(
     facts: Facts,
     beat_interval: float,
 ) -> MachineRow:
-    """Insert or refresh a machine; a None tier keeps the stored one (2 for a new machine)."""
+    """Insert or refresh a machine. The tier is set by the first registration (2 if it names
+    none); after that only `mesh tier` moves a machine, so a host's restart cannot."""
     r = await conn.fetchrow(
         """
         INSERT INTO machines (name, tier, labels, facts, up, last_seen, beat_interval)
         VALUES ($1, coalesce($2, 2), $3::jsonb, $4::jsonb, true, now(), $5)
         ON CONFLICT (name) DO UPDATE SET
-            tier = coalesce($2, machines.tier),
             labels = excluded.labels,
             facts = excluded.facts,
             up = true,
@@ -70,6 +70,10 @@ async def register(
     )
     assert r is not None
     return _row(r)
+
+
+async def set_tier(conn: asyncpg.Connection, *, name: str, tier: int) -> None:
+    await conn.execute("UPDATE machines SET tier = $2 WHERE name = $1", name, tier)
 
 
 async def set_up(conn: asyncpg.Connection, *, name: str, up: bool, last_seen: datetime) -> None:

@@ -2,15 +2,16 @@
 
 Each change runs in one transaction that checks the seat's epoch, records the change,
 recomposes the affected machines' declarations (a conflict rolls everything back and names both
-modules), stores those whose digest changed and records a plan; after the commit, each changed
-declaration goes to the KV bucket `mesh-declarations` under the machine's name with the epoch.
-Until tiered rollouts exist, a change reaches all affected machines at once. One change at a time.
+modules) and records a plan with one step per machine whose declaration changes. The planner
+(`planner.py`) rolls the plan out tier by tier; it stores and publishes each declaration (KV
+bucket `mesh-declarations`, key = the machine, with the epoch) when the machine's turn comes.
+One change at a time.
 """
 
 import base64
-import binascii
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import anyio
 import anyio.to_thread
@@ -32,6 +33,11 @@ from mesh.model import (
     MachineDiff,
     ModuleInfo,
     ModulesReply,
+    PlanBuild,
+    PlanReply,
+    PlanSettings,
+    PlansReply,
+    PlanTier,
     PushRequest,
     SecretReply,
     SecretSetRequest,
@@ -48,19 +54,13 @@ from mesh.modules.compose import (
 )
 from mesh.modules.diff import diff
 from mesh.modules.manifest import Assign, Manifest
-from mesh.store import catalog
+from mesh.store import catalog, plans
 from services.controller import builds
 from services.controller.fleet import Fleet
 
 log = logging.getLogger(__name__)
 
 UNBUILT = "unbuilt:"  # the dry run's stand-in for a bundle that a push would build first
-
-
-class Changed(msgspec.Struct):
-    before: str | None
-    after: str
-    body: bytes  # the canonical declaration
 
 
 class Catalog:
@@ -73,7 +73,9 @@ class Catalog:
         obs: ObjectStore,
         fleet: Fleet,
         epoch: int,
+        wake: Callable[[], None] = lambda: None,
     ) -> None:
+        self._wake = wake  # tells the planner a plan was recorded
         self._pool = pool
         self._nc = nc
         self._kv = kv
@@ -91,18 +93,17 @@ class Catalog:
             self._parsed[v.id] = gate.parse(v.manifest)
         return self._parsed[v.id]
 
-    async def _recompose(
+    async def compose(
         self, conn: asyncpg.Connection, machines: Iterable[str]
-    ) -> dict[str, Changed]:
-        """Compose `machines` from the store as this transaction sees it; the changed ones."""
-        machines = sorted(set(machines))
+    ) -> dict[str, tuple[str, bytes]]:
+        """machine -> (digest, canonical declaration), composed from the store as this
+        transaction sees it. A conflict names both modules and rolls the transaction back."""
         current = await catalog.current_modules(conn)
         assigned = await catalog.assignments(conn)
         secrets = await catalog.secret_versions(conn)
-        stored = await catalog.declarations(conn, machines)
         prepared: dict[str, Prepared] = {}  # each module version once, for all machines
-        changed: dict[str, Changed] = {}
-        for machine in machines:
+        composed: dict[str, tuple[str, bytes]] = {}
+        for machine in sorted(set(machines)):
             mine = []
             for name in sorted(assigned.get(machine, ())):
                 if name not in prepared:
@@ -113,34 +114,53 @@ class Catalog:
                     prepared[name] = prepare(mv, secrets)
                 mine.append(prepared[name])
             try:
-                body, after = encode(merge(machine, mine))
+                body, digest = encode(merge(machine, mine))
             except Conflict as e:
                 raise wire.BadRequest(str(e), code="conflict") from None
-            before = stored.get(machine)
-            if before is None or before[0] != after:
-                changed[machine] = Changed(
-                    before=before[0] if before else None, after=after, body=body
-                )
-        return changed
+            composed[machine] = (digest, body)
+        return composed
 
-    async def _commit(
-        self, conn: asyncpg.Connection, *, trigger: str, subject: str, changed: dict[str, Changed]
-    ) -> int | None:
-        for machine, c in changed.items():
-            await catalog.write_declaration(
-                conn, machine=machine, digest=c.after, body=c.body, epoch=self._epoch
+    async def _plan(
+        self,
+        conn: asyncpg.Connection,
+        machines: Iterable[str],
+        *,
+        trigger: str,
+        subject: str,
+        by: str,
+        settings: PlanSettings,
+        undo: dict[str, Any],
+        builds: list[PlanBuild] | None = None,
+    ) -> tuple[int | None, list[str]]:
+        """Record a plan for the machines whose composition differs from what they will have
+        once the plans before it finish; (None, []) when there are none."""
+        composed = await self.compose(conn, machines)
+        expected = await plans.expected(conn, sorted(composed))
+        steps = [
+            plans.Step(
+                machine=m, tier=self._fleet.machines[m].tier, state="pending", after=d, after_body=b
             )
-        if not changed:
-            return None
-        return await catalog.record_plan(
-            conn,
-            trigger=trigger,
-            subject=subject,
-            epoch=self._epoch,
-            machines={m: {"before": c.before, "after": c.after} for m, c in changed.items()},
-        )
+            for m, (d, b) in composed.items()
+            if expected.get(m) != d
+        ]
+        if not steps:
+            return None, []
+        plan_id = await plans.create(
+            conn, trigger=trigger, subject=subject, by=by, epoch=self._epoch, settings=settings,
+            builds=builds or [], undo=undo, steps=steps,
+        )  # fmt: skip
+        return plan_id, [s.machine for s in steps]
 
-    async def _publish(self, bodies: dict[str, tuple[str, bytes]]) -> None:
+    def _settings(self, manifest: Manifest | None) -> PlanSettings:
+        if manifest is None:
+            return PlanSettings()
+        r = manifest.rollout
+        return PlanSettings(
+            deadline=gate.duration(r.deadline), max_parallel=r.max_parallel,
+            auto_revert=r.auto_revert, skip_down=r.skip_down,
+        )  # fmt: skip
+
+    async def publish(self, bodies: dict[str, tuple[str, bytes]]) -> None:
         """After the commit. A put that fails is logged, not raised: the change is stored, and
         `keep_published` puts it again (the store is the truth, the KV its copy)."""
         for machine, (d, body) in sorted(bodies.items()):
@@ -163,13 +183,13 @@ class Catalog:
                 behind = [m for m, d in stored.items() if self.wanted.get(m) != d]
                 bodies = await catalog.declarations(conn, behind) if behind else {}
             if bodies:
-                await self._publish({m: (d, body) for m, (d, body, _) in bodies.items()})
+                await self.publish({m: (d, body) for m, (d, body, _) in bodies.items()})
 
     async def republish(self) -> int:
         """At takeover: every stored declaration, under this holder's epoch."""
         async with self._pool.acquire() as conn:
             stored = await catalog.declarations(conn)
-        await self._publish({m: (d, body) for m, (d, body, _) in stored.items()})
+        await self.publish({m: (d, body) for m, (d, body, _) in stored.items()})
         return len(stored)
 
     def _select(
@@ -296,23 +316,30 @@ class Catalog:
                 current = (await catalog.current_modules(conn)).get(name)
             if current is not None and current.version == req.source:
                 return ChangeReply(plan=None, machines=[], message="no change", version=req.source)
-            bundles, _ = await self._bundles(manifest, data, req.source, dry=False)
+            bundles, built = await self._bundles(manifest, data, req.source, dry=False)
             async with self._pool.acquire() as conn, conn.transaction():
                 await catalog.fence(conn, epoch=self._epoch)
                 targets = await self._register(
                     conn, manifest=manifest, text=req.manifest, version=req.source,
                     bundles=bundles, by=req.by,
                 )  # fmt: skip
-                changed = await self._recompose(conn, targets)
-                plan = await self._commit(conn, trigger="push", subject=name, changed=changed)
-            await self._publish({m: (c.after, c.body) for m, c in changed.items()})
-        log.info("pushed %s %s: %d machine(s) changed", name, req.source[:19], len(changed))
+                now = (await catalog.current_modules(conn))[name]
+                plan, changed = await self._plan(
+                    conn, targets, trigger="push", subject=name, by=req.by,
+                    settings=self._settings(manifest),
+                    undo={"module": name, "from": current.id if current else None, "to": now.id},
+                    builds=[PlanBuild(bundle=b, digest=d, built=b in built)
+                            for b, d in sorted(bundles.items())],
+                )  # fmt: skip
+        self._wake()
+        log.info("pushed %s %s: plan %s for %d machine(s)", name, req.source[:19], plan,
+                 len(changed))  # fmt: skip
         message = (
-            f"{name} {req.source[:19]}: {len(changed)} machine(s) changed"
+            f"{name} {req.source[:19]}: plan {plan} changes {len(changed)} machine(s)"
             if changed
-            else f"{name} {req.source[:19]} registered; no machine's declaration changed"
+            else f"{name} {req.source[:19]} registered; no machine's declaration changes"
         )
-        return ChangeReply(plan=plan, machines=sorted(changed), message=message, version=req.source)
+        return ChangeReply(plan=plan, machines=changed, message=message, version=req.source)
 
     async def assign(self, req: AssignRequest, *, undo: bool = False) -> ChangeReply:
         async with self._one_change:
@@ -321,45 +348,53 @@ class Catalog:
                 raise wire.BadRequest("no machine matches", code="not_found")
             async with self._pool.acquire() as conn, conn.transaction():
                 await catalog.fence(conn, epoch=self._epoch)
-                if req.module not in await catalog.current_modules(conn):
+                current = (await catalog.current_modules(conn)).get(req.module)
+                if current is None:
                     raise wire.BadRequest(
                         f"module {req.module} has not been pushed", code="not_found"
                     )
+                had = {m for m, mods in (await catalog.assignments(conn)).items()
+                       if req.module in mods}  # fmt: skip
+                moved = sorted(set(machines) & had) if undo else sorted(set(machines) - had)
                 change = catalog.unassign if undo else catalog.assign
                 await change(conn, module=req.module, machines=machines)
-                changed = await self._recompose(conn, machines)
                 trigger = "unassign" if undo else "assign"
-                plan = await self._commit(
-                    conn, trigger=trigger, subject=req.module, changed=changed
-                )
-            await self._publish({m: (c.after, c.body) for m, c in changed.items()})
+                plan, changed = await self._plan(
+                    conn, machines, trigger=trigger, subject=req.module, by=req.by,
+                    settings=self._settings(self._manifest(current)),
+                    undo={"module": req.module, "machines": moved},
+                )  # fmt: skip
+        self._wake()
         verb = "unassigned from" if undo else "assigned to"
-        log.info("%s %s %s", req.module, verb, ", ".join(machines))
+        log.info("%s %s %s: plan %s", req.module, verb, ", ".join(machines), plan)
         return ChangeReply(
             plan=plan,
-            machines=sorted(changed),
-            message=f"{req.module} {verb} {', '.join(machines)}; {len(changed)} changed",
+            machines=changed,
+            message=f"{req.module} {verb} {', '.join(machines)}; "
+            + (f"plan {plan} changes {len(changed)} machine(s)" if changed else "no change"),
         )
 
     async def secret_set(self, req: SecretSetRequest) -> ChangeReply:
         try:
             value = base64.b64decode(req.value, validate=True)
-        except binascii.Error:
+        except ValueError:  # binascii.Error, or text that is not ASCII
             raise wire.BadRequest("value: not base64") from None
         async with self._one_change:
             async with self._pool.acquire() as conn, conn.transaction():
                 await catalog.fence(conn, epoch=self._epoch)
                 version = await catalog.set_secret(conn, name=req.name, value=value)
-                changed = await self._recompose(conn, await catalog.assignments(conn))
-                plan = await self._commit(conn, trigger="secret", subject=req.name, changed=changed)
-            await self._publish({m: (c.after, c.body) for m, c in changed.items()})
-        log.info(
-            "secret %s set (version %d): %d machine(s) changed", req.name, version, len(changed)
-        )
+                # A secret's old value is not kept, so there is nothing to revert to.
+                plan, changed = await self._plan(
+                    conn, await catalog.assignments(conn), trigger="secret", subject=req.name,
+                    by=req.by, settings=PlanSettings(auto_revert=False), undo={},
+                )  # fmt: skip
+        self._wake()
+        log.info("secret %s set (version %d): plan %s", req.name, version, plan)
         return ChangeReply(
             plan=plan,
-            machines=sorted(changed),
-            message=f"secret {req.name} is at version {version}; {len(changed)} machine(s) changed",
+            machines=changed,
+            message=f"secret {req.name} is at version {version}; "
+            + (f"plan {plan} changes {len(changed)} machine(s)" if changed else "no change"),
         )
 
     async def modules(self) -> ModulesReply:
@@ -405,21 +440,55 @@ class Catalog:
                     conn, manifest=manifest, text=req.manifest, version=req.source,
                     bundles=bundles, by="",
                 )  # fmt: skip
-                changed = await self._recompose(conn, targets)
-                stored = await catalog.declarations(conn, sorted(changed))
+                composed = await self.compose(conn, targets)
+                stored = await catalog.declarations(conn, sorted(composed))
             finally:
                 await tx.rollback()
         machines = []
-        for machine, c in sorted(changed.items()):
-            old = None
-            if machine in stored:
-                old = msgspec.json.decode(stored[machine][1], type=Declaration)
-            new = msgspec.json.decode(c.body, type=Declaration)
+        for machine, (after, body) in sorted(composed.items()):
+            before = stored.get(machine)
+            if before is not None and before[0] == after:
+                continue
+            old = msgspec.json.decode(before[1], type=Declaration) if before else None
+            new = msgspec.json.decode(body, type=Declaration)
             changes = [msgspec.to_builtins(ch) for ch in diff(old, new)]
             machines.append(
-                MachineDiff(machine=machine, before=c.before, after=c.after, changes=changes)
-            )
+                MachineDiff(
+                    machine=machine, before=before[0] if before else None, after=after,
+                    changes=changes,
+                )
+            )  # fmt: skip
         return DiffReply(module=name, version=req.source, machines=machines, builds=built)
+
+    async def plan(self, plan_id: int) -> PlanReply:
+        p = await plans.load(self._pool, plan_id)
+        if p is None:
+            raise wire.BadRequest(f"plan {plan_id} does not exist", code="not_found")
+        tiers: list[PlanTier] = []
+        for t in sorted({s.tier for s in p.steps}):
+            mine = [s for s in p.steps if s.tier == t]
+            states = {s.state for s in mine}
+            done = sum(s.state in ("done", "skipped") for s in mine)
+            if "failed" in states:
+                state = "failed"
+            elif any(s.reverted for s in mine):
+                state = "reverted"
+            elif done == len(mine):
+                state = "done"
+            elif states & {"applying", "done"}:
+                state = "rolling"
+            else:
+                state = "pending"
+            tiers.append(PlanTier(tier=t, state=state, total=len(mine), done=done))
+        return PlanReply(
+            id=p.id, state=p.state, trigger=p.trigger, subject=p.subject, by=p.by,
+            epoch=p.epoch, created=p.created, started=p.started, finished=p.finished,
+            phase=p.phase, failure=p.error, settings=p.settings, builds=p.builds, tiers=tiers,
+            steps=[s.view() for s in p.steps],
+        )  # fmt: skip
+
+    async def plans(self, limit: int) -> PlansReply:
+        return PlansReply(plans=await plans.recent(self._pool, limit))
 
     async def secret_for(self, machine: str, name: str) -> SecretReply:
         """A secret's value, for a host whose declaration names it; nobody else gets it."""

@@ -12,8 +12,9 @@ from datetime import UTC, datetime
 import anyio
 import asyncpg
 
+from mesh import wire
 from mesh.model import Beat, Node, NodeCounts, ProcessState, Register
-from mesh.store import events, machines
+from mesh.store import catalog, events, machines
 from mesh.store.machines import MachineRow
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,48 @@ class Fleet:
         self.applied: dict[str, str] = {}  # machine -> digest it reports applied
         self.processes: dict[str, list[ProcessState]] = {}  # machine -> as it last reported
         self.apply_errors: dict[str, str] = {}  # machine -> where and why its apply stopped
+        self.failed_digest: dict[str, str] = {}  # machine -> the digest whose apply stopped
+        # Machines whose applied digest, processes or liveness changed since the planner last
+        # looked: it re-judges only those, so a tier of a thousand machines costs per event.
+        self._touched: set[str] = set()
+        self._touch = anyio.Event()
+
+    def touch(self, machine: str) -> None:
+        self._touched.add(machine)
+        self._touch.set()
+
+    async def changes(self, within: float) -> set[str]:
+        """The machines touched since the last call, waiting up to `within` for one."""
+        if not self._touched:
+            with anyio.move_on_after(within):
+                await self._touch.wait()
+        touched, self._touched = self._touched, set()
+        self._touch = anyio.Event()
+        return touched
+
+    def up(self, machine: str) -> bool:
+        return machine in self._up
+
+    def heard_applied(
+        self, name: str, digest: str, error: str | None, processes: list[ProcessState]
+    ) -> None:
+        self.processes[name] = processes
+        if error is None:
+            self.applied[name] = digest
+            self.apply_errors.pop(name, None)
+            self.failed_digest.pop(name, None)
+        else:
+            self.apply_errors[name] = error
+            self.failed_digest[name] = digest
+        self.touch(name)
+
+    def forget_error(self, name: str) -> None:
+        self.apply_errors.pop(name, None)
+        self.failed_digest.pop(name, None)
+
+    def heard_processes(self, name: str, processes: list[ProcessState]) -> None:
+        self.processes[name] = processes
+        self.touch(name)
 
     async def load(self) -> None:
         """Read the fleet from the store at takeover; up machines get a full threshold to beat."""
@@ -75,11 +118,28 @@ class Fleet:
         self.machines[req.name] = row
         if req.applied:
             self.applied[req.name] = req.applied
+        self.touch(req.name)
         self._up.add(req.name)  # registering is a sign of life
         self._beat_at[req.name] = time.monotonic()
         self._unknown_logged.discard(req.name)
         log.info("machine %s registered (tier %d, pid %d)", req.name, row.tier, req.pid)
         return row
+
+    async def set_tier(self, name: str, tier: int) -> int:
+        """Move a machine to another tier (plans recorded from now on use it); the old tier."""
+        async with self._changing:
+            m = self.machines.get(name)
+            if m is None:
+                raise wire.BadRequest(f"machine {name} is not registered", code="not_found")
+            was = m.tier
+            async with self._pool.acquire() as conn, conn.transaction():
+                await catalog.fence(conn, epoch=self._epoch)
+                await machines.set_tier(conn, name=name, tier=tier)
+                await events.record(conn, "machine.tier", machine=name, epoch=self._epoch,
+                                    tier=tier, was=was)  # fmt: skip
+            m.tier = tier
+        log.info("machine %s moved from tier %d to tier %d", name, was, tier)
+        return was
 
     async def beat(self, beat: Beat) -> None:
         m = self.machines.get(beat.name)
@@ -109,6 +169,7 @@ class Fleet:
                 )
             m.up = up  # only once the store has it
             (self._up.add if up else self._up.discard)(name)
+            self.touch(name)
             self._unflushed.pop(m.name, None)
         log.info("machine %s is %s", m.name, "up" if up else "down (missed heartbeats)")
 

@@ -29,6 +29,7 @@ from mesh.store import db, events, seats
 from mesh.store.migrate import migrate
 from services.controller.catalog import Catalog
 from services.controller.fleet import Fleet
+from services.controller.planner import Planner
 from services.controller.seat import SeatLock
 from services.controller.standbys import ANNOUNCE_EVERY, Standbys
 from services.controller.verbs import Holder, on_host_verb, on_verb
@@ -152,7 +153,7 @@ async def _hold(
         except wire.BadRequest:
             return
         if msg.subject == f"mesh.event.{event.name}.processes":  # only for itself
-            fleet.processes[event.name] = event.processes
+            fleet.heard_processes(event.name, event.processes)
 
     async def on_applied(msg: Msg) -> None:
         try:
@@ -162,11 +163,13 @@ async def _hold(
         if msg.subject != f"mesh.event.{applied.name}.applied":
             return  # a machine speaks only for itself
         if applied.ok:
-            fleet.applied[applied.name] = applied.digest
-            fleet.apply_errors.pop(applied.name, None)
+            fleet.heard_applied(applied.name, applied.digest, None, applied.processes)
         else:
             if applied.step != "fence":  # an ignored stale value says nothing of the machine
-                fleet.apply_errors[applied.name] = f"{applied.step}: {applied.error}"
+                fleet.heard_applied(
+                    applied.name, applied.digest, f"{applied.step}: {applied.error}",
+                    applied.processes,
+                )  # fmt: skip
             log.info("machine %s could not apply %s: %s: %s", applied.name,
                      applied.digest[:19], applied.step, applied.error)  # fmt: skip
 
@@ -174,7 +177,11 @@ async def _hold(
     held = msgspec.structs.replace(me, since=row.since, epoch=row.epoch)
     try:
         async with anyio.create_task_group() as serving:
-            catalog = Catalog(pool=pool, nc=nc, kv=kv, obs=obs, fleet=fleet, epoch=row.epoch)
+            catalog = Catalog(
+                pool=pool, nc=nc, kv=kv, obs=obs, fleet=fleet, epoch=row.epoch,
+                wake=lambda: planner.wake(),
+            )  # fmt: skip
+            planner = Planner(pool=pool, catalog=catalog, fleet=fleet, epoch=row.epoch)
             holder = Holder(
                 seat=SeatInfo(
                     holder=me.instance, pid=me.pid, host=me.host, epoch=row.epoch, since=row.since
@@ -182,6 +189,7 @@ async def _hold(
                 fleet=fleet,
                 standbys=standbys,
                 catalog=catalog,
+                planner=planner,
                 tasks=serving,
             )
             republished = await catalog.republish()
@@ -204,6 +212,7 @@ async def _hold(
             serving.start_soon(lock.watch)
             serving.start_soon(fleet.watch)
             serving.start_soon(catalog.keep_published)
+            serving.start_soon(planner.run)
             serving.start_soon(_step_down_without_bus, link)
     finally:
         # Each step on its own deadline: a store or bus that is gone must not keep the lock.

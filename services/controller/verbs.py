@@ -27,6 +27,10 @@ from mesh.model import (
     ModulesRequest,
     NodesReply,
     NodesRequest,
+    PlanReply,
+    PlanRequest,
+    PlansReply,
+    PlansRequest,
     PushRequest,
     Register,
     RegisterReply,
@@ -36,10 +40,13 @@ from mesh.model import (
     SecretSetRequest,
     StatusReply,
     StatusRequest,
+    TierReply,
+    TierRequest,
 )
 from mesh.names import InvalidName, check_name
 from services.controller.catalog import Catalog
 from services.controller.fleet import Fleet
+from services.controller.planner import Planner
 from services.controller.standbys import Standbys
 
 log = logging.getLogger(__name__)
@@ -52,6 +59,7 @@ class Holder(msgspec.Struct):
     fleet: Fleet
     standbys: Standbys
     catalog: Catalog
+    planner: Planner
     tasks: TaskGroup  # where verbs that wait on the store or a build run, off the hot path
 
 
@@ -60,6 +68,7 @@ async def status(h: Holder, _: StatusRequest) -> StatusReply:
         seat=h.seat,
         standbys=h.standbys.current(),
         nodes=h.fleet.counts(),
+        plan=h.planner.current,
     )
 
 
@@ -108,6 +117,19 @@ async def build_logs(h: Holder, req: BuildLogsRequest) -> BuildLogsReply:
     return await h.catalog.build_logs(req)
 
 
+async def plan(h: Holder, req: PlanRequest) -> PlanReply:
+    return await h.catalog.plan(req.id)
+
+
+async def plans(h: Holder, req: PlansRequest) -> PlansReply:
+    return await h.catalog.plans(req.limit)
+
+
+async def tier(h: Holder, req: TierRequest) -> TierReply:
+    was = await h.fleet.set_tier(req.machine, req.tier)
+    return TierReply(machine=req.machine, tier=req.tier, was=was)
+
+
 class Verb(msgspec.Struct, frozen=True):
     request: type
     handler: Callable[..., Awaitable[Any]]
@@ -128,6 +150,9 @@ VERBS: dict[str, Verb] = {
     "declaration": Verb(DeclarationRequest, declaration, slow=True),
     "secret-set": Verb(SecretSetRequest, secret_set, slow=True, limit=2 * 1024 * 1024),
     "build-logs": Verb(BuildLogsRequest, build_logs, slow=True),
+    "plan": Verb(PlanRequest, plan, slow=True),
+    "plans": Verb(PlansRequest, plans, slow=True),
+    "tier": Verb(TierRequest, tier, slow=True),
 }
 
 

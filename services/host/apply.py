@@ -165,8 +165,9 @@ class Applier:
 
     async def _report(self, env: Envelope, *, ok: bool, step: str = "", error: str = "") -> None:
         applied = Applied(
-            name=self.name, digest=env.digest, epoch=env.epoch, ok=ok, step=step, error=error
-        )
+            name=self.name, digest=env.digest, epoch=env.epoch, ok=ok, step=step, error=error,
+            processes=self.supervisor.states(),
+        )  # fmt: skip
         await self._nc.publish(f"mesh.event.{self.name}.applied", wire.encode(applied))
 
     async def _apply(self, decl: Declaration) -> None:

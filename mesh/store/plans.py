@@ -1,0 +1,194 @@
+"""Plans and their steps in the store.
+
+A plan is written by the change that makes it (push, assign, unassign, secret) and then only by
+the holder's planner, always in a transaction that first checks the seat's epoch (`fence`), so a
+plan in progress can be continued by whichever controller holds the seat next.
+"""
+
+import json
+from datetime import datetime
+from typing import Any
+
+import asyncpg
+import msgspec
+
+from mesh.model import PlanBuild, PlanSettings, PlanStep, PlanSummary
+
+OPEN = ("pending", "building", "rolling")
+
+
+class Step(msgspec.Struct):
+    machine: str
+    tier: int
+    state: str
+    after: str
+    after_body: bytes
+    before: str | None = None
+    before_body: bytes | None = None
+    published: bool = False
+    reverted: bool = False
+    started: datetime | None = None
+    finished: datetime | None = None
+    error: str | None = None
+
+    def view(self) -> PlanStep:
+        return PlanStep(
+            machine=self.machine, tier=self.tier, state=self.state, started=self.started,
+            finished=self.finished, error=self.error, before=self.before, after=self.after,
+            reverted=self.reverted,
+        )  # fmt: skip
+
+
+class Plan(msgspec.Struct):
+    id: int
+    state: str
+    trigger: str
+    subject: str
+    by: str
+    epoch: int
+    created: datetime
+    started: datetime | None
+    finished: datetime | None
+    phase: str
+    error: str | None
+    settings: PlanSettings
+    builds: list[PlanBuild]
+    undo: dict[str, Any]
+    steps: list[Step]
+
+
+async def create(
+    conn: asyncpg.Connection,
+    *,
+    trigger: str,
+    subject: str,
+    by: str,
+    epoch: int,
+    settings: PlanSettings,
+    builds: list[PlanBuild],
+    undo: dict[str, Any],
+    steps: list[Step],
+) -> int:
+    plan_id: int = await conn.fetchval(
+        "INSERT INTO plans (trigger, subject, state, epoch, requested_by, settings, builds, undo)"
+        " VALUES ($1, $2, 'pending', $3, $4, $5::jsonb, $6::jsonb, $7::jsonb) RETURNING id",
+        trigger, subject, epoch, by,
+        msgspec.json.encode(settings).decode(),
+        msgspec.json.encode(builds).decode(),
+        json.dumps(undo, sort_keys=True),
+    )  # fmt: skip
+    await conn.executemany(
+        "INSERT INTO plan_steps (plan_id, machine, tier, after, after_body)"
+        " VALUES ($1, $2, $3, $4, $5)",
+        [(plan_id, s.machine, s.tier, s.after, s.after_body) for s in steps],
+    )
+    return plan_id
+
+
+_PLAN = (
+    "id, state, trigger, subject, requested_by, epoch, created, started, finished, phase, error,"
+    " settings, builds, undo"
+)
+
+
+async def load(conn: asyncpg.Connection | asyncpg.Pool, plan_id: int) -> Plan | None:
+    r = await conn.fetchrow(f"SELECT {_PLAN} FROM plans WHERE id = $1", plan_id)
+    if r is None:
+        return None
+    rows = await conn.fetch(
+        "SELECT machine, tier, state, after, after_body, before, before_body, published, reverted,"
+        " started, finished, error FROM plan_steps WHERE plan_id = $1 ORDER BY tier, machine",
+        plan_id,
+    )
+    return Plan(
+        id=r["id"], state=r["state"], trigger=r["trigger"], subject=r["subject"],
+        by=r["requested_by"], epoch=r["epoch"], created=r["created"], started=r["started"],
+        finished=r["finished"], phase=r["phase"], error=r["error"],
+        settings=msgspec.json.decode(r["settings"], type=PlanSettings),
+        builds=msgspec.json.decode(r["builds"], type=list[PlanBuild]),
+        undo=json.loads(r["undo"]),
+        steps=[
+            Step(**{**dict(s), "after_body": bytes(s["after_body"]),
+                    "before_body": bytes(s["before_body"]) if s["before_body"] else None})
+            for s in rows
+        ],
+    )  # fmt: skip
+
+
+async def oldest_open(conn: asyncpg.Connection | asyncpg.Pool) -> int | None:
+    return await conn.fetchval(
+        "SELECT min(id) FROM plans WHERE state = ANY($1::text[])", list(OPEN)
+    )
+
+
+async def expected(conn: asyncpg.Connection, machines: list[str]) -> dict[str, str]:
+    """machine -> the digest it will have once the plans already recorded finish: the newest
+    open plan's target where one exists, else its stored declaration."""
+    found = {
+        r["machine"]: r["digest"]
+        for r in await conn.fetch(
+            "SELECT machine, digest FROM declarations WHERE machine = ANY($1::text[])", machines
+        )
+    }
+    planned = await conn.fetch(
+        "SELECT DISTINCT ON (s.machine) s.machine, s.after FROM plan_steps s"
+        " JOIN plans p ON p.id = s.plan_id"
+        " WHERE s.machine = ANY($1::text[]) AND p.state = ANY($2::text[])"
+        " ORDER BY s.machine, p.id DESC",
+        machines,
+        list(OPEN),
+    )
+    found.update({r["machine"]: r["after"] for r in planned})
+    return found
+
+
+async def set_plan(conn: asyncpg.Connection, plan_id: int, **fields: Any) -> None:
+    """Update a plan's columns (names from this module only, never from a message)."""
+    allowed = {"state", "phase", "started", "finished", "error"}
+    assert set(fields) <= allowed, fields
+    sets = ", ".join(f"{k} = ${i}" for i, k in enumerate(fields, start=2))
+    await conn.execute(f"UPDATE plans SET {sets} WHERE id = $1", plan_id, *fields.values())
+
+
+async def set_steps(
+    conn: asyncpg.Connection, plan_id: int, steps: list[Step], *, epoch: int
+) -> None:
+    """Write the given steps' state back, all in one statement."""
+    await conn.executemany(
+        """
+        UPDATE plan_steps SET state = $3, before = $4, before_body = $5, after = $6,
+            after_body = $7, published = $8, reverted = $9, started = $10, finished = $11,
+            error = $12, epoch = $13
+        WHERE plan_id = $1 AND machine = $2
+        """,
+        [
+            (plan_id, s.machine, s.state, s.before, s.before_body, s.after, s.after_body,
+             s.published, s.reverted, s.started, s.finished, s.error, epoch)
+            for s in steps
+        ],
+    )  # fmt: skip
+
+
+async def recent(conn: asyncpg.Connection | asyncpg.Pool, limit: int) -> list[PlanSummary]:
+    rows = await conn.fetch(
+        """
+        SELECT p.id, p.state, p.trigger, p.subject, p.requested_by, p.created, p.finished,
+               p.phase, p.error,
+               count(s.machine) AS machines,
+               count(s.machine) FILTER (WHERE s.state IN ('done', 'skipped')) AS done,
+               min(s.tier) FILTER (WHERE s.state IN ('pending', 'applying')) AS tier
+        FROM plans p LEFT JOIN plan_steps s ON s.plan_id = p.id
+        GROUP BY p.id ORDER BY p.id DESC LIMIT $1
+        """,
+        limit,
+    )
+    return [_summary(r) for r in rows]
+
+
+def _summary(r: asyncpg.Record) -> PlanSummary:
+    return PlanSummary(
+        id=r["id"], state=r["state"], trigger=r["trigger"], subject=r["subject"],
+        by=r["requested_by"], created=r["created"], finished=r["finished"],
+        machines=r["machines"], done=r["done"],
+        tier=r["tier"] if r["state"] in OPEN else None, phase=r["phase"], failure=r["error"],
+    )  # fmt: skip

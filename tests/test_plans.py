@@ -1,0 +1,218 @@
+"""Plans end to end: tiers in order, the first failure stops and reverts, a down machine fails at
+the deadline, a killed controller's plan is finished by the next holder, plans queue.
+
+Real controllers, hosts, NATS and PostgreSQL. A module's health check here is a small script
+that looks for a marker file in its host's root, so a test decides when (and on which machine)
+a version becomes healthy or never does, without sleeping.
+"""
+
+import itertools
+import json
+import os
+import signal
+import subprocess
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+from helpers import MESH, ask, await_until
+
+CHECK = """\
+import os, sys
+root = os.path.join(os.environ["MESH_FILES"], "..", "..", "..")
+mode, name = sys.argv[1], sys.argv[2]
+there = os.path.exists(os.path.join(root, name))
+sys.exit(0 if there == (mode == "needs") else 1)
+"""
+
+
+def module(
+    folder: Path,
+    *,
+    name: str = "gated",
+    mode: str = "needs",
+    marker: str = "",
+    deadline: str = "20s",
+    version: str = "1",
+    tiers: str = "[0, 1, 2]",
+    extra: str = "",
+) -> Path:
+    """A module whose process is healthy when `marker` exists in its host's root (mode
+    "needs") or as long as it does not ("fails-if"); "" means always healthy."""
+    (folder / "src").mkdir(parents=True, exist_ok=True)
+    (folder / "src" / "check.py").write_text(CHECK)
+    check = f'exec = ["python3", "check.py", "{mode}", "{marker}"]' if marker else 'exec = ["true"]'
+    (folder / "module.toml").write_text(
+        f'[module]\nname = "{name}"\ndescription = "version {version}"\n'
+        '[bundle.code]\nkind = "files"\nsource = "src"\n'
+        f'[process.{name}]\nbundle = "code"\ncommand = ["sleep", "3600"]\nroot = true\n'
+        f'check = {{ {check}, every = "200ms", passes = 1 }}\n'
+        f'[rollout]\ndeadline = "{deadline}"\n{extra}'
+        f"[assign]\ntiers = {tiers}\n"
+    )
+    return folder
+
+
+def mesh(nats_url: str, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*MESH, *args, "--nats-url", nats_url, "--timeout", "60"],
+        capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+
+
+def ok(done: subprocess.CompletedProcess) -> dict:
+    assert done.returncode == 0, done.stderr + done.stdout
+    return json.loads(done.stdout)
+
+
+def when(text: str | None) -> datetime:
+    assert text is not None
+    return datetime.fromisoformat(text)
+
+
+def assert_tier_order(plan: dict) -> None:
+    """Every step of a tier finished before any step of a later tier started."""
+    tiers = sorted({s["tier"] for s in plan["steps"]})
+    for earlier, later in itertools.pairwise(tiers):
+        last_end = max(when(s["finished"]) for s in plan["steps"] if s["tier"] == earlier)
+        started = [when(s["started"]) for s in plan["steps"] if s["tier"] == later and s["started"]]
+        assert all(last_end <= t for t in started), (earlier, later, plan["steps"])
+
+
+@pytest.fixture
+async def three(nc, start_controller, start_host, tmp_path):
+    """Two controllers (ctl-a holds the seat) and node-1..3 in tiers 0, 1, 2; the hosts' roots."""
+    start_controller("ctl-a")
+    for i in range(3):
+        start_host(f"node-{i + 1}", "--tier", str(i))
+
+    async def up():
+        s = await ask(nc, "mesh.ctl.status")
+        return s if s and s["nodes"]["up"] == 3 else None
+
+    await await_until(up, within=30, what="three hosts up")
+    start_controller("ctl-b")
+    return tmp_path / "hosts"
+
+
+async def test_tiers_in_order_then_a_broken_version_stops_and_reverts(
+    three, nc, nats_url, tmp_path
+) -> None:
+    first = ok(mesh(nats_url, "push", str(module(tmp_path / "v1")), "--wait", "--json"))
+    plan = first["outcome"]
+    assert plan["state"] == "done"
+    assert [(s["machine"], s["tier"], s["state"]) for s in plan["steps"]] == [
+        ("node-1", 0, "done"), ("node-2", 1, "done"), ("node-3", 2, "done"),
+    ]  # fmt: skip
+    assert_tier_order(plan)
+    kv = await nc.jetstream().key_value("mesh-declarations")
+    good = {
+        m: json.loads((await kv.get(m)).value)["digest"] for m in ("node-1", "node-2", "node-3")
+    }
+
+    # Version 2 never gets healthy on node-2 (tier 1): its marker is there and only there.
+    (three / "node-2" / "broken").write_text("")
+    v2 = module(tmp_path / "v2", mode="fails-if", marker="broken", deadline="4s", version="2")
+    failed = mesh(nats_url, "push", str(v2), "--wait")
+    assert failed.returncode == 1, failed.stdout
+    line = failed.stderr.strip().splitlines()[-1]
+    assert "reverted" in line and "node-2" in line and "not healthy" in line, failed.stderr
+    assert "Traceback" not in failed.stderr
+
+    plans = ok(mesh(nats_url, "plan", "--json"))["plans"]
+    plan = ok(mesh(nats_url, "plan", str(plans[0]["id"]), "--json"))
+    assert plan["state"] == "reverted" and "node-2" in plan["failure"]
+    steps = {s["machine"]: s for s in plan["steps"]}
+    assert steps["node-1"]["state"] == "reverted"
+    assert steps["node-2"]["state"] == "failed" and steps["node-2"]["reverted"] is True
+    assert steps["node-3"]["state"] == "pending" and steps["node-3"]["started"] is None
+    assert_tier_order(plan)
+    for machine in ("node-1", "node-2", "node-3"):  # node-3 never left version 1
+        assert json.loads((await kv.get(machine)).value)["digest"] == good[machine]
+
+    async def reverted_and_healthy():
+        nodes = (await ask(nc, "mesh.ctl.nodes"))["nodes"]
+        return all(
+            n["digest_applied"] == good[n["name"]]
+            and [(p["name"], p["healthy"]) for p in n["processes"]] == [("gated", True)]
+            for n in nodes
+        )
+
+    await await_until(reverted_and_healthy, within=30, what="version 1 back and healthy")
+    modules = ok(mesh(nats_url, "modules", "--json"))["modules"]
+    assert modules[0]["version"] == first["version"]  # the catalog went back too
+
+
+async def test_a_down_machine_fails_its_step_at_the_deadline(
+    nc, nats_url, start_controller, start_host, tmp_path
+) -> None:
+    start_controller("ctl-a")
+    start_host("node-1", "--tier", "0")
+    node2 = start_host("node-2", "--tier", "1", beat=0.3)
+
+    async def count(up: int):
+        s = await ask(nc, "mesh.ctl.status")
+        return s if s and s["nodes"]["up"] == up else None
+
+    await await_until(lambda: count(2), within=30, what="two hosts up")
+    os.killpg(node2.pid, signal.SIGSTOP)
+    try:
+        await await_until(lambda: count(1), within=30, what="node-2 down")
+        failed = mesh(nats_url, "push", str(module(tmp_path / "m", deadline="3s")), "--wait")
+    finally:
+        os.killpg(node2.pid, signal.SIGCONT)
+    assert failed.returncode == 1, failed.stdout
+    assert "machine node-2: machine node-2 is down" in failed.stderr, failed.stderr
+
+
+async def test_a_plan_outlives_the_controller_that_started_it(three, nc, nats_url, tmp_path):
+    """SIGKILL the holder while tier 1 waits; the standby takes the seat and finishes it."""
+    pushed = ok(mesh(nats_url, "push", str(module(tmp_path / "m", marker="ready")), "--json"))
+    (three / "node-1" / "ready").write_text("")
+
+    async def rolling_tier_1():
+        p = await ask(nc, "mesh.ctl.plan", {"id": pushed["plan"]})
+        steps = {s["machine"]: s["state"] for s in p["steps"]}
+        return p if steps["node-1"] == "done" and steps["node-2"] == "applying" else None
+
+    await await_until(rolling_tier_1, within=30, what="tier 1 applying")
+    holder = (await ask(nc, "mesh.ctl.status"))["seat"]
+    os.kill(holder["pid"], signal.SIGKILL)
+
+    async def new_holder():
+        s = await ask(nc, "mesh.ctl.status")
+        return s if s and s["seat"]["epoch"] > holder["epoch"] else None
+
+    await await_until(new_holder, within=15, what="the standby to take the seat")
+    (three / "node-2" / "ready").write_text("")
+    (three / "node-3" / "ready").write_text("")
+    follow = mesh(nats_url, "plan", str(pushed["plan"]), "--follow", "--json")
+    plan = ok(follow)
+    assert plan["state"] == "done"
+    assert [s["state"] for s in plan["steps"]] == ["done", "done", "done"]
+    assert_tier_order(plan)
+
+
+async def test_a_later_plan_waits_for_the_one_rolling(three, nc, nats_url, tmp_path) -> None:
+    first = ok(mesh(nats_url, "push", str(module(tmp_path / "a", marker="go")), "--json"))
+    second = ok(
+        mesh(nats_url, "push", str(module(tmp_path / "b", name="other", tiers="[2]")), "--json")
+    )
+    assert second["plan"] > first["plan"]
+
+    async def both():
+        return [await ask(nc, "mesh.ctl.plan", {"id": p["plan"]}) for p in (first, second)]
+
+    async def first_rolling():
+        a, b = await both()
+        return (a, b) if a["state"] == "rolling" else None
+
+    a, b = await await_until(first_rolling, within=15, what="the first plan rolling")
+    assert b["state"] == "pending"
+    for name in ("node-1", "node-2", "node-3"):
+        (three / name / "go").write_text("")
+    done = ok(mesh(nats_url, "plan", str(second["plan"]), "--follow", "--json"))
+    assert done["state"] == "done"
+    a, b = await both()
+    assert a["state"] == "done"
+    assert when(a["finished"]) <= when(b["started"])
