@@ -8,7 +8,8 @@ key only (mesh.auth.policy). A host therefore cannot read another machine's decl
 
 The consumer delivers the key's newest value, then every new one. It is made again (newest
 value first) when its heartbeats stop, as after a server restart that forgot it, or when a
-message was missed; the applier ignores a value it has already applied.
+message was missed; a value already yielded (same stream sequence) is not yielded again, so a
+long apply is never interrupted by the value it is applying.
 """
 
 import logging
@@ -40,6 +41,7 @@ async def values(nc: Client, key: str) -> AsyncIterator[bytes]:
     stream = f"KV_{DECLARATIONS}"
     subject = f"$KV.{DECLARATIONS}.{key}"
     waiting = False
+    last = 0  # the stream sequence of the last value yielded
     while True:
         deliver = nc.new_inbox()
         sub = await nc.subscribe(deliver)
@@ -74,8 +76,8 @@ async def values(nc: Client, key: str) -> AsyncIterator[bytes]:
                     log.info("no heartbeat on the watch of %s: watching again", subject)
                     break
                 if _heartbeat(msg):
-                    last = msg.headers.get("Nats-Last-Consumer") if msg.headers else None
-                    if last is not None and int(last) != seen:
+                    told = msg.headers.get("Nats-Last-Consumer") if msg.headers else None
+                    if told is not None and int(told) != seen:
                         log.info("missed a value of %s: watching again", subject)
                         break
                     continue
@@ -84,7 +86,8 @@ async def values(nc: Client, key: str) -> AsyncIterator[bytes]:
                     log.info("missed a value of %s: watching again", subject)
                     break
                 seen = sequence
-                if msg.data:
+                if msg.data and msg.metadata.sequence.stream > last:
+                    last = msg.metadata.sequence.stream
                     yield msg.data
         finally:
             with anyio.CancelScope(shield=True):
