@@ -81,6 +81,9 @@ def replacing(folder: Path, *, old: str, port: int, mode: str) -> Path:
         f'command = ["python3", "server.py", "1", "{port}", "{mode}"]\n'
         f'check = {{ tcp = {port}, every = "300ms", passes = 2 }}\n'
         f'replaces = "{old}"\nupdate = "start-first"\n'
+        # The plan waits longer than the host's own health window, so the failure each test
+        # reads is the host's verdict, not the plan giving up first and reverting.
+        '[rollout]\ndeadline = "150s"\n'
         '[assign]\nmachines = ["node-1"]\n'
     )
     return folder

@@ -125,9 +125,11 @@ async def _follow_lines(args: argparse.Namespace, plan_id: int, *, quiet: bool) 
     while True:
         p = await _plan(args, plan_id)
         lines = []
-        if p.state != last_state:
-            lines.append(f"plan {p.id} {p.trigger} {p.subject}: {p.state}")
-            last_state = p.state
+        head = f"plan {p.id} {p.trigger} {p.subject}: {p.state}"
+        if p.phase == "revert" and p.state not in FINAL:
+            head += " (reverting)"
+        if head != last_state and p.state not in FINAL:
+            lines.append(head)
         for s in p.steps:
             state = s.state + (" reverted" if s.reverted and s.state != "reverted" else "")
             if seen.get(s.machine) != state:
@@ -135,6 +137,9 @@ async def _follow_lines(args: argparse.Namespace, plan_id: int, *, quiet: bool) 
                 took = f" in {_elapsed(s.started, s.finished)}" if s.finished and s.started else ""
                 why = f": {s.error}" if s.error and s.state in ("failed", "skipped") else ""
                 lines.append(f"  tier {s.tier} {s.machine} {state}{took}{why}")
+        if head != last_state and p.state in FINAL:
+            lines.append(head)  # the end after the steps that led to it
+        last_state = head
         if not quiet:
             for line in lines:
                 sys.stdout.write(line + "\n")

@@ -81,8 +81,7 @@ def nodes(console: Console, r: NodesReply) -> None:
 
 
 def change(console: Console, r: ChangeReply) -> None:
-    plan = f"plan {r.plan}" if r.plan is not None else "no plan"
-    console.print(f"{r.message} ({plan})")
+    console.print(r.message)  # it names the plan, or says nothing changes
     for machine in r.machines:
         console.print(f"  ~ {machine}")
 

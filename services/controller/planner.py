@@ -295,6 +295,11 @@ class Planner:
         if not self._fleet.up(machine):
             return f"machine {machine} is down"
         if self._fleet.applied.get(machine) != digest:
+            trials = [ps for ps in self._fleet.processes.get(machine, [])
+                      if ps.name.endswith(" (new version)") and not ps.healthy]  # fmt: skip
+            if trials:  # a start-first trial still waiting for its checks
+                return (f"process {trials[0].name} is {trials[0].state}, not healthy, "
+                        f"after {deadline:g}s")  # fmt: skip
             return f"did not apply its new declaration within {deadline:g}s"
         states = {ps.name: ps for ps in self._fleet.processes.get(machine, [])}
         for name in sorted(self._processes(digest, body)):

@@ -26,7 +26,7 @@ from mesh.modules.compose import Declaration, DProcess
 from mesh.modules.gate import duration
 from services.host import accounts, bundles, containers, files, watch
 from services.host.processes import credentials, kill_group
-from services.host.supervisor import Launch, Supervisor, spec_digest
+from services.host.supervisor import Launch, Supervisor, first_of, spec_digest
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +48,13 @@ class _Latest:
     def __init__(self) -> None:
         self._value: bytes | None = None
         self._event = anyio.Event()
+        self._newer = anyio.Event()
 
-    def put(self, value: bytes) -> None:
+    def put(self, value: bytes, *, interrupts: bool = True) -> None:
         self._value = value
         self._event.set()
+        if interrupts:
+            self._newer.set()
 
     def put_back(self, value: bytes) -> None:
         if not self._event.is_set():  # nothing newer came: try this one again
@@ -60,11 +63,29 @@ class _Latest:
     async def arrived(self) -> None:
         await self._event.wait()
 
+    def newer(self) -> anyio.Event:
+        """Set once a value with another digest comes after the one last taken: a long apply
+        (a start-first trial) gives way to it. The same digest again (a new holder publishing
+        under its epoch) does not interrupt anything."""
+        return self._newer
+
     async def take(self) -> bytes:
         await self._event.wait()
         self._event = anyio.Event()
+        self._newer = anyio.Event()
         assert self._value is not None
         return self._value
+
+
+class _Digest(msgspec.Struct):
+    digest: str = ""
+
+
+def _digest(value: bytes) -> str | None:
+    try:
+        return msgspec.json.decode(value, type=_Digest).digest
+    except msgspec.DecodeError:
+        return None
 
 
 class StepFailed(Exception):
@@ -81,6 +102,8 @@ class Applier:
         self.engine = containers.Engine(host=name, root=str(root))
         self._unused: dict[str, float] = {}  # bundle folder -> when first seen unused
         self._first = True  # after a (re)start, apply once even an applied digest: adopt
+        self._newer = anyio.Event()  # set when a newer declaration waits behind this apply
+        self._applying: str | None = None  # the digest being applied now
         self._nc = nc
         self._root = root
         self._state = root / "state" / "applied.json"
@@ -105,7 +128,7 @@ class Applier:
         async def receive() -> None:
             # Through a consumer the server lets this host create for its own key only.
             async for value in watch.values(self._nc, self.name):
-                latest.put(value)
+                latest.put(value, interrupts=_digest(value) != self._applying)
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(receive)
@@ -114,6 +137,7 @@ class Applier:
                 # Only the newest value is applied: values that came during a long apply
                 # (a start-first trial, a replaced container) are skipped, not replayed.
                 value = await latest.take()
+                self._newer = latest.newer()
                 if await self.apply(value):
                     backoff = RETRY_FIRST
                     continue
@@ -142,6 +166,7 @@ class Applier:
             self._save()
             return True
         started = time.monotonic()
+        self._applying = env.digest
         try:
             await self._apply(env.declaration)
         except StepFailed as e:
@@ -152,6 +177,8 @@ class Applier:
             log.exception("host %s: apply of %s failed", self.name, env.digest[:19])
             await self._report(env, ok=False, step="apply", error=f"{type(e).__name__}: {e}")
             return False
+        finally:
+            self._applying = None
         self._first = False  # adopted what the last host left: only after an apply that worked
         self.epoch, self.digest = env.epoch, env.digest
         self._save()
@@ -201,7 +228,7 @@ class Applier:
             if launch.decl.prepare and (running is None or running.launch.spec != launch.spec):
                 if not self.supervisor.adoptable(name, launch.spec):
                     await self._prepare(launch)
-        problems = await self.supervisor.reconcile(launches)
+        problems = await self.supervisor.reconcile(launches, interrupt=self._newer)
         if problems:
             raise StepFailed("processes", "; ".join(problems))
         await self._replace(decl)
@@ -234,7 +261,12 @@ class Applier:
                 within = max(within, (p.check.passes + 3) * duration(p.check.every))
             if supervised is not None:
                 with anyio.move_on_after(within):
-                    await supervised.became_healthy.wait()
+                    await first_of(supervised.became_healthy, self._newer)
+            if supervised is not None and not supervised.healthy and self._newer.is_set():
+                raise StepFailed(
+                    f"replaces {p.replaces}",
+                    f"a newer declaration came first; container {p.replaces} left serving",
+                )
             if supervised is None or not supervised.healthy:
                 why = supervised.last_error if supervised else "not running"
                 raise StepFailed(

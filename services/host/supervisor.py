@@ -218,7 +218,12 @@ class Supervisor:
         self._changed()
 
     def states(self) -> list[ProcessState]:
-        return [s.report() for _, s in sorted(self.running.items())]
+        """The processes, and any new version on a start-first trial beside its old one."""
+        trials = [
+            msgspec.structs.replace(s.report(), name=f"{name} (new version)")
+            for name, s in sorted(self._candidates.items())
+        ]
+        return [s.report() for _, s in sorted(self.running.items())] + trials
 
     async def run(self) -> None:
         """Own the processes' tasks until cancelled (the host stopping leaves them running)."""
@@ -233,13 +238,16 @@ class Supervisor:
         self._tg.start_soon(lambda: s.run(adopt=adopt))
         return s
 
-    async def reconcile(self, launches: dict[str, Launch]) -> list[str]:
-        """Make the running processes match `launches`; the problems, in words."""
+    async def reconcile(
+        self, launches: dict[str, Launch], *, interrupt: anyio.Event | None = None
+    ) -> list[str]:
+        """Make the running processes match `launches`; the problems, in words. A start-first
+        trial gives way (the old version keeps running) once `interrupt` is set."""
         await self._ready.wait()
         async with self._one_change:
-            return await self._reconcile(launches)
+            return await self._reconcile(launches, interrupt or anyio.Event())
 
-    async def _reconcile(self, launches: dict[str, Launch]) -> list[str]:
+    async def _reconcile(self, launches: dict[str, Launch], interrupt: anyio.Event) -> list[str]:
         problems: list[str] = []
         for name in sorted(set(self.running) - set(launches)):
             log.info("process %s is no longer declared: stopping it", name)
@@ -254,7 +262,7 @@ class Supervisor:
                     left = None
                 self.running[name] = self._start(launch, adopt=left)
             elif current.launch.spec != launch.spec:
-                problem = await self._update(name, current, launch)
+                problem = await self._update(name, current, launch, interrupt)
                 if problem:
                     problems.append(problem)
         for name, left in list(self._left.items()):
@@ -264,7 +272,9 @@ class Supervisor:
         self._on_change()
         return problems
 
-    async def _update(self, name: str, old: Supervised, launch: Launch) -> str | None:
+    async def _update(
+        self, name: str, old: Supervised, launch: Launch, interrupt: anyio.Event
+    ) -> str | None:
         if launch.decl.update == "stop-first":
             log.info("process %s: new version, stop-first", name)
             await old.stop()
@@ -279,7 +289,7 @@ class Supervisor:
             within = max(within, (check.passes + 3) * duration(check.every))
         try:
             with anyio.move_on_after(within):
-                await new.became_healthy.wait()
+                await first_of(new.became_healthy, interrupt)
         except BaseException:  # the host stopping mid-trial: no untracked new version left
             with anyio.CancelScope(shield=True):
                 await new.stop()
@@ -289,6 +299,8 @@ class Supervisor:
         if not new.healthy:
             await new.stop()
             why = f"the new version never got healthy within {within:g}s: {new.last_error}"
+            if interrupt.is_set():
+                why = "a newer declaration came before the new version got healthy"
             log.warning("process %s: %s; the old version keeps running", name, why)
             return why
         await old.stop()
@@ -304,6 +316,18 @@ class Supervisor:
             self.running[name] = self._start(s.launch)
             self._on_change()
             return True
+
+
+async def first_of(*events: anyio.Event) -> None:
+    """Wait until any of `events` is set."""
+    async with anyio.create_task_group() as tg:
+
+        async def wait(event: anyio.Event) -> None:
+            await event.wait()
+            tg.cancel_scope.cancel()
+
+        for event in events:
+            tg.start_soon(wait, event)
 
 
 def replace_child(instance: Instance) -> Instance:
