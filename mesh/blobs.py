@@ -8,9 +8,17 @@ import base64
 import hashlib
 
 from nats.aio.client import Client
-from nats.js.errors import BucketNotFoundError, NotFoundError, ObjectNotFoundError
+from nats.js.errors import (
+    BadObjectMetaError,
+    BucketNotFoundError,
+    DigestMismatchError,
+    NotFoundError,
+    ObjectNotFoundError,
+)
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
+
+from mesh.modules import archive
 
 BUNDLES = "mesh-bundles"
 DECLARATIONS = "mesh-declarations"
@@ -22,6 +30,10 @@ class BlobMissing(Exception):
 
 class BlobCorrupt(Exception):
     pass
+
+
+class BlobTooLarge(BlobCorrupt):
+    """Larger than the reader accepts: refused before it is fetched."""
 
 
 def digest(data: bytes) -> str:
@@ -83,12 +95,20 @@ async def has(obs: ObjectStore, d: str) -> bool:
     return not info.deleted
 
 
-async def get(obs: ObjectStore, d: str) -> bytes:
-    """Fetch by digest and verify it: a corrupt or substituted blob is refused."""
+async def get(obs: ObjectStore, d: str, *, limit: int = archive.MAX_ARCHIVE) -> bytes:
+    """Fetch by digest and verify it: a corrupt or substituted blob is refused, and so is one
+    larger than `limit` (every blob is an archive), before it is read into memory."""
     try:
+        info = await obs.get_info(_object_name(d))
+        if info.is_link():  # get() would follow it into another bucket
+            raise BlobCorrupt(f"{d}: the stored object is a link, not a blob")
+        if (info.size or 0) > limit:
+            raise BlobTooLarge(f"{d} is {info.size} bytes, at most {limit}")
         result = await obs.get(_object_name(d))
     except (ObjectNotFoundError, NotFoundError):
         raise BlobMissing(f"{d} is not in {BUNDLES}") from None
+    except (DigestMismatchError, BadObjectMetaError) as e:
+        raise BlobCorrupt(f"{d}: the stored object is damaged ({type(e).__name__})") from None
     data = result.data or b""
     if digest(data) != d:
         raise BlobCorrupt(f"{d}: the stored bytes have digest {digest(data)}")

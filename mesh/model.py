@@ -13,7 +13,13 @@ Name = Annotated[
     str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]*\Z")
 ]
 Tier = Annotated[int, msgspec.Meta(ge=0, le=9)]
-Labels = Annotated[dict[str, str], msgspec.Meta(max_length=64)]
+# What a machine or a client says in words: one printable line, never a NUL (PostgreSQL's text
+# and jsonb refuse it, and a control character in a log or a table is a lie waiting to happen).
+Word = Annotated[str, msgspec.Meta(max_length=256, pattern=r"^[^\x00-\x1f\x7f]*\Z")]
+LabelKey = Annotated[
+    str, msgspec.Meta(min_length=1, max_length=63, pattern=r"^[A-Za-z0-9][A-Za-z0-9._/-]*\Z")
+]
+Labels = Annotated[dict[LabelKey, Word], msgspec.Meta(max_length=64)]
 Interval = Annotated[float, msgspec.Meta(gt=0, le=3600)]
 
 
@@ -78,13 +84,13 @@ class StatusReply(msgspec.Struct):
 
 
 class Facts(msgspec.Struct, forbid_unknown_fields=True):
-    os: str
-    arch: str
+    os: Word
+    arch: Word
     cpus: int
     memory: int  # bytes
-    mesh_version: str
-    hostname: str = ""
-    python: str = ""
+    mesh_version: Word
+    hostname: Word = ""
+    python: Word = ""
 
 
 class ProcessState(msgspec.Struct):
@@ -167,7 +173,7 @@ Digest = Annotated[str, msgspec.Meta(pattern=r"^sha256:[0-9a-f]{64}\Z")]
 Text = Annotated[str, msgspec.Meta(max_length=256 * 1024)]
 
 
-By = Annotated[str, msgspec.Meta(max_length=200)]  # who asked, as the client says
+By = Annotated[str, msgspec.Meta(max_length=200, pattern=r"^[^\x00]*\Z")]  # as the client says
 
 
 class PushRequest(Request):
@@ -208,7 +214,7 @@ class TierReply(msgspec.Struct):
 
 
 class PlanRequest(Request):
-    id: Annotated[int, msgspec.Meta(ge=1)]
+    id: Annotated[int, msgspec.Meta(ge=1, le=2**63 - 1)]  # a PostgreSQL bigint
 
 
 class PlansRequest(Request):
@@ -300,7 +306,7 @@ class DeclarationReply(msgspec.Struct):
 
 class SecretSetRequest(Request):
     name: Name
-    value: Annotated[str, msgspec.Meta(max_length=1024 * 1024)]  # base64
+    value: Annotated[str, msgspec.Meta(max_length=700 * 1024)]  # base64 of at most 512 KiB
     by: By = ""
 
 

@@ -5,6 +5,7 @@ import subprocess
 import pytest
 from helpers import MESH, ask, await_until
 
+NOWHERE = "sha256:" + "0" * 64  # a source nobody uploaded: the gate refuses before it is fetched
 FACTS = {"os": "linux", "arch": "x86_64", "cpus": 1, "memory": 1, "mesh_version": "0"}
 
 
@@ -28,8 +29,26 @@ def _register(name="node-x", **over):
         ("mesh.ctl.host.node-x.register", _register(name="a.b"), "bad_request", "$.name"),
         ("mesh.ctl.host.node-x.register", _register(name="node-y"), "forbidden", "node-y"),
         ("mesh.ctl.host.node-x.shutdown", b"{}", "unknown_verb", "'shutdown'"),
+        # Per-verb body limits (docs/verbs.md): a verb that takes a name takes 4 KiB at most,
+        # the host-side verbs too.
+        ("mesh.ctl.declaration", b"{" + b" " * 4096 + b"}", "too_large", "at most 4096"),
+        ("mesh.ctl.host.node-x.secret", b"{" + b" " * 4096 + b"}", "too_large", "at most 4096"),
+        # Found by tests/test_fuzz.py, each an `internal` error before:
+        # a value that is not ASCII (ValueError, not binascii.Error, from b64decode)
+        ("mesh.ctl.secret-set", {"name": "t", "value": "\u00e9"}, "bad_request", "not base64"),
+        # a NUL that PostgreSQL's jsonb refuses, in a label or a fact
+        ("mesh.ctl.host.node-x.register", _register(labels={"a": "\0"}), "bad_request", "$.labels"),
+        ("mesh.ctl.host.node-x.register", _register(facts={**FACTS, "os": "\0"}), "bad_request",
+         "$.facts.os"),
+        # a plan id past PostgreSQL's bigint
+        ("mesh.ctl.plan", {"id": 2**63}, "bad_request", "$.id"),
+        # a manifest whose table is not a table (AttributeError), or nested past recursion
+        ("mesh.ctl.push", {"manifest": "process = 1\n", "source": NOWHERE},
+         "refused", "module ?: process: Expected `object`"),
+        ("mesh.ctl.push", {"manifest": "x = " + "[" * 999 + "]" * 999, "source": NOWHERE},
+         "refused", "nested too deeply"),
     ],
-)
+)  # fmt: skip
 async def test_bad_bodies_get_error_replies_and_service_goes_on(
     nc, start_controller, subject, body, code, says
 ) -> None:

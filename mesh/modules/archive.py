@@ -8,12 +8,15 @@ import hashlib
 import io
 import os
 import posixpath
+import shutil
 import stat
 import tarfile
 from pathlib import Path
 
 SKIP = {".git", "__pycache__", ".mesh"}
-MAX_ARCHIVE = 64 * 2**20
+MAX_ARCHIVE = 64 * 2**20  # bytes of the archive itself: a module's source or one bundle
+MAX_ENTRIES = 50_000  # files, folders and symlinks in one archive
+MAX_UNPACKED = MAX_ARCHIVE  # bytes of all its files together, once unpacked
 
 
 class ArchiveRefused(ValueError):
@@ -137,34 +140,70 @@ def _walk(root: Path) -> list[str]:
     return sorted(found)
 
 
+def _entries(data: bytes) -> list[tarfile.TarInfo]:
+    """The archive's headers, read within the limits; anything that is not a well-formed tar
+    archive is refused, never an error of another kind."""
+    if len(data) > MAX_ARCHIVE:
+        raise ArchiveRefused(f"the archive is {len(data)} bytes, at most {MAX_ARCHIVE}")
+    found: list[tarfile.TarInfo] = []
+    unpacked = 0
+    try:
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
+            for info in tar:
+                found.append(info)
+                if len(found) > MAX_ENTRIES:
+                    raise ArchiveRefused(f"more than {MAX_ENTRIES} entries")
+                if info.issparse():  # holes that unpack to far more than the archive holds
+                    raise ArchiveRefused(f"{info.name}: sparse files are not accepted")
+                unpacked += info.size if info.isfile() else 0
+                if unpacked > MAX_UNPACKED:
+                    raise ArchiveRefused(
+                        f"{info.name}: its files unpack to more than {MAX_UNPACKED} bytes"
+                    )
+    except (tarfile.TarError, EOFError, UnicodeError) as e:
+        raise ArchiveRefused(f"not a tar archive: {e}") from None
+    return found
+
+
 def members(data: bytes) -> dict[str, tarfile.TarInfo]:
     """The entries of an archive, each checked: no absolute or `..` names, no links out, no
-    hard links, no devices. Raises ArchiveRefused naming the entry."""
+    hard links, no devices, within the size and count limits. Raises ArchiveRefused naming the
+    entry."""
     entries: dict[str, tarfile.TarInfo] = {}
     links: dict[str, str] = {}
-    with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
-        for info in tar.getmembers():
-            name = info.name
-            norm = posixpath.normpath(name)
-            if name.startswith("/") or norm == ".." or norm.startswith("../"):
-                raise ArchiveRefused(f"{name}: escapes the archive's root")
-            if info.issym():
-                if not _inside(posixpath.dirname(norm), info.linkname):
-                    raise ArchiveRefused(f"{name}: symlink to {info.linkname!r} points outside")
-            elif info.islnk():
-                raise ArchiveRefused(f"{name}: hard links are not accepted")
-            elif not (info.isfile() or info.isdir()):
-                raise ArchiveRefused(f"{name}: not a regular file, folder or symlink")
-            if norm in entries:
-                raise ArchiveRefused(f"{name}: appears twice")
-            entries[norm] = info
-            if info.issym():
-                links[norm] = info.linkname
+    for info in _entries(data):
+        name = info.name
+        norm = posixpath.normpath(name)
+        if "\0" in name or "\0" in info.linkname:
+            raise ArchiveRefused(f"{name!r}: a NUL character in a name")
+        if name.startswith("/") or norm == ".." or norm.startswith("../"):
+            raise ArchiveRefused(f"{name}: escapes the archive's root")
+        if norm == "." and not info.isdir():
+            raise ArchiveRefused(f"{name!r}: only a folder can be the archive's root")
+        if len(norm.encode()) > 4096 or any(len(p.encode()) > 255 for p in norm.split("/")):
+            raise ArchiveRefused(f"{name[:64]}…: a name longer than a file system takes")
+        if info.issym():
+            if not info.linkname:
+                raise ArchiveRefused(f"{name}: symlink to nothing")
+            if not _inside(posixpath.dirname(norm), info.linkname):
+                raise ArchiveRefused(f"{name}: symlink to {info.linkname!r} points outside")
+        elif info.islnk():
+            raise ArchiveRefused(f"{name}: hard links are not accepted")
+        elif not (info.isfile() or info.isdir()):
+            raise ArchiveRefused(f"{name}: not a regular file, folder or symlink")
+        if norm in entries:
+            raise ArchiveRefused(f"{name}: appears twice")
+        entries[norm] = info
+        if info.issym():
+            links[norm] = info.linkname
     for name in entries:
         parents = name.split("/")[:-1]
         for i in range(1, len(parents) + 1):
-            if "/".join(parents[:i]) in links:
+            parent = "/".join(parents[:i])
+            if parent in links:
                 raise ArchiveRefused(f"{name}: lies under a symlink")  # would write through it
+            if parent in entries and not entries[parent].isdir():
+                raise ArchiveRefused(f"{name}: lies under the file {parent}")
     for name, target in links.items():
         if _resolve(name.split("/")[:-1], target, links) is None:
             raise ArchiveRefused(f"{name}: symlink to {target!r} points outside")
@@ -220,5 +259,5 @@ def unpack(data: bytes, dest: Path) -> None:
                 assert src is not None
                 fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
                 with os.fdopen(fd, "wb") as out:
-                    out.write(src.read())
+                    shutil.copyfileobj(src, out)
                 os.chmod(target, 0o755 if info.mode & 0o111 else 0o644)

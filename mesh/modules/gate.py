@@ -9,6 +9,7 @@ durations and modes that do not parse; names that are not valid subject tokens.
 import posixpath
 import re
 import tomllib
+from collections.abc import Sized
 from typing import Any
 
 import msgspec
@@ -16,7 +17,15 @@ import msgspec
 from mesh.modules.manifest import Account, Bundle, Check, Container, Manifest, Process
 from mesh.names import InvalidName, check_name
 
-MAX_MANIFEST = 256 * 1024
+MAX_MANIFEST = 256 * 1024  # bytes of module.toml
+# How much one module may declare (docs/modules.md, Limits): each refusal names the table.
+MAX_BUNDLES = 64
+MAX_ACCOUNTS = 64
+MAX_PROCESSES = 64
+MAX_CONTAINERS = 64
+MAX_FILES = 64  # files of one process
+MAX_ENV = 256  # environment variables of one process or container
+MAX_ARGV = 1024  # words of one command
 SHELLS = {"sh", "bash", "dash", "zsh", "ksh", "ash", "fish", "csh", "tcsh"}  # by basename
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h)")
 _MODE = re.compile(r"0?[0-7]{3}")
@@ -28,7 +37,10 @@ class Refused(ValueError):
     """A module the gate will not register. str() is one line: module, field, value, why."""
 
     def __init__(self, module: str, field: str, message: str) -> None:
-        super().__init__(f"module {module}: {field}: {message}")
+        line = f"module {module}: {field}: {message}"
+        if not line.isprintable():  # a key or value with a newline must not make it two lines
+            line = "".join(c if c.isprintable() else repr(c)[1:-1] for c in line)
+        super().__init__(line)
         self.module = module
         self.field = field
 
@@ -49,12 +61,18 @@ def mode(text: str) -> int:
 
 def parse(text: str, *, origin: str = "module.toml") -> Manifest:
     """Parse and strictly decode a manifest. Refusals name the field (`$.process.x.command`)."""
-    if len(text.encode()) > MAX_MANIFEST:
+    try:
+        size = len(text.encode())
+    except UnicodeEncodeError as e:
+        raise Refused("?", origin, f"not UTF-8 text: {e.reason} at {e.start}") from None
+    if size > MAX_MANIFEST:
         raise Refused("?", origin, f"is larger than {MAX_MANIFEST} bytes")
     try:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise Refused("?", origin, f"not valid TOML: {e}") from None
+    except RecursionError:
+        raise Refused("?", origin, "arrays or tables nested too deeply") from None
     name = raw.get("module", {}).get("name", "?") if isinstance(raw.get("module"), dict) else "?"
     module = str(name)[:64]
     _refuse_shell_strings(module, raw)
@@ -102,7 +120,10 @@ def _argv_fields(raw: dict[str, Any]) -> list[tuple[str, Any]]:
     found: list[tuple[str, Any]] = []
     for kind, fields in (("process", ("command", "prepare")), ("bundle", ("build",)),
                          ("container", ("command",))):  # fmt: skip
-        for name, table in (raw.get(kind) or {}).items():
+        section = raw.get(kind)
+        if not isinstance(section, dict):
+            continue  # not a table: strict decoding refuses it, naming the field
+        for name, table in section.items():
             if not isinstance(table, dict):
                 continue
             for f in fields:
@@ -191,10 +212,19 @@ def _duration(module: str, field: str, value: str) -> None:
         raise Refused(module, field, str(e)) from None
 
 
+def _count(mod: str, field: str, items: Sized, limit: int, what: str) -> None:
+    if len(items) > limit:
+        raise Refused(mod, field, f"{len(items)} {what}, at most {limit}")
+
+
 def check(m: Manifest) -> None:
     """Every rule msgspec cannot express. Raises Refused at the first problem."""
     mod = m.module.name
     _name(mod, "module.name", mod)
+    _count(mod, "bundle", m.bundle, MAX_BUNDLES, "bundles")
+    _count(mod, "account", m.account, MAX_ACCOUNTS, "accounts")
+    _count(mod, "process", m.process, MAX_PROCESSES, "processes")
+    _count(mod, "container", m.container, MAX_CONTAINERS, "containers")
     for name, b in m.bundle.items():
         f = f"bundle.{name}"
         _name(mod, f, name)
@@ -209,6 +239,8 @@ def check(m: Manifest) -> None:
             _relative(mod, f"{f}.source", b.source)
         if b.output:
             _relative(mod, f"{f}.output", b.output)
+        if b.build is not None:
+            _count(mod, f"{f}.build", b.build, MAX_ARGV, "words")
         if b.build and not b.output:
             raise Refused(mod, f"{f}.output", "a bundle with build must say which output it keeps")
         _duration(mod, f"{f}.timeout", b.timeout)
@@ -227,6 +259,9 @@ def check(m: Manifest) -> None:
     for name, c in m.container.items():
         f = f"container.{name}"
         _name(mod, f, name)
+        _count(mod, f"{f}.env", c.env, MAX_ENV, "variables")
+        if c.command is not None:
+            _count(mod, f"{f}.command", c.command, MAX_ARGV, "words")
         if c.build is not None:
             raise Refused(
                 mod,
@@ -251,6 +286,11 @@ def check(m: Manifest) -> None:
 def _process(mod: str, name: str, p: Process, m: Manifest, ports: dict[int, str]) -> None:
     f = f"process.{name}"
     _name(mod, f, name)
+    _count(mod, f"{f}.command", p.command, MAX_ARGV, "words")
+    if p.prepare is not None:
+        _count(mod, f"{f}.prepare", p.prepare, MAX_ARGV, "words")
+    _count(mod, f"{f}.files", p.files, MAX_FILES, "files")
+    _count(mod, f"{f}.env", p.env, MAX_ENV, "variables")
     if p.bundle is None:
         raise Refused(mod, f"{f}.bundle", "a process runs from a bundle: name one")
     if p.bundle not in m.bundle:
@@ -303,6 +343,8 @@ def _check(mod: str, f: str, c: Check, process: str, ports: dict[int, str]) -> N
         if c.tcp in ports:
             raise Refused(mod, f"{f}.tcp", f"port {c.tcp} is checked by process {ports[c.tcp]} too")
         ports[c.tcp] = process
+    if c.exec is not None:
+        _count(mod, f"{f}.exec", c.exec, MAX_ARGV, "words")
     if c.http is not None and not c.http.startswith(("http://", "https://")):
         raise Refused(mod, f"{f}.http", f"{c.http!r} is not an http(s) URL")
     if c.nats is not None and not re.fullmatch(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*", c.nats):

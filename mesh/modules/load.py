@@ -21,7 +21,13 @@ def load(folder: Path) -> LocalModule:
     toml = folder / "module.toml"
     if not toml.is_file():
         raise gate.Refused("?", str(toml), "no module.toml here: a module is a folder with one")
-    text = toml.read_text()
+    if toml.stat().st_size > gate.MAX_MANIFEST:  # before reading it whole
+        raise gate.Refused("?", str(toml), f"is larger than {gate.MAX_MANIFEST} bytes")
+    try:
+        text = toml.read_bytes().decode()
+    except UnicodeDecodeError as e:
+        why = f"not UTF-8 text: {e.reason} at byte {e.start}"
+        raise gate.Refused("?", str(toml), why) from None
     manifest = gate.parse(text, origin=str(toml))
     try:
         source = archive.pack(folder)

@@ -137,22 +137,25 @@ class Verb(msgspec.Struct, frozen=True):
     limit: int = wire.MAX_BODY
 
 
-_MODULE_BODY = 640 * 1024  # a manifest of up to 256 KiB, JSON-escaped
+# Bytes of body per verb (docs/verbs.md, Limits); nats-server's max_payload (1 MiB) caps them all.
+_SMALL = 4 * 1024  # names and numbers
+_MODULE_BODY = 640 * 1024  # a manifest of up to 256 KiB, JSON-escaped; thousands of names
+_SECRET_BODY = 768 * 1024  # a secret of up to 512 KiB, as base64
 
 VERBS: dict[str, Verb] = {
-    "status": Verb(StatusRequest, status),
-    "nodes": Verb(NodesRequest, nodes),
+    "status": Verb(StatusRequest, status, limit=_SMALL),
+    "nodes": Verb(NodesRequest, nodes, limit=_SMALL),
     "push": Verb(PushRequest, push, slow=True, limit=_MODULE_BODY),
     "diff": Verb(DiffRequest, diff, slow=True, limit=_MODULE_BODY),
     "assign": Verb(AssignRequest, assign, slow=True, limit=_MODULE_BODY),
     "unassign": Verb(AssignRequest, unassign, slow=True, limit=_MODULE_BODY),
-    "modules": Verb(ModulesRequest, modules, slow=True),
-    "declaration": Verb(DeclarationRequest, declaration, slow=True),
-    "secret-set": Verb(SecretSetRequest, secret_set, slow=True, limit=2 * 1024 * 1024),
-    "build-logs": Verb(BuildLogsRequest, build_logs, slow=True),
-    "plan": Verb(PlanRequest, plan, slow=True),
-    "plans": Verb(PlansRequest, plans, slow=True),
-    "tier": Verb(TierRequest, tier, slow=True),
+    "modules": Verb(ModulesRequest, modules, slow=True, limit=_SMALL),
+    "declaration": Verb(DeclarationRequest, declaration, slow=True, limit=_SMALL),
+    "secret-set": Verb(SecretSetRequest, secret_set, slow=True, limit=_SECRET_BODY),
+    "build-logs": Verb(BuildLogsRequest, build_logs, slow=True, limit=_SMALL),
+    "plan": Verb(PlanRequest, plan, slow=True, limit=_SMALL),
+    "plans": Verb(PlansRequest, plans, slow=True, limit=_SMALL),
+    "tier": Verb(TierRequest, tier, slow=True, limit=_SMALL),
 }
 
 
@@ -162,7 +165,7 @@ async def host_secret(h: Holder, machine: str, req: SecretRequest) -> SecretRepl
 
 HOST_VERBS: dict[str, Verb] = {
     "register": Verb(Register, register),
-    "secret": Verb(SecretRequest, host_secret),
+    "secret": Verb(SecretRequest, host_secret, limit=_SMALL),
 }
 
 
@@ -204,6 +207,6 @@ async def on_host_verb(h: Holder, msg: Msg) -> None:
                 f"unknown host verb {name[:64]!r}; known: {', '.join(sorted(HOST_VERBS))}",
                 code="unknown_verb",
             )
-        return await verb.handler(h, machine, wire.decode(msg.data, verb.request))
+        return await verb.handler(h, machine, wire.decode(msg.data, verb.request, limit=verb.limit))
 
     await bus.answer(msg, serve)

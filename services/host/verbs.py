@@ -7,7 +7,7 @@ builder)."""
 import logging
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 from nats.aio.client import Client
@@ -15,6 +15,7 @@ from nats.aio.msg import Msg
 
 from mesh import bus, subjects, wire
 from mesh.model import (
+    BuildReply,
     BuildRequest,
     LogsReply,
     LogsRequest,
@@ -69,15 +70,22 @@ async def restart(h: Host, req: RestartRequest) -> RestartReply:
     return RestartReply(process=req.process, restarted=True)
 
 
-async def build(h: Host, req: BuildRequest) -> Any:
+async def build(h: Host, req: BuildRequest) -> BuildReply:
     return await builds.build(h.nc, req, root=h.root)
 
 
-VERBS: dict[str, tuple[type, Callable[[Host, Any], Awaitable[Any]]]] = {
-    "status": (StatusRequest, status),
-    "logs": (LogsRequest, logs),
-    "restart": (RestartRequest, restart),
-    "build": (BuildRequest, build),
+class Verb(NamedTuple):
+    request: type
+    handler: Callable[[Host, Any], Awaitable[Any]]
+    limit: int = 4 * 1024  # bytes of body: these carry a name or two
+
+
+VERBS: dict[str, Verb] = {
+    "status": Verb(StatusRequest, status),
+    "logs": Verb(LogsRequest, logs),
+    "restart": Verb(RestartRequest, restart),
+    # argv, paths and a key from a manifest of at most 256 KiB (the controller's push limit)
+    "build": Verb(BuildRequest, build, limit=640 * 1024),
 }
 
 
@@ -92,7 +100,7 @@ async def serve(h: Host) -> None:
                     f"unknown host verb {name[:64]!r}; known: {', '.join(sorted(VERBS))}",
                     code="unknown_verb",
                 )
-            return await verb[1](h, wire.decode(msg.data, verb[0]))
+            return await verb.handler(h, wire.decode(msg.data, verb.request, limit=verb.limit))
 
         await bus.answer(msg, serve)
 
