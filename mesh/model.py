@@ -76,11 +76,32 @@ class PlanSummary(msgspec.Struct):
     failure: str | None = None  # which machine failed and why (not `error`: that is a refusal)
 
 
+class Handover(msgspec.Struct):
+    """How the seat last changed hands: this holder's takeover."""
+
+    at: datetime
+    from_: str | None = msgspec.field(name="from")  # the previous holder, if any
+    to: str = ""
+    planned: bool = False  # the previous holder let go (a handover), rather than crashed
+    gap_ms: float | None = None  # planned: from its release to this holder's takeover
+
+
 class StatusReply(msgspec.Struct):
     seat: SeatInfo | None
     standbys: list[Standby]
     nodes: NodeCounts
     plan: PlanSummary | None = None  # the plan in progress
+    handover: Handover | None = None
+
+
+class HandoverRequest(Request):
+    pass
+
+
+class HandoverReply(msgspec.Struct):
+    holder: str
+    to: list[str]  # the standbys that may take the seat
+    message: str
 
 
 class Facts(msgspec.Struct, forbid_unknown_fields=True):
@@ -153,6 +174,7 @@ class SeatAnnounce(msgspec.Struct, forbid_unknown_fields=True):
     host: str
     since: datetime
     epoch: int = 0
+    at: datetime | None = None  # `released`: when the holder let go (the new holder's gap)
 
 
 # --- errors -----------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from mesh.cli import hosts, machines, modules, render
 from mesh.cli.args import Parser, label, tier
 from mesh.cli.client import CliError, verb
 from mesh.cli.output import console, print_json
-from mesh.model import NodesReply, StatusReply
+from mesh.model import HandoverReply, NodesReply, StatusReply
 from mesh.names import InvalidName, check_name
 
 
@@ -44,6 +44,7 @@ def parser() -> argparse.ArgumentParser:
     verbs.required = True
 
     verbs.add_parser("status", parents=[common], help="the seat, standbys, plan, node counts")
+    verbs.add_parser("handover", parents=[common], help="ask the seat's holder to hand over")
     verbs.add_parser("nodes", parents=[common], help="every machine and its state")
 
     dev = verbs.add_parser("dev", parents=[common], help="the embedded dev mesh")
@@ -99,6 +100,11 @@ async def cmd_status(args: argparse.Namespace) -> None:
     print_json(s) if args.json else render.status(console(), s)
 
 
+async def cmd_handover(args: argparse.Namespace) -> None:
+    r = await verb(args, "handover", HandoverReply, changes=True)
+    print_json(r) if args.json else console().print(r.message)
+
+
 async def cmd_nodes(args: argparse.Namespace) -> None:
     r = await verb(args, "nodes", NodesReply)
     print_json(r) if args.json else render.nodes(console(), r)
@@ -148,6 +154,7 @@ async def cmd_host_run(args: argparse.Namespace) -> None:
 COMMANDS: dict[tuple[str, ...], Callable[[argparse.Namespace], Any]] = {
     ("status",): cmd_status,
     ("nodes",): cmd_nodes,
+    ("handover",): cmd_handover,
     ("dev", "up"): cmd_dev_up,
     ("controller", "run"): cmd_controller_run,
     ("host", "run"): cmd_host_run,

@@ -46,6 +46,13 @@ def status(console: Console, s: StatusReply) -> None:
     table.add_row("[bold]standbys[/]", standbys)
     table.add_row("[bold]nodes[/]", f"{s.nodes.total} total, {s.nodes.up} up, {s.nodes.down} down")
     table.add_row("[bold]plan[/]", "none in progress" if s.plan is None else plan_line(s.plan))
+    if s.handover is not None and s.handover.from_:
+        h = s.handover
+        if h.planned and h.gap_ms is not None:
+            how = f"handed over by {h.from_} to {h.to} {_ago(h.at)}, gap {h.gap_ms:g} ms"
+        else:
+            how = f"{h.to} took over from {h.from_} {_ago(h.at)} (it did not hand over)"
+        table.add_row("[bold]last handover[/]", how)
     console.print(table)
 
 

@@ -11,10 +11,11 @@ have lost.
 
 import logging
 import os
+import signal
 import socket
+import time
 from collections.abc import Awaitable
 from datetime import UTC, datetime
-from functools import partial
 
 import anyio
 import asyncpg
@@ -23,12 +24,13 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from mesh import blobs, bus, subjects, wire
-from mesh.lifetime import stop_on_signals
-from mesh.model import Applied, Beat, ProcessesEvent, SeatAnnounce, SeatInfo
+from mesh.model import Applied, Beat, Handover, ProcessesEvent, SeatAnnounce, SeatInfo
 from mesh.store import db, events, seats
 from mesh.store.migrate import migrate
+from services.controller import handover
 from services.controller.catalog import Catalog
 from services.controller.fleet import Fleet
+from services.controller.handover import VerbSubscriptions
 from services.controller.planner import Planner
 from services.controller.seat import SeatLock
 from services.controller.standbys import ANNOUNCE_EVERY, Standbys
@@ -41,6 +43,19 @@ BUS_GRACE = 3.0  # a holder cut off from NATS this long steps down (design.md §
 
 class BusLost(Exception):
     """The holder lost NATS for longer than BUS_GRACE and gave up the seat."""
+
+
+class Stop:
+    """Why the holder stops holding: a signal (then the process exits) or the `handover` verb
+    (then it stands by again)."""
+
+    def __init__(self) -> None:
+        self.requested = anyio.Event()
+        self.stand_by_after = False
+
+    def handover(self) -> None:
+        self.stand_by_after = True
+        self.requested.set()
 
 
 async def run(
@@ -69,6 +84,7 @@ async def run(
     try:
         nc = await bus.connect(nats_url, name=f"mesh-controller {instance}", creds=creds, link=link)
         standbys = Standbys(own_instance=instance)
+        released: dict[str, float] = {}  # holder instance -> when (monotonic) we heard it let go
 
         async def on_seat_event(msg: Msg) -> None:
             try:
@@ -77,29 +93,44 @@ async def run(
                 return
             if msg.subject.endswith(".standby"):
                 standbys.heard(announce)
-            else:
+            elif msg.subject.endswith((".held", ".released")):
                 standbys.gone(announce.instance)
+                if msg.subject.endswith(".released"):
+                    released[announce.instance] = time.monotonic()
 
         await nc.subscribe(subjects.SEAT_EVENTS, cb=on_seat_event)
         me = SeatAnnounce(instance=instance, pid=pid, host=host, since=started)
 
         async with anyio.create_task_group() as tg:
-            tg.start_soon(stop_on_signals, tg.cancel_scope)
-            if not await lock.try_acquire():
-                log.info("controller %s standing by for the seat %s", instance, subjects.SEAT)
-                async with anyio.create_task_group() as waiting:
-                    waiting.start_soon(_announce_standby, nc, me)
-                    await lock.wait()
-                    waiting.cancel_scope.cancel()
-            await _hold(
-                nc=nc,
-                link=link,
-                pool=pool,
-                lock=lock,
-                me=me,
-                standbys=standbys,
-                down_after=down_after,
-            )
+            holding: list[Stop] = []  # the current hold's Stop, while this controller holds
+            signalled = anyio.Event()
+            tg.start_soon(_signals, tg.cancel_scope, holding, signalled)
+            while True:
+                verbs = VerbSubscriptions(
+                    nc, tg, [(subjects.CTL_VERBS, on_verb), (subjects.CTL_HOST_VERBS, on_host_verb)]
+                )
+                if not await lock.try_acquire():
+                    log.info("controller %s standing by for the seat %s", instance, subjects.SEAT)
+                    async with anyio.create_task_group() as waiting:
+                        waiting.start_soon(_announce_standby, nc, me)
+                        waiting.start_soon(handover.stand_ready, nc, me, verbs)
+                        await lock.wait()
+                        waiting.cancel_scope.cancel()
+                stop = Stop()
+                holding.append(stop)
+                if signalled.is_set():  # the signal came as the lock did: hand straight over
+                    stop.requested.set()
+                try:
+                    await _hold(
+                        nc=nc, link=link, pool=pool, lock=lock, me=me, standbys=standbys,
+                        down_after=down_after, verbs=verbs, stop=stop, released=released,
+                    )  # fmt: skip
+                finally:
+                    holding.clear()
+                await lock.release()
+                if not stop.stand_by_after or signalled.is_set():
+                    break
+                lock = SeatLock(database_url)
             tg.cancel_scope.cancel()
     finally:
         with anyio.CancelScope(shield=True):
@@ -107,6 +138,21 @@ async def run(
             if nc is not None:
                 await _attempt("close NATS", bus.close(nc))
             await _attempt("close the store pool", pool.close())
+
+
+async def _signals(scope: anyio.CancelScope, holding: list[Stop], signalled: anyio.Event) -> None:
+    """SIGTERM/SIGINT to the holder starts a handover, then the process exits; to a standby, or
+    a second time, it stops at once."""
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as received:
+        async for signum in received:
+            name = signal.Signals(signum).name
+            if signalled.is_set() or not holding:
+                log.info("received %s: stopping", name)
+                scope.cancel()
+                return
+            log.info("received %s: handing the seat over, then stopping", name)
+            signalled.set()
+            holding[0].requested.set()
 
 
 async def _announce_standby(nc: Client, me: SeatAnnounce) -> None:
@@ -125,14 +171,29 @@ async def _hold(
     me: SeatAnnounce,
     standbys: Standbys,
     down_after: int,
+    verbs: VerbSubscriptions,
+    stop: Stop,
+    released: dict[str, float],
 ) -> None:
     assert lock.conn is not None
+    before = await seats.read(lock.conn, seat=subjects.SEAT)
     row = await seats.take(
         lock.conn, seat=subjects.SEAT, holder=me.instance, pid=me.pid, host=me.host
     )
     assert row.since is not None
-    await events.record(pool, "seat.taken", epoch=row.epoch, holder=me.instance, pid=me.pid)
-    log.info("controller %s holds the seat %s, epoch %d", me.instance, subjects.SEAT, row.epoch)
+    previous = before.holder if before else None
+    let_go = released.pop(previous, None) if previous else None
+    taken = Handover(
+        at=row.since, from_=previous, to=me.instance, planned=let_go is not None,
+        gap_ms=round((time.monotonic() - let_go) * 1000, 1) if let_go is not None else None,
+    )  # fmt: skip
+    await events.record(
+        pool, "seat.taken", epoch=row.epoch, holder=me.instance, pid=me.pid,
+        previous=previous, planned=taken.planned, gap_ms=taken.gap_ms,
+    )  # fmt: skip
+    how = f" (handed over by {previous} after {taken.gap_ms} ms)" if taken.planned else ""
+    log.info("controller %s holds the seat %s, epoch %d%s", me.instance, subjects.SEAT,
+             row.epoch, how)  # fmt: skip
 
     fleet = Fleet(pool=pool, epoch=row.epoch, down_after=down_after)
     await fleet.load()
@@ -176,62 +237,77 @@ async def _hold(
     subs = []
     held = msgspec.structs.replace(me, since=row.since, epoch=row.epoch)
     try:
-        async with anyio.create_task_group() as serving:
+        async with anyio.create_task_group() as background:
             catalog = Catalog(
                 pool=pool, nc=nc, kv=kv, obs=obs, fleet=fleet, epoch=row.epoch,
                 wake=lambda: planner.wake(),
             )  # fmt: skip
             planner = Planner(pool=pool, catalog=catalog, fleet=fleet, epoch=row.epoch)
-            holder = Holder(
-                seat=SeatInfo(
-                    holder=me.instance, pid=me.pid, host=me.host, epoch=row.epoch, since=row.since
-                ),
-                fleet=fleet,
-                standbys=standbys,
-                catalog=catalog,
-                planner=planner,
-                tasks=serving,
-            )
-            republished = await catalog.republish()
-            if republished:
-                log.info("republished %d declaration(s) under epoch %d", republished, row.epoch)
-            subs = [
-                await nc.subscribe(
-                    subjects.CTL_VERBS, queue=subjects.QUEUE, cb=partial(on_verb, holder)
-                ),
-                await nc.subscribe(
-                    subjects.CTL_HOST_VERBS, queue=subjects.QUEUE, cb=partial(on_host_verb, holder)
-                ),
-                await nc.subscribe(subjects.HOST_BEATS, queue=subjects.QUEUE, cb=on_beat),
-                await nc.subscribe("mesh.event.*.applied", queue=subjects.QUEUE, cb=on_applied),
-                await nc.subscribe("mesh.event.*.processes", queue=subjects.QUEUE, cb=on_processes),
-            ]
-            await nc.flush()
-            await nc.publish(subjects.seat("held"), wire.encode(held))
-            link.on_up = fleet.forgive  # beats lost while we were away are not the machines' fault
-            serving.start_soon(lock.watch)
-            serving.start_soon(fleet.watch)
-            serving.start_soon(catalog.keep_published)
-            serving.start_soon(planner.run)
-            serving.start_soon(_step_down_without_bus, link)
+            async with anyio.create_task_group() as serving:  # slow verbs, answered before we go
+                holder = Holder(
+                    seat=SeatInfo(holder=me.instance, pid=me.pid, host=me.host, epoch=row.epoch,
+                                  since=row.since),
+                    fleet=fleet, standbys=standbys, catalog=catalog, planner=planner,
+                    tasks=serving, handover=taken, stop=stop.handover,
+                )  # fmt: skip
+                await verbs.subscribe()
+                verbs.serve(holder)
+                subs = [
+                    await nc.subscribe(subjects.HOST_BEATS, queue=subjects.QUEUE, cb=on_beat),
+                    await nc.subscribe("mesh.event.*.applied", queue=subjects.QUEUE,
+                                       cb=on_applied),
+                    await nc.subscribe("mesh.event.*.processes", queue=subjects.QUEUE,
+                                       cb=on_processes),
+                ]  # fmt: skip
+                await nc.flush()
+                await nc.publish(subjects.seat("held"), wire.encode(held))
+                link.on_up = fleet.forgive  # beats lost while we were away are not theirs
+                background.start_soon(lock.watch)
+                background.start_soon(fleet.watch)
+                background.start_soon(catalog.keep_published)
+                background.start_soon(_step_down_without_bus, link)
+                plans = anyio.CancelScope()
+                background.start_soon(_plan_work, catalog, planner, row.epoch, plans)
+
+                await stop.requested.wait()
+                # The handover (design.md §5.2): a standby joins the verb group first.
+                ready = await handover.announce(nc, held) if nc.is_connected else None
+                log.info("controller %s hands over the seat%s", me.instance,
+                         f" to {ready}" if ready else " (no standby answered)")  # fmt: skip
+                plans.cancel()  # every plan write is a fenced transaction: the next holder goes on
+                await verbs.stop(drain=nc.is_connected)
+                serving.cancel_scope.deadline = anyio.current_time() + 10  # slow verbs finish
+            background.cancel_scope.cancel()
     finally:
         # Each step on its own deadline: a store or bus that is gone must not keep the lock.
         with anyio.CancelScope(shield=True):
             if not nc.is_connected:
                 await lock.release()  # nobody can hear us: let the standby have the seat now
+            await verbs.stop(drain=nc.is_connected)
             for sub in subs:
-                # drain answers what is in flight; without a connection there is nothing to drain
-                await _attempt("stop verbs", sub.drain() if nc.is_connected else sub.unsubscribe())
+                await _attempt("stop", sub.drain() if nc.is_connected else sub.unsubscribe())
             await _attempt("flush heartbeats", fleet.flush())
             await _attempt(
                 "record release",
                 events.record(pool, "seat.released", epoch=row.epoch, holder=me.instance),
             )
             await lock.release()
-            await _attempt(
-                "announce release", nc.publish(subjects.seat("released"), wire.encode(held))
-            )
+            gone = msgspec.structs.replace(held, at=datetime.now(UTC))
+            await _attempt("announce release", nc.publish(subjects.seat("released"),
+                                                          wire.encode(gone)))  # fmt: skip
             log.info("controller %s released the seat, epoch %d", me.instance, row.epoch)
+
+
+async def _plan_work(
+    catalog: Catalog, planner: Planner, epoch: int, scope: anyio.CancelScope
+) -> None:
+    """Declarations again under this epoch, then plans: a plan's publish never races the
+    republish of what the store had."""
+    with scope:
+        republished = await catalog.republish()
+        if republished:
+            log.info("republished %d declaration(s) under epoch %d", republished, epoch)
+        await planner.run()
 
 
 async def _step_down_without_bus(link: bus.Link) -> None:

@@ -9,6 +9,8 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import anyio
+import anyio.lowlevel
 import msgspec
 from anyio.abc import TaskGroup
 from nats.aio.msg import Msg
@@ -23,6 +25,9 @@ from mesh.model import (
     DeclarationRequest,
     DiffReply,
     DiffRequest,
+    Handover,
+    HandoverReply,
+    HandoverRequest,
     ModulesReply,
     ModulesRequest,
     NodesReply,
@@ -61,6 +66,8 @@ class Holder(msgspec.Struct):
     catalog: Catalog
     planner: Planner
     tasks: TaskGroup  # where verbs that wait on the store or a build run, off the hot path
+    handover: Handover  # how this controller came to hold the seat
+    stop: Callable[[], None]  # start a handover (the `handover` verb)
 
 
 async def status(h: Holder, _: StatusRequest) -> StatusReply:
@@ -69,7 +76,28 @@ async def status(h: Holder, _: StatusRequest) -> StatusReply:
         standbys=h.standbys.current(),
         nodes=h.fleet.counts(),
         plan=h.planner.current,
+        handover=h.handover,
     )
+
+
+async def hand_over(h: Holder, _: HandoverRequest) -> HandoverReply:
+    """Answered first; the handover starts once the reply is out."""
+    standbys = [s.instance for s in h.standbys.current()]
+    if not standbys:
+        raise wire.BadRequest(
+            "no standby controller to hand the seat to (start one: mesh controller run)",
+            code="unavailable",
+        )
+    h.tasks.start_soon(_after_reply, h.stop)
+    return HandoverReply(
+        holder=h.seat.holder, to=standbys,
+        message=f"{h.seat.holder} hands the seat over to a standby ({', '.join(standbys)})",
+    )  # fmt: skip
+
+
+async def _after_reply(stop: Callable[[], None]) -> None:
+    await anyio.lowlevel.checkpoint()  # let the reply go out first
+    stop()
 
 
 async def nodes(h: Holder, _: NodesRequest) -> NodesReply:
@@ -156,6 +184,7 @@ VERBS: dict[str, Verb] = {
     "plan": Verb(PlanRequest, plan, slow=True, limit=_SMALL),
     "plans": Verb(PlansRequest, plans, slow=True, limit=_SMALL),
     "tier": Verb(TierRequest, tier, slow=True, limit=_SMALL),
+    "handover": Verb(HandoverRequest, hand_over, limit=_SMALL),
 }
 
 

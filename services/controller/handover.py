@@ -1,0 +1,142 @@
+"""The planned handover (design.md §5.2): nothing unanswered while the seat changes hands.
+
+1. The holder (on SIGTERM or the `handover` verb) publishes `mesh.seat.mesh-controller.handover`.
+2. Each standby subscribes to the verb subjects in the `mesh-controller` queue group, flushes,
+   and answers `ready`. From now on both receive verbs; the standby holds each one until it holds
+   the seat (bounded by SEAT_WAIT), then serves it.
+3. The holder, once a standby is ready (or after READY_WAIT without one), stops plan work,
+   drains its subscriptions (the verbs it has are answered), waits for the slow verbs it runs,
+   releases the lock and announces `released` with the time.
+4. The standby's blocking lock call returns; it increments the epoch and serves what it held.
+
+`VerbSubscriptions` is the one place verb subscriptions live, for standby and holder alike.
+"""
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio
+from anyio.abc import TaskGroup
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from mesh import bus, subjects, wire
+from mesh.model import SeatAnnounce
+
+log = logging.getLogger(__name__)
+
+READY_WAIT = 2.0  # how long a holder waits for a standby to say it is subscribed
+SEAT_WAIT = 10.0  # how long a verb received before the seat is ours waits for it
+EARLY_FOR = 15.0  # a standby that subscribed but never got the seat unsubscribes after this
+
+Handler = Callable[[Any, Msg], Awaitable[None]]
+
+
+class VerbSubscriptions:
+    """The `mesh-controller` queue-group subscriptions to controller verbs and host requests.
+    Until `serve(holder)` is called, a message waits (in its own task) for it."""
+
+    def __init__(self, nc: Client, tasks: TaskGroup, routes: list[tuple[str, Handler]]) -> None:
+        self._nc = nc
+        self._tasks = tasks
+        self._routes = routes
+        self._holder: Any = None
+        self._ready = anyio.Event()
+        self.subs: list[Subscription] = []
+        self.since: float | None = None
+
+    @property
+    def active(self) -> bool:
+        return bool(self.subs)
+
+    async def subscribe(self) -> None:
+        if self.subs:
+            return
+        for subject, handler in self._routes:
+            self.subs.append(
+                await self._nc.subscribe(subject, queue=subjects.QUEUE, cb=self._route(handler))
+            )
+        await self._nc.flush()
+        self.since = time.monotonic()
+
+    def serve(self, holder: Any) -> None:
+        self._holder = holder
+        self._ready.set()
+
+    def _route(self, handler: Handler) -> Callable[[Msg], Awaitable[None]]:
+        async def on_message(msg: Msg) -> None:
+            if self._holder is not None:
+                await handler(self._holder, msg)
+                return
+            try:
+                self._tasks.start_soon(self._later, handler, msg)
+            except RuntimeError:  # stopping
+                pass
+
+        return on_message
+
+    async def _later(self, handler: Handler, msg: Msg) -> None:
+        with anyio.move_on_after(SEAT_WAIT):
+            await self._ready.wait()
+        if self._holder is None:
+
+            async def unavailable() -> None:
+                raise wire.BadRequest(
+                    "no controller holds the seat yet; try again", code="unavailable"
+                )
+
+            await bus.answer(msg, unavailable)
+            return
+        await handler(self._holder, msg)
+
+    async def stop(self, *, drain: bool) -> None:
+        """Drain (answer what is in flight) or, without a connection, just unsubscribe."""
+        subs, self.subs = self.subs, []
+        for sub in subs:
+            try:
+                with anyio.fail_after(3):
+                    await (sub.drain() if drain else sub.unsubscribe())
+            except Exception as e:
+                log.warning("could not stop a verb subscription: %s", e or type(e).__name__)
+
+
+async def announce(nc: Client, me: SeatAnnounce) -> str | None:
+    """Holder: say a handover starts; the standby that is ready to take the seat, if any."""
+    ready = await nc.subscribe(subjects.seat("ready"))
+    try:
+        await nc.publish(subjects.seat("handover"), wire.encode(me))
+        await nc.flush()
+        msg = await ready.next_msg(timeout=READY_WAIT)
+    except TimeoutError:
+        return None
+    finally:
+        await ready.unsubscribe()
+    try:
+        return wire.decode(msg.data, SeatAnnounce).instance
+    except wire.BadRequest:
+        return "?"
+
+
+async def stand_ready(nc: Client, me: SeatAnnounce, verbs: VerbSubscriptions) -> None:
+    """Standby: on each `handover`, join the verb queue group and say so. If the seat does not
+    come within EARLY_FOR, leave the group again (the holder changed its mind or died)."""
+    handovers = await nc.subscribe(subjects.seat("handover"))
+    try:
+        async for msg in handovers.messages:
+            try:
+                holder = wire.decode(msg.data, SeatAnnounce)
+            except wire.BadRequest:
+                continue
+            await verbs.subscribe()
+            await nc.publish(subjects.seat("ready"), wire.encode(me))
+            log.info("controller %s: %s hands over; subscribed to verbs, ready",
+                     me.instance, holder.instance)  # fmt: skip
+            with anyio.move_on_after(EARLY_FOR):
+                await anyio.sleep_forever()  # cancelled from outside once the seat is ours
+            log.info("controller %s: the seat did not come; leaving the verb group", me.instance)
+            await verbs.stop(drain=True)
+    finally:
+        await handovers.unsubscribe()

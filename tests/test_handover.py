@@ -1,0 +1,129 @@
+"""The planned handover (design.md §5.2): with a client sending `status` continuously, `mesh
+handover` and SIGTERM to the holder move the seat with zero failed and zero timed-out requests.
+Real controllers, NATS and PostgreSQL; each request is sent once, never retried."""
+
+import json
+import signal
+import time
+
+import anyio
+import pytest
+from helpers import ask, await_until, mesh_cli
+from nats.aio.client import Client
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
+
+
+class StatusClient:
+    """Workers sending `status`, each request once with a 2 s timeout."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+        self.failures: list[str] = []
+        self.worst = 0.0
+        self.holders: list[str] = []
+
+    async def run(self, nc: Client, stop: anyio.Event, workers: int = 4) -> None:
+        async def worker() -> None:
+            while not stop.is_set():
+                started = time.monotonic()
+                self.sent += 1
+                try:
+                    msg = await nc.request("mesh.ctl.status", b"{}", timeout=2)
+                except NoRespondersError:
+                    self.failures.append("no responders")
+                    continue
+                except NatsTimeout:
+                    self.failures.append("timeout")
+                    continue
+                self.worst = max(self.worst, time.monotonic() - started)
+                reply = json.loads(msg.data)
+                if "error" in reply:
+                    self.failures.append(str(reply["error"]))
+                elif not self.holders or self.holders[-1] != reply["seat"]["holder"]:
+                    self.holders.append(reply["seat"]["holder"])
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(workers):
+                tg.start_soon(worker)
+
+
+@pytest.fixture
+async def two(nc, start_controller):
+    a = start_controller("ctl-a")
+
+    async def held():
+        s = await ask(nc, "mesh.ctl.status")
+        return s if s and s["seat"] else None
+
+    await await_until(held, within=30, what="ctl-a to hold the seat")
+    b = start_controller("ctl-b")
+
+    async def standby():
+        s = await ask(nc, "mesh.ctl.status")
+        return s if s and [x["instance"] for x in s["standbys"]] == ["ctl-b"] else None
+
+    await await_until(standby, within=30, what="ctl-b standing by")
+    return a, b
+
+
+async def test_handover_and_sigterm_leave_no_request_unanswered(two, nc, nats_url) -> None:
+    a, b = two
+    client = StatusClient()
+    stop = anyio.Event()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(client.run, nc, stop)
+        await await_until(lambda: _true(client.sent > 50), within=10, what="requests flowing")
+
+        # 1. `mesh handover`: ctl-b takes the seat; ctl-a stands by again.
+        done = mesh_cli("handover", nats_url=nats_url)
+        assert done.returncode == 0, done.stderr
+        assert "ctl-b" in done.stdout
+
+        async def moved_to(holder: str, epoch_above: int):
+            s = await ask(nc, "mesh.ctl.status")
+            ok = s and s["seat"]["holder"] == holder and s["seat"]["epoch"] > epoch_above
+            return s if ok else None
+
+        s = await await_until(lambda: moved_to("ctl-b", 1), within=15, what="ctl-b holds")
+        assert s["handover"]["from"] == "ctl-a" and s["handover"]["to"] == "ctl-b"
+        assert s["handover"]["planned"] is True and s["handover"]["gap_ms"] is not None
+
+        async def a_stands_by():
+            s = await ask(nc, "mesh.ctl.status")
+            return s if s and [x["instance"] for x in s["standbys"]] == ["ctl-a"] else None
+
+        await await_until(a_stands_by, within=15, what="ctl-a standing by again")
+        sent_before = client.sent
+
+        # 2. SIGTERM to the holder: it hands over to ctl-a and exits 0.
+        b.send_signal(signal.SIGTERM)
+        s = await await_until(lambda: moved_to("ctl-a", s["seat"]["epoch"]), within=15,
+                              what="ctl-a holds again")  # fmt: skip
+        assert s["handover"]["planned"] is True
+        assert b.wait(timeout=30) == 0
+        await await_until(lambda: _true(client.sent > sent_before + 50), within=10,
+                          what="requests after the second handover")  # fmt: skip
+        stop.set()
+    assert client.failures == [], client.failures[:5]
+    assert client.holders == ["ctl-a", "ctl-b", "ctl-a"]
+    assert a.poll() is None  # still serving
+
+
+async def test_handover_without_a_standby_is_refused(nc, start_controller, nats_url) -> None:
+    start_controller("ctl-a")
+
+    async def held():
+        s = await ask(nc, "mesh.ctl.status")
+        return s if s and s["seat"] else None
+
+    await await_until(held, within=30, what="ctl-a to hold the seat")
+    done = mesh_cli("handover", nats_url=nats_url)
+    assert done.returncode == 1
+    assert "no standby" in done.stderr and "Traceback" not in done.stderr
+    s = await ask(nc, "mesh.ctl.status")
+    assert s["seat"]["holder"] == "ctl-a"
+
+
+async def _true(value: bool) -> bool:
+    return value
