@@ -2,11 +2,12 @@
 found (tests/test_fuzz.py): each refusal is the documented error, naming the field and value."""
 
 import io
+import re
 import tarfile
 from pathlib import Path
 
 import pytest
-from helpers import ask, await_until
+from helpers import ask, await_until, mesh_cli
 
 from mesh import blobs, subjects
 from mesh.modules import archive, gate, load
@@ -213,3 +214,18 @@ async def test_a_pushed_source_that_is_not_an_archive_is_refused(nc, start_contr
     assert reply["error"]["message"] == "module hello: source: not a tar archive: truncated header"
     assert (await ask(nc, subjects.ctl("status")))["seat"]["holder"] == "ctl-a"
     assert proc.poll() is None
+
+
+async def test_mesh_secret_set_says_what_is_too_large(nc, start_controller, nats_url, tmp_path):
+    start_controller("ctl-a")
+    await await_until(lambda: ask(nc, "mesh.ctl.status"), within=30, what="the controller")
+    big = tmp_path / "big"
+    for size, says in [
+        (600 * 1024, r"secret-set: body is \d+ bytes, at most 786432"),  # the verb's limit
+        # more than nats-server takes at all: a traceback (MaxPayloadError) before
+        (2 * 1024 * 1024, r"secret-set: the request is \d+ bytes, more than the NATS server"),
+    ]:
+        big.write_bytes(b"x" * size)
+        done = mesh_cli("secret", "set", "big", "--from-file", str(big), nats_url=nats_url)
+        assert done.returncode == 1
+        assert done.stderr.count("\n") == 1 and re.search(says, done.stderr), done.stderr

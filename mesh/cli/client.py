@@ -69,6 +69,11 @@ async def ask(
 ) -> T:
     """One verb, retried over "no responders" until `timeout`. `attempt` bounds one try: a verb
     that changes things gets one long try, so a slow answer is not mistaken for a lost one."""
+    if len(body) > nc.max_payload:  # nats-py would raise MaxPayloadError at the first try
+        raise CliError(
+            f"{verb}: the request is {len(body)} bytes, more than the NATS server takes "
+            f"({nc.max_payload}); see Limits in docs/verbs.md"
+        )
     try:
         data = await bus.request(
             nc,
