@@ -17,7 +17,7 @@ Tier = Annotated[int, msgspec.Meta(ge=0, le=9)]
 # and jsonb refuse it, and a control character in a log or a table is a lie waiting to happen).
 Word = Annotated[str, msgspec.Meta(max_length=256, pattern=r"^[^\x00-\x1f\x7f]*\Z")]
 LabelKey = Annotated[
-    str, msgspec.Meta(min_length=1, max_length=63, pattern=r"^[A-Za-z0-9][A-Za-z0-9._/-]*\Z")
+    str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9._/-]*\Z")
 ]
 Labels = Annotated[dict[LabelKey, Word], msgspec.Meta(max_length=64)]
 Interval = Annotated[float, msgspec.Meta(gt=0, le=3600)]

@@ -229,3 +229,21 @@ async def test_mesh_secret_set_says_what_is_too_large(nc, start_controller, nats
         done = mesh_cli("secret", "set", "big", "--from-file", str(big), nats_url=nats_url)
         assert done.returncode == 1
         assert done.stderr.count("\n") == 1 and re.search(says, done.stderr), done.stderr
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "field"),
+    [
+        ('every = "2s"', 'every = "' + "9" * 400 + 's"', "process.hello.check.every"),
+        ('restart = "always"', 'stop_timeout = "169h"', "process.hello.stop_timeout"),
+    ],
+)
+def test_a_duration_is_at_most_a_week(old: str, new: str, field: str) -> None:
+    # 400 nines parsed as inf, which msgspec encodes as null: a [rollout] deadline like that
+    # was stored in a plan's settings that could not be read back.
+    with pytest.raises(gate.Refused) as e:
+        gate.parse(GOOD.replace(old, new))
+    assert str(e.value).startswith(f"module hello: {field}: ")
+    assert str(e.value).endswith("is longer than 168h")
+    gate.parse(GOOD.replace(old, new.replace("169h", "168h").replace("9" * 400, "9")))
+    assert gate.duration("168h") == gate.MAX_DURATION

@@ -15,6 +15,10 @@ def label(text: str) -> tuple[str, str]:
         check_name(key, field="label key")
     except InvalidName as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+    if len(value) > 256 or not value.isprintable():  # as the controller takes it (mesh.model.Word)
+        raise argparse.ArgumentTypeError(
+            f"label {key}: the value is at most 256 printable characters"
+        )
     return key, value
 
 

@@ -26,6 +26,7 @@ MAX_CONTAINERS = 64
 MAX_FILES = 64  # files of one process
 MAX_ENV = 256  # environment variables of one process or container
 MAX_ARGV = 1024  # words of one command
+MAX_DURATION = 7 * 24 * 3600.0  # a week, in seconds: any timeout, interval or deadline
 SHELLS = {"sh", "bash", "dash", "zsh", "ksh", "ash", "fish", "csh", "tcsh"}  # by basename
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h)")
 _MODE = re.compile(r"0?[0-7]{3}")
@@ -46,11 +47,14 @@ class Refused(ValueError):
 
 
 def duration(text: str) -> float:
-    """'500ms', '2s', '1.5m', '1h' -> seconds."""
+    """'500ms', '2s', '1.5m', '1h' -> seconds, at most MAX_DURATION."""
     m = _DURATION.fullmatch(text)
     if not m:
         raise ValueError(f"{text!r} is not a duration (like 500ms, 2s, 1m, 1h)")
-    return float(m.group(1)) * _UNITS[m.group(2)]
+    seconds = float(m.group(1)) * _UNITS[m.group(2)]
+    if not seconds <= MAX_DURATION:  # inf too: it would be encoded as null, then not read back
+        raise ValueError(f"{text[:20]!r} is longer than {MAX_DURATION / 3600:g}h")
+    return seconds
 
 
 def mode(text: str) -> int:
