@@ -10,8 +10,27 @@ def nats_url(flag: str | None = None) -> str:
 
 
 def database_url(flag: str | None = None) -> str | None:
-    return flag or os.environ.get("MESH_DATABASE_URL") or None
+    return flag or os.environ.get("MESH_DATABASE_URL") or _from_files("database-url") or None
 
 
 def creds(flag: str | None = None) -> str | None:
-    return flag or os.environ.get("MESH_CREDS") or None
+    """A credentials file: the flag, MESH_CREDS, or `nats.creds` among the files the host wrote
+    for this process (like systemd's LoadCredential=); an empty one means none."""
+    given = flag or os.environ.get("MESH_CREDS")
+    if given:
+        return given
+    folder = os.environ.get("MESH_FILES")
+    found = os.path.join(folder, "nats.creds") if folder else None
+    return found if found and os.path.isfile(found) and os.path.getsize(found) > 0 else None
+
+
+def _from_files(name: str) -> str | None:
+    """A value the host wrote as a file for this process ($MESH_FILES/NAME), stripped."""
+    folder = os.environ.get("MESH_FILES")
+    if not folder:
+        return None
+    try:
+        with open(os.path.join(folder, name), encoding="utf-8") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None

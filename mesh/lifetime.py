@@ -1,4 +1,5 @@
-"""Process lifetime: the one way a service stops, on SIGTERM or SIGINT, by cancelling its scope."""
+"""Process lifetime: the one way a service stops, on SIGTERM or SIGINT, by cancelling its scope;
+and waiting for the first of several events."""
 
 import logging
 import signal
@@ -14,3 +15,15 @@ async def stop_on_signals(scope: anyio.CancelScope) -> None:
             log.info("received %s: stopping", signal.Signals(signum).name)
             scope.cancel()
             return
+
+
+async def first_of(*events: anyio.Event) -> None:
+    """Wait until any of `events` is set."""
+    async with anyio.create_task_group() as tg:
+
+        async def wait(event: anyio.Event) -> None:
+            await event.wait()
+            tg.cancel_scope.cancel()
+
+        for event in events:
+            tg.start_soon(wait, event)

@@ -88,11 +88,18 @@ class Procs:
 
 @pytest.fixture
 def procs(tmp_path: Path) -> Iterator[Procs]:
+    # Hosts' roots live outside pytest's folder, which pytest makes 0700 whenever a session
+    # starts: processes run as other accounts must reach their bundles. tmp_path/hosts links
+    # there, so tests read their hosts' files where they always did.
+    real = Path(tempfile.mkdtemp(prefix="mesh-test-hosts-"))
+    real.chmod(0o755)
+    (tmp_path / "hosts").symlink_to(real, target_is_directory=True)
     p = Procs(tmp_path)
     try:
         yield p
     finally:
         p.kill_all()
+        shutil.rmtree(real, ignore_errors=True)
 
 
 # --- PostgreSQL: one server per session, one database per test ----------------------------------

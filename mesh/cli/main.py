@@ -71,6 +71,15 @@ def parser() -> argparse.ArgumentParser:
         "--down-after", type=int, default=3, metavar="N", help="missed beats before down (3)"
     )
 
+    ready = ctl_verbs.add_parser(
+        "ready", parents=[common], help="exit 0 if this machine's controller holds or stands by"
+    )
+    ready.add_argument(
+        "--file", type=Path, metavar="F", help="its readiness file ($MESH_FILES/ready)"
+    )
+    migrate = ctl_verbs.add_parser("migrate", parents=[common], help="bring the store's schema up")
+    migrate.add_argument("--database-url", metavar="URL", help="PostgreSQL (env MESH_DATABASE_URL)")
+
     host = verbs.add_parser("host", parents=[common], help="the host agent")
     host_verbs = host.add_subparsers(dest="host_command", metavar="COMMAND", parser_class=Parser)
     host_verbs.required = True
@@ -116,6 +125,36 @@ async def cmd_dev_up(args: argparse.Namespace) -> None:
     await up(folder=args.dir, hosts=args.hosts, port=args.port)
 
 
+async def cmd_controller_ready(args: argparse.Namespace) -> None:
+    from services.controller import readiness
+
+    path = args.file or readiness.default_file()
+    if path is None:
+        raise CliError("no readiness file: pass --file, or run where MESH_FILES is set")
+    why = readiness.problem(path)
+    if why:
+        raise CliError(why)
+    if not args.json:
+        console().print("ready")
+
+
+async def cmd_controller_migrate(args: argparse.Namespace) -> None:
+    from mesh.store import db
+    from mesh.store.migrate import migrate
+
+    database_url = config.database_url(args.database_url)
+    if not database_url:
+        raise CliError("no database: set MESH_DATABASE_URL or pass --database-url")
+    conn = await db.connect(database_url)
+    try:
+        applied = await migrate(conn)
+    finally:
+        await conn.close()
+    print_json({"applied": applied}) if args.json else console().print(
+        f"migrations applied: {', '.join(map(str, applied))}" if applied else "schema up to date"
+    )
+
+
 async def cmd_controller_run(args: argparse.Namespace) -> None:
     # The command line starts the services; the services never import the command line.
     from services.controller.main import run
@@ -157,6 +196,8 @@ COMMANDS: dict[tuple[str, ...], Callable[[argparse.Namespace], Any]] = {
     ("handover",): cmd_handover,
     ("dev", "up"): cmd_dev_up,
     ("controller", "run"): cmd_controller_run,
+    ("controller", "ready"): cmd_controller_ready,
+    ("controller", "migrate"): cmd_controller_migrate,
     ("host", "run"): cmd_host_run,
     **modules.COMMANDS,
     **hosts.COMMANDS,

@@ -126,7 +126,7 @@ def remove_containers(hosts_root: Path) -> list[str]:
     if shutil.which("docker") is None:
         return []
     removed = []
-    for root in sorted(p for p in hosts_root.glob("*") if p.is_dir()):
+    for root in sorted(p.resolve() for p in hosts_root.glob("*") if p.is_dir()):
         found = subprocess.run(
             ["docker", "ps", "-aq", "--filter", f"label=mesh.root={root}"],
             capture_output=True, text=True, timeout=60,

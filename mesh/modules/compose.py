@@ -99,6 +99,8 @@ def digest(decl: Declaration) -> str:
 def bundle_key(kind: str, digest: str | None, path: str | None) -> str:
     if kind == "system":
         return f"system:{path or ''}"
+    if kind == "mesh":
+        return "mesh:installed"
     if not digest:
         raise ValueError(f"a {kind} bundle without a digest (not packed or built yet)")
     return f"{kind}:{digest}"  # the same bytes as `files` and as `python` are two bundles

@@ -14,7 +14,15 @@ from typing import Any
 
 import msgspec
 
-from mesh.modules.manifest import Account, Bundle, Check, Container, Manifest, Process
+from mesh.modules.manifest import (
+    ON_THE_MACHINE,
+    Account,
+    Bundle,
+    Check,
+    Container,
+    Manifest,
+    Process,
+)
 from mesh.names import InvalidName, check_name
 
 MAX_MANIFEST = 256 * 1024  # bytes of module.toml
@@ -232,9 +240,13 @@ def check(m: Manifest) -> None:
     for name, b in m.bundle.items():
         f = f"bundle.{name}"
         _name(mod, f, name)
-        if b.kind == "system":
+        if b.kind in ON_THE_MACHINE:
             if b.source or b.build or b.output:
-                raise Refused(mod, f, "a system bundle is already on the machine: no source/build")
+                raise Refused(
+                    mod, f, f"a {b.kind} bundle is already on the machine: no source/build"
+                )
+            if b.path and b.kind == "mesh":
+                raise Refused(mod, f"{f}.path", "a mesh bundle is wherever mesh is installed")
             if b.path:
                 _absolute(mod, f"{f}.path", b.path)
         elif not b.source:
@@ -248,6 +260,9 @@ def check(m: Manifest) -> None:
         if b.build and not b.output:
             raise Refused(mod, f"{f}.output", "a bundle with build must say which output it keeps")
         _duration(mod, f"{f}.timeout", b.timeout)
+    _duration(mod, "rollout.deadline", m.rollout.deadline)
+    if m.rollout.max_parallel < 0:
+        raise Refused(mod, "rollout.max_parallel", "0 (all of a tier) or more")
     for name, a in m.account.items():
         f = f"account.{name}"
         if not _ACCOUNT.fullmatch(name):

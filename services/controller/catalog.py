@@ -53,7 +53,7 @@ from mesh.modules.compose import (
     prepare,
 )
 from mesh.modules.diff import diff
-from mesh.modules.manifest import Assign, Manifest
+from mesh.modules.manifest import ON_THE_MACHINE, Assign, Manifest
 from mesh.store import catalog, plans
 from services.controller import builds
 from services.controller.fleet import Fleet
@@ -272,7 +272,7 @@ class Catalog:
         digests: dict[str, str] = {}
         built: list[str] = []
         for name, b in sorted(manifest.bundle.items()):
-            if b.kind == "system":
+            if b.kind in ON_THE_MACHINE:
                 continue
             assert b.source is not None  # the gate made sure
             try:

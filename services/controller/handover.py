@@ -24,6 +24,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from mesh import bus, subjects, wire
+from mesh.lifetime import first_of
 from mesh.model import SeatAnnounce
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,7 @@ class VerbSubscriptions:
         self._routes = routes
         self._holder: Any = None
         self._ready = anyio.Event()
+        self._elsewhere = anyio.Event()  # another controller took the seat: pass verbs on
         self.subs: list[Subscription] = []
         self.since: float | None = None
 
@@ -71,6 +73,9 @@ class VerbSubscriptions:
             if self._holder is not None:
                 await handler(self._holder, msg)
                 return
+            if self._elsewhere.is_set():
+                await self._pass_on(msg)
+                return
             try:
                 self._tasks.start_soon(self._later, handler, msg)
             except RuntimeError:  # stopping
@@ -79,8 +84,12 @@ class VerbSubscriptions:
         return on_message
 
     async def _later(self, handler: Handler, msg: Msg) -> None:
+        elsewhere = self._elsewhere  # `leave` starts a new one once it is done
         with anyio.move_on_after(SEAT_WAIT):
-            await self._ready.wait()
+            await first_of(self._ready, elsewhere)
+        if self._holder is None and elsewhere.is_set():
+            await self._pass_on(msg)
+            return
         if self._holder is None:
 
             async def unavailable() -> None:
@@ -91,6 +100,17 @@ class VerbSubscriptions:
             await bus.answer(msg, unavailable)
             return
         await handler(self._holder, msg)
+
+    async def _pass_on(self, msg: Msg) -> None:
+        """Send a request we hold on to the group again, with its reply subject: the holder
+        answers the client directly (we have left the group, so it cannot come back to us)."""
+        await self._nc.publish(msg.subject, msg.data, reply=msg.reply)
+
+    async def leave(self) -> None:
+        """Another controller holds the seat: leave the group and pass on what we hold."""
+        self._elsewhere.set()
+        await self.stop(drain=True)  # what is still queued for us goes through on_message
+        self._elsewhere = anyio.Event()
 
     async def stop(self, *, drain: bool) -> None:
         """Drain (answer what is in flight) or, without a connection, just unsubscribe."""
@@ -121,22 +141,31 @@ async def announce(nc: Client, me: SeatAnnounce) -> str | None:
 
 
 async def stand_ready(nc: Client, me: SeatAnnounce, verbs: VerbSubscriptions) -> None:
-    """Standby: on each `handover`, join the verb queue group and say so. If the seat does not
-    come within EARLY_FOR, leave the group again (the holder changed its mind or died)."""
-    handovers = await nc.subscribe(subjects.seat("handover"))
+    """Standby: on each `handover`, join the verb queue group and say so. When another standby
+    takes the seat (its `held`), or none does within EARLY_FOR, leave the group again, passing
+    on the requests held meanwhile. Cancelled from outside once the seat is ours."""
+    seat = await nc.subscribe(subjects.seat("*"))
     try:
-        async for msg in handovers.messages:
+        async for msg in seat.messages:
+            event = msg.subject.rsplit(".", 1)[-1]
+            if event not in ("handover", "held"):
+                continue
             try:
-                holder = wire.decode(msg.data, SeatAnnounce)
+                other = wire.decode(msg.data, SeatAnnounce)
             except wire.BadRequest:
                 continue
-            await verbs.subscribe()
-            await nc.publish(subjects.seat("ready"), wire.encode(me))
-            log.info("controller %s: %s hands over; subscribed to verbs, ready",
-                     me.instance, holder.instance)  # fmt: skip
-            with anyio.move_on_after(EARLY_FOR):
-                await anyio.sleep_forever()  # cancelled from outside once the seat is ours
-            log.info("controller %s: the seat did not come; leaving the verb group", me.instance)
-            await verbs.stop(drain=True)
+            if event == "held" and other.instance != me.instance and verbs.active:
+                log.info("controller %s: %s holds the seat; passing verbs on to it",
+                         me.instance, other.instance)  # fmt: skip
+                await verbs.leave()
+            elif event == "handover" and not verbs.active:
+                await verbs.subscribe()
+                await nc.publish(subjects.seat("ready"), wire.encode(me))
+                log.info("controller %s: %s hands over; subscribed to verbs, ready",
+                         me.instance, other.instance)  # fmt: skip
+            elif verbs.active and verbs.since and time.monotonic() - verbs.since > EARLY_FOR:
+                log.info("controller %s: the seat did not come; leaving the verb group",
+                         me.instance)  # fmt: skip
+                await verbs.leave()
     finally:
-        await handovers.unsubscribe()
+        await seat.unsubscribe()

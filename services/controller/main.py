@@ -27,11 +27,12 @@ from mesh import blobs, bus, subjects, wire
 from mesh.model import Applied, Beat, Handover, ProcessesEvent, SeatAnnounce, SeatInfo
 from mesh.store import db, events, seats
 from mesh.store.migrate import migrate
-from services.controller import handover
+from services.controller import handover, readiness
 from services.controller.catalog import Catalog
 from services.controller.fleet import Fleet
 from services.controller.handover import VerbSubscriptions
 from services.controller.planner import Planner
+from services.controller.readiness import Readiness
 from services.controller.seat import SeatLock
 from services.controller.standbys import ANNOUNCE_EVERY, Standbys
 from services.controller.verbs import Holder, on_host_verb, on_verb
@@ -68,7 +69,8 @@ async def run(
 ) -> None:
     host = socket.gethostname()
     pid = os.getpid()
-    instance = instance or f"{host}-{pid}"
+    # Run by a host as a process: named after the machine (MESH_MACHINE), not the OS's hostname.
+    instance = instance or f"{os.environ.get('MESH_MACHINE') or host}-{pid}"
     started = datetime.now(UTC)
 
     conn = await db.connect(database_url)
@@ -101,7 +103,9 @@ async def run(
         await nc.subscribe(subjects.SEAT_EVENTS, cb=on_seat_event)
         me = SeatAnnounce(instance=instance, pid=pid, host=host, since=started)
 
+        ready = Readiness(readiness.default_file())
         async with anyio.create_task_group() as tg:
+            tg.start_soon(ready.keep_writing)
             holding: list[Stop] = []  # the current hold's Stop, while this controller holds
             signalled = anyio.Event()
             tg.start_soon(_signals, tg.cancel_scope, holding, signalled)
@@ -111,6 +115,7 @@ async def run(
                 )
                 if not await lock.try_acquire():
                     log.info("controller %s standing by for the seat %s", instance, subjects.SEAT)
+                    ready.set("standby")
                     async with anyio.create_task_group() as waiting:
                         waiting.start_soon(_announce_standby, nc, me)
                         waiting.start_soon(handover.stand_ready, nc, me, verbs)
@@ -124,6 +129,7 @@ async def run(
                     await _hold(
                         nc=nc, link=link, pool=pool, lock=lock, me=me, standbys=standbys,
                         down_after=down_after, verbs=verbs, stop=stop, released=released,
+                        ready=ready,
                     )  # fmt: skip
                 finally:
                     holding.clear()
@@ -174,6 +180,7 @@ async def _hold(
     verbs: VerbSubscriptions,
     stop: Stop,
     released: dict[str, float],
+    ready: Readiness,
 ) -> None:
     assert lock.conn is not None
     before = await seats.read(lock.conn, seat=subjects.SEAT)
@@ -181,6 +188,7 @@ async def _hold(
         lock.conn, seat=subjects.SEAT, holder=me.instance, pid=me.pid, host=me.host
     )
     assert row.since is not None
+    ready.set("holding", row.epoch)
     previous = before.holder if before else None
     let_go = released.pop(previous, None) if previous else None
     taken = Handover(
@@ -270,6 +278,7 @@ async def _hold(
                 background.start_soon(_plan_work, catalog, planner, row.epoch, plans)
 
                 await stop.requested.wait()
+                ready.set("handing-over", row.epoch)
                 # The handover (design.md §5.2): a standby joins the verb group first.
                 ready = await handover.announce(nc, held) if nc.is_connected else None
                 log.info("controller %s hands over the seat%s", me.instance,

@@ -21,12 +21,13 @@ import msgspec
 from nats.aio.client import Client
 
 from mesh import blobs, bus, subjects, wire
+from mesh.lifetime import first_of
 from mesh.model import Applied, SecretReply, SecretRequest
 from mesh.modules.compose import Declaration, DProcess
 from mesh.modules.gate import duration
 from services.host import accounts, bundles, containers, files, watch
 from services.host.processes import credentials, kill_group
-from services.host.supervisor import Launch, Supervisor, first_of, spec_digest
+from services.host.supervisor import Launch, Supervisor, spec_digest
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +97,10 @@ class StepFailed(Exception):
 
 
 class Applier:
-    def __init__(self, *, name: str, nc: Client, root: Path, supervisor: Supervisor) -> None:
+    def __init__(
+        self, *, name: str, nc: Client, root: Path, supervisor: Supervisor, nats_url: str = ""
+    ) -> None:
+        self._nats_url = nats_url  # told to processes, as MESH_NATS_URL: where the mesh is
         self.name = name
         self.supervisor = supervisor
         self.engine = containers.Engine(host=name, root=str(root))
@@ -289,6 +293,8 @@ class Applier:
         bundle = decl.bundles[p.bundle]
         if bundle.kind == "system":
             cwd = Path(bundle.path or "/")
+        elif bundle.kind == "mesh":
+            cwd = bundles.folder(self._root, p.bundle)
         else:
             cwd = bundles.folder(self._root, p.bundle)
         files_folder = self._root / "processes" / name / "files"
@@ -298,6 +304,8 @@ class Applier:
             "HOME": owner.home if owner and owner.home else str(files_folder),
             "MESH_FILES": str(files_folder),
             "MESH_PROCESS": name,
+            "MESH_MACHINE": self.name,
+            **({"MESH_NATS_URL": self._nats_url} if self._nats_url else {}),
             **p.env,
         }
         uid = owner.uid if owner else (None if not p.root else 0)

@@ -106,7 +106,9 @@ async def run(
                 nc=nc, root=state, changed=lambda: tg.start_soon(report_processes)
             )
             tg.start_soon(supervisor.run)
-            applier = Applier(name=name, nc=nc, root=state, supervisor=supervisor)
+            applier = Applier(
+                name=name, nc=nc, root=state, supervisor=supervisor, nats_url=nats_url
+            )
 
             def current_status() -> HostStatus:
                 status.applied, status.applied_epoch = applier.digest, applier.epoch

@@ -21,6 +21,7 @@ import msgspec
 from anyio.abc import TaskGroup
 from nats.aio.client import Client
 
+from mesh.lifetime import first_of
 from mesh.model import ProcessState
 from mesh.modules.compose import DProcess, canonical_process
 from mesh.modules.gate import duration
@@ -316,18 +317,6 @@ class Supervisor:
             self.running[name] = self._start(s.launch)
             self._on_change()
             return True
-
-
-async def first_of(*events: anyio.Event) -> None:
-    """Wait until any of `events` is set."""
-    async with anyio.create_task_group() as tg:
-
-        async def wait(event: anyio.Event) -> None:
-            await event.wait()
-            tg.cancel_scope.cancel()
-
-        for event in events:
-            tg.start_soon(wait, event)
 
 
 def replace_child(instance: Instance) -> Instance:
