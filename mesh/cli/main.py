@@ -59,6 +59,14 @@ def parser() -> argparse.ArgumentParser:
         "--port", type=int, default=None, help="NATS port (4222, or a free one if taken; 0: free)"
     )
 
+    new = verbs.add_parser(
+        "init", parents=[common], help="a new mesh on this machine, its controller a process"
+    )
+    new.add_argument("--dir", type=Path, default=None,
+                     help="where it lives (/var/lib/mesh as root, else ~/.mesh)")  # fmt: skip
+    new.add_argument("--name", default=None, help="this machine's name (its hostname)")
+    new.add_argument("--port", type=int, default=None, help="NATS port (4222, or a free one)")
+
     ctl = verbs.add_parser("controller", parents=[common], help="the controller service")
     ctl_verbs = ctl.add_subparsers(
         dest="controller_command", metavar="COMMAND", parser_class=Parser
@@ -123,6 +131,15 @@ async def cmd_dev_up(args: argparse.Namespace) -> None:
     from mesh.dev.up import up
 
     await up(folder=args.dir, hosts=args.hosts, port=args.port)
+
+
+async def cmd_init(args: argparse.Namespace) -> None:
+    import socket
+
+    from mesh.init import default_dir, init
+
+    name = args.name or socket.gethostname().split(".")[0]
+    await init(folder=args.dir or default_dir(), name=name, port=args.port)
 
 
 async def cmd_controller_ready(args: argparse.Namespace) -> None:
@@ -195,6 +212,7 @@ COMMANDS: dict[tuple[str, ...], Callable[[argparse.Namespace], Any]] = {
     ("nodes",): cmd_nodes,
     ("handover",): cmd_handover,
     ("dev", "up"): cmd_dev_up,
+    ("init",): cmd_init,
     ("controller", "run"): cmd_controller_run,
     ("controller", "ready"): cmd_controller_ready,
     ("controller", "migrate"): cmd_controller_migrate,

@@ -71,9 +71,11 @@ async def spawn(
     log: Path,
     env: Mapping[str, str] | None = None,
     cwd: Path | None = None,
+    detached: bool = False,
     **credentials: Any,
 ) -> Child:
-    """Start `argv`; `credentials` (user, group, extra_groups) drop privileges."""
+    """Start `argv`; `credentials` (user, group, extra_groups) drop privileges. A detached child
+    outlives us (`mesh init`'s servers); any other dies with us."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as out:
         proc = await asyncio.create_subprocess_exec(
@@ -83,7 +85,7 @@ async def spawn(
             stderr=subprocess.STDOUT,
             env=dict(env) if env is not None else None,
             start_new_session=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=None if detached else _die_with_parent,
             cwd=cwd,
             **credentials,
         )

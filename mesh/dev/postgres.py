@@ -144,12 +144,16 @@ async def ensure_database(port: int, name: str) -> None:
         await conn.close()
 
 
-async def start(data: Path, *, log: Path, database: str) -> tuple[Child, str]:
+async def start(
+    data: Path, *, log: Path, database: str, detached: bool = False
+) -> tuple[Child, str]:
     """Initialise `data` if it is new, run the server on a free local port, wait until it
     answers and create `database`. Returns the running child and the database's URL."""
     await anyio.to_thread.run_sync(init, data)
     port = free_port()
-    child = await spawn("postgres", argv(data, port=port), log=log, cwd=data, **run_as())
+    child = await spawn(
+        "postgres", argv(data, port=port), log=log, cwd=data, detached=detached, **run_as()
+    )
     try:
         await wait_ready(port, deadline=30, alive=lambda: child.running)
         await ensure_database(port, database)

@@ -77,7 +77,10 @@ def say(line: str) -> None:
 
 
 class DevMesh:
-    def __init__(self, *, folder: Path, hosts: int, port: int | None) -> None:
+    def __init__(
+        self, *, folder: Path, hosts: int, port: int | None, detached: bool = False
+    ) -> None:
+        self.detached = detached  # `mesh init`: the servers and the host outlive the command
         self.dir = folder.resolve()
         self.mesh = MeshDir(self.dir)
         self.creds: dict[str, Path] = {}  # piece (or "admin", "viewer") -> its credentials
@@ -100,7 +103,10 @@ class DevMesh:
         return env
 
     async def _start(self, name: str, argv: list[str]) -> Child:
-        child = await spawn(name, argv, log=self.dir / "logs" / f"{name}.log", env=self._env())
+        child = await spawn(
+            name, argv, log=self.dir / "logs" / f"{name}.log", env=self._env(),
+            detached=self.detached,
+        )  # fmt: skip
         self.children.append(child)
         return child
 
@@ -145,8 +151,9 @@ class DevMesh:
         if not (data / "PG_VERSION").exists():
             say(f"initialising PostgreSQL in {data}")
         child, self.database_url = await postgres.start(
-            data, log=self.dir / "logs" / "postgres.log", database=DATABASE
-        )
+            data, log=self.dir / "logs" / "postgres.log", database=DATABASE,
+            detached=self.detached,
+        )  # fmt: skip
         self.children.append(child)
         where = self.database_url.rsplit("@", 1)[-1].rsplit("/", 1)[0]
         say(f"postgres up on {where} (data in {data}, pid {child.pid})")

@@ -1,0 +1,174 @@
+"""`mesh init`: a new mesh on this machine, its controller a process from the start.
+
+In order: credentials for every piece (NATS admits nobody else), nats-server with JetStream,
+PostgreSQL and the store's schema, this machine's host (tier 0, the builder), then the
+controller, the way the mesh installs any service: a short-lived controller (`mesh-init`) holds
+the seat, `services/controller` is pushed and its plan runs, the host starts the controller
+process from its module, and `mesh-init` hands the seat over to it and exits. The servers and
+the host outlive the command; DIR/mesh.json lists them. Never a container.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+
+import anyio
+import anyio.to_thread
+
+import services.controller
+from mesh import bus, subjects, wire
+from mesh.auth import registry
+from mesh.dev.children import Child, spawn, stop_supervised
+from mesh.dev.up import DevError, DevMesh, DirLock, say
+from mesh.model import StatusReply
+from mesh.names import check_name
+from mesh.store import db
+from mesh.store.migrate import migrate
+
+INIT_INSTANCE = "mesh-init"
+WITHIN = 180.0
+
+
+def default_dir() -> Path:
+    return Path("/var/lib/mesh") if os.geteuid() == 0 else Path.home() / ".mesh"
+
+
+async def init(*, folder: Path, name: str, port: int | None) -> None:
+    check_name(name, field="--name")
+    folder.mkdir(parents=True, exist_ok=True)
+    lock = DirLock(folder)
+    lock.acquire()
+    record = folder.resolve() / "mesh.json"
+    if record.exists():
+        raise DevError(
+            f"{folder} already holds a mesh (see {record}); `source {folder}/env` to use it, "
+            "or choose another --dir"
+        )
+    mesh = DevMesh(folder=folder, hosts=0, port=port, detached=True)
+    temporary: Child | None = None
+    try:
+        mesh.issue_credentials()
+        with registry.locked(mesh.mesh) as users:
+            host_creds = users.ensure("host", name, builder=True)
+            users.save()
+        await mesh.start_nats()
+        await mesh.start_postgres()
+        conn = await db.connect(mesh.database_url)
+        try:
+            applied = await migrate(conn)
+        finally:
+            await conn.close()
+        say(f"store schema ready ({len(applied)} migration(s) applied)")
+        host = await mesh._start(
+            name,
+            mesh._mesh_argv(
+                "host", "run", "--name", name, "--tier", "0", "--label", "builder=true",
+                "--root", str(mesh.dir / "host"), "--creds", str(host_creds),
+            ),
+        )  # fmt: skip
+        say(f"host {name} started, tier 0, builder (pid {host.pid}, root {mesh.dir / 'host'})")
+        temporary = await spawn(
+            INIT_INSTANCE,
+            mesh._mesh_argv("controller", "run", "--instance", INIT_INSTANCE,
+                            "--creds", str(mesh.creds["ctl"])),
+            log=mesh.dir / "logs" / f"{INIT_INSTANCE}.log", env=mesh._env(),
+        )  # fmt: skip
+        await _until(mesh, lambda s: s.seat is not None and s.seat.holder == INIT_INSTANCE,
+                     f"the seat held by {INIT_INSTANCE}")  # fmt: skip
+        await _until(mesh, lambda s: s.nodes.up >= 1, f"host {name} registered")
+
+        admin = {**mesh._env(), "MESH_CREDS": str(mesh.creds["admin"])}
+        _mesh(admin, "secret", "set", "mesh-database-url", stdin=mesh.database_url)
+        _mesh(admin, "secret", "set", "mesh-controller-creds",
+              stdin=mesh.creds["ctl"].read_text())  # fmt: skip
+        module = Path(services.controller.__file__).parent
+        say(f"installing the controller: mesh push {module} --wait")
+        await anyio.to_thread.run_sync(lambda: _mesh(admin, "push", str(module), "--wait"))
+
+        temporary.proc.send_signal(signal.SIGTERM)  # hands the seat to the controller process
+        await _until(mesh, lambda s: s.seat is not None and s.seat.holder != INIT_INSTANCE,
+                     "the controller process to hold the seat")  # fmt: skip
+        status = await _status(mesh)
+        assert status is not None and status.seat is not None
+        await temporary.stop()
+        temporary = None
+    except BaseException:
+        with anyio.CancelScope(shield=True):
+            say("mesh init failed: stopping what it started")
+            if temporary is not None:
+                await temporary.stop(sig=signal.SIGKILL)
+            for child in mesh.children:
+                if child.name == name:  # the host first: DevMesh.stop knows node-N only
+                    await child.stop()
+            await mesh.stop()
+            stop_supervised(mesh.dir)
+            for made in (record, mesh.dir / "env"):
+                made.unlink(missing_ok=True)
+        raise
+    finally:
+        lock.release()
+
+    env = mesh.write_env()
+    pids = {c.name: c.pid for c in mesh.children}
+    record.write_text(json.dumps({
+        "name": name, "made": datetime.now(UTC).isoformat(), "nats_url": mesh.nats_url,
+        "database_url": mesh.database_url, "pids": pids, "host_root": str(mesh.dir / "host"),
+    }, indent=2) + "\n")  # fmt: skip
+    seat = status.seat
+    say(f"the controller runs as a process: {seat.holder} (pid {seat.pid}), epoch {seat.epoch}")
+    print(
+        f"\nmade a mesh in {mesh.dir}:\n"
+        f"  nats-server   {mesh.nats_url} (pid {pids['nats-server']}), every connection "
+        f"authenticated; credentials in {mesh.mesh.creds}\n"
+        f"  PostgreSQL    pid {pids['postgres']}, data in {mesh.dir / 'pg'}\n"
+        f"  host {name:<8} pid {pids[name]}, tier 0, builds bundles\n"
+        f"  controller    a process the host runs from services/controller (pid {seat.pid})\n"
+        f"use it:          source {env}; mesh status\n"
+        f"add a machine:   mesh machine add NAME --dir {mesh.dir}   (prints its join command)\n"
+        f"stop it:         kill {' '.join(str(p) for p in pids.values())} "
+        f"(the host leaves the controller running: kill it too)\n",
+        flush=True,
+    )
+
+
+def _mesh(env: dict[str, str], *args: str, stdin: str | None = None) -> None:
+    done = subprocess.run(
+        [sys.executable, "-P", "-m", "mesh", *args], env=env, input=stdin, text=True,
+        stdout=None if "--wait" in args else subprocess.DEVNULL, stderr=subprocess.PIPE,
+        timeout=WITHIN,
+    )  # fmt: skip
+    if done.returncode != 0:
+        raise DevError(f"mesh {' '.join(args)}: {done.stderr.strip()}")
+
+
+async def _status(mesh: DevMesh) -> StatusReply | None:
+    try:
+        nc = await bus.connect(
+            mesh.nats_url, name="mesh init", creds=str(mesh.creds["admin"]), reconnect=False
+        )
+    except bus.Unreachable:
+        return None
+    try:
+        data = await bus.request(nc, subjects.ctl("status"), b"{}", deadline=time.monotonic() + 2)
+        return wire.decode_reply(data, StatusReply)
+    except (bus.NoAnswer, wire.RemoteError):
+        return None
+    finally:
+        await nc.close()
+
+
+async def _until(mesh: DevMesh, ok: Callable[[StatusReply], bool], what: str) -> None:
+    deadline = time.monotonic() + WITHIN
+    while time.monotonic() < deadline:
+        mesh._check_alive()
+        status = await _status(mesh)
+        if status is not None and ok(status):
+            return
+        await anyio.sleep(0.2)
+    raise DevError(f"not ready within {WITHIN:g}s: waiting for {what}; logs in {mesh.dir}/logs")
