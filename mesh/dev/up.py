@@ -160,14 +160,15 @@ class DevMesh:
 
     async def start_controllers(self) -> None:
         for i in (1, 2):
-            name = f"ctl-{i}"
-            child = await self._start(
-                name,
-                self._mesh_argv(
-                    "controller", "run", "--instance", name, "--creds", str(self.creds["ctl"])
-                ),
-            )
-            say(f"controller {name} started (pid {child.pid})")
+            await self._start_controller(f"ctl-{i}")
+
+    async def _start_controller(self, name: str) -> Child:
+        argv = self._mesh_argv(
+            "controller", "run", "--instance", name, "--creds", str(self.creds["ctl"])
+        )
+        child = await self._start(name, argv)
+        say(f"controller {name} started (pid {child.pid})")
+        return child
 
     async def start_hosts(self) -> None:
         for i in range(1, self.hosts + 1):
@@ -247,11 +248,19 @@ class DevMesh:
                 tg.start_soon(self._watch_one, child, tg.cancel_scope)
 
     async def _watch_one(self, child: Child, scope: anyio.CancelScope) -> None:
-        code = await child.proc.wait()
-        if child.stopping:
-            return
-        how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-        say(f"{child.name} exited ({how}); its log: {child.log}")
+        while True:
+            code = await child.proc.wait()
+            if child.stopping:
+                return
+            how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+            say(f"{child.name} exited ({how}); its log: {child.log}")
+            if not child.name.startswith("ctl-"):
+                break
+            # Like Restart=always: a killed controller comes back as a standby, so the seat
+            # always has one to go to (the demo of `kill -9` can be repeated).
+            await anyio.sleep(1)
+            self.children.remove(child)
+            child = await self._start_controller(child.name)
         if child.name in ("nats-server", "postgres"):
             say(f"{child.name} is gone: stopping the mesh")
             self.lost = f"{child.name} exited ({how}); see {child.log}"
