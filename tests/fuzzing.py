@@ -22,6 +22,7 @@ NASTY_STRINGS = [
     "\x00", "\u202e", "\ud7ff", "💥", "\uff48\uff45\uff4c\uff4c\uff4f", "x" * 65, "x" * 256,
     "sha256:", "sha256:" + "0" * 63,
     "1e999", "-1", "NaN", "null", "{}", "[]", '"', "\\", "%s%n", "${HOME}", "$(id)", "sh -c id",
+    "0ms", "2s", "168h", "169h", "9" * 400 + "s", "0400", "0777", "8080:80", "docker.io/x",
 ]  # fmt: skip
 
 scalars = st.one_of(
