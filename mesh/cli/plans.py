@@ -102,13 +102,15 @@ async def follow(args: argparse.Namespace, plan_id: int) -> PlanReply:
                TextColumn("{task.fields[took]}"))  # fmt: skip
     with Progress(*columns, console=out, transient=False) as progress:
         tasks: dict[int, TaskID] = {}
-        header = progress.add_task(f"plan {plan_id}", total=None, took="")
+        header = progress.add_task(f"plan {plan_id}", total=1, took="")  # all machines
         while True:
             p = await _plan(args, plan_id)
             took = f"{time.monotonic() - started:.0f}s"
             what = f"plan {p.id} {p.trigger} {p.subject}: {p.state}"
+            done = sum(s.state in ("done", "skipped") for s in p.steps)
             progress.update(header, description=what + (" (reverting)" if p.phase == "revert"
-                                                        else ""), took=took)  # fmt: skip
+                                                        else ""), took=took,
+                            total=max(len(p.steps), 1), completed=done)  # fmt: skip
             for t in p.tiers:
                 if t.tier not in tasks:
                     tasks[t.tier] = progress.add_task("", total=t.total, took="")

@@ -60,6 +60,7 @@ from services.controller.fleet import Fleet
 
 log = logging.getLogger(__name__)
 
+MAX_DECLARATION = 768 * 1024  # bytes of one declaration: with its envelope, under 1 MiB
 UNBUILT = "unbuilt:"  # the dry run's stand-in for a bundle that a push would build first
 
 
@@ -117,6 +118,12 @@ class Catalog:
                 body, digest = encode(merge(machine, mine))
             except Conflict as e:
                 raise wire.BadRequest(str(e), code="conflict") from None
+            if len(body) > MAX_DECLARATION:  # the KV (and the bus) could not carry it
+                raise wire.BadRequest(
+                    f"machine {machine}'s declaration would be {len(body)} bytes, more than "
+                    f"{MAX_DECLARATION}: assign fewer or smaller modules to it",
+                    code="too_large",
+                )
             composed[machine] = (digest, body)
         return composed
 
