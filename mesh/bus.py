@@ -199,6 +199,13 @@ async def answer(msg: Msg, serve: Callable[[], Awaitable[object]]) -> None:
         return
     try:
         body = wire.encode(await serve())
+    except anyio.get_cancelled_exc_class():
+        # The service is stopping (a handover's deadline for slow verbs): say so rather than
+        # leave the caller waiting out its timeout; trying again reaches the next holder.
+        with anyio.CancelScope(shield=True), anyio.move_on_after(1):
+            await msg.respond(wire.error("unavailable", "the controller stopped before it "
+                                         "answered; try again"))  # fmt: skip
+        raise
     except wire.BadRequest as e:
         body = wire.error(e.code, str(e))
     except Exception as e:

@@ -74,23 +74,25 @@ async def ask(
             f"{verb}: the request is {len(body)} bytes, more than the NATS server takes "
             f"({nc.max_payload}); see Limits in docs/verbs.md"
         )
-    try:
-        data = await bus.request(
-            nc,
-            subjects.ctl(verb),
-            body,
-            deadline=time.monotonic() + timeout,
-            attempt_timeout=attempt,
-        )
-    except bus.NoAnswer:
-        raise CliError(
-            f"no controller answered `{verb}` on {url} within {timeout:g}s; "
-            "is a controller running? (`mesh dev up` starts one)"
-        ) from None
-    try:
-        return wire.decode_reply(data, reply)
-    except wire.RemoteError as e:
-        raise CliError(f"{verb}: {e}" if e.code != "refused" else str(e)) from None
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            data = await bus.request(
+                nc, subjects.ctl(verb), body, deadline=deadline, attempt_timeout=attempt
+            )
+        except bus.NoAnswer:
+            raise CliError(
+                f"no controller answered `{verb}` on {url} within {timeout:g}s; "
+                "is a controller running? (`mesh dev up` starts one)"
+            ) from None
+        try:
+            return wire.decode_reply(data, reply)
+        except wire.RemoteError as e:
+            # The seat was moving (a handover, a controller stopping): ask the next holder.
+            if e.code == "unavailable" and time.monotonic() + 0.5 < deadline:
+                await anyio.sleep(0.5)
+                continue
+            raise CliError(f"{verb}: {e}" if e.code != "refused" else str(e)) from None
 
 
 CHANGE_TIMEOUT = 900.0  # a push may wait for a build (10 minutes by default) and then some

@@ -10,9 +10,16 @@ from datetime import datetime
 import asyncpg
 import msgspec
 
+from mesh import wire
 
-class Fenced(Exception):
-    """The seat moved on: this controller's epoch is no longer the store's."""
+
+class Fenced(wire.BadRequest):
+    """The seat moved on: this controller's epoch is no longer the store's. As an answer to a
+    verb it says to try again (the client's retry finds the new holder)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(f"{message}: the seat moved to another controller; try again",
+                         code="unavailable")  # fmt: skip
 
 
 async def fence(conn: asyncpg.Connection, *, epoch: int, seat: str = "mesh-controller") -> None:
@@ -165,9 +172,19 @@ async def write_declarations(
     )
 
 
-async def undo(conn: asyncpg.Connection, trigger: str, change: dict) -> str:
-    """Take back the catalog change a reverted plan made; what was done, in words."""
+async def undo(conn: asyncpg.Connection, trigger: str, change: dict, *, plan_id: int) -> str:
+    """Take back the catalog change a reverted plan made; what was done, in words. A later
+    change of the same module stands: it was asked for after this one."""
     module = change.get("module")
+    if trigger in ("assign", "unassign"):
+        later = await conn.fetchval(
+            "SELECT min(id) FROM plans WHERE id > $1 AND subject = $2"
+            " AND trigger IN ('assign', 'unassign')",
+            plan_id,
+            module,
+        )
+        if later is not None:
+            return f"module {module}'s assignment changed again since (plan {later}): it stands"
     if trigger == "push" and module:
         now = await conn.fetchval("SELECT version_id FROM modules WHERE name = $1", module)
         if now != change["to"]:

@@ -130,15 +130,17 @@ async def expected(conn: asyncpg.Connection, machines: list[str]) -> dict[str, s
             "SELECT machine, digest FROM declarations WHERE machine = ANY($1::text[])", machines
         )
     }
+    # A plan that is reverting leaves its machines at `before`, not `after`.
     planned = await conn.fetch(
-        "SELECT DISTINCT ON (s.machine) s.machine, s.after FROM plan_steps s"
-        " JOIN plans p ON p.id = s.plan_id"
+        "SELECT DISTINCT ON (s.machine) s.machine,"
+        " CASE WHEN p.phase = 'revert' THEN coalesce(s.before, '') ELSE s.after END AS digest"
+        " FROM plan_steps s JOIN plans p ON p.id = s.plan_id"
         " WHERE s.machine = ANY($1::text[]) AND p.state = ANY($2::text[])"
         " ORDER BY s.machine, p.id DESC",
         machines,
         list(OPEN),
     )
-    found.update({r["machine"]: r["after"] for r in planned})
+    found.update({r["machine"]: r["digest"] for r in planned})
     return found
 
 
@@ -158,12 +160,12 @@ async def set_steps(
         """
         UPDATE plan_steps SET state = $3, before = $4, before_body = $5, after = $6,
             after_body = $7, published = $8, reverted = $9, started = $10, finished = $11,
-            error = $12, epoch = $13
+            error = $12, epoch = $13, tier = $14
         WHERE plan_id = $1 AND machine = $2
         """,
         [
             (plan_id, s.machine, s.state, s.before, s.before_body, s.after, s.after_body,
-             s.published, s.reverted, s.started, s.finished, s.error, epoch)
+             s.published, s.reverted, s.started, s.finished, s.error, epoch, s.tier)
             for s in steps
         ],
     )  # fmt: skip

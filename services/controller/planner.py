@@ -69,17 +69,22 @@ class Planner:
         if p.state == "pending":
             try:
                 await self._start(p)
+            except catalog.Fenced:
+                raise  # the seat moved on: this controller must stop, not fail the plan
             except wire.BadRequest as e:  # e.g. a conflict the catalog has come to since
                 await self._finish(p, "failed", f"could not compose: {e}")
                 return
         else:
             log.info("plan %d: continuing under epoch %d (%s)", p.id, self._epoch, p.phase)
         if p.phase == "forward":
-            failure = None
+            # A failed step already in the store (written with its plan's stop, but kept here
+            # too: a plan with a failed step never rolls on).
+            bad = next((s for s in p.steps if s.state == "failed"), None)
+            failure = f"machine {bad.machine}: {bad.error}" if bad else None
             for tier in sorted({s.tier for s in p.steps}):
-                failure = await self._roll_tier(p, tier)
                 if failure is not None:
                     break
+                failure = await self._roll_tier(p, tier)
             if failure is None:
                 await self._finish(p, "done", None)
                 return
@@ -88,9 +93,6 @@ class Planner:
                 return
             log.info("plan %d stopped: %s; reverting", p.id, failure)
             p.phase, p.error = "revert", failure
-            async with self._pool.acquire() as conn, conn.transaction():
-                await catalog.fence(conn, epoch=self._epoch)
-                await plans.set_plan(conn, p.id, phase="revert", error=failure)
             self._show(p)
         for tier in sorted({s.tier for s in p.steps}, reverse=True):
             await self._revert_tier(p, tier)
@@ -126,7 +128,7 @@ class Planner:
         async with self._pool.acquire() as conn, conn.transaction():
             await catalog.fence(conn, epoch=self._epoch)
             if state == "reverted":
-                taken_back = await catalog.undo(conn, p.trigger, p.undo)
+                taken_back = await catalog.undo(conn, p.trigger, p.undo, plan_id=p.id)
                 log.info("plan %d: %s", p.id, taken_back)
             await plans.set_plan(conn, p.id, state=state, finished=now, error=error)
             await events.record(conn, f"plan.{state}", epoch=self._epoch, plan=p.id, error=error)
@@ -202,10 +204,15 @@ class Planner:
                         s.state, s.finished = "failed", finished
                         s.error = f"not finished when the plan stopped at machine {bad.machine}"
                 changed = [s for s in steps if s.state in ("done", "failed")]
+            if failed is not None:
+                # The failing step and the plan's stop in one transaction: whoever continues
+                # the plan sees both or neither, so it never rolls on past a failure.
+                failure = f"machine {failed[0].machine}: {failed[1]}"
+                stop = {"phase": "revert"} if p.settings.auto_revert else {}
+                await self._write(p, changed, error=failure, **stop)
+                return failure
             if changed:
                 await self._write(p, changed)
-            if failed is not None:
-                return f"machine {failed[0].machine}: {failed[1]}"
         log.info("plan %d: tier %d done", p.id, tier)
         return None
 
@@ -232,10 +239,13 @@ class Planner:
         await self._catalog.publish(bodies)
         self._show(p)
 
-    async def _write(self, p: plans.Plan, steps: list[plans.Step]) -> None:
+    async def _write(self, p: plans.Plan, steps: list[plans.Step], **plan: str) -> None:
+        """Steps (and, given, the plan's own fields) in one fenced transaction."""
         async with self._pool.acquire() as conn, conn.transaction():
             await catalog.fence(conn, epoch=self._epoch)
             await plans.set_steps(conn, p.id, steps, epoch=self._epoch)
+            if plan:
+                await plans.set_plan(conn, p.id, **plan)
         self._show(p)
 
     # --- reverting -----------------------------------------------------------------------------

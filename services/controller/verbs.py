@@ -86,7 +86,7 @@ async def hand_over(h: Holder, _: HandoverRequest) -> HandoverReply:
     if not standbys:
         raise wire.BadRequest(
             "no standby controller to hand the seat to (start one: mesh controller run)",
-            code="unavailable",
+            code="no_standby",
         )
     h.tasks.start_soon(_after_reply, h.stop)
     return HandoverReply(

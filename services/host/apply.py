@@ -78,13 +78,17 @@ class _Latest:
         return self._value
 
 
-class _Digest(msgspec.Struct):
+class _Head(msgspec.Struct):
+    """What a value is, read without decoding its declaration."""
+
+    machine: str = ""
     digest: str = ""
+    epoch: int = 0
 
 
-def _digest(value: bytes) -> str | None:
+def _head(value: bytes) -> _Head | None:
     try:
-        return msgspec.json.decode(value, type=_Digest).digest
+        return msgspec.json.decode(value, type=_Head)
     except msgspec.DecodeError:
         return None
 
@@ -131,8 +135,19 @@ class Applier:
 
         async def receive() -> None:
             # Through a consumer the server lets this host create for its own key only.
+            newest = 0  # the highest epoch seen on the key
             async for value in watch.values(self._nc, self.name):
-                latest.put(value, interrupts=_digest(value) != self._applying)
+                head = _head(value)
+                if head is not None and head.epoch < max(newest, self.epoch):
+                    # A paused old holder's late put: refused here, so it neither interrupts
+                    # the apply in progress nor takes the place of a value still to apply.
+                    why = f"epoch {head.epoch} is older than epoch {max(newest, self.epoch)}"
+                    log.info("host %s: a declaration of %s: ignored", self.name, why)
+                    await self._report(head, ok=False, step="fence", error=f"{why}: ignored")
+                    continue
+                if head is not None:
+                    newest = max(newest, head.epoch)
+                latest.put(value, interrupts=head is None or head.digest != self._applying)
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(receive)
@@ -183,6 +198,9 @@ class Applier:
             return False
         finally:
             self._applying = None
+            # Until an apply works, the machine may be part way to a declaration it never
+            # reached: the one it had (a plan's revert) must be applied again, not skipped.
+            self._first = True
         self._first = False  # adopted what the last host left: only after an apply that worked
         self.epoch, self.digest = env.epoch, env.digest
         self._save()
@@ -194,7 +212,9 @@ class Applier:
         await self._report(env, ok=True)
         return True
 
-    async def _report(self, env: Envelope, *, ok: bool, step: str = "", error: str = "") -> None:
+    async def _report(
+        self, env: Envelope | _Head, *, ok: bool, step: str = "", error: str = ""
+    ) -> None:
         applied = Applied(
             name=self.name, digest=env.digest, epoch=env.epoch, ok=ok, step=step, error=error,
             processes=self.supervisor.states(),
