@@ -76,7 +76,8 @@ async def test_handover_and_sigterm_leave_no_request_unanswered(two, nc, nats_ur
         await await_until(lambda: _true(client.sent > 50), within=10, what="requests flowing")
 
         # 1. `mesh handover`: ctl-b takes the seat; ctl-a stands by again.
-        done = mesh_cli("handover", nats_url=nats_url)
+        # In a thread: the client's workers must keep sending while the command runs.
+        done = await anyio.to_thread.run_sync(lambda: mesh_cli("handover", nats_url=nats_url))
         assert done.returncode == 0, done.stderr
         assert "ctl-b" in done.stdout
 
@@ -101,7 +102,7 @@ async def test_handover_and_sigterm_leave_no_request_unanswered(two, nc, nats_ur
         s = await await_until(lambda: moved_to("ctl-a", s["seat"]["epoch"]), within=15,
                               what="ctl-a holds again")  # fmt: skip
         assert s["handover"]["planned"] is True
-        assert b.wait(timeout=30) == 0
+        assert await anyio.to_thread.run_sync(lambda: b.wait(timeout=30)) == 0
         await await_until(lambda: _true(client.sent > sent_before + 50), within=10,
                           what="requests after the second handover")  # fmt: skip
         stop.set()
