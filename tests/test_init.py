@@ -39,6 +39,12 @@ def made():
             except ProcessLookupError:
                 pass
     stop_supervised(folder)  # the controller the host ran
+    for proc in Path("/proc").glob("[0-9]*"):  # anything else started there, even if init failed
+        try:
+            if str(base).encode() in (proc / "cmdline").read_bytes():
+                os.kill(int(proc.name), signal.SIGKILL)
+        except (OSError, ValueError):
+            pass
     shutil.rmtree(base, ignore_errors=True)
 
 
