@@ -8,6 +8,10 @@ KEEPALIVES = {
     "tcp_keepalives_idle": "5",
     "tcp_keepalives_interval": "2",
     "tcp_keepalives_count": "3",
+    # A paused process (SIGSTOP, a frozen VM) keeps its sockets, so keepalives do not end its
+    # sessions: one stopped inside a transaction would hold the seat's row (`fence` reads it
+    # FOR SHARE) and block the next holder's epoch increment until it woke up.
+    "idle_in_transaction_session_timeout": "5s",
     "application_name": "mesh",
 }
 

@@ -116,8 +116,8 @@ class Fleet:
             if was is not None and not was.up:
                 await events.record(conn, "machine.up", machine=req.name, epoch=self._epoch)
         self.machines[req.name] = row
-        if req.applied:
-            self.applied[req.name] = req.applied
+        if req.applied:  # what it had when it asked: an applied event heard meanwhile is newer
+            self.applied.setdefault(req.name, req.applied)
         self.touch(req.name)
         self._up.add(req.name)  # registering is a sign of life
         self._beat_at[req.name] = time.monotonic()

@@ -45,6 +45,7 @@ class VerbSubscriptions:
         self._tasks = tasks
         self._routes = routes
         self._holder: Any = None
+        self._fresh: Callable[[], bool] = lambda: True
         self._ready = anyio.Event()
         self._elsewhere = anyio.Event()  # another controller took the seat: pass verbs on
         self.subs: list[Subscription] = []
@@ -64,13 +65,18 @@ class VerbSubscriptions:
         await self._nc.flush()
         self.since = time.monotonic()
 
-    def serve(self, holder: Any) -> None:
+    def serve(self, holder: Any, fresh: Callable[[], bool] = lambda: True) -> None:
+        """Answer with `holder` from now on, while `fresh()` says the seat is still ours."""
         self._holder = holder
+        self._fresh = fresh
         self._ready.set()
 
     def _route(self, handler: Handler) -> Callable[[Msg], Awaitable[None]]:
         async def on_message(msg: Msg) -> None:
             if self._holder is not None:
+                if not self._fresh():  # woken from a pause: the seat may have moved on
+                    await self._pass_on(msg)
+                    return
                 await handler(self._holder, msg)
                 return
             if self._elsewhere.is_set():

@@ -259,14 +259,14 @@ async def _hold(
                     tasks=serving, handover=taken, stop=stop.handover,
                 )  # fmt: skip
                 await verbs.subscribe()
-                verbs.serve(holder)
+                verbs.serve(holder, fresh=lock.fresh)
+                # Not in a queue group: a paused old holder that NATS has not dropped yet
+                # must not take every other beat and report (design.md §5.1).
                 subs = [
-                    await nc.subscribe(subjects.HOST_BEATS, queue=subjects.QUEUE, cb=on_beat),
-                    await nc.subscribe("mesh.event.*.applied", queue=subjects.QUEUE,
-                                       cb=on_applied),
-                    await nc.subscribe("mesh.event.*.processes", queue=subjects.QUEUE,
-                                       cb=on_processes),
-                ]  # fmt: skip
+                    await nc.subscribe(subjects.HOST_BEATS, cb=on_beat),
+                    await nc.subscribe("mesh.event.*.applied", cb=on_applied),
+                    await nc.subscribe("mesh.event.*.processes", cb=on_processes),
+                ]
                 await nc.flush()
                 await nc.publish(subjects.seat("held"), wire.encode(held))
                 link.on_up = fleet.forgive  # beats lost while we were away are not theirs

@@ -2,10 +2,14 @@
 
 Whoever holds the lock holds the seat; the session ending (exit, crash, lost network with the
 server's keepalives) releases it, and a standby blocked in `pg_advisory_lock` gets it at once.
+A paused holder (SIGSTOP, a frozen VM) keeps its socket and its kernel answers keepalives, so
+the holder's `watch` sets `idle_session_timeout` on its session and pings every PING_EVERY:
+the server ends a session silent for IDLE_LIMIT, which hands the lock to the standby.
 Never take it through a transaction-pooling proxy: the lock belongs to the session.
 """
 
 import logging
+import time
 
 import anyio
 import asyncpg
@@ -17,6 +21,15 @@ log = logging.getLogger(__name__)
 SEAT_LOCK = 0x6D657368_5EA7  # "mesh" + "seat"
 PING_EVERY = 1.0
 PING_DEADLINE = 3.0
+IDLE_LIMIT = 5.0  # the server ends the lock's session after this long without a query
+FRESH_FOR = PING_EVERY + PING_DEADLINE  # < IDLE_LIMIT: a seat confirmed this recently is ours
+RECONNECT_MAX = 1.0  # a standby whose session failed connects again at least this often
+
+# A session that is gone, or a store that is (re)starting; anything else is not retried.
+_GONE = (
+    OSError, TimeoutError, db.StoreUnreachable, asyncpg.PostgresConnectionError,
+    asyncpg.exceptions.OperatorInterventionError, asyncpg.InterfaceError,
+)  # fmt: skip
 
 
 class SeatLost(Exception):
@@ -27,27 +40,61 @@ class SeatLock:
     def __init__(self, database_url: str) -> None:
         self._url = database_url
         self.conn: asyncpg.Connection | None = None
+        self._confirmed = float("-inf")  # when (monotonic) the session last answered, holding
 
     async def try_acquire(self) -> bool:
         """Connect and try the lock without waiting; True if it is ours now."""
         self.conn = await db.connect(self._url)
-        return bool(await self.conn.fetchval("SELECT pg_try_advisory_lock($1)", SEAT_LOCK))
+        got = bool(await self.conn.fetchval("SELECT pg_try_advisory_lock($1)", SEAT_LOCK))
+        if got:
+            self._confirmed = time.monotonic()
+        return got
 
     async def wait(self) -> None:
-        """Block until the holder lets go. Cancellable: asyncpg cancels the query server-side."""
-        assert self.conn is not None
-        await self.conn.execute("SELECT pg_advisory_lock($1)", SEAT_LOCK)
+        """Block until the holder lets go. Cancellable: asyncpg cancels the query server-side.
+        A session that fails while waiting (the store restarted) is opened again, so a standby
+        outlives a store outage and takes the seat when the store is back."""
+        backoff, told = 0.1, False
+        while True:
+            try:
+                if self.conn is None:
+                    self.conn = await db.connect(self._url)
+                    if told:
+                        log.info("standby: the store answers again; waiting for the seat")
+                await self.conn.execute("SELECT pg_advisory_lock($1)", SEAT_LOCK)
+                self._confirmed = time.monotonic()
+                return
+            except _GONE as e:
+                if not told:
+                    log.info("standby: the store session failed (%s); connecting again",
+                             e or type(e).__name__)  # fmt: skip
+                    told = True
+                if self.conn is not None:
+                    self.conn.terminate()
+                    self.conn = None
+                await anyio.sleep(backoff)
+                backoff = min(backoff * 2, RECONNECT_MAX)
 
     async def watch(self) -> None:
         """Return never; raise SeatLost as soon as the lock's session stops answering."""
         assert self.conn is not None
-        while True:
-            await anyio.sleep(PING_EVERY)
-            try:
+        try:
+            with anyio.fail_after(PING_DEADLINE):
+                await self.conn.execute(f"SET idle_session_timeout = {int(IDLE_LIMIT * 1000)}")
+            while True:
+                await anyio.sleep(PING_EVERY)
                 with anyio.fail_after(PING_DEADLINE):
                     await self.conn.fetchval("SELECT 1")
-            except (TimeoutError, OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as e:
-                raise SeatLost(f"the seat's store session failed: {e or type(e).__name__}") from e
+                self._confirmed = time.monotonic()
+        except Exception as e:  # any failure: a session closed by the server while we were
+            # paused fails the next query with asyncpg's InternalClientError, not a PostgresError
+            raise SeatLost(f"the seat's store session failed: {e or type(e).__name__}") from e
+
+    def fresh(self) -> bool:
+        """The session answered within FRESH_FOR: the seat is still ours. False in a holder
+        woken from a pause (SIGSTOP) before its next ping finds the session gone: it must not
+        answer with a seat that may be someone else's by now."""
+        return self.conn is not None and time.monotonic() - self._confirmed < FRESH_FOR
 
     async def release(self) -> None:
         """Close the session: the lock goes with it, even if the unlock itself cannot be sent."""

@@ -8,6 +8,7 @@ seat (so a takeover never loses a machine), and publishes a heartbeat every inte
 import logging
 import os
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -35,6 +36,7 @@ from services.host.supervisor import Supervisor
 log = logging.getLogger("mesh.host")
 
 REGISTER_ATTEMPT = 2.0
+NEWER_HOLDER_WAIT = 0.25  # between registrations answered by an older holder than announced
 REFUSALS = ("bad_request", "forbidden")  # the controller's answer is final for these
 
 
@@ -122,7 +124,7 @@ async def run(
             )
             # Subscribed before registering, so a takeover during registration is not missed.
             held = await nc.subscribe(subjects.seat("held"))
-            await _register(nc, replace(registration, applied=applier.digest), status)
+            await _register(nc, lambda: replace(registration, applied=applier.digest), status)
             await report_processes()
             tg.start_soon(_beat, nc, name, beat_interval)
             tg.start_soon(applier.watch)
@@ -132,19 +134,29 @@ async def run(
                 except wire.BadRequest:
                     continue
                 if announce.epoch > status.epoch:  # a holder we have not registered with
-                    await _register(nc, replace(registration, applied=applier.digest), status)
+                    await _register(
+                        nc, lambda: replace(registration, applied=applier.digest), status,
+                        at_least=announce.epoch,
+                    )  # fmt: skip
                     await report_processes()
     finally:
         with anyio.CancelScope(shield=True), anyio.move_on_after(3):
             await bus.close(nc)
 
 
-async def _register(nc: Client, registration: Register, status: HostStatus) -> None:
-    """Register, retrying until some controller answers; log the wait once, not per attempt."""
+async def _register(
+    nc: Client, current: Callable[[], Register], status: HostStatus, *, at_least: int = 0
+) -> None:
+    """Register, retrying until some controller answers; log the wait once, not per attempt.
+    With `at_least`, until the holder of that epoch (or a later one) answers: the old holder
+    may still answer for a moment after a takeover, and the new one must hear from us. Each
+    attempt says what is applied now: an apply that ends meanwhile must not be taken back."""
+    registration = current()
     subject = subjects.ctl_host(registration.name, "register")
-    body = wire.encode(registration)
     waited = False
     while True:
+        registration = current()
+        body = wire.encode(registration)
         try:
             data = await bus.request(
                 nc, subject, body, deadline=time.monotonic() + REGISTER_ATTEMPT
@@ -163,6 +175,9 @@ async def _register(nc: Client, registration: Register, status: HostStatus) -> N
                 ) from None
             log.warning("host %s: registration failed (%s), retrying", registration.name, e)
             await anyio.sleep(REGISTER_ATTEMPT)
+            continue
+        if reply.epoch < at_least:  # the old holder, answering as it steps down: again
+            await anyio.sleep(NEWER_HOLDER_WAIT)
             continue
         status.registered = True
         status.epoch = reply.epoch
