@@ -45,6 +45,10 @@ def write_config(
         f"server_name: {json.dumps(name)}",
         "listen: 127.0.0.1:" + str(port),
         f"pid_file: {json.dumps(str(folder / 'nats.pid'))}",
+        # The server's side of liveness: a client that stops answering pings (a paused or
+        # vanished controller) is cut after about 10 s, its subscriptions with it.
+        'ping_interval: "5s"',
+        "ping_max: 2",
         "jetstream {",
         f"  store_dir: {json.dumps(str(store))}",
         "  sync_interval: always",
