@@ -263,8 +263,8 @@ async def test_secrets_never_appear_in_answers_logs_or_declarations(
 ) -> None:
     ok(run(nats_url, "secret", "set", "hello-token", stdin=SECRET))
     ok(run(nats_url, "push", str(EXAMPLE)))
-    ok(run(nats_url, "assign", "hello", "node-2"))
-    ok(run(nats_url, "secret", "set", "hello-token", stdin=SECRET + "-2"))  # a new version
+    ok(run(nats_url, "assign", "hello", "node-2", "--wait"))
+    ok(run(nats_url, "secret", "set", "hello-token", "--wait", stdin=SECRET + "-2"))  # v2
     seen = [
         ok(run(nats_url, *args))
         for args in (("status",), ("--json", "status"), ("nodes",), ("--json", "nodes"),

@@ -46,6 +46,9 @@ def module(folder: Path, *, version: str, port: int, mode: str = "serve", extra:
         f'command = ["python3", "server.py", "{version}", "{port}", "{mode}"]\n'
         f'check = {{ tcp = {port}, every = "300ms", passes = 2 }}\n'
         f"{extra}"
+        # The plan waits longer than the host's own health window, so a failure a test reads
+        # is the host's verdict, not the plan giving up first and reverting.
+        '[rollout]\ndeadline = "150s"\n'
         '[assign]\nmachines = ["node-1"]\n'
     )
     return folder

@@ -13,9 +13,9 @@ import os
 import pwd
 import shutil
 import subprocess
-import time
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 import anyio

@@ -46,8 +46,9 @@ def write_config(
         "listen: 127.0.0.1:" + str(port),
         f"pid_file: {json.dumps(str(folder / 'nats.pid'))}",
         # The server's side of liveness: a client that stops answering pings (a paused or
-        # vanished controller) is cut after about 10 s, its subscriptions with it.
-        'ping_interval: "5s"',
+        # vanished controller) is cut after 20-30 s, its subscriptions with it (the default
+        # is minutes). Shorter cuts clients that are only busy for a while.
+        'ping_interval: "10s"',
         "ping_max: 2",
         "jetstream {",
         f"  store_dir: {json.dumps(str(store))}",
