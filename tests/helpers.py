@@ -3,10 +3,13 @@
 import asyncio
 import json
 import os
+import pwd
+import shutil
 import subprocess
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -75,3 +78,18 @@ async def next_failure(events, *, within: float) -> dict:
         event = json.loads((await events.next_msg(timeout=left)).data)
         if not event["ok"]:
             return event
+
+
+def engine_answers() -> bool:
+    """A Docker Engine is here and answers."""
+    if shutil.which("docker") is None:
+        return False
+    return subprocess.run(["docker", "info"], capture_output=True, timeout=30).returncode == 0
+
+
+def account_of(pid: int) -> str:
+    """The name of the account a process runs as."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Uid:"):
+            return pwd.getpwuid(int(line.split()[1])).pw_name
+    raise AssertionError(f"no Uid line for pid {pid}")

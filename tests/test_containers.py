@@ -8,14 +8,13 @@ is reachable. Without an engine or busybox, these tests skip and say why.
 
 import io
 import json
-import shutil
 import subprocess
 import tarfile
 import uuid
 from pathlib import Path
 
 import pytest
-from helpers import await_until, next_failure
+from helpers import await_until, engine_answers, next_failure
 from test_modules import ok, run
 from test_processes import SERVER
 
@@ -24,15 +23,9 @@ from mesh.dev import ports
 IMAGE = "mesh-test/busybox:1"
 
 
-def _engine_answers() -> bool:
-    if shutil.which("docker") is None:
-        return False
-    return subprocess.run(["docker", "info"], capture_output=True, timeout=30).returncode == 0
-
-
 @pytest.fixture(scope="session")
 def image():
-    if not _engine_answers():
+    if not engine_answers():
         pytest.skip("no Docker Engine answers (.ci/run starts dockerd where it can)")
     if not Path("/bin/busybox").exists():
         pytest.skip("no static busybox to make an image from (apt-get install busybox-static)")

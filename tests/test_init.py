@@ -3,7 +3,6 @@ the start (never a container), answering `mesh status` with the printed environm
 
 import json
 import os
-import pwd
 import shutil
 import signal
 import subprocess
@@ -11,16 +10,9 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from helpers import MESH
+from helpers import MESH, account_of
 
 from mesh.dev.children import stop_supervised
-
-
-def _account_of(pid: int) -> str:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("Uid:"):
-            return pwd.getpwuid(int(line.split()[1])).pw_name
-    raise AssertionError(f"no Uid line for pid {pid}")
 
 
 @pytest.fixture
@@ -69,7 +61,7 @@ def test_init_makes_a_mesh_whose_controller_is_a_process(made) -> None:
     seat = json.loads(status.stdout)["seat"]
     assert seat["holder"].startswith("ctl-machine-")  # the process, not mesh-init
     if os.geteuid() == 0:
-        assert _account_of(seat["pid"]) == "mesh-controller"
+        assert account_of(seat["pid"]) == "mesh-controller"
     handover = json.loads(status.stdout)["handover"]
     assert handover["from"] == "mesh-init" and handover["planned"] is True
 

@@ -10,7 +10,6 @@ standing in for files"). Three real hosts (tiers 0, 1, 2), NATS, PostgreSQL. A c
 import io
 import json
 import os
-import pwd
 import shutil
 import subprocess
 import sys
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import anyio
 import pytest
-from helpers import MESH, ask, await_until
+from helpers import MESH, account_of, ask, await_until, engine_answers
 from nats.aio.client import Client
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
@@ -33,15 +32,9 @@ CONTAINER = "mesh-controller"
 IMAGE = "mesh-test/controller-rootfs:1"
 
 
-def _engine_answers() -> bool:
-    if shutil.which("docker") is None:
-        return False
-    return subprocess.run(["docker", "info"], capture_output=True, timeout=30).returncode == 0
-
-
 @pytest.fixture(scope="session")
 def rootfs_image():
-    if not _engine_answers():
+    if not engine_answers():
         pytest.skip("no Docker Engine answers (.ci/run starts dockerd where it can)")
     if os.geteuid() != 0:
         pytest.skip("the story needs root: hosts create the controller's account")
@@ -126,13 +119,6 @@ def _mesh(nats_url: str, *args: str, stdin: str | None = None) -> subprocess.Com
     )  # fmt: skip
 
 
-def _account_of(pid: int) -> str:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("Uid:"):
-            return pwd.getpwuid(int(line.split()[1])).pw_name
-    raise AssertionError(f"no Uid line for pid {pid}")
-
-
 async def test_the_controller_moves_from_a_container_to_a_process(
     container_controller, nc, nats_url, database_url, start_host, tmp_path
 ) -> None:
@@ -201,6 +187,6 @@ async def test_the_controller_moves_from_a_container_to_a_process(
     assert _inspect(CONTAINER) is None
     s = await ask(nc, "mesh.ctl.status")
     assert s["seat"]["holder"] != "container" and s["seat"]["epoch"] > first["seat"]["epoch"]
-    assert _account_of(s["seat"]["pid"]) == "mesh-controller"
+    assert account_of(s["seat"]["pid"]) == "mesh-controller"
     assert json.loads(upgraded.stdout)["outcome"]["state"] == "done"
     assert len(client.holders) >= 3  # container -> process -> the new version's process
