@@ -316,11 +316,19 @@ async def _hold(
                 "record release",
                 events.record(pool, "seat.released", epoch=row.epoch, holder=me.instance),
             )
-            await lock.release()
+            # Said before the lock goes, so the standby that gets it has heard it: its takeover
+            # is known to be a handover, and the gap is measured from here.
             gone = msgspec.structs.replace(held, at=datetime.now(UTC))
-            await _attempt("announce release", nc.publish(subjects.seat("released"),
-                                                          wire.encode(gone)))  # fmt: skip
+            if nc.is_connected:
+                await _attempt("announce release", _publish_flushed(
+                    nc, subjects.seat("released"), wire.encode(gone)))  # fmt: skip
+            await lock.release()
             log.info("controller %s released the seat, epoch %d", me.instance, row.epoch)
+
+
+async def _publish_flushed(nc: Client, subject: str, body: bytes) -> None:
+    await nc.publish(subject, body)
+    await nc.flush()
 
 
 async def _plan_work(
