@@ -93,3 +93,18 @@ def account_of(pid: int) -> str:
         if line.startswith("Uid:"):
             return pwd.getpwuid(int(line.split()[1])).pw_name
     raise AssertionError(f"no Uid line for pid {pid}")
+
+
+def ok(done: subprocess.CompletedProcess) -> str:
+    """A command that worked: its output."""
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def one_line_error(done: subprocess.CompletedProcess) -> str:
+    """A command that failed as a user should see it: exit 1, one line, no traceback."""
+    assert done.returncode == 1, done.stdout
+    assert "Traceback" not in done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    return lines[0]

@@ -9,8 +9,8 @@ import stat
 import uuid
 
 import pytest
-from helpers import ask, await_until
-from test_modules import EXAMPLE, SECRET, ok, run
+from helpers import ask, await_until, ok
+from test_modules import EXAMPLE, SECRET, run
 
 from mesh import osaccounts
 from mesh.modules.compose import DAccount

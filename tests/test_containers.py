@@ -14,8 +14,8 @@ import uuid
 from pathlib import Path
 
 import pytest
-from helpers import await_until, engine_answers, next_failure
-from test_modules import ok, run
+from helpers import await_until, engine_answers, next_failure, ok
+from test_modules import run
 from test_processes import SERVER
 
 from mesh.dev import ports

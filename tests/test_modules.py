@@ -8,7 +8,7 @@ from pathlib import Path
 
 import asyncpg
 import pytest
-from helpers import MESH, ask, await_until
+from helpers import MESH, ask, await_until, ok, one_line_error
 
 EXAMPLE = Path(__file__).parent.parent / "docs" / "examples" / "hello"
 SECRET = "s3cr3t-VALUE-7f1c"
@@ -22,19 +22,6 @@ def run(nats_url: str, *args: str, stdin: str | None = None) -> subprocess.Compl
         input=stdin,
         timeout=180,
     )
-
-
-def ok(done: subprocess.CompletedProcess) -> str:
-    assert done.returncode == 0, done.stderr
-    return done.stdout
-
-
-def one_line_error(done: subprocess.CompletedProcess) -> str:
-    assert done.returncode == 1, done.stdout
-    assert "Traceback" not in done.stderr
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1, done.stderr
-    return lines[0]
 
 
 @pytest.fixture

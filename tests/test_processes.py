@@ -8,8 +8,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from helpers import MESH, ask, await_until, next_failure
-from test_modules import ok, run
+from helpers import MESH, ask, await_until, next_failure, ok
+from test_modules import run
 
 from mesh.dev import ports
 

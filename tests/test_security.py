@@ -17,7 +17,7 @@ from pathlib import Path
 import anyio
 import msgspec
 import pytest
-from helpers import MESH, await_until, wait_until
+from helpers import MESH, await_until, ok, one_line_error, wait_until
 from nats.aio.client import Client
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import ConsumerConfig, DeliverPolicy
@@ -109,19 +109,6 @@ def cli(
         capture_output=True, text=True, input=stdin, timeout=180,
         env={**env, "MESH_NATS_URL": secured.url},
     )  # fmt: skip
-
-
-def ok(done: subprocess.CompletedProcess) -> str:
-    assert done.returncode == 0, done.stderr
-    return done.stdout
-
-
-def one_line_error(done: subprocess.CompletedProcess) -> str:
-    assert done.returncode == 1, done.stdout
-    assert "Traceback" not in done.stderr
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1, done.stderr
-    return lines[0]
 
 
 class Refusals:
