@@ -5,6 +5,7 @@ Set MESH_TEST_DATABASE_URL to use an existing PostgreSQL instead of the embedded
 """
 
 import asyncio
+import json
 import os
 import shutil
 import signal
@@ -35,19 +36,50 @@ def _names(database: str) -> set[str]:
     return {line.split(":", 1)[0] for line in out.splitlines() if line}
 
 
+SESSIONS = Path(tempfile.gettempdir()) / "mesh-test-sessions"
+
+
+def _live_sessions() -> list[Path]:
+    """Marker files of pytest sessions of this suite still running on this machine."""
+    live = []
+    for marker in SESSIONS.glob("*.pid"):
+        try:
+            os.kill(int(marker.stem), 0)
+            live.append(marker)
+        except (ValueError, ProcessLookupError):
+            marker.unlink(missing_ok=True)
+        except PermissionError:
+            live.append(marker)
+    return live
+
+
 @pytest.fixture(scope="session", autouse=True)
 def remove_accounts_made_by_tests() -> Iterator[None]:
     """Hosts in tests create real accounts (as root): every account and group that appears
     during the session is removed at its end, even when tests fail. Set up first, torn down
-    last, after the servers that run as such accounts have stopped."""
-    users, groups = _names("passwd"), _names("group")
+    last, after the servers that run as such accounts have stopped.
+
+    Several sessions may run at once on one machine (people iterating on different parts):
+    the accounts known before the first of them started are kept in SESSIONS/baseline, and
+    only the last session to end removes what appeared since, so no session removes the
+    accounts another is still using."""
+    SESSIONS.mkdir(exist_ok=True)
+    baseline = SESSIONS / "baseline.json"
+    if not _live_sessions() or not baseline.exists():
+        baseline.write_text(json.dumps({"passwd": sorted(_names("passwd")),
+                                        "group": sorted(_names("group"))}))  # fmt: skip
+    marker = SESSIONS / f"{os.getpid()}.pid"
+    marker.touch()
     yield
-    if os.geteuid() != 0:
+    marker.unlink(missing_ok=True)
+    if os.geteuid() != 0 or _live_sessions():
         return
-    for name in sorted(_names("passwd") - users):
+    known = json.loads(baseline.read_text())
+    for name in sorted(_names("passwd") - set(known["passwd"])):
         subprocess.run(["userdel", "--remove", name], capture_output=True)
-    for name in sorted(_names("group") - groups):
+    for name in sorted(_names("group") - set(known["group"])):
         subprocess.run(["groupdel", name], capture_output=True)
+    baseline.unlink(missing_ok=True)
 
 
 class Procs:
