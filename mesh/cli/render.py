@@ -72,6 +72,7 @@ def nodes(console: Console, r: NodesReply) -> None:
     for n in r.nodes:
         system = (
             f"{n.facts.os}/{n.facts.arch} {n.facts.cpus}cpu {_bytes(n.facts.memory)}"
+            + (f", {n.facts.container_engine}" if n.facts.container_engine else ", no containers")
             if n.facts
             else "?"
         )

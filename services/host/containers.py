@@ -11,6 +11,7 @@ import logging
 import os
 
 import aiodocker
+import anyio
 import msgspec
 
 from mesh.modules.compose import DContainer
@@ -19,10 +20,44 @@ log = logging.getLogger(__name__)
 
 SOCKET = os.environ.get("DOCKER_HOST", "unix:///var/run/docker.sock")
 STOP_TIMEOUT = 10
+PROBE_TIMEOUT = 5.0  # an engine that takes longer to say its version counts as none
 
 
 class EngineMissing(Exception):
     """No container engine answers: containers cannot be run on this machine."""
+
+
+async def _connect() -> aiodocker.Docker:
+    """A client that has had one answer from the engine, or EngineMissing.
+
+    aiodocker.Docker() asserts that it found DOCKER_HOST, a Docker context or a socket at the
+    usual paths (/run/docker.sock, /var/run/docker.sock, ~/.docker/run/docker.sock): on most
+    machines that is the ordinary case of having no engine, not a fault of ours."""
+    try:
+        docker = aiodocker.Docker()
+    except Exception as e:  # AssertionError when it found nothing; ValueError for a bad URL
+        why = f": {e}" if str(e) else ""
+        raise EngineMissing(f"no container engine answers at {SOCKET}{why}") from None
+    try:
+        await docker.version()
+    except Exception as e:
+        await docker.close()
+        raise EngineMissing(f"no container engine answers at {SOCKET}: {e}") from None
+    return docker
+
+
+async def probe() -> str:
+    """What container engine this machine has, for its facts: '' when none answers."""
+    engine = Engine(host="", root="")
+    try:
+        with anyio.move_on_after(PROBE_TIMEOUT):
+            return await engine.version()
+        return ""
+    except EngineMissing:
+        return ""
+    finally:
+        with anyio.CancelScope(shield=True):
+            await engine.close()
 
 
 def spec_digest(c: DContainer) -> str:
@@ -39,14 +74,18 @@ class Engine:
 
     async def _client(self) -> aiodocker.Docker:
         if self._docker is None:
-            docker = aiodocker.Docker()  # DOCKER_HOST, else the local socket
-            try:
-                await docker.version()
-            except Exception as e:
-                await docker.close()
-                raise EngineMissing(f"no container engine answers at {SOCKET}: {e}") from None
-            self._docker = docker
+            self._docker = await _connect()
         return self._docker
+
+    async def version(self) -> str:
+        """What answers, in words ('Docker Engine 28.2.2'); EngineMissing if nothing does."""
+        docker = await self._client()
+        try:
+            v = await docker.version()
+        except Exception as e:
+            raise EngineMissing(f"no container engine answers at {SOCKET}: {e}") from None
+        name = next((c.get("Name") for c in v.get("Components") or [] if c.get("Name")), "")
+        return f"{name or 'engine'} {v.get('Version', '?')}"
 
     async def close(self) -> None:
         if self._docker is not None:

@@ -16,7 +16,7 @@ def _memory_bytes() -> int:
         return 0
 
 
-def gather() -> Facts:
+def gather(*, container_engine: str = "") -> Facts:
     return Facts(
         os=platform.system().lower(),
         arch=platform.machine(),
@@ -25,4 +25,5 @@ def gather() -> Facts:
         mesh_version=__version__,
         hostname=socket.gethostname(),
         python=platform.python_version() or sys.version.split()[0],
+        container_engine=container_engine,
     )
