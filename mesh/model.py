@@ -112,6 +112,9 @@ class Facts(msgspec.Struct, forbid_unknown_fields=True):
     mesh_version: Word
     hostname: Word = ""
     python: Word = ""
+    # The container engine that answers on this machine ("Docker Engine 28.2.2"), "" for none:
+    # a declaration with containers fails its apply here, so an operator sees it first.
+    container_engine: Word = ""
 
 
 class ProcessState(msgspec.Struct):

@@ -28,7 +28,7 @@ from mesh.model import (
     SeatAnnounce,
 )
 from mesh.paths import open_path_to
-from services.host import verbs
+from services.host import containers, verbs
 from services.host.apply import Applier
 from services.host.facts import gather
 from services.host.supervisor import Supervisor
@@ -87,11 +87,19 @@ async def run(
         epoch=0,
         started=datetime.now(UTC),
     )
+    engine = await containers.probe()
+    if engine:
+        log.info("host %s: container engine %s", name, engine)
+    else:
+        log.info(
+            "host %s: no container engine answers (%s): declarations with containers will "
+            "fail here; everything else works", name, containers.SOCKET,
+        )  # fmt: skip
     registration = Register(
         name=name,
         tier=tier,
         labels=labels or {},
-        facts=gather(),
+        facts=gather(container_engine=engine),
         beat_interval=beat_interval,
         pid=os.getpid(),
     )
