@@ -112,7 +112,7 @@ class Facts(msgspec.Struct, forbid_unknown_fields=True):
     mesh_version: Word
     hostname: Word = ""
     python: Word = ""
-    # The container engine that answers on this machine ("Docker Engine 28.2.2"), "" for none:
+    # The container engine that answers on this machine ("engine 28.2.2, API 1.50"), "" for none:
     # a declaration with containers fails its apply here, so an operator sees it first.
     container_engine: Word = ""
 

@@ -14,7 +14,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from helpers import await_until, engine_answers, next_failure, ok
+from helpers import ask, await_until, engine_answers, next_failure, ok
 from test_modules import run
 from test_processes import SERVER
 
@@ -56,6 +56,15 @@ def names():
     yield name
     for n in made:
         subprocess.run(["docker", "rm", "-f", n], capture_output=True, timeout=60)
+
+
+def _engine_version() -> str:
+    done = subprocess.run(
+        ["docker", "version", "--format", "{{.Server.Version}}"],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
 
 
 def inspect(name: str) -> dict | None:
@@ -161,6 +170,10 @@ async def test_declared_containers_run_and_go_when_undeclared(
         return found if found and found["State"]["Running"] else None
 
     found = await await_until(running, within=60, what=f"container {name} running")
+    # The machine says it has an engine, and which (mesh nodes, before anything is assigned).
+    nodes = (await ask(nc, "mesh.ctl.nodes"))["nodes"]
+    engine = next(n for n in nodes if n["name"] == "node-1")["facts"]["container_engine"]
+    assert engine.startswith(f"engine {_engine_version()},"), engine
     assert found["Config"]["Labels"]["mesh.host"] == "node-1"
     assert found["HostConfig"]["NetworkMode"] == "host"
     ok(run(nats_url, "unassign", "cache", "node-1"))

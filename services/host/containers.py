@@ -78,14 +78,13 @@ class Engine:
         return self._docker
 
     async def version(self) -> str:
-        """What answers, in words ('Docker Engine 28.2.2'); EngineMissing if nothing does."""
+        """What answers, in words ('engine 20.10.24, API 1.41'); EngineMissing if nothing."""
         docker = await self._client()
         try:
             v = await docker.version()
         except Exception as e:
             raise EngineMissing(f"no container engine answers at {SOCKET}: {e}") from None
-        name = next((c.get("Name") for c in v.get("Components") or [] if c.get("Name")), "")
-        return f"{name or 'engine'} {v.get('Version', '?')}"
+        return f"engine {v.get('Version', '?')}, API {v.get('ApiVersion', '?')}"
 
     async def close(self) -> None:
         if self._docker is not None:
