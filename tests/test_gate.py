@@ -182,3 +182,17 @@ def test_every_module_in_the_repository_passes_the_gate() -> None:
     assert len(found) >= 4
     for path in found:
         assert parse(path.read_text(), origin=str(path)).module.name
+
+
+def test_replaces_without_a_check_is_refused() -> None:
+    # Without a check the process is healthy as soon as it starts, so its container would be
+    # removed before the process has shown it can take over.
+    line = refused(
+        GOOD.replace('check = { tcp = 8080, every = "2s", passes = 2 }\n', "")
+        + 'replaces = "old-hello"\n'
+    )
+    assert line.startswith("module hello: process.hello.replaces:")
+    assert "'old-hello'" in line and "check" in line
+    assert "\n" not in line
+    with_check = parse(GOOD + 'replaces = "old-hello"\n')
+    assert with_check.process["hello"].replaces == "old-hello"

@@ -348,6 +348,15 @@ def _process(mod: str, name: str, p: Process, m: Manifest, ports: dict[int, str]
     _duration(mod, f"{f}.prepare_timeout", p.prepare_timeout)
     if p.replaces is not None:
         _name(mod, f"{f}.replaces", p.replaces)
+        if p.check is None:
+            # Without a check a process is healthy the moment it starts: its container would
+            # be removed before the process had stayed up across two checks.
+            raise Refused(
+                mod,
+                f"{f}.replaces",
+                f"container {p.replaces!r} is removed only once this process passes its "
+                "check: add a check",
+            )
     if p.check is not None:
         _check(mod, f"{f}.check", p.check, name, ports)
 
