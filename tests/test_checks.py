@@ -38,8 +38,16 @@ async def test_tcp(nc) -> None:
 
 
 class _Status(BaseHTTPRequestHandler):
+    hosts: list[str] = []  # the Host header of every request, in order
+
     def do_GET(self) -> None:
-        self.send_response(200 if self.path == "/ok" else 503)
+        _Status.hosts.append(self.headers.get("Host", ""))
+        if self.path == "/moved":
+            self.send_response(302)
+            self.send_header("Location", "/ok")  # a check must not follow it to the 200
+        else:
+            self.send_response(200 if self.path == "/ok" else 503)
+        self.send_header("Content-Length", "0")
         self.end_headers()
 
     def log_message(self, *args: object) -> None:
@@ -60,6 +68,25 @@ async def test_http(nc, http_port) -> None:
     assert (await once(nc, Check(http=f"http://127.0.0.1:{http_port}/ok")))[0]
     passed, why = await once(nc, Check(http=f"http://127.0.0.1:{http_port}/sick"))
     assert not passed and "503" in why
+
+
+async def test_http_a_redirect_fails_and_is_not_followed(nc, http_port) -> None:
+    _Status.hosts.clear()
+    passed, why = await once(nc, Check(http=f"http://127.0.0.1:{http_port}/moved"))
+    assert not passed and "302" in why
+    assert len(_Status.hosts) == 1  # the redirect to /ok was not followed
+
+
+async def test_http_sends_the_port_in_the_host_header(nc, http_port) -> None:
+    # A server routing by Host (virtual hosts, a proxy) must see the port the URL names.
+    _Status.hosts.clear()
+    assert (await once(nc, Check(http=f"http://localhost:{http_port}/ok")))[0]
+    assert _Status.hosts == [f"localhost:{http_port}"]
+
+
+async def test_http_nothing_listening_fails_within_the_timeout(nc) -> None:
+    passed, why = await once(nc, Check(http=f"http://127.0.0.1:{ports.free_port()}/", timeout="1s"))
+    assert not passed and why
 
 
 async def test_exec(nc) -> None:

@@ -3,9 +3,9 @@ make a process healthy (counted by the supervisor)."""
 
 import subprocess
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import anyio
+import httpx
 from nats.aio.client import Client
 
 from mesh.modules.compose import DProcess
@@ -38,15 +38,15 @@ async def once(
                     return False, f"port {c.tcp} answers, but not from this process"
                 return True, ""
             if c.http is not None:
-                return await _http(c.http)
+                return await _http(c.http, timeout=limit)
             if c.exec is not None:
                 return await _exec(c.exec, cwd=cwd, env=env, uid=uid, gid=gid)
             if c.nats is not None:
                 await nc.request(c.nats, b"{}", timeout=limit)
                 return True, ""
-    except TimeoutError:
+    except (TimeoutError, httpx.TimeoutException):
         return False, f"no answer within {c.timeout}"
-    except OSError as e:
+    except (OSError, httpx.HTTPError) as e:
         return False, str(e) or type(e).__name__
     except Exception as e:  # a nats error: no responders, timeout
         return False, type(e).__name__
@@ -69,18 +69,13 @@ async def _exec(
     return process.returncode == 0, f"exit code {process.returncode}"
 
 
-async def _http(url: str) -> tuple[bool, str]:
-    parts = urlsplit(url)
-    port = parts.port or (443 if parts.scheme == "https" else 80)
-    stream = await anyio.connect_tcp(
-        parts.hostname or "127.0.0.1", port, tls=parts.scheme == "https"
-    )
-    async with stream:
-        path = parts.path or "/"
-        if parts.query:
-            path += "?" + parts.query
-        await stream.send(f"GET {path} HTTP/1.0\r\nHost: {parts.hostname}\r\n\r\n".encode())
-        head = await stream.receive(1024)
-    status = head.split(b"\r\n", 1)[0].split()
-    code = int(status[1]) if len(status) > 1 and status[1].isdigit() else 0
-    return 200 <= code < 400, f"HTTP status {code}"
+async def _http(url: str, *, timeout: float) -> tuple[bool, str]:
+    """2xx passes; anything else fails with its status. A redirect is not followed (the check
+    asks this process, not wherever it points), no proxy from the host's environment is used,
+    and the body is never read."""
+    async with (
+        httpx.AsyncClient(timeout=timeout, follow_redirects=False, trust_env=False) as client,
+        client.stream("GET", url) as response,
+    ):
+        code = response.status_code
+    return 200 <= code < 300, f"HTTP status {code}"
