@@ -258,3 +258,20 @@ async def host(nc, start_controller, start_host):
 
     await await_until(up, within=30, what="node-1 up")
     return proc
+
+
+# --- the fast subset ----------------------------------------------------------------------------
+
+REAL_SERVICES = {"procs", "nats_server", "pg_admin_url", "database_url"}
+WHOLE_MESHES = {"test_dev_up", "test_init"}  # start `mesh dev up` / `mesh init` themselves
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test that starts real servers or services is `slow` (seconds to minutes each):
+    `pytest -m "not slow"` runs the rest (gate, composition, archives, wire, planner logic) in
+    seconds while iterating. The whole suite stays the README's test command and CI's."""
+    for item in items:
+        if REAL_SERVICES & set(getattr(item, "fixturenames", ())) or (
+            item.module is not None and item.module.__name__ in WHOLE_MESHES
+        ):
+            item.add_marker(pytest.mark.slow)
