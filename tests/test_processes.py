@@ -2,12 +2,15 @@
 restarted host (same pids), swapped start-first only once the new version is healthy, prepared
 before they start, and their output readable with `mesh logs`."""
 
+import grp
 import os
 import signal
 import subprocess
 import time
+import uuid
 from pathlib import Path
 
+import pytest
 from helpers import MESH, ask, await_until, next_failure, ok
 from test_modules import run
 
@@ -204,3 +207,36 @@ async def test_prepare_runs_before_the_start_and_a_failing_one_keeps_the_old(
     assert event["step"] == "prepare svc" and "exit code 4" in event["error"]
     kept = await await_until(lambda: healthy(nc), within=10, what="v1 still healthy")
     assert kept["pid"] == v1["pid"]
+
+
+IN_GROUP = """\
+import grp, os, sys
+sys.exit(0 if grp.getgrnam(sys.argv[1]).gr_gid in os.getgroups() else 1)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="accounts with groups are made only as root")
+async def test_an_exec_check_runs_with_the_accounts_supplementary_groups(
+    host, nc, nats_url, tmp_path
+) -> None:
+    # The process has its account's groups; its check must too, or a check that reads what
+    # only the group may read fails while the process itself is fine.
+    tag = uuid.uuid4().hex[:6]
+    account, group = f"svc-g{tag}", f"meshg{tag}"
+    folder = tmp_path / "m"
+    (folder / "src").mkdir(parents=True)
+    (folder / "src" / "in_group.py").write_text(IN_GROUP)
+    (folder / "module.toml").write_text(
+        '[module]\nname = "svc"\n'
+        '[bundle.svc]\nkind = "files"\nsource = "src"\n'
+        f'[account.{account}]\ngroups = ["{group}"]\n'
+        f'[process.svc]\nbundle = "svc"\naccount = "{account}"\n'
+        'command = ["python3", "-c", "import time; time.sleep(3600)"]\n'
+        f'check = {{ exec = ["python3", "in_group.py", "{group}"], every = "300ms", passes = 2 }}\n'
+        '[assign]\nmachines = ["node-1"]\n'
+    )
+    ok(run(nats_url, "push", str(folder)))
+    p = await await_until(lambda: healthy(nc), within=30, what="svc healthy by its exec check")
+    status = Path(f"/proc/{p['pid']}/status").read_text()
+    groups = next(line for line in status.splitlines() if line.startswith("Groups:"))
+    assert str(grp.getgrnam(group).gr_gid) in groups.split()  # the process has the group too

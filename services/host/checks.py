@@ -2,6 +2,7 @@
 make a process healthy (counted by the supervisor)."""
 
 import subprocess
+from collections.abc import Sequence
 from pathlib import Path
 
 import anyio
@@ -22,10 +23,13 @@ async def once(
     uid: int | None,
     gid: int | None,
     env: dict[str, str],
+    groups: Sequence[int] = (),
     session: int | None = None,
 ) -> tuple[bool, str]:
-    """Run the process's check once: (passed, why not). With `session` (the instance's pid, as
-    it leads its own session), a tcp check passes only if that session holds the port."""
+    """Run the process's check once: (passed, why not). An exec check runs as the process
+    does: its account, with the account's supplementary `groups`. With `session` (the
+    instance's pid, as it leads its own session), a tcp check passes only if that session
+    holds the port."""
     c = p.check
     assert c is not None
     limit = duration(c.timeout)
@@ -40,7 +44,7 @@ async def once(
             if c.http is not None:
                 return await _http(c.http, timeout=limit)
             if c.exec is not None:
-                return await _exec(c.exec, cwd=cwd, env=env, uid=uid, gid=gid)
+                return await _exec(c.exec, cwd=cwd, env=env, uid=uid, gid=gid, groups=groups)
             if c.nats is not None:
                 await nc.request(c.nats, b"{}", timeout=limit)
                 return True, ""
@@ -54,11 +58,17 @@ async def once(
 
 
 async def _exec(
-    argv: list[str], *, cwd: Path, env: dict[str, str], uid: int | None, gid: int | None
+    argv: list[str],
+    *,
+    cwd: Path,
+    env: dict[str, str],
+    uid: int | None,
+    gid: int | None,
+    groups: Sequence[int],
 ) -> tuple[bool, str]:
     process = await anyio.open_process(
         argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL, start_new_session=True, **credentials(uid, gid),
+        stderr=subprocess.DEVNULL, start_new_session=True, **credentials(uid, gid, groups),
     )  # fmt: skip
     try:
         await process.wait()

@@ -153,7 +153,7 @@ class Supervised:
         while True:
             ok, why = await checks.once(
                 self.launch.decl, nc=self._nc, cwd=self.launch.cwd, uid=self.launch.uid,
-                gid=self.launch.gid, env=self.launch.env,
+                gid=self.launch.gid, env=self.launch.env, groups=self.launch.groups,
                 session=self.instance.pid if self.instance else None,
             )  # fmt: skip
             passes = passes + 1 if ok else 0
