@@ -208,6 +208,17 @@ async def undo(conn: asyncpg.Connection, trigger: str, change: dict, *, plan_id:
     return "nothing to take back"
 
 
+MAX_LOG_TAIL = 4096  # bytes of a build's last lines kept in its row (a builder sends no more)
+
+
+def clip_tail(text: str, limit: int = MAX_LOG_TAIL) -> str:
+    """The end of `text`, at most `limit` bytes: a builder's reply is not trusted to be short."""
+    data = text.encode()
+    if len(data) <= limit:
+        return text
+    return "…" + data[-(limit - 3) :].decode(errors="ignore")  # "…" is 3 bytes
+
+
 class BuildRow(msgspec.Struct):
     key: str
     module: str
@@ -279,6 +290,6 @@ async def finish_build(
         key,
         "done" if ok else "failed",
         digest,
-        tail,
+        clip_tail(tail),
         log_object,
     )

@@ -88,6 +88,7 @@ async def build(
             f"the build of {module}/{name} on {on} got no answer ({type(e).__name__})",
             code="build_failed",
         ) from None
+    reply = msgspec.structs.replace(reply, tail=catalog.clip_tail(reply.tail))
     if reply.ok and (reply.digest is None or not await blobs.has(obs, reply.digest)):
         reply = msgspec.structs.replace(reply, ok=False, error="the builder stored no bundle")
     await catalog.finish_build(

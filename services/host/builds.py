@@ -3,7 +3,8 @@
 The module's source is fetched by digest and verified, unpacked into a scratch folder, and the
 build's argv runs there as the unprivileged account `mesh-build` (the current user in dev mode),
 in its own process group, with a time limit. The output is packed canonically and stored by its
-digest; the whole log is stored as `build-log-<key>`, the last lines go back in the reply.
+digest; the log's last LOG_KEEP bytes are stored as `build-log-<key>` (a first line says how
+much was cut before them), its last lines (at most TAIL_BYTES) go back in the reply.
 """
 
 import logging
@@ -28,6 +29,8 @@ log = logging.getLogger(__name__)
 
 BUILD_ACCOUNT = "mesh-build"
 TAIL_LINES = 20
+TAIL_BYTES = 4096  # of those lines: they travel in the reply and an error message
+LOG_KEEP = 256 * 1024  # of a build's output, its end is kept: a chatty build costs no memory
 
 
 def _credentials() -> dict[str, Any]:
@@ -45,7 +48,31 @@ def _inside(root: Path, rel: str) -> Path:
 
 
 def _tail(text: str) -> str:
-    return "\n".join(text.splitlines()[-TAIL_LINES:])
+    tail = "\n".join(text.splitlines()[-TAIL_LINES:])
+    data = tail.encode()
+    if len(data) <= TAIL_BYTES:
+        return tail
+    return "…" + data[-(TAIL_BYTES - 3) :].decode(errors="ignore")  # "…" is 3 bytes
+
+
+def _read_log(output: Path) -> str:
+    """The build's output, or its last LOG_KEEP bytes from a whole line on, after a first line
+    saying how many bytes were cut; only that much is ever read."""
+    try:
+        f = open(output, "rb")
+    except FileNotFoundError:
+        return ""
+    with f:
+        size = f.seek(0, os.SEEK_END)
+        if size <= LOG_KEEP:
+            f.seek(0)
+            return f.read(LOG_KEEP).decode(errors="replace")
+        f.seek(size - LOG_KEEP)
+        kept = f.read(LOG_KEEP)
+    newline = kept.find(b"\n")
+    if 0 <= newline < len(kept) - 1:
+        kept = kept[newline + 1 :]  # no half line first (a single huge line is kept as cut)
+    return f"[… {size - len(kept)} bytes cut …]\n" + kept.decode(errors="replace")
 
 
 async def build(nc: Client, req: BuildRequest, *, root: Path) -> BuildReply:
@@ -80,7 +107,7 @@ async def _build(nc: Client, req: BuildRequest, *, root: Path) -> BuildReply:
             await anyio.to_thread.run_sync(_give, scratch, BUILD_ACCOUNT)
         log.info("building %s/%s in %s: %s", req.module, req.bundle, workdir, req.argv)
         code, timed_out = await _run(req, workdir=workdir, output=output, credentials=credentials)
-        text = output.read_text(errors="replace") if output.exists() else ""
+        text = _read_log(output)
         await blobs.put_named(obs, log_name, text.encode())
         if timed_out:
             return BuildReply(ok=False, digest=None, tail=_tail(text), log=log_name,
