@@ -4,6 +4,8 @@ real hosts (node-1 the builder), NATS with JetStream and PostgreSQL."""
 import json
 import shutil
 import subprocess
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import asyncpg
@@ -162,6 +164,40 @@ async def test_the_manifest_must_be_the_one_in_the_source(fleet, nc) -> None:
     assert "differs from the module.toml in the source archive" in reply["error"]["message"]
 
 
+def _push_in_background(nats_url: str, module: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [*MESH, "--json", "push", str(module), "--nats-url", nats_url, "--timeout", "120"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _finished(push: subprocess.Popen) -> dict:
+    out, err = push.communicate(timeout=120)
+    assert push.returncode == 0, err
+    return json.loads(out)
+
+
+@pytest.fixture
+def gate_dir() -> Iterator[Path]:
+    """A folder the builder's account can look into (pytest's own folders are 0700): a build
+    script there waits for the test to create `open` in it."""
+    folder = Path(tempfile.mkdtemp(prefix="mesh-test-gate-"))
+    folder.chmod(0o755)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def _gated_build(gate: Path) -> str:
+    """A build that runs until the test opens the gate; `sleep` is the script's own polling."""
+    return (
+        f"set -e\necho waiting for {gate}/open\n"
+        f"while [ ! -e {gate}/open ]; do sleep 0.05; done\n"
+        "mkdir -p out\nprintf '#!/bin/sh\\necho hi\\n' > out/app\n"
+    )
+
+
 def _built_module(folder: Path, *, script: str, description: str = "") -> Path:
     (folder / "src").mkdir(parents=True, exist_ok=True)
     (folder / "src" / "build.sh").write_text(script)
@@ -218,6 +254,103 @@ async def test_builds_run_on_the_builder_are_cached_and_fail_clearly(
     assert "failed" in logs.stderr
     # the failed push changed nothing
     assert (await declarations(nc))["node-3"]["declaration"]["processes"]["app"]["bundle"] == bundle
+
+
+async def _query(database_url: str, sql: str, *args: object) -> list[asyncpg.Record]:
+    conn = await asyncpg.connect(database_url)
+    try:
+        return await conn.fetch(sql, *args)
+    finally:
+        await conn.close()
+
+
+async def _build_state(database_url: str, module: str) -> str | None:
+    rows = await _query(database_url, "SELECT state FROM builds WHERE module = $1", module)
+    return rows[0]["state"] if rows else None
+
+
+async def test_a_build_holds_up_no_other_change_and_its_plan_shows_it_building(
+    fleet, nc, nats_url, tmp_path, database_url, gate_dir
+) -> None:
+    ok(run(nats_url, "secret", "set", "hello-token", stdin=SECRET))
+    ok(run(nats_url, "push", str(EXAMPLE)))
+    module = _built_module(tmp_path / "built", script=_gated_build(gate_dir))
+    push = _push_in_background(nats_url, module)
+    try:
+
+        async def running() -> bool:
+            return await _build_state(database_url, "built") == "running"
+
+        await await_until(running, within=60, what="the build to run on node-1")
+        # While the build runs, other changes are answered (the gate is still closed).
+        quick = [*MESH, "--nats-url", nats_url, "--timeout", "10"]
+        assigned = subprocess.run(
+            [*quick, "--json", "assign", "hello", "node-2"],
+            capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+        assert json.loads(ok(assigned))["machines"] == ["node-2"]
+        secret = subprocess.run(
+            [*quick, "secret", "set", "other-secret"],
+            input="x", capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+        ok(secret)
+        assert push.poll() is None and await _build_state(database_url, "built") == "running"
+        # The push's plan is recorded as building, with no steps until the build is done.
+        [shown] = [p for p in json.loads(ok(run(nats_url, "--json", "plan")))["plans"]
+                   if p["subject"] == "built"]  # fmt: skip
+        assert (shown["state"], shown["trigger"], shown["machines"]) == ("building", "push", 0)
+
+        (gate_dir / "open").touch()
+        pushed = _finished(push)
+    finally:
+        (gate_dir / "open").touch()
+        if push.poll() is None:
+            push.kill()
+    assert pushed["plan"] == shown["id"] and pushed["machines"] == ["node-3"]
+    [build] = await _query(database_url, "SELECT state, digest FROM builds")
+    assert build["state"] == "done"
+    plan = json.loads(ok(run(nats_url, "--json", "plan", str(pushed["plan"]))))
+    assert plan["state"] != "building"
+    assert plan["builds"] == [{"bundle": "app", "digest": build["digest"], "built": True}]
+    [step] = await _query(
+        database_url, "SELECT machine, after_body FROM plan_steps WHERE plan_id = $1", plan["id"]
+    )
+    decl = json.loads(bytes(step["after_body"]))
+    assert step["machine"] == "node-3"
+    assert [b["digest"] for b in decl["bundles"].values()] == [build["digest"]]
+
+
+async def test_pushes_of_one_module_register_in_the_order_they_came(
+    fleet, nats_url, tmp_path, database_url, gate_dir, procs
+) -> None:
+    first = _built_module(tmp_path / "first", script=_gated_build(gate_dir), description="1")
+    second = _built_module(tmp_path / "second", script=_gated_build(gate_dir), description="2")
+    early = _push_in_background(nats_url, first)
+    late = None
+    try:
+
+        async def running() -> bool:
+            return await _build_state(database_url, "built") == "running"
+
+        await await_until(running, within=60, what="the first push's build to run")
+        late = _push_in_background(nats_url, second)  # the same build: cached once done
+        log = procs.folder / "ctl-a.log"
+
+        async def waiting() -> bool:
+            return "a push of built waits for an earlier push of built" in log.read_text()
+
+        await await_until(waiting, within=30, what="the second push to wait for the first")
+        (gate_dir / "open").touch()
+        one, two = _finished(early), _finished(late)
+    finally:
+        (gate_dir / "open").touch()
+        for p in (early, late):
+            if p is not None and p.poll() is None:
+                p.kill()
+    assert len(await _query(database_url, "SELECT key FROM builds")) == 1
+    assert one["plan"] < two["plan"]
+    [module] = json.loads(ok(run(nats_url, "--json", "modules")))["modules"]
+    assert module["version"] == two["version"] != one["version"]
 
 
 async def test_plan_diff_shows_the_change_and_stores_nothing(fleet, nc, nats_url, tmp_path) -> None:

@@ -15,6 +15,8 @@ import msgspec
 from mesh.model import PlanBuild, PlanSettings, PlanStep, PlanSummary
 
 OPEN = ("pending", "building", "rolling")
+# What the planner takes: a `building` plan has no steps until its push's builds are done.
+READY = ("pending", "rolling")
 
 
 class Step(msgspec.Struct):
@@ -68,21 +70,71 @@ async def create(
     builds: list[PlanBuild],
     undo: dict[str, Any],
     steps: list[Step],
+    state: str = "pending",
 ) -> int:
     plan_id: int = await conn.fetchval(
         "INSERT INTO plans (trigger, subject, state, epoch, requested_by, settings, builds, undo)"
-        " VALUES ($1, $2, 'pending', $3, $4, $5::jsonb, $6::jsonb, $7::jsonb) RETURNING id",
+        " VALUES ($1, $2, $8, $3, $4, $5::jsonb, $6::jsonb, $7::jsonb) RETURNING id",
         trigger, subject, epoch, by,
         msgspec.json.encode(settings).decode(),
         msgspec.json.encode(builds).decode(),
-        json.dumps(undo, sort_keys=True),
+        json.dumps(undo, sort_keys=True), state,
     )  # fmt: skip
+    await _insert_steps(conn, plan_id, steps)
+    return plan_id
+
+
+async def _insert_steps(conn: asyncpg.Connection, plan_id: int, steps: list[Step]) -> None:
     await conn.executemany(
         "INSERT INTO plan_steps (plan_id, machine, tier, after, after_body)"
         " VALUES ($1, $2, $3, $4, $5)",
         [(plan_id, s.machine, s.tier, s.after, s.after_body) for s in steps],
     )
-    return plan_id
+
+
+async def built(
+    conn: asyncpg.Connection,
+    plan_id: int,
+    *,
+    settings: PlanSettings,
+    builds: list[PlanBuild],
+    undo: dict[str, Any],
+    steps: list[Step],
+) -> bool:
+    """A `building` plan whose builds are done gets its steps and waits its turn (`pending`);
+    False if it is no longer building (a new holder failed it)."""
+    done = await conn.fetchval(
+        "UPDATE plans SET state = 'pending', settings = $2::jsonb, builds = $3::jsonb,"
+        " undo = $4::jsonb WHERE id = $1 AND state = 'building' RETURNING id",
+        plan_id,
+        msgspec.json.encode(settings).decode(),
+        msgspec.json.encode(builds).decode(),
+        json.dumps(undo, sort_keys=True),
+    )
+    if done is None:
+        return False
+    await _insert_steps(conn, plan_id, steps)
+    return True
+
+
+async def drop_building(conn: asyncpg.Connection, plan_id: int) -> None:
+    """A `building` plan whose push turned out to change no machine: it was never a change."""
+    await conn.execute("DELETE FROM plans WHERE id = $1 AND state = 'building'", plan_id)
+
+
+async def fail_building(
+    conn: asyncpg.Connection, error: str, *, plan_id: int | None = None, before_epoch: int = 0
+) -> list[int]:
+    """Fail one `building` plan (its build failed or was cut off), or every one recorded under
+    an epoch older than `before_epoch` (their controller stopped mid-build); their ids."""
+    rows = await conn.fetch(
+        "UPDATE plans SET state = 'failed', finished = now(), error = $3"
+        " WHERE state = 'building' AND (id = $1 OR epoch < $2) RETURNING id",
+        plan_id,
+        before_epoch,
+        error,
+    )
+    return [r["id"] for r in rows]
 
 
 _PLAN = (
@@ -116,8 +168,13 @@ async def load(conn: asyncpg.Connection | asyncpg.Pool, plan_id: int) -> Plan | 
 
 
 async def oldest_open(conn: asyncpg.Connection | asyncpg.Pool) -> int | None:
+    """The plan the planner takes next: the one rolling (a new holder continues it), else the
+    oldest pending. Rolling first: a plan whose builds finished late is older than plans that
+    may have started meanwhile, and two plans must never roll (or revert) at once."""
     return await conn.fetchval(
-        "SELECT min(id) FROM plans WHERE state = ANY($1::text[])", list(OPEN)
+        "SELECT id FROM plans WHERE state = ANY($1::text[])"
+        " ORDER BY state = 'rolling' DESC, id LIMIT 1",
+        list(READY),
     )
 
 

@@ -6,11 +6,19 @@ modules) and records a plan with one step per machine whose declaration changes.
 (`planner.py`) rolls the plan out tier by tier; it stores and publishes each declaration (KV
 bucket `mesh-declarations`, key = the machine, with the epoch) when the machine's turn comes.
 One change at a time.
+
+A push whose bundles must be built records its plan as `building` first and builds outside the
+one-change lock (a build may take minutes; assign, unassign and secrets do not wait for it);
+then, under the lock, it registers the version with the built digests and composes as the
+catalog is then, and the plan gets its steps and waits its turn (`pending`). Pushes of one
+module wait for each other, so they register in the order they came.
 """
 
 import base64
+import contextlib
 import logging
-from collections.abc import Callable, Iterable
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
 import anyio
@@ -53,7 +61,7 @@ from mesh.modules.compose import (
     prepare,
 )
 from mesh.modules.diff import diff
-from mesh.modules.manifest import ON_THE_MACHINE, Assign, Manifest
+from mesh.modules.manifest import ON_THE_MACHINE, Assign, Bundle, Manifest
 from mesh.store import catalog, plans
 from services.controller import builds
 from services.controller.fleet import Fleet
@@ -62,7 +70,41 @@ log = logging.getLogger(__name__)
 
 MAX_DECLARATION = 768 * 1024  # bytes of one declaration: with its envelope, under 1 MiB
 PUT_IN_FLIGHT = 64  # KV puts at once: one at a time, a tier of 900 took most of a second
-UNBUILT = "unbuilt:"  # the dry run's stand-in for a bundle that a push would build first
+UNBUILT = "unbuilt:"  # the stand-in for a bundle not built yet (a dry run, a building plan)
+PARSED_KEPT = 256  # manifests kept parsed (by version id): enough for every module's current one
+
+
+class _Build(msgspec.Struct, frozen=True):
+    """A bundle a push has to build: its name, build key, table and source folder's digest."""
+
+    name: str
+    key: str
+    bundle: Bundle
+    source: str
+
+
+class _PushesOf:
+    """One lock per module, held by a push from its first look at the catalog to its
+    registration; forgotten when nobody holds or waits for it."""
+
+    def __init__(self) -> None:
+        self._locks: dict[str, tuple[anyio.Lock, int]] = {}
+
+    @contextlib.asynccontextmanager
+    async def __call__(self, module: str) -> AsyncIterator[None]:
+        lock, users = self._locks.get(module, (anyio.Lock(), 0))
+        self._locks[module] = (lock, users + 1)
+        try:
+            if lock.locked():
+                log.info("a push of %s waits for an earlier push of %s", module, module)
+            async with lock:
+                yield
+        finally:
+            lock, users = self._locks[module]
+            if users == 1:
+                del self._locks[module]
+            else:
+                self._locks[module] = (lock, users - 1)
 
 
 class Catalog:
@@ -85,15 +127,22 @@ class Catalog:
         self._fleet = fleet
         self._epoch = epoch
         self._one_change = anyio.Lock()
-        self._parsed: dict[int, Manifest] = {}  # module_versions.id -> its manifest
+        self._pushes_of = _PushesOf()
+        # module_versions.id -> its manifest, the least recently used dropped past PARSED_KEPT
+        self._parsed: OrderedDict[int, Manifest] = OrderedDict()
         self.wanted: dict[str, str] = {}  # machine -> digest of its published declaration
 
     # --- reading ---------------------------------------------------------------------------
 
     def _manifest(self, v: catalog.StoredVersion) -> Manifest:
-        if v.id not in self._parsed:
-            self._parsed[v.id] = gate.parse(v.manifest)
-        return self._parsed[v.id]
+        manifest = self._parsed.get(v.id)
+        if manifest is not None:
+            self._parsed.move_to_end(v.id)
+            return manifest
+        manifest = self._parsed[v.id] = gate.parse(v.manifest)
+        if len(self._parsed) > PARSED_KEPT:
+            self._parsed.popitem(last=False)
+        return manifest
 
     async def compose(
         self, conn: asyncpg.Connection, machines: Iterable[str]
@@ -139,9 +188,11 @@ class Catalog:
         settings: PlanSettings,
         undo: dict[str, Any],
         builds: list[PlanBuild] | None = None,
+        building: int | None = None,
     ) -> tuple[int | None, list[str]]:
         """Record a plan for the machines whose composition differs from what they will have
-        once the plans before it finish; (None, []) when there are none."""
+        once the plans before it finish; (None, []) when there are none. `building`: the
+        push's plan recorded while it built, which gets these steps (or goes, if none)."""
         composed = await self.compose(conn, machines)
         expected = await plans.expected(conn, sorted(composed))
         steps = [
@@ -151,6 +202,18 @@ class Catalog:
             for m, (d, b) in composed.items()
             if expected.get(m) != d
         ]
+        if building is not None:
+            if not steps:
+                await plans.drop_building(conn, building)
+                return None, []
+            if not await plans.built(
+                conn, building, settings=settings, builds=builds or [], undo=undo, steps=steps
+            ):
+                raise wire.BadRequest(
+                    f"plan {building} was stopped while its bundles built; push again",
+                    code="unavailable",
+                )
+            return building, [s.machine for s in steps]
         if not steps:
             return None, []
         plan_id = await plans.create(
@@ -203,8 +266,19 @@ class Catalog:
                 await self.publish({m: (d, body) for m, (d, body, _) in bodies.items()})
 
     async def republish(self) -> int:
-        """At takeover: every stored declaration, under this holder's epoch."""
+        """At takeover: every stored declaration, under this holder's epoch. Plans an earlier
+        holder left `building` are failed: that holder's push can no longer register them."""
         async with self._pool.acquire() as conn:
+            async with conn.transaction():
+                await catalog.fence(conn, epoch=self._epoch)
+                stale = await plans.fail_building(
+                    conn,
+                    "the controller building it stopped before its builds finished; push again",
+                    before_epoch=self._epoch,
+                )
+            if stale:
+                log.info("plan(s) %s left building by an earlier holder: failed",
+                         ", ".join(map(str, stale)))  # fmt: skip
             stored = await catalog.declarations(conn)
         await self.publish({m: (d, body) for m, (d, body, _) in stored.items()})
         return len(stored)
@@ -282,12 +356,12 @@ class Catalog:
         return manifest, data
 
     async def _bundles(
-        self, manifest: Manifest, data: bytes, version: str, *, dry: bool
-    ) -> tuple[dict[str, str], list[str]]:
-        """Bundle name -> digest, packing (or building) what is not stored yet; the names of
-        bundles that were (or, dry, would be) built."""
+        self, manifest: Manifest, data: bytes, *, dry: bool
+    ) -> tuple[dict[str, str], list[_Build]]:
+        """Bundle name -> digest, packing what is not stored yet (unless dry) and taking cached
+        builds; the builds still to run, whose digests here are stand-ins (UNBUILT + key)."""
         digests: dict[str, str] = {}
-        built: list[str] = []
+        todo: list[_Build] = []
         for name, b in sorted(manifest.bundle.items()):
             if b.kind in ON_THE_MACHINE:
                 continue
@@ -308,46 +382,110 @@ class Catalog:
             if hit is not None:
                 digests[name] = hit
                 continue
-            built.append(name)
-            if dry:
-                digests[name] = UNBUILT + key
-                continue
-            digests[name] = await builds.build(
-                nc=self._nc,
-                pool=self._pool,
-                obs=self._obs,
-                fleet=self._fleet,
-                key=key,
-                module=manifest.module.name,
-                name=name,
-                bundle=b,
-                source=tree_digest,
-            )
-        return digests, built
+            todo.append(_Build(name=name, key=key, bundle=b, source=tree_digest))
+            digests[name] = UNBUILT + key
+        return digests, todo
 
-    async def push(self, req: PushRequest) -> ChangeReply:
-        manifest, data = await self._source(req.manifest, req.source)
-        name = manifest.module.name
-        async with self._one_change:
-            async with self._pool.acquire() as conn:
-                current = (await catalog.current_modules(conn)).get(name)
-            if current is not None and current.version == req.source:
-                return ChangeReply(plan=None, machines=[], message="no change", version=req.source)
-            bundles, built = await self._bundles(manifest, data, req.source, dry=False)
+    async def _build(self, module: str, todo: list[_Build]) -> dict[str, str]:
+        """Run the builds on a builder host: bundle name -> the built bundle's digest."""
+        digests: dict[str, str] = {}
+        for b in todo:
+            digests[b.name] = await builds.build(
+                nc=self._nc, pool=self._pool, obs=self._obs, fleet=self._fleet, key=b.key,
+                module=module, name=b.name, bundle=b.bundle, source=b.source,
+            )  # fmt: skip
+        return digests
+
+    async def _building(
+        self, manifest: Manifest, req: PushRequest, bundles: dict[str, str], todo: list[_Build]
+    ) -> int:
+        """Record the push's plan as `building` (no steps yet: they are composed once the
+        builds are done), so `mesh plan` shows what the push is doing."""
+        building = {b.name for b in todo}
+        async with self._pool.acquire() as conn, conn.transaction():
+            await catalog.fence(conn, epoch=self._epoch)
+            return await plans.create(
+                conn, trigger="push", subject=manifest.module.name, by=req.by,
+                epoch=self._epoch, settings=self._settings(manifest),
+                builds=[PlanBuild(bundle=b, digest=d, built=b in building)
+                        for b, d in sorted(bundles.items())],
+                undo={"module": manifest.module.name}, steps=[], state="building",
+            )  # fmt: skip
+
+    async def _not_built(self, plan_id: int, e: BaseException) -> None:
+        """A building plan whose builds failed (or whose push was cut off) ends `failed`."""
+        why = str(e).splitlines()[0] if isinstance(e, wire.BadRequest) else (
+            f"the push stopped while building ({type(e).__name__})"
+        )  # fmt: skip
+        try:
             async with self._pool.acquire() as conn, conn.transaction():
                 await catalog.fence(conn, epoch=self._epoch)
+                await plans.fail_building(conn, why, plan_id=plan_id)
+        except Exception as failed:  # the next holder fails it at takeover
+            log.warning("could not record that plan %d failed to build: %s", plan_id, failed)
+
+    async def _record_push(
+        self,
+        manifest: Manifest,
+        req: PushRequest,
+        bundles: dict[str, str],
+        *,
+        built: set[str],
+        building: int | None,
+    ) -> tuple[int | None, list[str]] | None:
+        """Register the version with its bundles' digests and record its plan, under the
+        one-change lock; None if the version is already the current one."""
+        name = manifest.module.name
+        async with self._one_change:
+            async with self._pool.acquire() as conn, conn.transaction():
+                await catalog.fence(conn, epoch=self._epoch)
+                # Read again: a revert may have moved the module while it built. The machines
+                # are composed now, from the catalog as it is, with what was built.
+                current = (await catalog.current_modules(conn)).get(name)
+                if current is not None and current.version == req.source:
+                    if building is not None:
+                        await plans.drop_building(conn, building)
+                    return None
                 targets = await self._register(
                     conn, manifest=manifest, text=req.manifest, version=req.source,
                     bundles=bundles, by=req.by,
                 )  # fmt: skip
                 now = (await catalog.current_modules(conn))[name]
-                plan, changed = await self._plan(
+                return await self._plan(
                     conn, targets, trigger="push", subject=name, by=req.by,
                     settings=self._settings(manifest),
                     undo={"module": name, "from": current.id if current else None, "to": now.id},
                     builds=[PlanBuild(bundle=b, digest=d, built=b in built)
                             for b, d in sorted(bundles.items())],
+                    building=building,
                 )  # fmt: skip
+
+    async def push(self, req: PushRequest) -> ChangeReply:
+        manifest, data = await self._source(req.manifest, req.source)
+        name = manifest.module.name
+        unchanged = ChangeReply(plan=None, machines=[], message="no change", version=req.source)
+        # Pushes of this module in the order they came (a later one never registers before an
+        # earlier one that is still building); other changes do not wait for the builds.
+        async with self._pushes_of(name):
+            async with self._pool.acquire() as conn:
+                current = (await catalog.current_modules(conn)).get(name)
+            if current is not None and current.version == req.source:
+                return unchanged
+            bundles, todo = await self._bundles(manifest, data, dry=False)
+            building = await self._building(manifest, req, bundles, todo) if todo else None
+            try:
+                bundles |= await self._build(name, todo)
+                recorded = await self._record_push(
+                    manifest, req, bundles, built={b.name for b in todo}, building=building
+                )
+            except BaseException as e:  # a failed build, a conflict, the push cut off
+                if building is not None:
+                    with anyio.CancelScope(shield=True):
+                        await self._not_built(building, e)
+                raise
+        if recorded is None:
+            return unchanged
+        plan, changed = recorded
         self._wake()
         log.info("pushed %s %s: plan %s for %d machine(s)", name, req.source[:19], plan,
                  len(changed))  # fmt: skip
@@ -448,7 +586,7 @@ class Catalog:
         """The dry run of a push: the same transaction, rolled back; nothing stored or built."""
         manifest, data = await self._source(req.manifest, req.source)
         name = manifest.module.name
-        bundles, built = await self._bundles(manifest, data, req.source, dry=True)
+        bundles, todo = await self._bundles(manifest, data, dry=True)
         async with self._pool.acquire() as conn:
             tx = conn.transaction()
             await tx.start()
@@ -475,7 +613,9 @@ class Catalog:
                     changes=changes,
                 )
             )  # fmt: skip
-        return DiffReply(module=name, version=req.source, machines=machines, builds=built)
+        return DiffReply(
+            module=name, version=req.source, machines=machines, builds=[b.name for b in todo]
+        )
 
     async def plan(self, plan_id: int) -> PlanReply:
         p = await plans.load(self._pool, plan_id)
