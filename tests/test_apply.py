@@ -5,11 +5,13 @@ in `mesh nodes`; an older epoch is ignored."""
 import json
 import os
 import pwd
+import signal
 import stat
 import uuid
+from pathlib import Path
 
 import pytest
-from helpers import ask, await_until, ok
+from helpers import MESH, ask, await_until, ok
 from test_modules import EXAMPLE, SECRET, run
 
 from mesh import osaccounts
@@ -19,8 +21,27 @@ from services.host import accounts
 ROOT = os.geteuid() == 0
 
 
+FAKE_GETENT = Path(__file__).parent / "fakes" / "fake_getent.py"
+
+
+def _account_module(folder: Path, *, module: str, account: str) -> Path:
+    """A module whose one process runs as `account`, with a file and a bundle of its own."""
+    (folder / "src").mkdir(parents=True)
+    (folder / "src" / "x.txt").write_text("x")
+    (folder / "module.toml").write_text(
+        f'[module]\nname = "{module}"\n'
+        '[bundle.b]\nkind = "files"\nsource = "src"\n'
+        f"[account.{account}]\n"
+        f'[process.{module}]\nbundle = "b"\ncommand = ["sleep", "600"]\naccount = "{account}"\n'
+        f'[process.{module}.files]\n"app.conf" = {{ text = "x\\n" }}\n'
+    )
+    return folder
+
+
 @pytest.mark.skipif(not ROOT, reason="creating accounts needs root")
-def test_an_absent_account_is_created_not_taken_for_a_failing_user_database() -> None:
+async def test_an_absent_account_is_created_not_taken_for_a_failing_user_database(
+    nc, nats_url, start_controller, procs, tmp_path
+) -> None:
     # The seed: `getent` exit 2 (absent) was read from message text as "the user database did
     # not answer", and the first apply stopped. Exit codes decide here.
     name = f"mesh-t-{uuid.uuid4().hex[:8]}"
@@ -30,6 +51,45 @@ def test_an_absent_account_is_created_not_taken_for_a_failing_user_database() ->
     assert pwd.getpwnam(name).pw_uid == identity.uid
     again = accounts.ensure(name, DAccount(home=None, groups=[], shell="/usr/sbin/nologin"))
     assert again.uid == identity.uid  # idempotent
+
+    # And the other way round: a user database that fails (getent exits 1, or crashes) is not
+    # taken for an absent account. The apply stops at that account, and nothing is half-made.
+    # A failing database cannot be had for real here: a fake getent comes first on the host's
+    # PATH, failing for these two names only.
+    failing = {f"mesh-t-{uuid.uuid4().hex[:8]}": how for how in ("1", "crash")}
+    fake_bin = tmp_path / "fake-bin"
+    fake_bin.mkdir()
+    (fake_bin / "getent").symlink_to(FAKE_GETENT)
+    start_controller("ctl-a")
+    procs.start(
+        "node-1",
+        [*MESH, "host", "run", "--name", "node-1", "--tier", "0",
+         "--root", str(tmp_path / "hosts" / "node-1")],
+        env={"MESH_NATS_URL": nats_url, "PATH": f"{fake_bin}{os.pathsep}{os.environ['PATH']}",
+             "FAKE_GETENT_FAIL": ",".join(f"{n}={how}" for n, how in failing.items())},
+    )  # fmt: skip
+
+    async def up():
+        s = await ask(nc, "mesh.ctl.status")
+        return s if s and s["nodes"]["up"] == 1 else None
+
+    await await_until(up, within=30, what="node-1 up")
+    root = tmp_path / "hosts" / "node-1"
+    for i, (account, how) in enumerate(failing.items()):
+        module = f"db-fails-{i}"
+        ok(run(nats_url, "push", str(_account_module(tmp_path / module, module=module,
+                                                     account=account))))  # fmt: skip
+        failed = run(nats_url, "assign", module, "node-1", "--wait")
+        assert failed.returncode == 1, failed.stdout
+        code = -signal.SIGSEGV if how == "crash" else int(how)
+        assert (f"machine node-1: account {account}: getent passwd {account} failed with exit "
+                f"code {code}") in failed.stderr, failed.stderr  # fmt: skip
+        with pytest.raises(KeyError):
+            pwd.getpwnam(account)  # not created: useradd never ran
+        assert not (root / "processes" / module).exists()  # no files, no output
+        assert not (root / "bundles").exists() or not any((root / "bundles").iterdir())
+        status = await ask(nc, "mesh.host.node-1.status")
+        assert status["processes"] == [], status["processes"]  # nothing started
 
 
 @pytest.fixture

@@ -189,10 +189,21 @@ async def test_prepare_runs_before_the_start_and_a_failing_one_keeps_the_old(
     port = ports.free_port()
     prepare = 'prepare = ["python3", "prepare.py"]\n'
     folder = module(tmp_path / "m", version="1", port=port, extra=prepare)
+    # The order, seen by the process itself: prepare leaves a marker, and the process says in
+    # its first line what it found at its start (nothing, had prepare not run yet).
+    (folder / "src" / "server.py").write_text(
+        "import os\n"
+        "marker = os.path.join(os.environ['MESH_FILES'], 'prepared')\n"
+        "found = open(marker).read() if os.path.exists(marker) else 'nothing'\n"
+        "print(f'at start, the marker says: {found}', flush=True)\n" + SERVER
+    )
     ok(run(nats_url, "push", str(folder)))
     v1 = await await_until(lambda: healthy(nc), within=30, what="v1 healthy")
-    marker = tmp_path / "hosts" / "node-1" / "processes" / "svc" / "files" / "prepared"
-    assert marker.read_text() == "yes"
+    processes = tmp_path / "hosts" / "node-1" / "processes" / "svc"
+    assert (processes / "files" / "prepared").read_text() == "yes"
+    output = (processes / "logs" / "output.log").read_text().splitlines()
+    assert "at start, the marker says: yes" in output, output
+    assert "at start, the marker says: nothing" not in output, output
 
     events = await nc.subscribe("mesh.event.node-1.applied")
     await nc.flush()  # subscribed at the server before the push below
