@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from helpers import MESH, ask, await_until
+from nats.errors import TimeoutError as NatsTimeout
 
 CHECK = """\
 import os, sys
@@ -110,6 +111,10 @@ async def test_tiers_in_order_then_a_broken_version_stops_and_reverts(
         m: json.loads((await kv.get(m)).value)["digest"] for m in ("node-1", "node-2", "node-3")
     }
 
+    # Every apply report from here on, in the order the hosts sent them: the revert's order.
+    reports = await nc.subscribe("mesh.event.*.applied")
+    await nc.flush()  # subscribed at the server before the push below
+
     # Version 2 never gets healthy on node-2 (tier 1): its marker is there and only there.
     (three / "node-2" / "broken").write_text("")
     v2 = module(tmp_path / "v2", mode="fails-if", marker="broken", deadline="4s", version="2")
@@ -139,6 +144,24 @@ async def test_tiers_in_order_then_a_broken_version_stops_and_reverts(
         )
 
     await await_until(reverted_and_healthy, within=30, what="version 1 back and healthy")
+
+    # The revert ran tier by tier in reverse: node-2 (tier 1) had version 1 back, applied,
+    # before node-1 (tier 0) was even sent it.
+    applied: list[tuple[str, str]] = []
+
+    async def both_back() -> bool:
+        try:
+            while True:
+                report = json.loads((await reports.next_msg(timeout=0.05)).data)
+                if report["ok"]:
+                    applied.append((report["name"], report["digest"]))
+        except NatsTimeout:
+            pass
+        return all((m, good[m]) in applied for m in ("node-1", "node-2"))
+
+    await await_until(both_back, within=30, what="the revert's apply reports")
+    assert applied.index(("node-2", good["node-2"])) < applied.index(("node-1", good["node-1"]))
+    assert applied[0][0] == "node-1" and applied[0][1] != good["node-1"], applied  # v2 first
     modules = ok(mesh(nats_url, "modules", "--json"))["modules"]
     assert modules[0]["version"] == first["version"]  # the catalog went back too
 
