@@ -249,6 +249,9 @@ async def test_builds_run_on_the_builder_are_cached_and_fail_clearly(
     assert "failed: exit code 3" in failed.stderr
     assert "missing thing" in failed.stderr  # the build's last lines
     assert "Traceback" not in failed.stderr
+    newest = json.loads(ok(run(nats_url, "--json", "plan")))["plans"][0]
+    assert (newest["subject"], newest["state"]) == ("built", "failed")  # its plan says why
+    assert "failed: exit code 3" in newest["failure"] and newest["machines"] == 0
     logs = run(nats_url, "build", "logs", "built")
     assert "about to fail" in ok(logs) and "missing thing" in logs.stdout
     assert "failed" in logs.stderr
