@@ -1,25 +1,33 @@
 """The exec driver: starting, watching, adopting and stopping one OS process.
 
-A process runs without a shell, as its account (setuid/setgid, no supplementary groups but its
-own), in its own session and process group, with its output appended to its log file. Every
-instance is recorded (pid + kernel start time) so a restarted host adopts it instead of starting
-it again; `os.pidfd_open` watches a process whether or not it is our child.
+A process runs without a shell, as its account (setuid/setgid and the account's supplementary
+groups), in its own session and process group. Its output goes through a pipe to a log writer
+(`logwriter.py`, a process of its own that outlives the host as the process does), which appends
+to its log file and rotates it by size while it runs. Every instance is recorded (pid + kernel
+start time) so a restarted host adopts it instead of starting it again; `os.pidfd_open` watches
+a process whether or not it is our child.
 """
 
 import logging
 import os
 import signal
 import subprocess
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import anyio
 import msgspec
 
+from services.host import logwriter
+
 log = logging.getLogger(__name__)
 
-LOG_KEEP = 3
-LOG_ROTATE_AT = 10 * 2**20
+# A process's log: output.log and at most LOG_KEEP older files (output.log.1 …), each at most
+# LOG_MAX_BYTES. The environment of the host may set both (tests use small ones).
+LOG_MAX_BYTES = int(os.environ.get("MESH_PROCESS_LOG_BYTES", 10 * 2**20))
+LOG_KEEP = int(os.environ.get("MESH_PROCESS_LOG_KEEP", 3))
+LOG_WRITER = Path(logwriter.__file__)
 
 
 class Instance(msgspec.Struct):
@@ -45,18 +53,32 @@ def alive(instance: Instance) -> bool:
     return start_time(instance.pid) == instance.start_time
 
 
-def rotate(log_file: Path) -> None:
-    """At each start: keep the last LOG_KEEP logs once the current one is large."""
-    if not log_file.exists() or log_file.stat().st_size < LOG_ROTATE_AT:
-        return
-    for n in range(LOG_KEEP - 1, 0, -1):
-        older = log_file.with_suffix(f".log.{n}")
-        if older.exists():
-            older.replace(log_file.with_suffix(f".log.{n + 1}"))
-    log_file.replace(log_file.with_suffix(".log.1"))
-
-
 _children: dict[int, subprocess.Popen] = {}
+_writers: list[subprocess.Popen] = []  # log writers this host started, until reaped
+
+
+def _reap_writers() -> None:
+    """Collect the log writers that have exited (each does once its process is gone)."""
+    _writers[:] = [w for w in _writers if w.poll() is None]
+
+
+def _log_writer(log_file: Path) -> int:
+    """Start the log writer of one instance; the write end of its pipe, for the process."""
+    read_end, write_end = os.pipe()
+    try:
+        writer = subprocess.Popen(
+            [sys.executable, "-I", "-S", str(LOG_WRITER), str(log_file), str(LOG_MAX_BYTES),
+             str(LOG_KEEP)],
+            stdin=read_end, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd="/",
+            env={}, start_new_session=True, close_fds=True,
+        )  # fmt: skip
+    except BaseException:
+        os.close(write_end)
+        raise
+    finally:
+        os.close(read_end)
+    _writers.append(writer)
+    return write_end
 
 
 def credentials(uid: int | None, gid: int | None, groups: Sequence[int] = ()) -> dict:
@@ -80,8 +102,9 @@ def spawn(
     """Start `argv`; raises OSError (e.g. no such file) for the caller to report."""
     log_file.parent.mkdir(parents=True, exist_ok=True)
     log_file.parent.chmod(0o700)  # output may carry secrets: the host's (root's) alone
-    rotate(log_file)
-    with os.fdopen(os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as out:
+    _reap_writers()
+    out = _log_writer(log_file)
+    try:
         proc = subprocess.Popen(
             list(argv),
             cwd=cwd,
@@ -93,6 +116,8 @@ def spawn(
             close_fds=True,
             **credentials(uid, gid, groups),
         )
+    finally:
+        os.close(out)  # the process holds it now; without it, the writer reads to the end
     # Held until we reap it ourselves: a collected Popen of a live process would be reaped by
     # the subprocess module behind our back, and its exit code lost.
     _children[proc.pid] = proc
@@ -116,6 +141,7 @@ async def wait(instance: Instance) -> int | None:
 
 
 def _reap(instance: Instance) -> int | None:
+    _reap_writers()
     if not instance.child:
         return None
     proc = _children.pop(instance.pid, None)

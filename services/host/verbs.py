@@ -23,7 +23,7 @@ from mesh.model import (
     RestartRequest,
     StatusRequest,
 )
-from services.host import builds
+from services.host import builds, logwriter
 from services.host.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
@@ -51,17 +51,9 @@ async def logs(h: Host, req: LogsRequest) -> LogsReply:
     path = _log_file(h, req.process)
     if req.process not in h.supervisor.running and not path.exists():
         raise wire.BadRequest(f"no process {req.process} on {h.name}", code="not_found")
-    try:
-        with open(path, "rb") as f:
-            size = f.seek(0, 2)
-            start = max(0, size - req.max) if req.offset is None else min(req.offset, size)
-            f.seek(start)
-            data = f.read(req.max)
-    except FileNotFoundError:
-        return LogsReply(process=req.process, offset=0, data="")
-    return LogsReply(
-        process=req.process, offset=start + len(data), data=data.decode(errors="replace")
-    )
+    # Offsets count the whole output, across the rotated files (logwriter.py).
+    offset, data = logwriter.read(path, req.offset, req.max)
+    return LogsReply(process=req.process, offset=offset, data=data.decode(errors="replace"))
 
 
 async def restart(h: Host, req: RestartRequest) -> RestartReply:
@@ -102,7 +94,7 @@ async def serve(h: Host) -> None:
                 )
             return await verb.handler(h, wire.decode(msg.data, verb.request, limit=verb.limit))
 
-        await bus.answer(msg, serve)
+        await bus.answer(msg, serve, service="host")
 
     # One subscription per verb: a long build does not hold up status or logs.
     for name in VERBS:

@@ -1,0 +1,166 @@
+"""A process's log rotates by size while the process runs: output.log and at most KEEP older
+files, each at most LIMIT bytes, cut after whole lines; `mesh logs` shows the latest output and
+`mesh logs -f` reads on across rotations, losing and repeating nothing."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import MESH, ask, await_until, ok
+from test_modules import run
+
+from services.host import logwriter
+
+LIMIT = 4096
+KEEP = 3
+
+CHATTY = """\
+import os, sys, time
+print("starting", flush=True)
+for i in range(1000):  # 100,000 bytes at once: many times what the files keep
+    print(f"fast {i:04d} " + "x" * 89, flush=True)
+print("fast done", flush=True)
+go = os.path.join(os.environ["MESH_FILES"], "go")
+while not os.path.exists(go):
+    time.sleep(0.05)  # ok: the process under test polls for the test's signal
+for i in range(150):  # paced: `mesh logs -f` (every 0.5 s) keeps up across the rotations
+    print(f"slow {i:04d} " + "y" * 89, flush=True)
+    time.sleep(0.02)  # ok: the process under test writes at its own pace
+print("slow done", flush=True)
+time.sleep(3600)  # ok: it keeps running; its log rotated while it ran
+"""
+
+
+def _files(folder: Path) -> dict[str, int]:
+    """The log files (not the offset record) and their sizes."""
+    found = folder.glob("output.log*")
+    return {p.name: p.stat().st_size for p in found if re.fullmatch(r"output\.log(\.\d+)?", p.name)}
+
+
+def test_the_log_writer_rotates_at_whole_lines_and_reads_across_files(tmp_path: Path) -> None:
+    log = tmp_path / "output.log"
+    lines = [f"line {i:05d} {'z' * (i % 50)}\n".encode() for i in range(3000)]
+    writer = subprocess.Popen(
+        [sys.executable, "-I", "-S", logwriter.__file__, str(log), str(LIMIT), str(KEEP)],
+        stdin=subprocess.PIPE,
+    )
+    assert writer.stdin is not None
+    for i in range(0, len(lines), 37):  # writes of many sizes, not aligned with lines
+        writer.stdin.write(b"".join(lines[i : i + 37]))
+        writer.stdin.flush()
+    writer.stdin.close()
+    assert writer.wait(timeout=30) == 0  # it ends with its pipe
+
+    sizes = _files(tmp_path)
+    assert set(sizes) == {"output.log", *(f"output.log.{n}" for n in range(1, KEEP + 1))}
+    assert all(size <= LIMIT for size in sizes.values())
+    oldest_first = ["output.log.3", "output.log.2", "output.log.1", "output.log"]
+    kept = b"".join((tmp_path / name).read_bytes() for name in oldest_first)
+    everything = b"".join(lines)
+    assert everything.endswith(kept) and kept.startswith(b"line ")  # whole lines, in order
+
+    # offsets count the whole output: the end is its length, and reading on is seamless
+    end, last = logwriter.read(log, None, 100)
+    assert end == len(everything) and last == everything[-100:]
+    start = len(everything) - len(kept)
+    offset, data = logwriter.read(log, start, 1000)
+    assert data == kept[:1000] and offset == start + 1000
+    offset, more = logwriter.read(log, offset, len(kept))
+    assert data + more == kept and offset == len(everything)
+    assert logwriter.read(log, 0, 10) == (start + 10, kept[:10])  # rotated away: oldest kept
+
+
+@pytest.fixture
+async def small_logs_host(monkeypatch, nc, start_controller, start_host):
+    """A controller and node-1, whose processes' logs rotate at LIMIT bytes."""
+    monkeypatch.setenv("MESH_PROCESS_LOG_BYTES", str(LIMIT))
+    monkeypatch.setenv("MESH_PROCESS_LOG_KEEP", str(KEEP))
+    start_controller("ctl-a")
+    start_host("node-1", "--tier", "0")
+
+    async def up():
+        s = await ask(nc, "mesh.ctl.status")
+        return s if s and s["nodes"]["up"] == 1 else None
+
+    await await_until(up, within=30, what="node-1 up")
+
+
+def _module(folder: Path) -> Path:
+    (folder / "src").mkdir(parents=True)
+    (folder / "src" / "chatty.py").write_text(CHATTY)
+    (folder / "module.toml").write_text(
+        '[module]\nname = "chatty"\n'
+        '[bundle.chatty]\nkind = "files"\nsource = "src"\n'
+        "[account.chatty]\n"
+        '[process.chatty]\nbundle = "chatty"\naccount = "chatty"\n'
+        'command = ["python3", "chatty.py"]\n'
+        '[assign]\nmachines = ["node-1"]\n'
+    )
+    return folder
+
+
+def _logs(nats_url: str) -> str:
+    return ok(subprocess.run([*MESH, "logs", "node-1", "chatty", "--nats-url", nats_url],
+                             capture_output=True, text=True, timeout=30))  # fmt: skip
+
+
+async def test_a_running_process_log_rotates_and_mesh_logs_follows(
+    small_logs_host, nc, nats_url, tmp_path
+) -> None:
+    ok(run(nats_url, "push", str(_module(tmp_path / "m"))))
+    folder = tmp_path / "hosts" / "node-1" / "processes" / "chatty"
+
+    async def running():
+        s = await ask(nc, "mesh.host.node-1.status")
+        p = next((p for p in s["processes"] if p["name"] == "chatty"), None) if s else None
+        return p if p and p["pid"] else None
+
+    first = await await_until(running, within=60, what="chatty running")
+    await await_until(
+        lambda: _async("fast done" in _logs(nats_url)), within=30, what="the fast lines"
+    )
+    sizes = _files(folder / "logs")
+    assert set(sizes) == {"output.log", *(f"output.log.{n}" for n in range(1, KEEP + 1))}
+    assert sum(sizes.values()) <= (KEEP + 1) * LIMIT  # bounded, while it runs
+    assert "fast 0999" in _logs(nats_url)  # the latest output
+
+    follow = subprocess.Popen(
+        [*MESH, "logs", "node-1", "chatty", "-f", "--nats-url", nats_url],
+        stdout=open(tmp_path / "follow.out", "wb"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        await await_until(
+            lambda: _async("fast done" in _read(tmp_path / "follow.out")),
+            within=30,
+            what="mesh logs -f to print what is there",
+        )
+        (folder / "files" / "go").touch()
+        await await_until(
+            lambda: _async("slow done" in _read(tmp_path / "follow.out")),
+            within=60,
+            what="mesh logs -f to print the slow lines",
+        )
+    finally:
+        os.killpg(follow.pid, 9)
+        follow.wait(timeout=10)
+    shown = _read(tmp_path / "follow.out")
+    slow = re.findall(r"^slow (\d{4}) y+$", shown, flags=re.M)
+    assert slow == [f"{i:04d}" for i in range(150)]  # across rotations: no gap, no repeat
+    assert shown.count("fast done") == 1
+    sizes = _files(folder / "logs")
+    assert all(size <= LIMIT for size in sizes.values()) and len(sizes) == KEEP + 1
+    again = await running()
+    assert again["pid"] == first["pid"]  # rotated while it ran: never restarted for it
+
+
+def _read(path: Path) -> str:
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+async def _async(value: object) -> object:
+    return value
