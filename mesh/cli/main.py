@@ -16,7 +16,7 @@ from typing import Any
 import anyio
 
 from mesh import config
-from mesh.cli import hosts, machines, modules, render
+from mesh.cli import devcreds, hosts, machines, modules, render
 from mesh.cli.args import Parser, label, tier
 from mesh.cli.client import CliError, verb
 from mesh.cli.output import console, print_json
@@ -58,6 +58,7 @@ def parser() -> argparse.ArgumentParser:
     dev_up.add_argument(
         "--port", type=int, default=None, help="NATS port (4222, or a free one if taken; 0: free)"
     )
+    devcreds.add_parser(dev_verbs, common)
 
     new = verbs.add_parser(
         "init", parents=[common], help="a new mesh on this machine, its controller a process"
@@ -220,6 +221,7 @@ COMMANDS: dict[tuple[str, ...], Callable[[argparse.Namespace], Any]] = {
     **modules.COMMANDS,
     **hosts.COMMANDS,
     **machines.COMMANDS,
+    **devcreds.COMMANDS,
 }
 
 

@@ -1,0 +1,118 @@
+"""`mesh dev creds [--dir DIR] [--hosts N] [--export OUT]`: the credentials `mesh dev up` issues,
+without starting anything, for a mesh whose pieces run elsewhere (compose.dev.yaml's one-shot
+`creds` service).
+
+It issues what is missing, exactly as `mesh dev up` does (operators `admin` and `viewer`, the
+controllers, hosts `node-1`…`node-N`, node-1 the builder), keeps what exists, and writes the
+nats-server authorization block to include (`DIR/nats/auth.conf`). With `--export OUT`, each
+identity's file is also copied to `OUT/<identity>/nats.creds` (0600), so a container can mount
+its own credentials and nobody else's."""
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from mesh.auth import creds, registry
+from mesh.auth.policy import Kind, Role
+from mesh.cli.args import Parser
+from mesh.cli.output import print_json
+from mesh.meshdir import DEFAULT_DIR, MeshDir
+
+EXPORT_FILE = "nats.creds"  # the name a host gives a process's credentials ($MESH_FILES)
+
+
+class Issued(msgspec.Struct):
+    dir: str
+    auth: str  # the authorization block for nats-server to include
+    creds: dict[str, str]  # identity -> its credentials file in DIR
+    exported: dict[str, str]  # identity -> its copy under --export (empty without it)
+
+
+def add_parser(dev_verbs: Any, common: argparse.ArgumentParser) -> None:
+    p: Parser = dev_verbs.add_parser(
+        "creds", parents=[common], help="issue the dev mesh's credentials, start nothing"
+    )
+    p.add_argument(
+        "--dir", type=Path, default=DEFAULT_DIR, help=f"the mesh's folder ({DEFAULT_DIR})"
+    )
+    p.add_argument("--hosts", type=_hosts, default=3, metavar="N", help="hosts node-1..N (3)")
+    p.add_argument(
+        "--export", type=Path, default=None, metavar="OUT",
+        help="also copy each identity's file to OUT/<identity>/nats.creds",
+    )  # fmt: skip
+
+
+def _hosts(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 1 <= n <= 999:
+        raise argparse.ArgumentTypeError(f"{n} is out of range (1 to 999)")
+    return n
+
+
+def identities(hosts: int) -> list[tuple[Kind, str, Role | None, bool]]:
+    """(kind, name, role, builder) of every identity `mesh dev up` issues for `hosts` hosts."""
+    found: list[tuple[Kind, str, Role | None, bool]] = [
+        ("operator", "admin", "admin", False),
+        ("operator", "viewer", "viewer", False),
+        ("controller", registry.CONTROLLER, None, False),
+    ]
+    found += [("host", f"node-{i}", None, i == 1) for i in range(1, hosts + 1)]
+    return found
+
+
+class Held(msgspec.Struct, frozen=True):
+    path: Path
+    who: str  # as its file's header says: "host node-1 (builder)"
+
+
+def issue(folder: MeshDir, hosts: int) -> dict[str, Held]:
+    """Issue what is missing, keep what exists, write users.json and auth.conf."""
+    issued: dict[str, Held] = {}
+    with registry.locked(folder) as users:
+        for kind, name, role, builder in identities(hosts):
+            path = users.ensure(kind, name, role=role, builder=builder)
+            user = users.get(kind, name)
+            assert user is not None  # ensure just put it there
+            issued[name] = Held(path=path, who=user.describe())
+        users.save()
+    return issued
+
+
+def export(issued: dict[str, Held], out: Path) -> dict[str, str]:
+    """Copy each file to OUT/<identity>/nats.creds, atomically and readable by its owner only."""
+    copies: dict[str, str] = {}
+    for name, held in issued.items():
+        found = creds.read(held.path)
+        if found.seed is None:  # never: mesh issues nkey seeds
+            raise registry.AuthError(f"{held.path}: not an nkey credentials file")
+        target = out / name / EXPORT_FILE
+        creds.write(target, who=held.who, seed=found.seed, inbox=found.inbox)
+        copies[name] = str(target)
+    return copies
+
+
+async def cmd_dev_creds(args: argparse.Namespace) -> None:
+    folder = MeshDir(args.dir)
+    issued = issue(folder, args.hosts)
+    exported = export(issued, args.export) if args.export is not None else {}
+    result = Issued(
+        dir=str(folder.root),
+        auth=str(folder.auth_conf),
+        creds={name: str(held.path) for name, held in issued.items()},
+        exported=exported,
+    )
+    if args.json:
+        print_json(result)
+        return
+    print(f"credentials in {folder.creds}: {', '.join(issued)}")
+    print(f"nats-server authorization (to include): {folder.auth_conf}")
+    if exported:
+        print(f"copied to {args.export}/<identity>/{EXPORT_FILE}")
+
+
+COMMANDS = {("dev", "creds"): cmd_dev_creds}
