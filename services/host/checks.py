@@ -1,6 +1,8 @@
 """Health checks: tcp, http, exec, nats. One check passes or fails; `passes` consecutive passes
 make a process healthy (counted by the supervisor)."""
 
+import functools
+import ssl
 import subprocess
 from collections.abc import Sequence
 from pathlib import Path
@@ -79,12 +81,21 @@ async def _exec(
     return process.returncode == 0, f"exit code {process.returncode}"
 
 
+@functools.cache
+def _tls() -> ssl.SSLContext:
+    # Once: loading the certificates for every check costs ~25 ms of the host's loop each time.
+    # The machine's own trust store, as a TLS client on it would use.
+    return ssl.create_default_context()
+
+
 async def _http(url: str, *, timeout: float) -> tuple[bool, str]:
     """2xx passes; anything else fails with its status. A redirect is not followed (the check
     asks this process, not wherever it points), no proxy from the host's environment is used,
     and the body is never read."""
     async with (
-        httpx.AsyncClient(timeout=timeout, follow_redirects=False, trust_env=False) as client,
+        httpx.AsyncClient(
+            timeout=timeout, follow_redirects=False, trust_env=False, verify=_tls()
+        ) as client,
         client.stream("GET", url) as response,
     ):
         code = response.status_code
