@@ -1,9 +1,10 @@
 """`mesh init`: a new mesh on this machine, its controller a process from the start.
 
 In order: credentials for every piece (NATS admits nobody else), nats-server with JetStream,
-PostgreSQL and the store's schema, this machine's host (tier 0, the builder), then the
-controller, the way the mesh installs any service: a short-lived controller (`mesh-init`) holds
-the seat, `services/controller` is pushed and its plan runs, the host starts the controller
+PostgreSQL and the store's schema, then the controller, the way the mesh installs any service: a
+short-lived controller (`mesh-init`) holds the seat, this machine is placed as an operator places
+any machine (tier 0, the builder, `role=control`: where services/controller runs) and its host
+starts, `services/controller` is pushed and its plan runs, the host starts the controller
 process from its module, and `mesh-init` hands the seat over to it and exits. The servers and
 the host outlive the command; DIR/mesh.json lists them. Never a container.
 """
@@ -65,14 +66,6 @@ async def init(*, folder: Path, name: str, port: int | None) -> None:
         finally:
             await conn.close()
         say(f"store schema ready ({len(applied)} migration(s) applied)")
-        host = await mesh._start(
-            name,
-            mesh._mesh_argv(
-                "host", "run", "--name", name, "--tier", "0", "--label", "builder=true",
-                "--root", str(mesh.dir / "host"), "--creds", str(host_creds),
-            ),
-        )  # fmt: skip
-        say(f"host {name} started, tier 0, builder (pid {host.pid}, root {mesh.dir / 'host'})")
         temporary = await spawn(
             INIT_INSTANCE,
             mesh._mesh_argv("controller", "run", "--instance", INIT_INSTANCE,
@@ -81,6 +74,17 @@ async def init(*, folder: Path, name: str, port: int | None) -> None:
         )  # fmt: skip
         await _until(mesh, lambda s: s.seat is not None and s.seat.holder == INIT_INSTANCE,
                      f"the seat held by {INIT_INSTANCE}")  # fmt: skip
+        # This machine's place, set as an operator sets any machine's (never by the host
+        # itself): tier 0, the builder, and a control machine, where services/controller runs.
+        await _place(mesh, name)
+        host = await mesh._start(
+            name,
+            mesh._mesh_argv(
+                "host", "run", "--name", name,
+                "--root", str(mesh.dir / "host"), "--creds", str(host_creds),
+            ),
+        )  # fmt: skip
+        say(f"host {name} started, tier 0, builder (pid {host.pid}, root {mesh.dir / 'host'})")
         await _until(mesh, lambda s: s.nodes.up >= 1, f"host {name} registered")
 
         admin = {**mesh._env(), "MESH_CREDS": str(mesh.creds["admin"])}
@@ -145,6 +149,26 @@ def _mesh(env: dict[str, str], *args: str, stdin: str | None = None) -> None:
     )  # fmt: skip
     if done.returncode != 0:
         raise DevError(f"mesh {' '.join(args)}: {done.stderr.strip()}")
+
+
+CONTROL = {"role": "control"}  # services/controller's [assign]: the machines that run it
+
+
+async def _place(mesh: DevMesh, name: str) -> None:
+    from mesh.cli.client import CliError
+    from mesh.cli.machines import place
+
+    nc = await bus.connect(
+        mesh.nats_url, name="mesh init", creds=str(mesh.creds["admin"]), reconnect=False
+    )
+    try:
+        await place(nc, url=mesh.nats_url, machine=name, tier=0,
+                    labels={"builder": "true", **CONTROL}, timeout=30)  # fmt: skip
+    except CliError as e:
+        raise DevError(f"placing {name}: {e}") from None
+    finally:
+        await nc.close()
+    say(f"machine {name} placed: tier 0, labels builder=true, role=control")
 
 
 async def _status(mesh: DevMesh) -> StatusReply | None:

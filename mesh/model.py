@@ -146,7 +146,9 @@ class NodesReply(msgspec.Struct):
 
 class Register(Request):
     name: Name
-    tier: Tier | None  # None keeps the tier the store has (default 2 for a new machine)
+    # The host's own wish, taken only at its first registration on a mesh without
+    # authentication; otherwise the operator's placement decides (mesh.store.machines.register).
+    tier: Tier | None
     labels: Labels
     facts: Facts
     beat_interval: Interval
@@ -158,6 +160,7 @@ class RegisterReply(msgspec.Struct):
     name: str
     tier: int
     epoch: int
+    labels: dict[str, str] = {}  # the operator's, whatever the registration asked for
 
 
 class Beat(msgspec.Struct, forbid_unknown_fields=True):
@@ -233,6 +236,20 @@ class TierReply(msgspec.Struct):
     machine: str
     tier: int
     was: int
+    registered: bool = True  # False: recorded for the machine's first registration
+
+
+class LabelRequest(Request):
+    machine: Name
+    set: Labels = {}
+    remove: Annotated[list[LabelKey], msgspec.Meta(max_length=64)] = []
+
+
+class LabelReply(msgspec.Struct):
+    machine: str
+    labels: dict[str, str]
+    was: dict[str, str]
+    registered: bool = True  # False: recorded for the machine's first registration
 
 
 # --- plans -------------------------------------------------------------------------------------

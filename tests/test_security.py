@@ -5,6 +5,7 @@ viewer cannot change the fleet, an admin can; `mesh machine add/remove` issue an
 Each refusal is checked next to a permitted action of the same kind, so a test that could not
 see a refusal (a misspelt subject, a silent server) fails instead of passing."""
 
+import base64
 import json
 import os
 import shlex
@@ -28,14 +29,19 @@ from mesh.auth import creds as credentials
 from mesh.auth import registry
 from mesh.auth.keys import new_user
 from mesh.auth.policy import READ_VERBS
+from mesh.cli.machines import place
 from mesh.dev import natsd, ports
 from mesh.meshdir import MeshDir
 from services.controller.verbs import VERBS
+from services.host.facts import gather
 
-EXAMPLE = Path(__file__).parent.parent / "docs" / "examples" / "hello"
+ROOT = Path(__file__).parent.parent
+EXAMPLE = ROOT / "docs" / "examples" / "hello"
+CONTROLLER_MODULE = ROOT / "services" / "controller"
 SECRET = "s3cr3t-auth-2c9e"
 # Verbs that change the fleet: never a viewer's, whatever the verb table holds today.
-ADMIN_VERBS = ("push", "assign", "unassign", "secret-set", "tier", "handover", "diff")
+ADMIN_VERBS = ("push", "assign", "unassign", "secret-set", "tier", "label", "handover", "diff")
+NODES = ("node-1", "node-2")  # the secured fleet's hosts
 
 
 class Secured:
@@ -223,10 +229,13 @@ async def fleet(secured: Secured, procs, database_url: str, tmp_path: Path):
          "--creds", secured.creds("controller", registry.CONTROLLER)],
         env={"MESH_NATS_URL": secured.url, "MESH_DATABASE_URL": database_url},
     )  # fmt: skip
-    for name, extra in (("node-1", ["--tier", "0", "--label", "builder=true"]),
-                        ("node-2", ["--tier", "1"])):  # fmt: skip
-        start_host(procs, secured, tmp_path, name, *extra)
     nc = await secured.connect(secured.admin)
+    # Placed by the operator before they first register: a host never chooses its own.
+    await place(nc, url=secured.url, machine="node-1", tier=0, labels={"builder": "true"},
+                timeout=40)  # fmt: skip
+    await place(nc, url=secured.url, machine="node-2", tier=1, labels={}, timeout=40)
+    for name in ("node-1", "node-2"):
+        start_host(procs, secured, tmp_path, name)
 
     async def up():
         s = await ask(nc, "mesh.ctl.status")
@@ -392,6 +401,110 @@ async def test_a_host_can_touch_only_what_is_its_own(fleet, secured, as_identity
                               deliver_policy=DeliverPolicy.LAST_PER_SUBJECT),
     )  # fmt: skip
     assert own.name == "own"
+
+
+async def _admitted(secured: Secured, creds: str) -> Client:
+    """A connection with credentials just issued: the server's reload (SIGHUP) is not instant."""
+    got: list[Client] = []
+
+    async def connect() -> bool:
+        try:
+            got.append(await secured.connect(creds))
+        except bus.Unauthorized:
+            return False
+        return True
+
+    await await_until(connect, within=10, what=f"the server to admit {creds}")
+    return got[0]
+
+
+async def test_a_host_cannot_choose_its_own_tier_or_labels(fleet, secured):
+    """NodeRestriction: with its own credentials, a host asks for tier 0 and builder=true in
+    its registration, and gets what the operator decided: tier 2 and no labels for a machine
+    added without --builder, the operator's tier 1 for node-2. Assignment by label reaches only
+    the machine the operator labelled."""
+    folder = str(secured.dir.root)
+    ok(cli(secured, None, "machine", "add", "node-3", "--dir", folder))  # not a builder
+    claim = {"tier": 0, "labels": {"builder": "true"}, "facts": msgspec.to_builtins(gather()),
+             "beat_interval": 1, "pid": 1}  # fmt: skip
+    for name, kept in (("node-3", 2), ("node-2", 1)):  # a first registration; a placed machine
+        nc = await _admitted(secured, secured.creds("host", name))
+        try:
+            reply = await ask(nc, f"mesh.ctl.host.{name}.register", {"name": name, **claim})
+        finally:
+            await nc.close()
+        assert reply is not None and "error" not in reply, reply
+        assert (reply["tier"], reply["labels"]) == (kept, {}), reply
+    nodes = {n["name"]: n for n in (await ask(fleet, "mesh.ctl.nodes"))["nodes"]}
+    assert [(nodes[n]["tier"], nodes[n]["labels"]) for n in ("node-1", "node-2", "node-3")] == [
+        (0, {"builder": "true"}), (1, {}), (2, {}),
+    ]  # fmt: skip
+
+    ok(cli(secured, secured.admin, "secret", "set", "hello-token", stdin=SECRET))
+    ok(cli(secured, secured.admin, "push", str(EXAMPLE), "--timeout", "120"))
+    assigned = json.loads(ok(cli(secured, secured.admin, "--json", "assign", "hello", "--label",
+                                 "builder=true", "--timeout", "120")))  # fmt: skip
+    assert assigned["machines"] == ["node-1"], assigned
+
+    # The operator's way: an admin labels a machine; a viewer may not.
+    line = one_line_error(cli(secured, secured.viewer, "label", "node-3", "builder=true"))
+    assert "forbidden" in line and "mesh.ctl.label" in line
+    labelled = json.loads(ok(cli(secured, secured.admin, "--json", "label", "node-3", "zone=b")))
+    assert labelled == {"machine": "node-3", "labels": {"zone": "b"}, "was": {},
+                        "registered": True}  # fmt: skip
+    removed = json.loads(
+        ok(cli(secured, secured.admin, "--json", "label", "node-3", "--remove", "zone"))
+    )
+    assert (removed["labels"], removed["was"]) == ({}, {"zone": "b"})
+    line = one_line_error(cli(secured, secured.admin, "label", "node-3", "a=1", "--remove", "a"))
+    assert "label a: both set and removed" in line
+
+    # A machine added with its place takes it at its first registration, whatever it asks.
+    added = json.loads(ok(cli(secured, None, "--json", "machine", "add", "node-4", "--dir",
+                              folder, "--tier", "1", "--label", "zone=a")))  # fmt: skip
+    assert (added["tier"], added["labels"]) == (1, {"zone": "a"}), added
+    assert "--label" not in added["command"] and "--tier" not in added["command"]
+    nc = await _admitted(secured, secured.creds("host", "node-4"))
+    try:
+        reply = await ask(nc, "mesh.ctl.host.node-4.register", {"name": "node-4", **claim})
+    finally:
+        await nc.close()
+    assert (reply["tier"], reply["labels"]) == (1, {"zone": "a"}), reply
+
+
+async def test_the_controllers_secrets_reach_no_machine_outside_the_control_set(fleet, secured):
+    """services/controller names the controllers' NATS identity and the store's connection as
+    secrets; it runs on the machines labelled role=control (none here), so no host can have
+    them, while the same verb hands a host a secret its declaration names."""
+    admin = secured.admin
+    ok(cli(secured, admin, "secret", "set", "mesh-controller-creds", stdin="controller seed"))
+    ok(cli(secured, admin, "secret", "set", "mesh-database-url", stdin="postgresql://db/mesh"))
+    ok(cli(secured, admin, "secret", "set", "hello-token", stdin=SECRET))
+    pushed = json.loads(
+        ok(cli(secured, admin, "--json", "push", str(CONTROLLER_MODULE), "--timeout", "120"))
+    )
+    # Assigned by label, not by tier: no machine here is a control machine, so no declaration
+    # names the controller's secrets (by tiers, node-1 and node-2 would run it and have them).
+    assert pushed["machines"] == [], pushed
+    ok(cli(secured, admin, "push", str(EXAMPLE), "--timeout", "120"))
+    ok(cli(secured, admin, "assign", "hello", "node-2", "--timeout", "120"))
+
+    hosts = {name: await secured.connect(secured.creds("host", name)) for name in NODES}
+    try:
+        for name, nc in hosts.items():
+            for secret in ("mesh-controller-creds", "mesh-database-url"):
+                reply = await ask(nc, f"mesh.ctl.host.{name}.secret", {"name": secret})
+                assert reply is not None and reply["error"]["code"] == "forbidden", (name, reply)
+
+        async def granted():
+            r = await ask(hosts["node-2"], "mesh.ctl.host.node-2.secret", {"name": "hello-token"})
+            return r if r and "value" in r else None
+
+        reply = await await_until(granted, within=30, what="node-2's own secret")
+        assert base64.b64decode(reply["value"]).decode() == SECRET
+    finally:
+        for nc in hosts.values():
+            await nc.close()
 
 
 async def _create_with_mismatched_filter(nc: Client) -> None:

@@ -3,8 +3,9 @@ mesh-controller; `mesh push services/controller` makes it a process through its 
 
 A real Docker Engine runs the old controller from an image made with `docker import` (a rootfs of
 a few links; the machine's /usr, this project and its packages mounted read-only: the "mounts
-standing in for files"). Three real hosts (tiers 0, 1, 2), NATS, PostgreSQL. A client sends
-`status` every 10 ms throughout, each request once; every one must be answered.
+standing in for files"). Three real hosts (tiers 0, 1, 2, each labelled role=control by the
+operator), NATS, PostgreSQL. A client sends `status` every 10 ms throughout, each request once;
+every one must be answered.
 """
 
 import io
@@ -135,6 +136,10 @@ async def test_the_controller_moves_from_a_container_to_a_process(
         return s if s and s["nodes"]["up"] == 3 else None
 
     await await_until(hosts_up, within=60, what="three hosts up")
+    # The control machines, named by the operator: services/controller is assigned by label.
+    for tier in range(3):
+        done = _mesh(nats_url, "label", f"node-{tier + 1}", "role=control")
+        assert done.returncode == 0, done.stderr
     for name, value in (("mesh-database-url", database_url), ("mesh-controller-creds", "")):
         done = _mesh(nats_url, "secret", "set", name, stdin=value)
         assert done.returncode == 0, done.stderr

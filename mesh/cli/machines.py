@@ -1,6 +1,11 @@
 """`mesh machine add NAME` / `mesh machine remove NAME`: a host's credentials, issued into and
 revoked from a mesh's folder on this machine (the one `mesh dev up --dir` made), followed by a
-reload of the mesh's nats-server so the change counts at once."""
+reload of the mesh's nats-server so the change counts at once.
+
+`mesh label MACHINE K=V... [--remove K]`, and `mesh machine add --tier --label --builder`: the
+tier and labels that decide what a machine gets are the operator's, held by the controller; a
+host never chooses its own (docs/security.md). A machine not registered yet is placed: its
+first registration takes them."""
 
 import argparse
 import shlex
@@ -8,14 +13,16 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+from nats.aio.client import Client
 
-from mesh import config
+from mesh import config, wire
 from mesh.auth import registry, server
-from mesh.cli.args import Parser
-from mesh.cli.client import CliError
-from mesh.cli.output import print_json
+from mesh.cli.args import Parser, label, tier
+from mesh.cli.client import CliError, ask, connected, verb
+from mesh.cli.output import console, print_json
 from mesh.meshdir import DEFAULT_DIR, MeshDir
-from mesh.names import check_name
+from mesh.model import LabelReply, LabelRequest, TierReply, TierRequest
+from mesh.names import InvalidName, check_name
 
 
 class Added(msgspec.Struct):
@@ -23,6 +30,8 @@ class Added(msgspec.Struct):
     creds: str  # the credentials file, mode 0600: copy it to the machine, keep it secret
     command: str  # what starts the host with it
     reloaded: bool  # the running server admits it now (else: at its next start)
+    tier: int | None = None  # as the controller holds it, when --tier/--label/--builder asked
+    labels: dict[str, str] | None = None
 
 
 class Removed(msgspec.Struct):
@@ -44,6 +53,10 @@ def add_parsers(verbs: Any, common: argparse.ArgumentParser) -> None:
     add.add_argument(
         "--builder", action="store_true", help="it may store build outputs (label it builder=true)"
     )
+    add.add_argument("--tier", type=tier, default=None, help="its rollout tier 0-9 (2)")
+    add.add_argument(
+        "--label", type=label, action="append", default=[], metavar="K=V", help="repeatable"
+    )
     remove = machine_verbs.add_parser(
         "remove", parents=[common], help="revoke a host's credentials"
     )
@@ -52,6 +65,40 @@ def add_parsers(verbs: Any, common: argparse.ArgumentParser) -> None:
         p.add_argument(
             "--dir", type=Path, default=DEFAULT_DIR, help=f"the mesh's folder ({DEFAULT_DIR})"
         )
+
+    labels = verbs.add_parser(
+        "label", parents=[common], help="set or remove a machine's labels (an admin's)"
+    )
+    labels.add_argument("machine", metavar="MACHINE")
+    labels.add_argument("labels", type=label, nargs="*", metavar="K=V", help="labels to set")
+    labels.add_argument(
+        "--remove", type=_label_key, action="append", default=[], metavar="K",
+        help="a label to remove (repeatable)",
+    )  # fmt: skip
+
+
+def _label_key(text: str) -> str:
+    try:
+        return check_name(text, field="label key")
+    except InvalidName as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+async def place(
+    nc: Client, *, url: str, machine: str, tier: int | None, labels: dict[str, str], timeout: float
+) -> tuple[int | None, dict[str, str]]:
+    """Give a machine (registered or not yet) its tier and labels, as an operator does; what the
+    controller holds afterwards."""
+    held_tier = None
+    if tier is not None:
+        body = wire.encode(TierRequest(machine=machine, tier=tier))
+        moved = await ask(nc, url=url, verb="tier", reply=TierReply, timeout=timeout, body=body,
+                          attempt=timeout)  # fmt: skip
+        held_tier = moved.tier
+    body = wire.encode(LabelRequest(machine=machine, set=labels))
+    held = await ask(nc, url=url, verb="label", reply=LabelReply, timeout=timeout, body=body,
+                     attempt=timeout)  # fmt: skip
+    return held_tier, held.labels
 
 
 def _mesh(args: argparse.Namespace) -> MeshDir:
@@ -75,30 +122,65 @@ def _reload(folder: MeshDir) -> bool:
 async def cmd_machine_add(args: argparse.Namespace) -> None:
     name = check_name(args.name, field="NAME")
     folder = _mesh(args)
+    if registry.Registry.load(folder).get("host", name) is not None:
+        raise CliError(
+            f"machine {name} already has credentials ({folder.creds_file('host', name)}); "
+            f"`mesh machine remove {name}` revokes them, then add it again for new ones"
+        )
+    url = folder.nats_url() or config.nats_url(getattr(args, "nats_url", None))
+    labels = dict(args.label) | ({"builder": "true"} if args.builder else {})
+    placed: tuple[int | None, dict[str, str] | None] = (None, None)
+    if args.tier is not None or labels:
+        # Before the credentials exist, so the host's first registration finds its placement;
+        # a controller that cannot be asked leaves nothing half done.
+        admin = folder.creds_file("operator", "admin")
+        creds = config.creds(getattr(args, "creds", None)) or (
+            str(admin) if admin.exists() else None
+        )
+        async with connected(url=url, creds=creds, what="machine add") as nc:
+            placed = await place(nc, url=url, machine=name, tier=args.tier, labels=labels,
+                                 timeout=getattr(args, "timeout", 10.0))  # fmt: skip
     with registry.locked(folder) as users:
         if users.get("host", name) is not None:
-            raise CliError(
-                f"machine {name} already has credentials ({folder.creds_file('host', name)}); "
-                f"`mesh machine remove {name}` revokes them, then add it again for new ones"
-            )
+            raise CliError(f"machine {name} was given credentials meanwhile; see {folder.users}")
         path = users.issue("host", name, builder=args.builder)
         users.save()
     reloaded = _reload(folder)
-    url = folder.nats_url() or config.nats_url(getattr(args, "nats_url", None))
     argv = ["mesh", "host", "run", "--name", name, "--creds", str(path), "--nats-url", url]
-    if args.builder:
-        argv += ["--label", "builder=true"]
-    added = Added(name=name, creds=str(path), command=shlex.join(argv), reloaded=reloaded)
+    added = Added(name=name, creds=str(path), command=shlex.join(argv), reloaded=reloaded,
+                  tier=placed[0], labels=placed[1])  # fmt: skip
     if args.json:
         print_json(added)
         return
     print(f"machine {name}: credentials in {path} (mode 0600; copy it to the machine, secretly)")
+    if added.labels is not None:
+        tier_text = f"tier {added.tier}" if added.tier is not None else "its tier"
+        print(f"{tier_text}, labels {_labels_text(added.labels)}: held by the controller")
     print(
         "the mesh's nats-server admits it now"
         if reloaded
         else f"no nats-server is running for {folder.root}: it admits {name} once started"
     )
     print(f"start the host with:\n  {added.command}")
+
+
+def _labels_text(labels: dict[str, str]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in sorted(labels.items())) or "none"
+
+
+async def cmd_label(args: argparse.Namespace) -> None:
+    check_name(args.machine, field="MACHINE")
+    if not args.labels and not args.remove:
+        raise CliError(f"label {args.machine}: name labels to set (K=V) or to --remove (K)")
+    req = LabelRequest(machine=args.machine, set=dict(args.labels), remove=args.remove)
+    reply = await verb(args, "label", LabelReply, req, changes=True)
+    if args.json:
+        print_json(reply)
+        return
+    after = f"{reply.machine}: labels {_labels_text(reply.labels)} (were {_labels_text(reply.was)})"
+    if not reply.registered:
+        after += f"; {reply.machine} has not registered yet: it takes them when it does"
+    console().print(after)
 
 
 async def cmd_machine_remove(args: argparse.Namespace) -> None:
@@ -123,4 +205,8 @@ async def cmd_machine_remove(args: argparse.Namespace) -> None:
     )
 
 
-COMMANDS = {("machine", "add"): cmd_machine_add, ("machine", "remove"): cmd_machine_remove}
+COMMANDS = {
+    ("machine", "add"): cmd_machine_add,
+    ("machine", "remove"): cmd_machine_remove,
+    ("label",): cmd_label,
+}

@@ -94,13 +94,16 @@ def parser() -> argparse.ArgumentParser:
     host_verbs.required = True
     host_run = host_verbs.add_parser("run", parents=[common], help="run this machine's agent")
     host_run.add_argument("--name", required=True, help="this machine's name")
+    # The operator's (mesh machine add --tier --label, mesh tier, mesh label): a mesh with
+    # credentials never takes them from a host; one without takes them at a first registration.
     host_run.add_argument(
-        "--tier", type=tier, default=None, help="rollout tier 0-9 (kept if unset)"
+        "--tier", type=tier, default=None, help="rollout tier 0-9 (a mesh without credentials)"
     )
     host_run.add_argument("--root", type=Path, default=None, help="confine the host to DIR (dev)")
     host_run.add_argument(
-        "--label", type=label, action="append", default=[], metavar="K=V", help="repeatable"
-    )
+        "--label", type=label, action="append", default=[], metavar="K=V",
+        help="repeatable (a mesh without credentials)",
+    )  # fmt: skip
     host_run.add_argument(
         "--beat", type=float, default=1.0, metavar="S", help="heartbeat interval in seconds (1)"
     )

@@ -44,6 +44,11 @@ def tier_of(index: int) -> int:
     return min(index - 1, 2)
 
 
+def labels_of(index: int) -> dict[str, str]:
+    """node-1 builds bundles (modules issue); the others carry no labels."""
+    return {"builder": "true"} if index == 1 else {}
+
+
 class DirLock:
     """An exclusive flock on DIR/lock holding the owner's pid, released when the process ends."""
 
@@ -170,17 +175,55 @@ class DevMesh:
         say(f"controller {name} started (pid {child.pid})")
         return child
 
+    async def place_hosts(self) -> None:
+        """Tiers and labels, set as an operator sets them (`mesh machine add --tier --label`):
+        a host never chooses its own. Only for machines the store has never seen, so a mesh
+        started again keeps what its operator changed since (`mesh tier`, `mesh label`)."""
+        from mesh.cli.client import CliError
+        from mesh.cli.machines import place
+
+        nc = await bus.connect(
+            self.nats_url, name="mesh dev up", creds=str(self.creds["admin"]), reconnect=False
+        )
+        deadline = time.monotonic() + READY_WITHIN
+        try:
+            while True:
+                self._check_alive()
+                try:
+                    data = await bus.request(nc, subjects.ctl("nodes"), b"{}", deadline=_in(1))
+                    known = {n.name for n in wire.decode_reply(data, NodesReply).nodes}
+                    break
+                except (bus.NoAnswer, wire.RemoteError):
+                    if time.monotonic() > deadline:
+                        raise DevError(
+                            f"not ready within {READY_WITHIN:g}s: waiting for the seat's holder; "
+                            f"logs in {self.dir / 'logs'}"
+                        ) from None
+                    await anyio.sleep(0.2)
+            for i in range(1, self.hosts + 1):
+                name = f"node-{i}"
+                if name in known:
+                    continue
+                try:
+                    tier, labels = await place(nc, url=self.nats_url, machine=name,
+                                               tier=tier_of(i), labels=labels_of(i),
+                                               timeout=30)  # fmt: skip
+                except CliError as e:
+                    raise DevError(f"placing {name}: {e}") from None
+                shown = ", ".join(f"{k}={v}" for k, v in labels.items()) or "none"
+                say(f"machine {name} placed: tier {tier}, labels {shown}")
+        finally:
+            await nc.close()
+
     async def start_hosts(self) -> None:
         for i in range(1, self.hosts + 1):
             name = f"node-{i}"
             argv = self._mesh_argv(
-                "host", "run", "--name", name, "--tier", str(tier_of(i)),
+                "host", "run", "--name", name,
                 "--root", str(self.dir / "hosts" / name), "--creds", str(self.creds[name]),
             )  # fmt: skip
-            if i == 1:
-                argv += ["--label", "builder=true"]  # node-1 builds bundles (modules issue)
             child = await self._start(name, argv)
-            say(f"host {name} started, tier {tier_of(i)} (pid {child.pid})")
+            say(f"host {name} started (pid {child.pid})")
 
     async def wait_ready(self) -> None:
         """Until the seat has a holder and a standby and every host is registered and up."""
@@ -344,6 +387,7 @@ async def up(*, folder: Path, hosts: int, port: int | None) -> None:
             await mesh.start_nats()
             await mesh.start_postgres()
             await mesh.start_controllers()
+            await mesh.place_hosts()
             await mesh.start_hosts()
             await mesh.wait_ready()
             env = mesh.write_env()

@@ -1,4 +1,5 @@
-"""Machines in the store: registration, liveness transitions, last-seen times."""
+"""Machines in the store: registration, placements (the operator's tier and labels), liveness
+transitions, last-seen times."""
 
 import json
 from datetime import datetime
@@ -43,19 +44,27 @@ async def register(
     conn: asyncpg.Connection,
     *,
     name: str,
-    tier: int | None,
-    labels: dict[str, str],
     facts: Facts,
     beat_interval: float,
+    claimed_tier: int | None = None,
+    claimed_labels: dict[str, str] | None = None,
 ) -> MachineRow:
-    """Insert or refresh a machine. The tier is set by the first registration (2 if it names
-    none); after that only `mesh tier` moves a machine, so a host's restart cannot."""
+    """Insert or refresh a machine. A registration refreshes facts and liveness only: the tier
+    and labels decide what a machine gets, so they are the operator's. A machine's first
+    registration takes its placement (`mesh machine add --tier --label`, `mesh tier`, `mesh
+    label` before it registered), else `claimed_tier` / `claimed_labels` (the host's own word,
+    passed only on a mesh without authentication), else tier 2 and no labels."""
     r = await conn.fetchrow(
         """
+        WITH placed AS (DELETE FROM placements WHERE name = $1 RETURNING tier, labels)
         INSERT INTO machines (name, tier, labels, facts, up, last_seen, beat_interval)
-        VALUES ($1, coalesce($2, 2), $3::jsonb, $4::jsonb, true, now(), $5)
+        VALUES (
+            $1,
+            coalesce((SELECT tier FROM placed), $2, 2),
+            coalesce((SELECT labels FROM placed), $3::jsonb, '{}'::jsonb),
+            $4::jsonb, true, now(), $5
+        )
         ON CONFLICT (name) DO UPDATE SET
-            labels = excluded.labels,
             facts = excluded.facts,
             up = true,
             last_seen = now(),
@@ -63,8 +72,8 @@ async def register(
         RETURNING name, tier, labels, facts, up, last_seen, beat_interval
         """,
         name,
-        tier,
-        json.dumps(labels, sort_keys=True),
+        claimed_tier,
+        json.dumps(claimed_labels, sort_keys=True) if claimed_labels is not None else None,
         msgspec.json.encode(facts).decode(),
         beat_interval,
     )
@@ -72,8 +81,41 @@ async def register(
     return _row(r)
 
 
+class Placement(msgspec.Struct):
+    """What the operator decided for a machine that has not registered yet."""
+
+    tier: int = 2
+    labels: dict[str, str] = {}
+
+
+async def placement(conn: asyncpg.Connection, name: str) -> Placement | None:
+    r = await conn.fetchrow("SELECT tier, labels FROM placements WHERE name = $1", name)
+    return Placement(tier=r["tier"], labels=json.loads(r["labels"])) if r else None
+
+
+async def place(conn: asyncpg.Connection, *, name: str, tier: int, labels: dict[str, str]) -> None:
+    """Record where a machine that has not registered yet goes (its first registration takes it)."""
+    await conn.execute(
+        """
+        INSERT INTO placements (name, tier, labels) VALUES ($1, $2, $3::jsonb)
+        ON CONFLICT (name) DO UPDATE SET tier = excluded.tier, labels = excluded.labels, at = now()
+        """,
+        name,
+        tier,
+        json.dumps(labels, sort_keys=True),
+    )
+
+
 async def set_tier(conn: asyncpg.Connection, *, name: str, tier: int) -> None:
     await conn.execute("UPDATE machines SET tier = $2 WHERE name = $1", name, tier)
+
+
+async def set_labels(conn: asyncpg.Connection, *, name: str, labels: dict[str, str]) -> None:
+    await conn.execute(
+        "UPDATE machines SET labels = $2::jsonb WHERE name = $1",
+        name,
+        json.dumps(labels, sort_keys=True),
+    )
 
 
 async def set_up(conn: asyncpg.Connection, *, name: str, up: bool, last_seen: datetime) -> None:

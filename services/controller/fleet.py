@@ -7,10 +7,12 @@ up/down transitions are written at once, each with an event. A machine is down a
 
 import logging
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 
 import anyio
 import asyncpg
+from nats.aio.client import Client
 
 from mesh import wire
 from mesh.model import Beat, Node, NodeCounts, ProcessState, Register
@@ -21,13 +23,30 @@ log = logging.getLogger(__name__)
 
 CHECK_EVERY = 0.25
 FLUSH_EVERY = 5.0
+MAX_LABELS = 64  # as a registration could carry (mesh.model.Labels)
+
+
+def open_bus(nc: Client) -> bool:
+    """Whether the NATS server admits clients without credentials (its INFO has no
+    `auth_required`). On such a bus anyone may call `mesh tier` and `mesh label`, so a host's
+    own word on its tier and labels gives nothing away; under authentication it counts for
+    nothing (Kubernetes' NodeRestriction: a kubelet may not set the labels that steer work)."""
+    return not nc._server_info.get("auth_required", False)
 
 
 class Fleet:
-    def __init__(self, *, pool: asyncpg.Pool, epoch: int, down_after: int = 3) -> None:
+    def __init__(
+        self,
+        *,
+        pool: asyncpg.Pool,
+        epoch: int,
+        down_after: int = 3,
+        open_bus: Callable[[], bool] = lambda: False,
+    ) -> None:
         self._pool = pool
         self._epoch = epoch
         self._down_after = down_after
+        self._open_bus = open_bus  # asked at each registration: a server reload may add auth
         self.machines: dict[str, MachineRow] = {}
         # The names of up machines, kept beside `machines` so `status` costs the same for a
         # fleet of any size (bench/verbs.py: walking 1000 machines per call halved its rate).
@@ -35,6 +54,7 @@ class Fleet:
         self._beat_at: dict[str, float] = {}  # monotonic time of the last beat (or takeover)
         self._unflushed: dict[str, datetime] = {}
         self._unknown_logged: set[str] = set()
+        self._claims_logged: set[str] = set()  # machines whose own tier/labels were not taken
         # Registrations and up/down transitions come from three tasks (verbs, beats, watch);
         # one at a time keeps memory, the store and the event order in agreement.
         self._changing = anyio.Lock()
@@ -101,14 +121,15 @@ class Fleet:
 
     async def _register(self, req: Register) -> MachineRow:
         was = self.machines.get(req.name)
+        trusted = self._open_bus()
         async with self._pool.acquire() as conn, conn.transaction():
             row = await machines.register(
                 conn,
                 name=req.name,
-                tier=req.tier,
-                labels=req.labels,
                 facts=req.facts,
                 beat_interval=req.beat_interval,
+                claimed_tier=req.tier if trusted else None,
+                claimed_labels=req.labels if trusted else None,
             )
             await events.record(
                 conn, "machine.registered", machine=req.name, epoch=self._epoch, tier=row.tier
@@ -123,23 +144,74 @@ class Fleet:
         self._beat_at[req.name] = time.monotonic()
         self._unknown_logged.discard(req.name)
         log.info("machine %s registered (tier %d, pid %d)", req.name, row.tier, req.pid)
+        ignored = req.tier not in (None, row.tier) or (
+            bool(req.labels) and req.labels != row.labels
+        )
+        if ignored and req.name not in self._claims_logged:
+            self._claims_logged.add(req.name)
+            log.info(
+                "machine %s asked for tier %s and labels %s: it keeps tier %d and labels %s "
+                "(the operator's: mesh tier, mesh label)",
+                req.name, req.tier, req.labels, row.tier, row.labels,
+            )  # fmt: skip
         return row
 
-    async def set_tier(self, name: str, tier: int) -> int:
-        """Move a machine to another tier (plans recorded from now on use it); the old tier."""
+    async def set_tier(self, name: str, tier: int) -> tuple[int, bool]:
+        """Move a machine to another tier (plans recorded from now on use it), or place one
+        that has not registered yet; the old tier, and whether it is registered."""
         async with self._changing:
             m = self.machines.get(name)
-            if m is None:
-                raise wire.BadRequest(f"machine {name} is not registered", code="not_found")
-            was = m.tier
             async with self._pool.acquire() as conn, conn.transaction():
                 await catalog.fence(conn, epoch=self._epoch)
-                await machines.set_tier(conn, name=name, tier=tier)
+                if m is None:
+                    placed = await machines.placement(conn, name) or machines.Placement()
+                    was = placed.tier
+                    await machines.place(conn, name=name, tier=tier, labels=placed.labels)
+                else:
+                    was = m.tier
+                    await machines.set_tier(conn, name=name, tier=tier)
                 await events.record(conn, "machine.tier", machine=name, epoch=self._epoch,
-                                    tier=tier, was=was)  # fmt: skip
-            m.tier = tier
-        log.info("machine %s moved from tier %d to tier %d", name, was, tier)
-        return was
+                                    tier=tier, was=was, registered=m is not None)  # fmt: skip
+            if m is not None:
+                m.tier = tier
+        log.info("machine %s moved from tier %d to tier %d%s", name, was, tier,
+                 "" if m is not None else " (for its first registration)")  # fmt: skip
+        return was, m is not None
+
+    async def set_labels(
+        self, name: str, *, add: dict[str, str], remove: list[str]
+    ) -> tuple[dict[str, str], dict[str, str], bool]:
+        """Set and remove labels of a machine, or of one that has not registered yet (its first
+        registration takes them); (labels, the labels it had, whether it is registered)."""
+        both = sorted(set(add) & set(remove))
+        if both:
+            raise wire.BadRequest(f"label {both[0]}: both set and removed")
+        async with self._changing:
+            m = self.machines.get(name)
+            async with self._pool.acquire() as conn, conn.transaction():
+                await catalog.fence(conn, epoch=self._epoch)
+                if m is None:
+                    placed = await machines.placement(conn, name) or machines.Placement()
+                    was = dict(placed.labels)
+                else:
+                    placed, was = None, dict(m.labels)
+                labels = {k: v for k, v in {**was, **add}.items() if k not in remove}
+                if len(labels) > MAX_LABELS:
+                    raise wire.BadRequest(
+                        f"labels: machine {name} would carry {len(labels)} labels, "
+                        f"at most {MAX_LABELS}"
+                    )
+                if placed is not None:
+                    await machines.place(conn, name=name, tier=placed.tier, labels=labels)
+                else:
+                    await machines.set_labels(conn, name=name, labels=labels)
+                await events.record(conn, "machine.labels", machine=name, epoch=self._epoch,
+                                    labels=labels, was=was, registered=m is not None)  # fmt: skip
+            if m is not None:
+                m.labels = labels
+        log.info("machine %s labels %s (were %s)%s", name, labels, was,
+                 "" if m is not None else " for its first registration")  # fmt: skip
+        return labels, was, m is not None
 
     async def beat(self, beat: Beat) -> None:
         m = self.machines.get(beat.name)

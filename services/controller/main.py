@@ -30,7 +30,7 @@ from mesh.store import db, events, seats
 from mesh.store.migrate import migrate
 from services.controller import handover, readiness
 from services.controller.catalog import Catalog
-from services.controller.fleet import Fleet
+from services.controller.fleet import Fleet, open_bus
 from services.controller.handover import VerbSubscriptions
 from services.controller.planner import Planner
 from services.controller.readiness import Readiness
@@ -209,7 +209,7 @@ async def _hold(
     log.info("controller %s holds the seat %s, epoch %d%s", me.instance, subjects.SEAT,
              row.epoch, how)  # fmt: skip
 
-    fleet = Fleet(pool=pool, epoch=row.epoch, down_after=down_after)
+    fleet = Fleet(pool=pool, epoch=row.epoch, down_after=down_after, open_bus=lambda: open_bus(nc))
     await fleet.load()
     kv, obs = await blobs.ensure(nc)
 

@@ -28,6 +28,8 @@ from mesh.model import (
     Handover,
     HandoverReply,
     HandoverRequest,
+    LabelReply,
+    LabelRequest,
     ModulesReply,
     ModulesRequest,
     NodesReply,
@@ -110,7 +112,7 @@ async def register(h: Holder, machine: str, req: Register) -> RegisterReply:
             f"name: {req.name!r} differs from the subject's machine {machine!r}", code="forbidden"
         )
     row = await h.fleet.register(req)
-    return RegisterReply(name=row.name, tier=row.tier, epoch=h.seat.epoch)
+    return RegisterReply(name=row.name, tier=row.tier, epoch=h.seat.epoch, labels=row.labels)
 
 
 async def push(h: Holder, req: PushRequest) -> ChangeReply:
@@ -154,8 +156,13 @@ async def plans(h: Holder, req: PlansRequest) -> PlansReply:
 
 
 async def tier(h: Holder, req: TierRequest) -> TierReply:
-    was = await h.fleet.set_tier(req.machine, req.tier)
-    return TierReply(machine=req.machine, tier=req.tier, was=was)
+    was, registered = await h.fleet.set_tier(req.machine, req.tier)
+    return TierReply(machine=req.machine, tier=req.tier, was=was, registered=registered)
+
+
+async def label(h: Holder, req: LabelRequest) -> LabelReply:
+    labels, was, registered = await h.fleet.set_labels(req.machine, add=req.set, remove=req.remove)
+    return LabelReply(machine=req.machine, labels=labels, was=was, registered=registered)
 
 
 class Verb(msgspec.Struct, frozen=True):
@@ -184,6 +191,7 @@ VERBS: dict[str, Verb] = {
     "plan": Verb(PlanRequest, plan, slow=True, limit=_SMALL),
     "plans": Verb(PlansRequest, plans, slow=True, limit=_SMALL),
     "tier": Verb(TierRequest, tier, slow=True, limit=_SMALL),
+    "label": Verb(LabelRequest, label, slow=True),  # up to 64 labels: as a registration
     "handover": Verb(HandoverRequest, hand_over, limit=_SMALL),
 }
 

@@ -190,12 +190,22 @@ async def _register(
         status.registered = True
         status.epoch = reply.epoch
         status.tier = reply.tier
+        status.labels = reply.labels
         log.info(
-            "host %s registered with the controller (epoch %d, tier %d)",
+            "host %s registered with the controller (epoch %d, tier %d, labels %s)",
             registration.name,
             reply.epoch,
             reply.tier,
+            reply.labels,
         )
+        asked_tier = registration.tier not in (None, reply.tier)
+        if asked_tier or (registration.labels and registration.labels != reply.labels):
+            # The tier and labels decide what this machine gets: on a mesh with credentials
+            # they are the operator's alone, and --tier/--label count for nothing.
+            log.warning(
+                "host %s: --tier/--label were not taken (the operator sets them: mesh machine "
+                "add --tier --label, mesh tier, mesh label)", registration.name,
+            )  # fmt: skip
         return
 
 
