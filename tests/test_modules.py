@@ -323,6 +323,14 @@ async def test_a_build_holds_up_no_other_change_and_its_plan_shows_it_building(
     assert [b["digest"] for b in decl["bundles"].values()] == [build["digest"]]
 
 
+async def test_a_build_with_no_builder_up_is_refused_and_records_no_plan(
+    host, nats_url, tmp_path
+) -> None:
+    line = one_line_error(run(nats_url, "push", str(_built_module(tmp_path / "b", script=""))))
+    assert "no machine is up with the label builder=true" in line
+    assert json.loads(ok(run(nats_url, "--json", "plan")))["plans"] == []
+
+
 async def test_pushes_of_one_module_register_in_the_order_they_came(
     fleet, nats_url, tmp_path, database_url, gate_dir, procs
 ) -> None:

@@ -472,6 +472,8 @@ class Catalog:
             if current is not None and current.version == req.source:
                 return unchanged
             bundles, todo = await self._bundles(manifest, data, dry=False)
+            if todo:
+                builds.builder(self._fleet)  # none up: refused before any plan is recorded
             building = await self._building(manifest, req, bundles, todo) if todo else None
             try:
                 bundles |= await self._build(name, todo)
