@@ -7,6 +7,7 @@ deadline, so a user sees a slow answer rather than an error.
 
 import logging
 import re
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -192,9 +193,14 @@ async def _discard(nc: Client) -> None:
         pass
 
 
-async def answer(msg: Msg, serve: Callable[[], Awaitable[object]]) -> None:
+async def answer(
+    msg: Msg, serve: Callable[[], Awaitable[object]], *, service: str = "controller"
+) -> None:
     """Reply to a request with what `serve` returns, or with an error reply: a BadRequest's
-    code and message, or `internal` for anything else (logged). A publish gets no reply."""
+    code and message, `internal` for anything else (logged under a short id the reply names;
+    the exception's text stays in `service`'s log), `too_large` for a reply the NATS server
+    would not take. A publish gets no reply. Never raises but for cancellation: a reply that
+    cannot be sent is logged, since one caller's request must not take a service down."""
     if not msg.reply:
         return
     try:
@@ -203,15 +209,36 @@ async def answer(msg: Msg, serve: Callable[[], Awaitable[object]]) -> None:
         # The service is stopping (a handover's deadline for slow verbs): say so rather than
         # leave the caller waiting out its timeout; trying again reaches the next holder.
         with anyio.CancelScope(shield=True), anyio.move_on_after(1):
-            await msg.respond(wire.error("unavailable", "the controller stopped before it "
-                                         "answered; try again"))  # fmt: skip
+            await _respond(msg, wire.error("unavailable", f"the {service} stopped before it "
+                                           "answered; try again"))  # fmt: skip
         raise
     except wire.BadRequest as e:
         body = wire.error(e.code, str(e))
+    except Exception:
+        ref = secrets.token_hex(4)
+        log.exception("request on %s failed: internal error %s", msg.subject, ref)
+        body = wire.error("internal", f"internal error {ref}; see the {service}'s log")
+    # nats-py refuses (MaxPayloadError) a payload past the server's max_payload; refused here
+    # first, the caller hears why instead of waiting out its timeout.
+    limit = msg._client.max_payload  # of the connection the request came in on
+    if len(body) > limit:
+        verb = msg.subject.rsplit(".", 1)[-1]
+        log.warning("reply to %s is %d bytes, more than the NATS server takes (%d): answered "
+                    "too_large", msg.subject, len(body), limit)  # fmt: skip
+        body = wire.error(
+            "too_large",
+            f"the reply to {verb[:64]} is too large: {len(body)} bytes, more than the NATS "
+            f"server takes ({limit}); ask for less",
+        )
+    await _respond(msg, body)
+
+
+async def _respond(msg: Msg, body: bytes) -> None:
+    """Send a reply; a failure (connection closed or draining, too large, ...) is logged."""
+    try:
+        await msg.respond(body)
     except Exception as e:
-        log.exception("request on %s failed", msg.subject)
-        body = wire.error("internal", f"{type(e).__name__}: {e}")
-    await msg.respond(body)
+        log.warning("could not reply on %s: %s: %s", msg.subject, type(e).__name__, e)
 
 
 async def close(nc: Client) -> None:

@@ -32,11 +32,17 @@ def binary() -> str:
 
 
 def write_config(
-    folder: Path, *, port: int, name: str = "mesh-dev", auth: Path | None = None
+    folder: Path,
+    *,
+    port: int,
+    name: str = "mesh-dev",
+    auth: Path | None = None,
+    max_payload: int | None = None,
 ) -> Path:
     """Write `folder/nats.conf` for a server on 127.0.0.1:`port` with JetStream in `folder/js`
     and its pid in `folder/nats.pid`. With `auth` (a file holding an `authorization` block, see
-    mesh.auth.server), every connection must authenticate as one of its users."""
+    mesh.auth.server), every connection must authenticate as one of its users. `max_payload`
+    (bytes) replaces the server's default of 1 MiB (tests use a small one)."""
     folder.mkdir(parents=True, exist_ok=True)
     store = folder / "js"
     store.mkdir(exist_ok=True)
@@ -55,6 +61,8 @@ def write_config(
         "  sync_interval: always",
         "}",
     ]
+    if max_payload is not None:
+        lines.append(f"max_payload: {int(max_payload)}")
     if auth is not None:  # an include is read relative to the including file's folder
         lines.append(f"include {json.dumps(os.path.relpath(auth, folder))}")
     text = "\n".join([*lines, ""])
