@@ -57,6 +57,12 @@ async def connected(*, url: str, creds: str | None, what: str) -> AsyncIterator[
         )
 
 
+RETRIED = ("unavailable", "busy")  # error replies that say "try again": retried to the deadline
+RETRY_FIRST = 0.1  # then doubled, up to RETRY_MOST
+RETRY_MOST = 1.0
+LAST_TRY = 0.1  # what is left of the deadline for the try after the last pause
+
+
 async def ask(
     nc: Client,
     *,
@@ -67,14 +73,16 @@ async def ask(
     body: bytes = b"{}",
     attempt: float = 1.0,
 ) -> T:
-    """One verb, retried over "no responders" until `timeout`. `attempt` bounds one try: a verb
-    that changes things gets one long try, so a slow answer is not mistaken for a lost one."""
+    """One verb, retried over "no responders", `unavailable` and `busy` until `timeout`.
+    `attempt` bounds one try: a verb that changes things gets one long try, so a slow answer is
+    not mistaken for a lost one."""
     if len(body) > nc.max_payload:  # nats-py would raise MaxPayloadError at the first try
         raise CliError(
             f"{verb}: the request is {len(body)} bytes, more than the NATS server takes "
             f"({nc.max_payload}); see Limits in docs/verbs.md"
         )
     deadline = time.monotonic() + timeout
+    pause = RETRY_FIRST
     while True:
         try:
             data = await bus.request(
@@ -88,9 +96,12 @@ async def ask(
         try:
             return wire.decode_reply(data, reply)
         except wire.RemoteError as e:
-            # The seat was moving (a handover, a controller stopping): ask the next holder.
-            if e.code == "unavailable" and time.monotonic() + 0.5 < deadline:
-                await anyio.sleep(0.5)
+            # The seat was moving (a handover, a controller stopping), or the controller had
+            # as many slow verbs in flight as it takes (nothing was done): ask again, later.
+            left = deadline - time.monotonic()
+            if e.code in RETRIED and left > 2 * LAST_TRY:
+                await anyio.sleep(min(pause, left - LAST_TRY))  # a last try fits before it
+                pause = min(pause * 2, RETRY_MOST)
                 continue
             raise CliError(f"{verb}: {e}" if e.code != "refused" else str(e)) from None
 

@@ -153,26 +153,40 @@ async def stand_ready(nc: Client, me: SeatAnnounce, verbs: VerbSubscriptions) ->
     on the requests held meanwhile. Cancelled from outside once the seat is ours."""
     seat = await nc.subscribe(subjects.seat("*"))
     try:
-        async for msg in seat.messages:
-            event = msg.subject.rsplit(".", 1)[-1]
-            if event not in ("handover", "held"):
-                continue
-            try:
-                other = wire.decode(msg.data, SeatAnnounce)
-            except wire.BadRequest:
-                continue
-            if event == "held" and other.instance != me.instance and verbs.active:
-                log.info("controller %s: %s holds the seat; passing verbs on to it",
-                         me.instance, other.instance)  # fmt: skip
-                await verbs.leave()
-            elif event == "handover" and not verbs.active:
-                await verbs.subscribe()
-                await nc.publish(subjects.seat("ready"), wire.encode(me))
-                log.info("controller %s: %s hands over; subscribed to verbs, ready",
-                         me.instance, other.instance)  # fmt: skip
-            elif verbs.active and verbs.since and time.monotonic() - verbs.since > EARLY_FOR:
-                log.info("controller %s: the seat did not come; leaving the verb group",
-                         me.instance)  # fmt: skip
-                await verbs.leave()
+        async with anyio.create_task_group() as tg:
+            async for msg in seat.messages:
+                event = msg.subject.rsplit(".", 1)[-1]
+                if event not in ("handover", "held"):
+                    continue
+                try:
+                    other = wire.decode(msg.data, SeatAnnounce)
+                except wire.BadRequest:
+                    continue
+                if event == "held" and other.instance != me.instance and verbs.active:
+                    log.info("controller %s: %s holds the seat; passing verbs on to it",
+                             me.instance, other.instance)  # fmt: skip
+                    await verbs.leave()
+                elif event == "handover" and not verbs.active:
+                    await verbs.subscribe()
+                    await nc.publish(subjects.seat("ready"), wire.encode(me))
+                    log.info("controller %s: %s hands over; subscribed to verbs, ready",
+                             me.instance, other.instance)  # fmt: skip
+                    # A deadline of its own: a `held` we missed (or a holder that died before
+                    # sending it) must not leave us in the group, holding every verb that
+                    # lands here for SEAT_WAIT.
+                    tg.start_soon(_leave_if_not_seated, me, verbs, verbs.since)
     finally:
         await seat.unsubscribe()
+
+
+async def _leave_if_not_seated(
+    me: SeatAnnounce, verbs: VerbSubscriptions, since: float | None
+) -> None:
+    """Leave the verb group EARLY_FOR after joining it (at `since`), unless we left already
+    (and maybe joined again: that join has its own deadline) or the seat came first (then
+    `stand_ready` and this with it are cancelled)."""
+    await anyio.sleep(max(0.0, (since or time.monotonic()) + EARLY_FOR - time.monotonic()))
+    if verbs.active and verbs.since == since:
+        log.info("controller %s: the seat did not come within %gs; leaving the verb group",
+                 me.instance, EARLY_FOR)  # fmt: skip
+        await verbs.leave()

@@ -35,7 +35,7 @@ from services.controller.handover import VerbSubscriptions
 from services.controller.planner import Planner
 from services.controller.readiness import Readiness
 from services.controller.seat import SeatLock
-from services.controller.standbys import ANNOUNCE_EVERY, Standbys
+from services.controller.standbys import ANNOUNCE_EVERY, Releases, Standbys
 from services.controller.verbs import Holder, on_host_verb, on_verb
 
 log = logging.getLogger("mesh.controller")
@@ -87,7 +87,7 @@ async def run(
     try:
         nc = await bus.connect(nats_url, name=f"mesh-controller {instance}", creds=creds, link=link)
         standbys = Standbys(own_instance=instance)
-        released: dict[str, float] = {}  # holder instance -> when (monotonic) we heard it let go
+        released = Releases()  # holder instance -> when we heard it let go
 
         async def on_seat_event(msg: Msg) -> None:
             try:
@@ -99,7 +99,7 @@ async def run(
             elif msg.subject.endswith((".held", ".released")):
                 standbys.gone(announce.instance)
                 if msg.subject.endswith(".released"):
-                    released[announce.instance] = time.monotonic()
+                    released.heard(announce.instance)
 
         await nc.subscribe(subjects.SEAT_EVENTS, cb=on_seat_event)
         me = SeatAnnounce(instance=instance, pid=pid, host=host, since=started)
@@ -185,7 +185,7 @@ async def _hold(
     down_after: int,
     verbs: VerbSubscriptions,
     stop: Stop,
-    released: dict[str, float],
+    released: Releases,
     ready: Readiness,
 ) -> None:
     assert lock.conn is not None
@@ -196,7 +196,7 @@ async def _hold(
     assert row.since is not None
     ready.set("holding", row.epoch)
     previous = before.holder if before else None
-    let_go = released.pop(previous, None) if previous else None
+    let_go = released.take(previous) if previous else None
     taken = Handover(
         at=row.since, from_=previous, to=me.instance, planned=let_go is not None,
         gap_ms=round((time.monotonic() - let_go) * 1000, 1) if let_go is not None else None,

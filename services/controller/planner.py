@@ -30,6 +30,10 @@ from services.controller.fleet import Fleet
 
 log = logging.getLogger(__name__)
 
+# Digests whose process names are remembered, the most recently used: every machine's
+# declaration has its own digest, and a plan judges one or two per machine (after, before).
+# Forgotten when the plan ends; this bounds what one very large plan keeps.
+NAMES_KEPT = 16384
 IDLE_CHECK = 5.0  # look for a plan this often even without being woken (a missed wake-up)
 LOOK_EVERY = 1.0  # the longest the planner waits without judging deadlines
 
@@ -41,7 +45,8 @@ class Planner:
         self._fleet = fleet
         self._epoch = epoch
         self._wake = anyio.Event()
-        self._names: dict[str, frozenset[str]] = {}  # digest -> the processes it declares
+        # digest -> the processes it declares, least recently used first (at most NAMES_KEPT)
+        self._names: dict[str, frozenset[str]] = {}
         self._plan: plans.Plan | None = None
         self._tier: int | None = None
         self.current: PlanSummary | None = None  # what `status` shows
@@ -61,6 +66,7 @@ class Planner:
             plan = await plans.load(self._pool, plan_id)
             assert plan is not None
             await self._run(plan)
+            self._names.clear()  # its digests are done with; the next plan brings its own
 
     # --- one plan ------------------------------------------------------------------------------
 
@@ -321,10 +327,12 @@ class Planner:
         return f"not healthy after {deadline:g}s"
 
     def _processes(self, digest: str, body: bytes) -> frozenset[str]:
-        names = self._names.get(digest)
+        names = self._names.pop(digest, None)
         if names is None:
-            decl = msgspec.json.decode(body, type=Declaration)
-            names = self._names[digest] = frozenset(decl.processes)
+            names = frozenset(msgspec.json.decode(body, type=Declaration).processes)
+            if len(self._names) >= NAMES_KEPT:  # forget the least recently used
+                del self._names[next(iter(self._names))]
+        self._names[digest] = names  # last: the most recently used
         return names
 
     # --- what status shows -----------------------------------------------------------------------

@@ -28,3 +28,34 @@ class Standbys:
             Standby(instance=a.instance, pid=a.pid, host=a.host, since=a.since)
             for a, _ in sorted(self._seen.values(), key=lambda s: s[0].instance)
         ]
+
+
+RELEASE_KEPT = 60.0  # seconds a holder's `released` is remembered: a takeover follows in ms
+RELEASES_KEPT = 64  # and at most this many (every controller that ever let go is a new name)
+
+
+class Releases:
+    """When (monotonic) each holder was heard letting go of the seat, so the next holder can
+    tell a handover from a crash and measure the gap. Bounded: old entries are forgotten."""
+
+    def __init__(self) -> None:
+        self._at: dict[str, float] = {}
+
+    def __len__(self) -> int:
+        return len(self._at)
+
+    def heard(self, instance: str, at: float | None = None) -> None:
+        now = time.monotonic() if at is None else at
+        self._at.pop(instance, None)
+        self._at[instance] = now
+        for old in [i for i, t in self._at.items() if now - t > RELEASE_KEPT]:
+            del self._at[old]
+        while len(self._at) > RELEASES_KEPT:
+            del self._at[next(iter(self._at))]  # the oldest
+
+    def take(self, instance: str) -> float | None:
+        """When `instance` let go, if heard lately; forgotten once taken."""
+        at = self._at.pop(instance, None)
+        if at is not None and time.monotonic() - at > RELEASE_KEPT:
+            return None
+        return at

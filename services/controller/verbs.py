@@ -58,6 +58,16 @@ from services.controller.standbys import Standbys
 
 log = logging.getLogger(__name__)
 
+# Slow verbs served at once. They share a store pool of 4 connections (and builds): more in
+# flight only queue inside the controller, holding memory and their callers' time, so past
+# this many a slow verb is answered `busy` at once and the caller tries again (`mesh` does).
+SLOW_IN_FLIGHT = 16
+# Host requests (register, secret) served at once. After a takeover every host registers again:
+# they are served side by side rather than one behind another (and behind a store stall);
+# past this many the rest wait in the subscription's buffer, in the order they came.
+HOST_IN_FLIGHT = 32
+HOST_SLOT_WAIT = 5.0  # longer than a host's attempt (1 s): it has asked again by then
+
 
 class Holder(msgspec.Struct):
     """What the verbs need of the controller that holds the seat."""
@@ -70,6 +80,13 @@ class Holder(msgspec.Struct):
     tasks: TaskGroup  # where verbs that wait on the store or a build run, off the hot path
     handover: Handover  # how this controller came to hold the seat
     stop: Callable[[], None]  # start a handover (the `handover` verb)
+    # Slow verbs and host requests in flight (see SLOW_IN_FLIGHT, HOST_IN_FLIGHT).
+    slow: anyio.CapacityLimiter = msgspec.field(
+        default_factory=lambda: anyio.CapacityLimiter(SLOW_IN_FLIGHT)
+    )
+    host_requests: anyio.CapacityLimiter = msgspec.field(
+        default_factory=lambda: anyio.CapacityLimiter(HOST_IN_FLIGHT)
+    )
 
 
 async def status(h: Holder, _: StatusRequest) -> StatusReply:
@@ -221,16 +238,43 @@ async def on_verb(h: Holder, msg: Msg) -> None:
         return await verb.handler(h, wire.decode(msg.data, verb.request, limit=verb.limit))
 
     if verb is not None and verb.slow:
+        slot = object()  # borrows one of SLOW_IN_FLIGHT; given back when answered
         try:
-            h.tasks.start_soon(bus.answer, msg, serve)
+            h.slow.acquire_on_behalf_of_nowait(slot)
+        except anyio.WouldBlock:
+
+            async def busy() -> Any:
+                raise wire.BadRequest(
+                    f"the controller is busy ({SLOW_IN_FLIGHT} slow verbs in flight); try again",
+                    code="busy",
+                )
+
+            log.warning("busy: refused %s (%d slow verbs in flight)", name, SLOW_IN_FLIGHT)
+            await bus.answer(msg, busy)
+            return
+        try:
+            h.tasks.start_soon(_answer_then_release, h.slow, slot, msg, serve)
             return
         except RuntimeError:  # stopping: the task group is closed; answer here instead
-            pass
+            h.slow.release_on_behalf_of(slot)
     await bus.answer(msg, serve)
 
 
+async def _answer_then_release(
+    limiter: anyio.CapacityLimiter, slot: object, msg: Msg, serve: Callable[[], Awaitable[Any]]
+) -> None:
+    try:
+        await bus.answer(msg, serve)
+    finally:
+        limiter.release_on_behalf_of(slot)
+
+
 async def on_host_verb(h: Holder, msg: Msg) -> None:
-    """mesh.ctl.host.<machine>.<verb>"""
+    """mesh.ctl.host.<machine>.<verb>: each in its own task (a slow `secret` does not hold up a
+    `register`), at most HOST_IN_FLIGHT at once, started in the order they came. Neither verb
+    needs more order than that: each reply goes to its own request, and registrations go
+    through the fleet's (fair) lock one at a time. A host's applied/processes reports, which
+    must stay in order, have a subscription of their own (main.py) and are not served here."""
 
     async def serve() -> Any:
         _, _, _, machine, name = msg.subject.split(".")
@@ -246,4 +290,26 @@ async def on_host_verb(h: Holder, msg: Msg) -> None:
             )
         return await verb.handler(h, machine, wire.decode(msg.data, verb.request, limit=verb.limit))
 
+    slot = object()
+    got = False
+    # Waiting here holds the next host requests in the subscription's buffer, in order.
+    with anyio.move_on_after(HOST_SLOT_WAIT):
+        await h.host_requests.acquire_on_behalf_of(slot)
+        got = True
+    if not got:
+
+        async def busy() -> Any:
+            raise wire.BadRequest(
+                f"the controller is busy ({HOST_IN_FLIGHT} host requests in flight); try again",
+                code="busy",
+            )
+
+        log.warning("busy: refused %s (%d host requests in flight)", msg.subject, HOST_IN_FLIGHT)
+        await bus.answer(msg, busy)
+        return
+    try:
+        h.tasks.start_soon(_answer_then_release, h.host_requests, slot, msg, serve)
+        return
+    except RuntimeError:  # stopping: the task group is closed; answer here instead
+        h.host_requests.release_on_behalf_of(slot)
     await bus.answer(msg, serve)
