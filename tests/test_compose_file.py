@@ -113,6 +113,19 @@ def test_mesh_services_run_under_init_and_wait_for_what_they_need() -> None:
     assert any(word.endswith("/healthz") for word in nats_check)
 
 
+def test_the_hosts_start_once_the_admin_has_placed_their_machines() -> None:
+    """On an authenticated mesh a host's --tier/--label are not taken: `place` sets them."""
+    doc = _doc()
+    mesh = _mesh_services(doc)
+    place = parser().parse_args(mesh["place"]["command"][1:])
+    assert (place.command, place.dev_command, place.hosts) == ("dev", "place", 3)
+    assert mesh["place"]["restart"] == "no"
+    assert mesh["place"]["volumes"] == ["creds-admin:/run/mesh:ro"]
+    assert _depends(mesh["place"])["controller-1"] == "service_healthy"
+    for name in ("node-1", "node-2", "node-3"):
+        assert _depends(mesh[name])["place"] == "service_completed_successfully", name
+
+
 def test_nats_admits_only_the_issued_credentials_and_only_locally() -> None:
     doc = _doc()
     nats = doc["services"]["nats"]

@@ -470,6 +470,9 @@ async def test_a_host_cannot_choose_its_own_tier_or_labels(fleet, secured):
     finally:
         await nc.close()
     assert (reply["tier"], reply["labels"]) == (1, {"zone": "a"}), reply
+    # `mesh dev place` (compose.dev.yaml's) places only the machines never seen: node-5 here.
+    placed = json.loads(ok(cli(secured, secured.admin, "--json", "dev", "place", "--hosts", "5")))
+    assert placed == {"placed": ["machine node-5 placed: tier 2, labels none"]}, placed
 
 
 async def test_the_controllers_secrets_reach_no_machine_outside_the_control_set(fleet, secured):

@@ -18,7 +18,7 @@ from nats.aio.client import Client
 from mesh import config, wire
 from mesh.auth import registry, server
 from mesh.cli.args import Parser, label, tier
-from mesh.cli.client import CliError, ask, connected, verb
+from mesh.cli.client import CliError, ask, connected, verb, where
 from mesh.cli.output import console, print_json
 from mesh.meshdir import DEFAULT_DIR, MeshDir
 from mesh.model import LabelReply, LabelRequest, TierReply, TierRequest
@@ -75,6 +75,31 @@ def add_parsers(verbs: Any, common: argparse.ArgumentParser) -> None:
         "--remove", type=_label_key, action="append", default=[], metavar="K",
         help="a label to remove (repeatable)",
     )  # fmt: skip
+
+
+def add_dev_parser(dev_verbs: Any, common: argparse.ArgumentParser) -> None:
+    p = dev_verbs.add_parser(
+        "place", parents=[common], help="place the dev mesh's machines as `mesh dev up` does"
+    )
+    p.add_argument("--hosts", type=int, default=3, metavar="N", help="hosts node-1..N (3)")
+
+
+async def cmd_dev_place(args: argparse.Namespace) -> None:
+    """`mesh dev place [--hosts N]`: node-1 tier 0 with builder=true, node-2 tier 1, the rest
+    tier 2, for the machines the store has never seen, as an admin (compose.dev.yaml's one-shot
+    `place` service, before its hosts start: they never choose their own)."""
+    from mesh.dev.up import place_new
+
+    if not 0 <= args.hosts <= 64:
+        raise CliError(f"--hosts: {args.hosts} is out of range (0 to 64)")
+    url, creds = where(args)
+    async with connected(url=url, creds=creds, what="dev place") as nc:
+        lines = await place_new(nc, url=url, hosts=args.hosts, alive=lambda: None)
+    if args.json:
+        print_json({"placed": lines})
+        return
+    for line in lines or ["every machine was placed before: nothing to do"]:
+        print(line)
 
 
 def _label_key(text: str) -> str:
@@ -209,4 +234,5 @@ COMMANDS = {
     ("machine", "add"): cmd_machine_add,
     ("machine", "remove"): cmd_machine_remove,
     ("label",): cmd_label,
+    ("dev", "place"): cmd_dev_place,
 }

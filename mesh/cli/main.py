@@ -59,6 +59,7 @@ def parser() -> argparse.ArgumentParser:
         "--port", type=int, default=None, help="NATS port (4222, or a free one if taken; 0: free)"
     )
     devcreds.add_parser(dev_verbs, common)
+    machines.add_dev_parser(dev_verbs, common)
 
     new = verbs.add_parser(
         "init", parents=[common], help="a new mesh on this machine, its controller a process"

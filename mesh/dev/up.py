@@ -176,42 +176,16 @@ class DevMesh:
         return child
 
     async def place_hosts(self) -> None:
-        """Tiers and labels, set as an operator sets them (`mesh machine add --tier --label`):
-        a host never chooses its own. Only for machines the store has never seen, so a mesh
-        started again keeps what its operator changed since (`mesh tier`, `mesh label`)."""
-        from mesh.cli.client import CliError
-        from mesh.cli.machines import place
-
+        """Tiers and labels, set as an operator sets them: a host never chooses its own."""
         nc = await bus.connect(
             self.nats_url, name="mesh dev up", creds=str(self.creds["admin"]), reconnect=False
         )
-        deadline = time.monotonic() + READY_WITHIN
         try:
-            while True:
-                self._check_alive()
-                try:
-                    data = await bus.request(nc, subjects.ctl("nodes"), b"{}", deadline=_in(1))
-                    known = {n.name for n in wire.decode_reply(data, NodesReply).nodes}
-                    break
-                except (bus.NoAnswer, wire.RemoteError):
-                    if time.monotonic() > deadline:
-                        raise DevError(
-                            f"not ready within {READY_WITHIN:g}s: waiting for the seat's holder; "
-                            f"logs in {self.dir / 'logs'}"
-                        ) from None
-                    await anyio.sleep(0.2)
-            for i in range(1, self.hosts + 1):
-                name = f"node-{i}"
-                if name in known:
-                    continue
-                try:
-                    tier, labels = await place(nc, url=self.nats_url, machine=name,
-                                               tier=tier_of(i), labels=labels_of(i),
-                                               timeout=30)  # fmt: skip
-                except CliError as e:
-                    raise DevError(f"placing {name}: {e}") from None
-                shown = ", ".join(f"{k}={v}" for k, v in labels.items()) or "none"
-                say(f"machine {name} placed: tier {tier}, labels {shown}")
+            for line in await place_new(
+                nc, url=self.nats_url, hosts=self.hosts, alive=self._check_alive,
+                logs=self.dir / "logs",
+            ):  # fmt: skip
+                say(line)
         finally:
             await nc.close()
 
@@ -333,6 +307,45 @@ class DevMesh:
 
 def _in(seconds: float) -> float:
     return time.monotonic() + seconds
+
+
+async def place_new(
+    nc: Client, *, url: str, hosts: int, alive: Callable[[], None], logs: Path | None = None
+) -> list[str]:
+    """node-1 tier 0 with builder=true, node-2 tier 1, the rest tier 2, as an admin places them
+    (`mesh machine add --tier --label`), once a controller holds the seat. Only machines the
+    store has never seen: a mesh started again keeps what its operator changed since (`mesh
+    tier`, `mesh label`). A line per machine placed."""
+    from mesh.cli.client import CliError
+    from mesh.cli.machines import place
+
+    deadline = time.monotonic() + READY_WITHIN
+    while True:
+        alive()
+        try:
+            data = await bus.request(nc, subjects.ctl("nodes"), b"{}", deadline=_in(1))
+            known = {n.name for n in wire.decode_reply(data, NodesReply).nodes}
+            break
+        except (bus.NoAnswer, wire.RemoteError):
+            if time.monotonic() > deadline:
+                where = f"; logs in {logs}" if logs else ""
+                raise DevError(
+                    f"not ready within {READY_WITHIN:g}s: waiting for the seat's holder{where}"
+                ) from None
+            await anyio.sleep(0.2)
+    placed = []
+    for i in range(1, hosts + 1):
+        name = f"node-{i}"
+        if name in known:
+            continue
+        try:
+            tier, labels = await place(nc, url=url, machine=name, tier=tier_of(i),
+                                       labels=labels_of(i), timeout=30)  # fmt: skip
+        except CliError as e:
+            raise DevError(f"placing {name}: {e}") from None
+        shown = ", ".join(f"{k}={v}" for k, v in labels.items()) or "none"
+        placed.append(f"machine {name} placed: tier {tier}, labels {shown}")
+    return placed
 
 
 class _HostRegistration(msgspec.Struct):
