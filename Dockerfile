@@ -7,5 +7,6 @@ ENV PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 COPY pyproject.toml README.md /src/
 COPY mesh /src/mesh
 COPY services /src/services
+COPY programs /src/programs
 RUN pip install --no-cache-dir /src && rm -rf /src
 ENTRYPOINT []

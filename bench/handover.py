@@ -1,7 +1,7 @@
 """Benchmark: `status` verbs at a steady rate while the seat changes hands.
 
 The pieces are real: nats-server (no auth, as the tests run it), PostgreSQL (embedded, from
-mesh.dev) and two controller processes (`python -m mesh controller run --instance ctl-a`),
+mesh.embedded) and two controller processes (`python -m mesh controller run --instance ctl-a`),
 one holding the seat and one standing by. A client sends `status` (`mesh.ctl.status`, body
 `{}`) open-loop at `--rate` requests a second: request i is due at start + i/rate and is sent
 then (late, not dropped, when the client falls behind), once, with its own `--timeout`;
@@ -70,8 +70,8 @@ from nats.aio.client import __version__ as nats_py_version
 from nats.aio.msg import Msg
 
 from mesh import subjects, wire
-from mesh.dev import natsd, ports, postgres
-from mesh.dev.children import Child, spawn
+from mesh.embedded import natsd, ports, postgres
+from mesh.embedded.children import Child, spawn
 from mesh.model import HandoverReply, SeatAnnounce, StatusReply
 
 STATUS_SUBJECT = "mesh.ctl.status"

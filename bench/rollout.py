@@ -81,7 +81,7 @@ from verbs import (  # bench/verbs.py: the same pieces, started the same way
 
 from mesh import bus, wire
 from mesh.blobs import DECLARATIONS
-from mesh.dev.children import Child
+from mesh.embedded.children import Child
 from mesh.model import (
     Applied,
     Beat,

@@ -53,8 +53,8 @@ from nats.aio.client import __version__ as nats_py_version
 from nats.aio.msg import Msg
 
 from mesh import bus, wire
-from mesh.dev import natsd, ports, postgres
-from mesh.dev.children import Child, spawn
+from mesh.embedded import natsd, ports, postgres
+from mesh.embedded.children import Child, spawn
 from mesh.model import Facts, Register, RegisterReply, StatusReply
 
 ECHO_SUBJECT = "bench.echo"

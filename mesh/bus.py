@@ -21,11 +21,12 @@ from nats.errors import TimeoutError as NatsTimeout
 
 from mesh import wire
 from mesh.auth import creds as credentials
+from mesh.errors import MeshError
 
 log = logging.getLogger(__name__)
 
 
-class Unreachable(Exception):
+class Unreachable(MeshError):
     """The NATS server at the URL did not accept a connection."""
 
 
@@ -33,7 +34,7 @@ class NoAnswer(Exception):
     """Nobody answered the subject before the deadline."""
 
 
-class Unauthorized(Exception):
+class Unauthorized(MeshError):
     """The NATS server refused the connection: no credentials, or ones it does not know."""
 
 

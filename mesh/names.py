@@ -6,11 +6,13 @@ whitespace in it would let one machine speak on another's subjects. Validate bef
 
 import re
 
+from mesh.errors import MeshError
+
 MAX_NAME = 64
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
 
 
-class InvalidName(ValueError):
+class InvalidName(MeshError, ValueError):
     """A name that cannot be a subject token; the message names the field and the value."""
 
 

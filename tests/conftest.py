@@ -21,8 +21,8 @@ import nats
 import pytest
 from helpers import MESH, ask, await_until, wait_until
 
-from mesh.dev import natsd, ports, postgres
-from mesh.dev.children import remove_containers, stop_supervised
+from mesh.embedded import natsd, ports, postgres
+from mesh.embedded.children import remove_containers, stop_supervised
 
 
 def _port_open(port: int) -> bool:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from mesh.dev import ports
+from mesh.embedded import ports
 from mesh.modules.compose import DProcess
 from mesh.modules.manifest import Check
 from services.host import checks

@@ -7,7 +7,7 @@ import subprocess
 import pytest
 from helpers import MESH, ask, await_until, mesh_cli
 
-from mesh.dev import ports
+from mesh.embedded import ports
 
 
 @pytest.fixture

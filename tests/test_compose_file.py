@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
-from mesh.cli.main import parser
+from programs.cli.main import parser
 
 ROOT = Path(__file__).parent.parent
 COMPOSE = ROOT / "compose.dev.yaml"
@@ -223,7 +223,7 @@ def test_dockerignore_keeps_the_venv_and_credentials_out_of_the_image() -> None:
     for needed in (
         "pyproject.toml",
         "README.md",
-        "mesh/cli/main.py",
+        "programs/cli/main.py",
         "mesh/store/migrations/001_machines_seat_events.sql",
         "services/host/main.py",
         "services/controller/module.toml",

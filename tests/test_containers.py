@@ -18,7 +18,7 @@ from helpers import ask, await_until, engine_answers, next_failure, ok
 from test_modules import run
 from test_processes import SERVER
 
-from mesh.dev import ports
+from mesh.embedded import ports
 
 IMAGE = "mesh-test/busybox:1"
 

@@ -18,7 +18,7 @@ from helpers import MESH, ok, one_line_error, wait_until
 from mesh import bus
 from mesh.auth import creds
 from mesh.auth.keys import new_user
-from mesh.dev import natsd, ports
+from mesh.embedded import natsd, ports
 
 ROOT = Path(__file__).parent.parent
 IDENTITIES = ["admin", "viewer", "controller", "node-1", "node-2", "node-3"]

@@ -29,7 +29,7 @@ from helpers import MESH, ask, await_until
 from test_plans import assert_tier_order, mesh, module, ok
 
 from mesh import bus, wire
-from mesh.dev import natsd, ports, postgres
+from mesh.embedded import natsd, ports, postgres
 from mesh.model import DeclarationReply
 from mesh.modules.compose import encode, merge
 from mesh.store import catalog

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from helpers import MESH, account_of
 
-from mesh.dev.children import stop_supervised
+from mesh.embedded.children import stop_supervised
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import pytest
 from helpers import MESH, ask, await_until, next_failure, ok
 from test_modules import run
 
-from mesh.dev import ports
+from mesh.embedded import ports
 
 SERVER = """\
 import socket, sys, time

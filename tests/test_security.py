@@ -29,9 +29,9 @@ from mesh.auth import creds as credentials
 from mesh.auth import registry
 from mesh.auth.keys import new_user
 from mesh.auth.policy import READ_VERBS
-from mesh.cli.machines import place
-from mesh.dev import natsd, ports
+from mesh.embedded import natsd, ports
 from mesh.meshdir import MeshDir
+from programs.placement import place
 from services.controller.verbs import VERBS
 from services.host.facts import gather
 

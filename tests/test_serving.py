@@ -24,9 +24,9 @@ from nats.aio.client import Client
 from nats.errors import TimeoutError as NatsTimeout
 
 from mesh import bus, subjects, wire
-from mesh.cli import client
-from mesh.dev import natsd, ports
+from mesh.embedded import natsd, ports
 from mesh.model import SeatAnnounce
+from programs.cli import client
 from services.controller import handover, planner, standbys
 from services.controller.verbs import SLOW_IN_FLIGHT
 

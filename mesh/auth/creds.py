@@ -13,6 +13,7 @@ from pathlib import Path
 import msgspec
 
 from mesh.auth.keys import public_of
+from mesh.errors import MeshError
 
 DEFAULT_INBOX = "_INBOX"
 _SEED_BEGIN = "-----BEGIN USER NKEY SEED-----"
@@ -21,7 +22,7 @@ _INBOX_LINE = re.compile(r"^# mesh-inbox: (\S+)\s*$", re.MULTILINE)
 _SEED_LINE = re.compile(r"^\s*(SU[A-Z2-7]+)\s*$", re.MULTILINE)
 
 
-class CredsError(Exception):
+class CredsError(MeshError):
     """A credentials file that cannot be used; the message names the file and why."""
 
 

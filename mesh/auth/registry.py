@@ -13,13 +13,14 @@ import msgspec
 from mesh.auth import creds, server
 from mesh.auth.keys import new_user, public_of
 from mesh.auth.policy import Kind, Role, User, inbox
+from mesh.errors import MeshError
 from mesh.meshdir import MeshDir
 from mesh.names import check_name
 
 CONTROLLER = "controller"  # the one identity every controller instance uses
 
 
-class AuthError(Exception):
+class AuthError(MeshError):
     """A failure of issuing or revoking credentials; the message says what to do."""
 
 

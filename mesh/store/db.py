@@ -4,6 +4,8 @@ import socket
 
 import asyncpg
 
+from mesh.errors import MeshError
+
 # Server-side TCP keepalives: a controller that vanished without closing its socket loses its
 # session (and the seat's advisory lock) within about idle + interval * count seconds.
 KEEPALIVES = {
@@ -18,7 +20,7 @@ KEEPALIVES = {
 }
 
 
-class StoreUnreachable(Exception):
+class StoreUnreachable(MeshError):
     """PostgreSQL did not accept a connection; the message says where it tried."""
 
 

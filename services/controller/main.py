@@ -25,6 +25,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from mesh import blobs, bus, subjects, wire
+from mesh.errors import MeshError
 from mesh.model import Applied, Beat, Handover, ProcessesEvent, SeatAnnounce, SeatInfo
 from mesh.store import db, events, seats
 from mesh.store.migrate import migrate
@@ -43,7 +44,7 @@ log = logging.getLogger("mesh.controller")
 BUS_GRACE = 3.0  # a holder cut off from NATS this long steps down (design.md §5.4)
 
 
-class BusLost(Exception):
+class BusLost(MeshError):
     """The holder lost NATS for longer than BUS_GRACE and gave up the seat."""
 
 

@@ -14,6 +14,7 @@ import time
 import anyio
 import asyncpg
 
+from mesh.errors import MeshError
 from mesh.store import db
 
 log = logging.getLogger(__name__)
@@ -32,7 +33,7 @@ _GONE = (
 )  # fmt: skip
 
 
-class SeatLost(Exception):
+class SeatLost(MeshError):
     """The session holding the lock failed: the seat may be someone else's now."""
 
 

@@ -63,7 +63,7 @@ def launcher(*, shared: bool) -> str:
         "# Made by mesh-host: runs the mesh installed on this machine.\n"
         "import sys\n"
         f"sys.path[:0] = {paths()!r}\n"
-        "from mesh.cli.main import main\n"
+        "from programs.cli.main import main\n"
         "main()\n"
     )
 

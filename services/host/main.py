@@ -18,6 +18,7 @@ from msgspec.structs import replace
 from nats.aio.client import Client
 
 from mesh import bus, subjects, wire
+from mesh.errors import MeshError
 from mesh.lifetime import stop_on_signals
 from mesh.model import (
     Beat,
@@ -40,7 +41,7 @@ NEWER_HOLDER_WAIT = 0.25  # between registrations answered by an older holder th
 REFUSALS = ("bad_request", "forbidden")  # the controller's answer is final for these
 
 
-class RegistrationRefused(Exception):
+class RegistrationRefused(MeshError):
     """The controller refused this host's registration for what it is, not for a passing fault."""
 
 

@@ -11,8 +11,10 @@ import sys
 import sysconfig
 from pathlib import Path
 
+from mesh.errors import MeshError
 
-class NatsServerMissing(Exception):
+
+class NatsServerMissing(MeshError):
     pass
 
 

@@ -16,9 +16,9 @@ import msgspec
 
 from mesh.auth import creds, registry
 from mesh.auth.policy import Kind, Role
-from mesh.cli.args import Parser
-from mesh.cli.output import print_json
 from mesh.meshdir import DEFAULT_DIR, MeshDir
+from programs.cli.args import Parser
+from programs.cli.output import print_json
 
 EXPORT_FILE = "nats.creds"  # the name a host gives a process's credentials ($MESH_FILES)
 

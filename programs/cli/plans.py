@@ -18,10 +18,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn
 from rich.table import Table
 
-from mesh.cli import render as tables
-from mesh.cli.client import CliError, verb
-from mesh.cli.output import console, print_json
 from mesh.model import PlanReply, PlanRequest, PlansReply, PlansRequest, TierReply, TierRequest
+from programs.cli import render as tables
+from programs.cli.client import CliError, verb
+from programs.cli.output import console, print_json
 
 FINAL = ("done", "failed", "reverted")
 POLL_EVERY = 0.5

@@ -16,12 +16,13 @@ from typing import Any
 import anyio
 
 from mesh import config
-from mesh.cli import devcreds, hosts, machines, modules, render
-from mesh.cli.args import Parser, label, tier
-from mesh.cli.client import CliError, verb
-from mesh.cli.output import console, print_json
+from mesh.errors import MeshError
 from mesh.model import HandoverReply, NodesReply, StatusReply
-from mesh.names import InvalidName, check_name
+from mesh.names import check_name
+from programs.cli import devcreds, hosts, machines, modules, render
+from programs.cli.args import Parser, label, tier
+from programs.cli.client import CliError, verb
+from programs.cli.output import console, print_json
 
 
 def _common() -> argparse.ArgumentParser:
@@ -133,7 +134,7 @@ async def cmd_nodes(args: argparse.Namespace) -> None:
 
 
 async def cmd_dev_up(args: argparse.Namespace) -> None:
-    from mesh.dev.up import up
+    from programs.dev_up import up
 
     await up(folder=args.dir, hosts=args.hosts, port=args.port)
 
@@ -141,7 +142,7 @@ async def cmd_dev_up(args: argparse.Namespace) -> None:
 async def cmd_init(args: argparse.Namespace) -> None:
     import socket
 
-    from mesh.init import default_dir, init
+    from programs.init import default_dir, init
 
     name = args.name or socket.gethostname().split(".")[0]
     await init(folder=args.dir or default_dir(), name=name, port=args.port)
@@ -241,23 +242,6 @@ def _leaf(e: BaseException) -> BaseException:
     return e
 
 
-def _expected() -> tuple[type[BaseException], ...]:
-    from mesh.auth.creds import CredsError
-    from mesh.auth.registry import AuthError
-    from mesh.bus import Unauthorized, Unreachable
-    from mesh.dev.natsd import NatsServerMissing
-    from mesh.dev.postgres import PostgresFailed
-    from mesh.dev.up import DevError
-    from mesh.store.db import StoreUnreachable
-    from services.controller.main import BusLost
-    from services.controller.seat import SeatLost
-    from services.host.main import RegistrationRefused
-
-    return (CliError, InvalidName, Unreachable, StoreUnreachable, SeatLost, BusLost, DevError,
-            PostgresFailed, NatsServerMissing, RegistrationRefused, Unauthorized, CredsError,
-            AuthError)  # fmt: skip
-
-
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     args.json = getattr(args, "json", False)
@@ -281,7 +265,7 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(130)
         if os.environ.get("MESH_DEBUG"):
             raise
-        if isinstance(leaf, _expected()):
+        if isinstance(leaf, MeshError):
             sys.stderr.write(f"mesh: error: {leaf}\n")
         else:
             sys.stderr.write(

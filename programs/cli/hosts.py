@@ -8,9 +8,9 @@ from typing import Any
 import anyio
 
 from mesh import bus, config, subjects, wire
-from mesh.cli.client import CliError, connected
 from mesh.model import LogsReply, LogsRequest
 from mesh.names import check_name
+from programs.cli.client import CliError, connected
 
 FOLLOW_EVERY = 0.5
 

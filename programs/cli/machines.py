@@ -13,16 +13,16 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-from nats.aio.client import Client
 
-from mesh import config, wire
+from mesh import config
 from mesh.auth import registry, server
-from mesh.cli.args import Parser, label, tier
-from mesh.cli.client import CliError, ask, connected, verb, where
-from mesh.cli.output import console, print_json
 from mesh.meshdir import DEFAULT_DIR, MeshDir
-from mesh.model import LabelReply, LabelRequest, TierReply, TierRequest
+from mesh.model import LabelReply, LabelRequest
 from mesh.names import InvalidName, check_name
+from programs.cli.args import Parser, label, tier
+from programs.cli.client import CliError, connected, verb, where
+from programs.cli.output import console, print_json
+from programs.placement import place, place_new
 
 
 class Added(msgspec.Struct):
@@ -88,13 +88,11 @@ async def cmd_dev_place(args: argparse.Namespace) -> None:
     """`mesh dev place [--hosts N]`: node-1 tier 0 with builder=true, node-2 tier 1, the rest
     tier 2, for the machines the store has never seen, as an admin (compose.dev.yaml's one-shot
     `place` service, before its hosts start: they never choose their own)."""
-    from mesh.dev.up import place_new
-
     if not 0 <= args.hosts <= 64:
         raise CliError(f"--hosts: {args.hosts} is out of range (0 to 64)")
     url, creds = where(args)
     async with connected(url=url, creds=creds, what="dev place") as nc:
-        lines = await place_new(nc, url=url, hosts=args.hosts, alive=lambda: None)
+        lines = await place_new(nc, url=url, hosts=args.hosts, alive=lambda: None, within=90)
     if args.json:
         print_json({"placed": lines})
         return
@@ -107,23 +105,6 @@ def _label_key(text: str) -> str:
         return check_name(text, field="label key")
     except InvalidName as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-
-
-async def place(
-    nc: Client, *, url: str, machine: str, tier: int | None, labels: dict[str, str], timeout: float
-) -> tuple[int | None, dict[str, str]]:
-    """Give a machine (registered or not yet) its tier and labels, as an operator does; what the
-    controller holds afterwards."""
-    held_tier = None
-    if tier is not None:
-        body = wire.encode(TierRequest(machine=machine, tier=tier))
-        moved = await ask(nc, url=url, verb="tier", reply=TierReply, timeout=timeout, body=body,
-                          attempt=timeout)  # fmt: skip
-        held_tier = moved.tier
-    body = wire.encode(LabelRequest(machine=machine, set=labels))
-    held = await ask(nc, url=url, verb="label", reply=LabelReply, timeout=timeout, body=body,
-                     attempt=timeout)  # fmt: skip
-    return held_tier, held.labels
 
 
 def _mesh(args: argparse.Namespace) -> MeshDir:

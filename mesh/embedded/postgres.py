@@ -16,8 +16,9 @@ import anyio
 import asyncpg
 
 from mesh import osaccounts
-from mesh.dev.children import Child, spawn
-from mesh.dev.ports import free_port
+from mesh.embedded.children import Child, spawn
+from mesh.embedded.ports import free_port
+from mesh.errors import MeshError
 from mesh.names import check_name
 from mesh.paths import open_path_to
 
@@ -25,7 +26,7 @@ PG_ACCOUNT = "mesh-postgres"
 PG_USER = "postgres"  # the database superuser, not the OS account
 
 
-class PostgresFailed(Exception):
+class PostgresFailed(MeshError):
     pass
 
 

@@ -10,10 +10,6 @@ from pathlib import Path
 from typing import Any
 
 from mesh import blobs
-from mesh.cli import plans, render
-from mesh.cli.args import Parser, label, tier
-from mesh.cli.client import CHANGE_TIMEOUT, CliError, ask, connected, verb, where
-from mesh.cli.output import console, print_json
 from mesh.model import (
     AssignRequest,
     BuildLogsReply,
@@ -30,6 +26,10 @@ from mesh.model import (
 from mesh.modules import gate
 from mesh.modules.load import load
 from mesh.wire import encode
+from programs.cli import plans, render
+from programs.cli.args import Parser, label, tier
+from programs.cli.client import CHANGE_TIMEOUT, CliError, ask, connected, verb, where
+from programs.cli.output import console, print_json
 
 
 def add_parsers(verbs: Any, common: argparse.ArgumentParser) -> None:

@@ -11,11 +11,12 @@ from nats.aio.client import Client
 
 from mesh import bus, config, subjects, wire
 from mesh.auth.creds import CredsError
+from mesh.errors import MeshError
 
 T = TypeVar("T")
 
 
-class CliError(Exception):
+class CliError(MeshError):
     """Printed as one line on stderr; the command exits 1."""
 
 

@@ -25,28 +25,20 @@ from nats.aio.client import Client
 
 from mesh import bus, subjects, wire
 from mesh.auth import registry
-from mesh.dev import natsd, ports, postgres
-from mesh.dev.children import Child, remove_containers, spawn, stop_supervised
+from mesh.embedded import natsd, ports, postgres
+from mesh.embedded.children import Child, remove_containers, spawn, stop_supervised
+from mesh.errors import MeshError
 from mesh.lifetime import stop_on_signals
 from mesh.meshdir import MeshDir
 from mesh.model import NodesReply, StatusReply
+from programs.placement import place_new
 
 READY_WITHIN = 90.0
 DATABASE = "mesh"
 
 
-class DevError(Exception):
+class DevError(MeshError):
     """A failure of `mesh dev up` that the user can act on; its message says what to do."""
-
-
-def tier_of(index: int) -> int:
-    """node-1 is tier 0, node-2 tier 1, the rest tier 2 (design.md §3)."""
-    return min(index - 1, 2)
-
-
-def labels_of(index: int) -> dict[str, str]:
-    """node-1 builds bundles (modules issue); the others carry no labels."""
-    return {"builder": "true"} if index == 1 else {}
 
 
 class DirLock:
@@ -183,7 +175,7 @@ class DevMesh:
         try:
             for line in await place_new(
                 nc, url=self.nats_url, hosts=self.hosts, alive=self._check_alive,
-                logs=self.dir / "logs",
+                within=READY_WITHIN, logs=self.dir / "logs",
             ):  # fmt: skip
                 say(line)
         finally:
@@ -307,45 +299,6 @@ class DevMesh:
 
 def _in(seconds: float) -> float:
     return time.monotonic() + seconds
-
-
-async def place_new(
-    nc: Client, *, url: str, hosts: int, alive: Callable[[], None], logs: Path | None = None
-) -> list[str]:
-    """node-1 tier 0 with builder=true, node-2 tier 1, the rest tier 2, as an admin places them
-    (`mesh machine add --tier --label`), once a controller holds the seat. Only machines the
-    store has never seen: a mesh started again keeps what its operator changed since (`mesh
-    tier`, `mesh label`). A line per machine placed."""
-    from mesh.cli.client import CliError
-    from mesh.cli.machines import place
-
-    deadline = time.monotonic() + READY_WITHIN
-    while True:
-        alive()
-        try:
-            data = await bus.request(nc, subjects.ctl("nodes"), b"{}", deadline=_in(1))
-            known = {n.name for n in wire.decode_reply(data, NodesReply).nodes}
-            break
-        except (bus.NoAnswer, wire.RemoteError):
-            if time.monotonic() > deadline:
-                where = f"; logs in {logs}" if logs else ""
-                raise DevError(
-                    f"not ready within {READY_WITHIN:g}s: waiting for the seat's holder{where}"
-                ) from None
-            await anyio.sleep(0.2)
-    placed = []
-    for i in range(1, hosts + 1):
-        name = f"node-{i}"
-        if name in known:
-            continue
-        try:
-            tier, labels = await place(nc, url=url, machine=name, tier=tier_of(i),
-                                       labels=labels_of(i), timeout=30)  # fmt: skip
-        except CliError as e:
-            raise DevError(f"placing {name}: {e}") from None
-        shown = ", ".join(f"{k}={v}" for k, v in labels.items()) or "none"
-        placed.append(f"machine {name} placed: tier {tier}, labels {shown}")
-    return placed
 
 
 class _HostRegistration(msgspec.Struct):

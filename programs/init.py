@@ -25,12 +25,14 @@ import anyio.to_thread
 import services.controller
 from mesh import bus, subjects, wire
 from mesh.auth import registry
-from mesh.dev.children import Child, spawn, stop_supervised
-from mesh.dev.up import DevError, DevMesh, DirLock, say
+from mesh.embedded.children import Child, spawn, stop_supervised
 from mesh.model import StatusReply
 from mesh.names import check_name
 from mesh.store import db
 from mesh.store.migrate import migrate
+from programs.cli.client import CliError
+from programs.dev_up import DevError, DevMesh, DirLock, say
+from programs.placement import place
 
 INIT_INSTANCE = "mesh-init"
 WITHIN = 180.0
@@ -155,9 +157,6 @@ CONTROL = {"role": "control"}  # services/controller's [assign]: the machines th
 
 
 async def _place(mesh: DevMesh, name: str) -> None:
-    from mesh.cli.client import CliError
-    from mesh.cli.machines import place
-
     nc = await bus.connect(
         mesh.nats_url, name="mesh init", creds=str(mesh.creds["admin"]), reconnect=False
     )
