@@ -1,5 +1,5 @@
 """The seat: two controllers, exactly one holder; kill it and the standby takes over with a
-higher epoch (design.md §5: one holder, crash takeover)."""
+higher epoch (docs/design.md, the seat: one holder, crash takeover)."""
 
 import os
 import signal
