@@ -9,7 +9,7 @@ import pytest
 from helpers import ask, await_until, ok
 from test_modules import run
 
-from services.host.builds import LOG_KEEP, TAIL_BYTES
+from services.host.builder import LOG_KEEP, TAIL_BYTES
 
 LINES = 60000  # "line 000001\n" … "line 060000\n": 720,000 bytes, far more than LOG_KEEP
 CHATTY = (

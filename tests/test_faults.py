@@ -32,7 +32,7 @@ from mesh import bus, wire
 from mesh.embedded import natsd, ports, postgres
 from mesh.model import DeclarationReply
 from mesh.modules.compose import encode, merge
-from mesh.store import catalog
+from mesh.store import seats
 
 KILLS = 20
 DEADLINE = 10.0  # a logical request's deadline, as the command line's (retries within it)
@@ -370,9 +370,9 @@ async def test_a_paused_holder_loses_the_seat_and_its_late_writes_are_refused(
     assert wrote >= {epoch, after["seat"]["epoch"]}, wrote
     conn = await asyncpg.connect(database_url)
     try:
-        with pytest.raises(catalog.Fenced, match=f"this controller holds {epoch}\\b"):
+        with pytest.raises(seats.Fenced, match=f"this controller holds {epoch}\\b"):
             async with conn.transaction():
-                await catalog.fence(conn, epoch=epoch)
+                await seats.fence(conn, epoch=epoch)
                 await conn.execute("UPDATE plan_steps SET state = 'failed', epoch = $1", epoch)
         states = await conn.fetch("SELECT state FROM plan_steps")
     finally:

@@ -335,7 +335,7 @@ async def test_a_standby_that_misses_held_leaves_the_verb_group_after_early_for(
 
 def test_the_planners_process_names_are_bounded(monkeypatch) -> None:
     monkeypatch.setattr(planner, "NAMES_KEPT", 100)
-    p = planner.Planner(pool=None, catalog=None, fleet=None, epoch=1)  # type: ignore[arg-type]
+    p = planner.Planner(pool=None, publisher=None, fleet=None, epoch=1)  # type: ignore[arg-type]
     body = b'{"machine": "m", "modules": {}, "processes": {}}'
     for i in range(150):
         assert p._processes(f"sha256:{i}", body) == frozenset()

@@ -1,9 +1,15 @@
-"""The seat's row: who holds it and the epoch, incremented at every takeover (fencing)."""
+"""The seat's row: who holds it and the epoch, incremented at every takeover, and the fence.
+
+Every write of the seat's holder runs in a transaction that first checks the epoch (`fence`):
+a paused old holder that wakes up after a takeover can change nothing.
+"""
 
 from datetime import datetime
 
 import asyncpg
 import msgspec
+
+from mesh import wire
 
 
 class SeatRow(msgspec.Struct):
@@ -37,3 +43,18 @@ async def read(conn: asyncpg.Connection | asyncpg.Pool, *, seat: str) -> SeatRow
         "SELECT name, epoch, holder, pid, host, since FROM seats WHERE name = $1", seat
     )
     return SeatRow(**dict(r)) if r else None
+
+
+class Fenced(wire.BadRequest):
+    """The seat moved on: this controller's epoch is no longer the store's. As an answer to a
+    verb it says to try again (the client's retry finds the new holder)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(f"{message}: the seat moved to another controller; try again",
+                         code="unavailable")  # fmt: skip
+
+
+async def fence(conn: asyncpg.Connection, *, epoch: int, seat: str = "mesh-controller") -> None:
+    current = await conn.fetchval("SELECT epoch FROM seats WHERE name = $1 FOR SHARE", seat)
+    if current != epoch:
+        raise Fenced(f"the seat is at epoch {current}, this controller holds {epoch}")

@@ -1,4 +1,5 @@
-"""Builds of bundles with `build`: run on a host labelled builder=true, never in the controller.
+"""The controller's side of builds: it asks a host labelled builder=true to build a bundle with
+`build` (never building in the controller) and records the build in the store.
 
 Keyed by the digest of the bundle's source folder, its argv and its output: the same inputs
 reuse the cached bundle. A failed build fails the change with the build's last lines.
@@ -19,7 +20,7 @@ from mesh import blobs, subjects, wire
 from mesh.model import BuildReply, BuildRequest
 from mesh.modules import gate
 from mesh.modules.manifest import Bundle
-from mesh.store import catalog
+from mesh.store import builds
 from services.controller.fleet import Fleet
 
 log = logging.getLogger(__name__)
@@ -45,7 +46,7 @@ def builder(fleet: Fleet) -> str:
 
 async def cached(pool: asyncpg.Pool, obs: ObjectStore, key: str) -> str | None:
     """The bundle a finished build with this key made, if it is still stored."""
-    row = await catalog.build(pool, key)
+    row = await builds.build(pool, key)
     if row is None or row.state != "done" or row.digest is None:
         return None
     return row.digest if await blobs.has(obs, row.digest) else None
@@ -67,7 +68,7 @@ async def build(
     assert bundle.source is not None and bundle.build is not None and bundle.output is not None
     on = builder(fleet)
     timeout = gate.duration(bundle.timeout)
-    await catalog.start_build(pool, key=key, module=module, bundle=name, source=source, builder=on)
+    await builds.start_build(pool, key=key, module=module, bundle=name, source=source, builder=on)
     log.info("building %s/%s on %s (key %s)", module, name, on, key[:19])
     req = BuildRequest(
         key=key,
@@ -83,15 +84,15 @@ async def build(
         msg = await nc.request(subjects.host(on, "build"), wire.encode(req), timeout=timeout + 30)
         reply = msgspec.json.decode(msg.data, type=BuildReply)
     except (NoRespondersError, NatsTimeout, msgspec.DecodeError) as e:
-        await catalog.finish_build(pool, key=key, ok=False, digest=None, tail="", log_object=None)
+        await builds.finish_build(pool, key=key, ok=False, digest=None, tail="", log_object=None)
         raise wire.BadRequest(
             f"the build of {module}/{name} on {on} got no answer ({type(e).__name__})",
             code="build_failed",
         ) from None
-    reply = msgspec.structs.replace(reply, tail=catalog.clip_tail(reply.tail))
+    reply = msgspec.structs.replace(reply, tail=builds.clip_tail(reply.tail))
     if reply.ok and (reply.digest is None or not await blobs.has(obs, reply.digest)):
         reply = msgspec.structs.replace(reply, ok=False, error="the builder stored no bundle")
-    await catalog.finish_build(
+    await builds.finish_build(
         pool, key=key, ok=reply.ok, digest=reply.digest, tail=reply.tail, log_object=reply.log
     )
     if not reply.ok or reply.digest is None:

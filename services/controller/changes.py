@@ -1,0 +1,451 @@
+"""The holder's changes to the catalog: push, assign, unassign and setting a secret.
+
+Each change runs in one transaction that checks the seat's epoch, records the change,
+recomposes the affected machines' declarations (a conflict rolls everything back and names both
+modules) and records a plan with one step per machine whose declaration changes. The planner
+(`planner.py`) rolls the plan out tier by tier; it stores and publishes each declaration
+(`publishing.py`) when the machine's turn comes. One change at a time.
+
+A push whose bundles must be built records its plan as `building` first and builds outside the
+one-change lock (a build may take minutes; assign, unassign and secrets do not wait for it);
+then, under the lock, it registers the version with the built digests and composes as the
+catalog is then, and the plan gets its steps and waits its turn (`pending`). Pushes of one
+module wait for each other, so they register in the order they came.
+
+The steps of a push before anything is stored (reading its source, packing its bundles,
+registering its version) are functions here: the dry run (`views.py`, `diff`) takes them too.
+"""
+
+import base64
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable, Iterable
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import asyncpg
+import msgspec
+from nats.aio.client import Client
+from nats.js.object_store import ObjectStore
+
+from mesh import blobs, wire
+from mesh.model import (
+    AssignRequest,
+    ChangeReply,
+    PlanBuild,
+    PlanSettings,
+    PushRequest,
+    SecretSetRequest,
+)
+from mesh.modules import archive, gate, load
+from mesh.modules.manifest import ON_THE_MACHINE, Assign, Bundle, Manifest
+from mesh.store import modules, plans, seats, secrets
+from services.controller import build_requests
+from services.controller.fleet import Fleet
+from services.controller.publishing import Manifests, Publisher
+
+log = logging.getLogger(__name__)
+
+UNBUILT = "unbuilt:"  # the stand-in for a bundle not built yet (a dry run, a building plan)
+
+
+class ToBuild(msgspec.Struct, frozen=True):
+    """A bundle a push has to build: its name, build key, table and source folder's digest."""
+
+    name: str
+    key: str
+    bundle: Bundle
+    source: str
+
+
+# --- a push's steps before anything is stored (the dry run takes them too) -------------------
+
+
+async def read_source(
+    *, obs: ObjectStore, manifest_text: str, source: str
+) -> tuple[Manifest, bytes]:
+    """The pushed manifest, gated, and its source archive, checked against it."""
+    try:
+        manifest = gate.parse(manifest_text)
+    except gate.Refused as e:
+        raise wire.BadRequest(str(e), code="refused") from None
+    try:
+        data = await blobs.get(obs, source)
+    except (blobs.BlobMissing, blobs.BlobCorrupt) as e:
+        raise wire.BadRequest(f"source: {e}", code="not_found") from None
+    try:
+        # Archive work is CPU on up to 64 MiB: off the event loop that answers verbs.
+        await anyio.to_thread.run_sync(load.check_sources, manifest, data)
+        inside = await anyio.to_thread.run_sync(archive.read, data, "module.toml")
+    except (gate.Refused, archive.ArchiveRefused) as e:
+        raise wire.BadRequest(str(e), code="refused") from None
+    if inside is None or inside.decode(errors="replace") != manifest_text:
+        # The version is the archive's digest: what is registered must be what it holds.
+        raise wire.BadRequest(
+            "manifest: differs from the module.toml in the source archive", code="refused"
+        )
+    return manifest, data
+
+
+async def pack_bundles(
+    *, pool: asyncpg.Pool, obs: ObjectStore, manifest: Manifest, data: bytes, dry: bool
+) -> tuple[dict[str, str], list[ToBuild]]:
+    """Bundle name -> digest, packing what is not stored yet (unless dry) and taking cached
+    builds; the builds still to run, whose digests here are stand-ins (UNBUILT + key)."""
+    digests: dict[str, str] = {}
+    todo: list[ToBuild] = []
+    for name, b in sorted(manifest.bundle.items()):
+        if b.kind in ON_THE_MACHINE:
+            continue
+        assert b.source is not None  # the gate made sure
+        try:
+            # A build sees only its source folder, so its key covers exactly that.
+            tree = await anyio.to_thread.run_sync(load.source_tree, data, b.source)
+        except archive.ArchiveRefused as e:
+            raise wire.BadRequest(
+                f"module {manifest.module.name}: bundle.{name}.source: {e}", code="refused"
+            ) from None
+        tree_digest = archive.digest(tree) if dry else await blobs.put(obs, tree)
+        if b.build is None:
+            digests[name] = tree_digest
+            continue
+        key = build_requests.build_key(tree=tree_digest, bundle=b)
+        hit = await build_requests.cached(pool, obs, key)
+        if hit is not None:
+            digests[name] = hit
+            continue
+        todo.append(ToBuild(name=name, key=key, bundle=b, source=tree_digest))
+        digests[name] = UNBUILT + key
+    return digests, todo
+
+
+async def register(
+    conn: asyncpg.Connection,
+    *,
+    fleet: Fleet,
+    manifest: Manifest,
+    text: str,
+    version: str,
+    bundles: dict[str, str],
+    by: str,
+) -> list[str]:
+    """Record the version (and, at the first push, the default assignment); return the
+    machines the module is assigned to."""
+    name = manifest.module.name
+    first = name not in await modules.current_modules(conn)
+    await modules.record_version(
+        conn, module=name, version=version, manifest=text, bundles=bundles, by=by
+    )
+    if first and manifest.assign:
+        await modules.assign(conn, module=name, machines=_default(fleet, manifest.assign))
+    return sorted(m for m, mods in (await modules.assignments(conn)).items() if name in mods)
+
+
+def _default(fleet: Fleet, a: Assign) -> list[str]:
+    """Registered machines named, in one of the tiers, or carrying all the labels."""
+    chosen = {m for m in a.machines if m in fleet.machines}
+    for m in fleet.machines.values():
+        in_tier = bool(a.tiers) and m.tier in a.tiers
+        labelled = bool(a.labels) and all(m.labels.get(k) == v for k, v in a.labels.items())
+        if in_tier or labelled:
+            chosen.add(m.name)
+    return sorted(chosen)
+
+
+def settings_of(manifest: Manifest | None) -> PlanSettings:
+    """A plan's rollout settings, from the module's `[rollout]` table."""
+    if manifest is None:
+        return PlanSettings()
+    r = manifest.rollout
+    return PlanSettings(
+        deadline=gate.duration(r.deadline), max_parallel=r.max_parallel,
+        auto_revert=r.auto_revert, skip_down=r.skip_down,
+    )  # fmt: skip
+
+
+class _PushesOf:
+    """One lock per module, held by a push from its first look at the catalog to its
+    registration; forgotten when nobody holds or waits for it."""
+
+    def __init__(self) -> None:
+        self._locks: dict[str, tuple[anyio.Lock, int]] = {}
+
+    @contextlib.asynccontextmanager
+    async def __call__(self, module: str) -> AsyncIterator[None]:
+        lock, users = self._locks.get(module, (anyio.Lock(), 0))
+        self._locks[module] = (lock, users + 1)
+        try:
+            if lock.locked():
+                log.info("a push of %s waits for an earlier push of %s", module, module)
+            async with lock:
+                yield
+        finally:
+            lock, users = self._locks[module]
+            if users == 1:
+                del self._locks[module]
+            else:
+                self._locks[module] = (lock, users - 1)
+
+
+class Changes:
+    def __init__(
+        self,
+        *,
+        pool: asyncpg.Pool,
+        nc: Client,
+        obs: ObjectStore,
+        fleet: Fleet,
+        epoch: int,
+        manifests: Manifests,
+        publisher: Publisher,
+        wake: Callable[[], None] = lambda: None,
+    ) -> None:
+        self._wake = wake  # tells the planner a plan was recorded
+        self._pool = pool
+        self._nc = nc
+        self._obs = obs
+        self._fleet = fleet
+        self._epoch = epoch
+        self._manifests = manifests
+        self._publisher = publisher  # composes the machines' declarations
+        self._one_change = anyio.Lock()
+        self._pushes_of = _PushesOf()
+
+    async def _plan(
+        self,
+        conn: asyncpg.Connection,
+        machines: Iterable[str],
+        *,
+        trigger: str,
+        subject: str,
+        by: str,
+        settings: PlanSettings,
+        undo: dict[str, Any],
+        builds: list[PlanBuild] | None = None,
+        building: int | None = None,
+    ) -> tuple[int | None, list[str]]:
+        """Record a plan for the machines whose composition differs from what they will have
+        once the plans before it finish; (None, []) when there are none. `building`: the
+        push's plan recorded while it built, which gets these steps (or goes, if none)."""
+        composed = await self._publisher.compose(conn, machines)
+        expected = await plans.expected(conn, sorted(composed))
+        steps = [
+            plans.Step(
+                machine=m, tier=self._fleet.machines[m].tier, state="pending", after=d, after_body=b
+            )
+            for m, (d, b) in composed.items()
+            if expected.get(m) != d
+        ]
+        if building is not None:
+            if not steps:
+                await plans.drop_building(conn, building)
+                return None, []
+            if not await plans.built(
+                conn, building, settings=settings, builds=builds or [], undo=undo, steps=steps
+            ):
+                raise wire.BadRequest(
+                    f"plan {building} was stopped while its bundles built; push again",
+                    code="unavailable",
+                )
+            return building, [s.machine for s in steps]
+        if not steps:
+            return None, []
+        plan_id = await plans.create(
+            conn, trigger=trigger, subject=subject, by=by, epoch=self._epoch, settings=settings,
+            builds=builds or [], undo=undo, steps=steps,
+        )  # fmt: skip
+        return plan_id, [s.machine for s in steps]
+
+    def _select(
+        self, *, machines: list[str], tier: int | None, labels: dict[str, str]
+    ) -> list[str]:
+        """Machines by name, plus every machine that matches all the given selectors."""
+        for name in machines:
+            if name not in self._fleet.machines:
+                raise wire.BadRequest(f"machine {name} is not registered", code="not_found")
+        chosen = set(machines)
+        if tier is not None or labels:
+            chosen |= {
+                m.name
+                for m in self._fleet.machines.values()
+                if (tier is None or m.tier == tier)
+                and all(m.labels.get(k) == v for k, v in labels.items())
+            }
+        return sorted(chosen)
+
+    # --- a push ----------------------------------------------------------------------------
+
+    async def _build(self, module: str, todo: list[ToBuild]) -> dict[str, str]:
+        """Run the builds on a builder host: bundle name -> the built bundle's digest."""
+        digests: dict[str, str] = {}
+        for b in todo:
+            digests[b.name] = await build_requests.build(
+                nc=self._nc, pool=self._pool, obs=self._obs, fleet=self._fleet, key=b.key,
+                module=module, name=b.name, bundle=b.bundle, source=b.source,
+            )  # fmt: skip
+        return digests
+
+    async def _building(
+        self, manifest: Manifest, req: PushRequest, bundles: dict[str, str], todo: list[ToBuild]
+    ) -> int:
+        """Record the push's plan as `building` (no steps yet: they are composed once the
+        builds are done), so `mesh plan` shows what the push is doing."""
+        building = {b.name for b in todo}
+        async with self._pool.acquire() as conn, conn.transaction():
+            await seats.fence(conn, epoch=self._epoch)
+            return await plans.create(
+                conn, trigger="push", subject=manifest.module.name, by=req.by,
+                epoch=self._epoch, settings=settings_of(manifest),
+                builds=[PlanBuild(bundle=b, digest=d, built=b in building)
+                        for b, d in sorted(bundles.items())],
+                undo={"module": manifest.module.name}, steps=[], state="building",
+            )  # fmt: skip
+
+    async def _not_built(self, plan_id: int, e: BaseException) -> None:
+        """A building plan whose builds failed (or whose push was cut off) ends `failed`."""
+        why = str(e).splitlines()[0] if isinstance(e, wire.BadRequest) else (
+            f"the push stopped while building ({type(e).__name__})"
+        )  # fmt: skip
+        try:
+            async with self._pool.acquire() as conn, conn.transaction():
+                await seats.fence(conn, epoch=self._epoch)
+                await plans.fail_building(conn, why, plan_id=plan_id)
+        except Exception as failed:  # the next holder fails it at takeover
+            log.warning("could not record that plan %d failed to build: %s", plan_id, failed)
+
+    async def _record_push(
+        self,
+        manifest: Manifest,
+        req: PushRequest,
+        bundles: dict[str, str],
+        *,
+        built: set[str],
+        building: int | None,
+    ) -> tuple[int | None, list[str]] | None:
+        """Register the version with its bundles' digests and record its plan, under the
+        one-change lock; None if the version is already the current one."""
+        name = manifest.module.name
+        async with self._one_change:
+            async with self._pool.acquire() as conn, conn.transaction():
+                await seats.fence(conn, epoch=self._epoch)
+                # Read again: a revert may have moved the module while it built. The machines
+                # are composed now, from the catalog as it is, with what was built.
+                current = (await modules.current_modules(conn)).get(name)
+                if current is not None and current.version == req.source:
+                    if building is not None:
+                        await plans.drop_building(conn, building)
+                    return None
+                targets = await register(
+                    conn, fleet=self._fleet, manifest=manifest, text=req.manifest,
+                    version=req.source, bundles=bundles, by=req.by,
+                )  # fmt: skip
+                now = (await modules.current_modules(conn))[name]
+                return await self._plan(
+                    conn, targets, trigger="push", subject=name, by=req.by,
+                    settings=settings_of(manifest),
+                    undo={"module": name, "from": current.id if current else None, "to": now.id},
+                    builds=[PlanBuild(bundle=b, digest=d, built=b in built)
+                            for b, d in sorted(bundles.items())],
+                    building=building,
+                )  # fmt: skip
+
+    # --- verbs -----------------------------------------------------------------------------
+
+    async def push(self, req: PushRequest) -> ChangeReply:
+        manifest, data = await read_source(
+            obs=self._obs, manifest_text=req.manifest, source=req.source
+        )
+        name = manifest.module.name
+        unchanged = ChangeReply(plan=None, machines=[], message="no change", version=req.source)
+        # Pushes of this module in the order they came (a later one never registers before an
+        # earlier one that is still building); other changes do not wait for the builds.
+        async with self._pushes_of(name):
+            async with self._pool.acquire() as conn:
+                current = (await modules.current_modules(conn)).get(name)
+            if current is not None and current.version == req.source:
+                return unchanged
+            bundles, todo = await pack_bundles(
+                pool=self._pool, obs=self._obs, manifest=manifest, data=data, dry=False
+            )
+            if todo:
+                build_requests.builder(self._fleet)  # none up: refused before any plan is recorded
+            building = await self._building(manifest, req, bundles, todo) if todo else None
+            try:
+                bundles |= await self._build(name, todo)
+                recorded = await self._record_push(
+                    manifest, req, bundles, built={b.name for b in todo}, building=building
+                )
+            except BaseException as e:  # a failed build, a conflict, the push cut off
+                if building is not None:
+                    with anyio.CancelScope(shield=True):
+                        await self._not_built(building, e)
+                raise
+        if recorded is None:
+            return unchanged
+        plan, changed = recorded
+        self._wake()
+        log.info("pushed %s %s: plan %s for %d machine(s)", name, req.source[:19], plan,
+                 len(changed))  # fmt: skip
+        message = (
+            f"{name} {req.source[:19]}: plan {plan} changes {len(changed)} machine(s)"
+            if changed
+            else f"{name} {req.source[:19]} registered; no machine's declaration changes"
+        )
+        return ChangeReply(plan=plan, machines=changed, message=message, version=req.source)
+
+    async def assign(self, req: AssignRequest, *, undo: bool = False) -> ChangeReply:
+        async with self._one_change:
+            machines = self._select(machines=req.machines, tier=req.tier, labels=req.labels)
+            if not machines:
+                raise wire.BadRequest("no machine matches", code="not_found")
+            async with self._pool.acquire() as conn, conn.transaction():
+                await seats.fence(conn, epoch=self._epoch)
+                current = (await modules.current_modules(conn)).get(req.module)
+                if current is None:
+                    raise wire.BadRequest(
+                        f"module {req.module} has not been pushed", code="not_found"
+                    )
+                had = {m for m, mods in (await modules.assignments(conn)).items()
+                       if req.module in mods}  # fmt: skip
+                moved = sorted(set(machines) & had) if undo else sorted(set(machines) - had)
+                change = modules.unassign if undo else modules.assign
+                await change(conn, module=req.module, machines=machines)
+                trigger = "unassign" if undo else "assign"
+                plan, changed = await self._plan(
+                    conn, machines, trigger=trigger, subject=req.module, by=req.by,
+                    settings=settings_of(self._manifests.of(current)),
+                    undo={"module": req.module, "machines": moved},
+                )  # fmt: skip
+        self._wake()
+        verb = "unassigned from" if undo else "assigned to"
+        log.info("%s %s %s: plan %s", req.module, verb, ", ".join(machines), plan)
+        return ChangeReply(
+            plan=plan,
+            machines=changed,
+            message=f"{req.module} {verb} {', '.join(machines)}; "
+            + (f"plan {plan} changes {len(changed)} machine(s)" if changed else "no change"),
+        )
+
+    async def secret_set(self, req: SecretSetRequest) -> ChangeReply:
+        try:
+            value = base64.b64decode(req.value, validate=True)
+        except ValueError:  # binascii.Error, or text that is not ASCII
+            raise wire.BadRequest("value: not base64") from None
+        async with self._one_change:
+            async with self._pool.acquire() as conn, conn.transaction():
+                await seats.fence(conn, epoch=self._epoch)
+                version = await secrets.set_secret(conn, name=req.name, value=value)
+                # A secret's old value is not kept, so there is nothing to revert to.
+                plan, changed = await self._plan(
+                    conn, await modules.assignments(conn), trigger="secret", subject=req.name,
+                    by=req.by, settings=PlanSettings(auto_revert=False), undo={},
+                )  # fmt: skip
+        self._wake()
+        log.info("secret %s set (version %d): plan %s", req.name, version, plan)
+        return ChangeReply(
+            plan=plan,
+            machines=changed,
+            message=f"secret {req.name} is at version {version}; "
+            + (f"plan {plan} changes {len(changed)} machine(s)" if changed else "no change"),
+        )

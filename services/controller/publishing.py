@@ -1,0 +1,145 @@
+"""The machines' declarations: composed from the store, published to the KV bucket
+`mesh-declarations` (key = the machine, with the holder's epoch), and kept published.
+
+The store is the truth and the KV its copy: a put that fails is put again by `keep_published`,
+and a new holder puts every stored declaration again under its epoch (`republish`).
+"""
+
+import logging
+from collections import OrderedDict
+from collections.abc import Iterable
+
+import anyio
+import asyncpg
+import msgspec
+from nats.js.kv import KeyValue
+
+from mesh import wire
+from mesh.model import DeclarationReply
+from mesh.modules import gate
+from mesh.modules.compose import Conflict, ModuleVersion, Prepared, encode, merge, prepare
+from mesh.modules.manifest import Manifest
+from mesh.store import declarations, modules, plans, seats, secrets
+from mesh.store.modules import StoredVersion
+
+log = logging.getLogger(__name__)
+
+MAX_DECLARATION = 768 * 1024  # bytes of one declaration: with its envelope, under 1 MiB
+PUT_IN_FLIGHT = 64  # KV puts at once: one at a time, a tier of 900 took most of a second
+PARSED_KEPT = 256  # manifests kept parsed (by version id): enough for every module's current one
+
+
+class Manifests:
+    """Module versions' manifests, parsed once: composing, assigning and listing modules all
+    read them, and parsing every time costs more than the rest of a compose."""
+
+    def __init__(self) -> None:
+        # module_versions.id -> its manifest, the least recently used dropped past PARSED_KEPT
+        self._parsed: OrderedDict[int, Manifest] = OrderedDict()
+
+    def of(self, v: StoredVersion) -> Manifest:
+        manifest = self._parsed.get(v.id)
+        if manifest is not None:
+            self._parsed.move_to_end(v.id)
+            return manifest
+        manifest = self._parsed[v.id] = gate.parse(v.manifest)
+        if len(self._parsed) > PARSED_KEPT:
+            self._parsed.popitem(last=False)
+        return manifest
+
+
+class Publisher:
+    def __init__(
+        self, *, pool: asyncpg.Pool, kv: KeyValue, epoch: int, manifests: Manifests
+    ) -> None:
+        self._pool = pool
+        self._kv = kv
+        self._epoch = epoch
+        self._manifests = manifests
+        self.wanted: dict[str, str] = {}  # machine -> digest of its published declaration
+
+    async def compose(
+        self, conn: asyncpg.Connection, machines: Iterable[str]
+    ) -> dict[str, tuple[str, bytes]]:
+        """machine -> (digest, canonical declaration), composed from the store as this
+        transaction sees it. A conflict names both modules and rolls the transaction back."""
+        current = await modules.current_modules(conn)
+        assigned = await modules.assignments(conn)
+        versions = await secrets.secret_versions(conn)
+        prepared: dict[str, Prepared] = {}  # each module version once, for all machines
+        composed: dict[str, tuple[str, bytes]] = {}
+        for machine in sorted(set(machines)):
+            mine = []
+            for name in sorted(assigned.get(machine, ())):
+                if name not in prepared:
+                    v = current[name]
+                    mv = ModuleVersion(
+                        name=name, version=v.version, manifest=self._manifests.of(v),
+                        bundles=v.bundles,
+                    )  # fmt: skip
+                    prepared[name] = prepare(mv, versions)
+                mine.append(prepared[name])
+            try:
+                body, digest = encode(merge(machine, mine))
+            except Conflict as e:
+                raise wire.BadRequest(str(e), code="conflict") from None
+            if len(body) > MAX_DECLARATION:  # the KV (and the bus) could not carry it
+                raise wire.BadRequest(
+                    f"machine {machine}'s declaration would be {len(body)} bytes, more than "
+                    f"{MAX_DECLARATION}: assign fewer or smaller modules to it",
+                    code="too_large",
+                )
+            composed[machine] = (digest, body)
+        return composed
+
+    async def publish(self, bodies: dict[str, tuple[str, bytes]]) -> None:
+        """After the commit. A put that fails is logged, not raised: the change is stored, and
+        `keep_published` puts it again (the store is the truth, the KV its copy). Puts run
+        PUT_IN_FLIGHT at a time: each waits for the server's fsync (bench/rollout.py)."""
+        limiter = anyio.CapacityLimiter(PUT_IN_FLIGHT)
+
+        async def put(machine: str, d: str, body: bytes) -> None:
+            envelope = DeclarationReply(
+                machine=machine, digest=d, epoch=self._epoch, declaration=msgspec.Raw(body)
+            )
+            async with limiter:
+                try:
+                    await self._kv.put(machine, wire.encode(envelope))
+                except Exception as e:
+                    log.warning("could not publish the declaration of %s (will retry): %s",
+                                machine, e)  # fmt: skip
+                    return
+            self.wanted[machine] = d
+
+        async with anyio.create_task_group() as tg:
+            for machine, (d, body) in sorted(bodies.items()):
+                tg.start_soon(put, machine, d, body)
+
+    async def keep_published(self, every: float = 5.0) -> None:
+        """Put again every stored declaration whose digest the KV does not have yet."""
+        while True:
+            await anyio.sleep(every)
+            async with self._pool.acquire() as conn:
+                stored = await declarations.digests(conn)
+                behind = [m for m, d in stored.items() if self.wanted.get(m) != d]
+                bodies = await declarations.declarations(conn, behind) if behind else {}
+            if bodies:
+                await self.publish({m: (d, body) for m, (d, body, _) in bodies.items()})
+
+    async def republish(self) -> int:
+        """At takeover: every stored declaration, under this holder's epoch. Plans an earlier
+        holder left `building` are failed: that holder's push can no longer register them."""
+        async with self._pool.acquire() as conn:
+            async with conn.transaction():
+                await seats.fence(conn, epoch=self._epoch)
+                stale = await plans.fail_building(
+                    conn,
+                    "the controller building it stopped before its builds finished; push again",
+                    before_epoch=self._epoch,
+                )
+            if stale:
+                log.info("plan(s) %s left building by an earlier holder: failed",
+                         ", ".join(map(str, stale)))  # fmt: skip
+            stored = await declarations.declarations(conn)
+        await self.publish({m: (d, body) for m, (d, body, _) in stored.items()})
+        return len(stored)
