@@ -1,4 +1,4 @@
-"""The command line as a user runs it: JSON shapes (docs/design.md, contracts), tables, and failures that are
+"""The command line as a user runs it: JSON shapes (docs/design.md), tables, and failures that are
 one line on stderr with what to do, never a traceback."""
 
 import json

@@ -1,4 +1,4 @@
-"""Composition (docs/design.md, contracts, must): identical duplicates merge, conflicts name both modules,
+"""Composition (docs/design.md): identical duplicates merge, conflicts name both modules,
 and a declaration's bytes and digest do not depend on module or field order."""
 
 import random

@@ -1,4 +1,4 @@
-"""Fault tests (docs/design.md, the seat, issue 6): the holder SIGKILLed again and again during a plan, the
+"""Fault tests (docs/design.md, issue 6): the holder SIGKILLed again and again during a plan, the
 holder SIGSTOPped past the step-down bound and woken later, PostgreSQL and the nats-server
 restarted during a plan. Real controllers, hosts, nats-server and PostgreSQL, no mocks; every
 wait polls a condition with a deadline.

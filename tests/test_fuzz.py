@@ -1,4 +1,4 @@
-"""Fuzzing (docs/design.md, security, issue 7): thousands of generated bodies against a real controller and
+"""Fuzzing (docs/design.md, issue 7): thousands of generated bodies against a real controller and
 a real host (real nats-server, real PostgreSQL), and the manifest and archive loaders in-process.
 
 For every verb in services/controller/verbs.py (VERBS, HOST_VERBS) and services/host/verbs.py:

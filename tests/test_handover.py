@@ -1,4 +1,4 @@
-"""The planned handover (docs/design.md, the seat: planned handover): with a client sending `status` continuously, `mesh
+"""The planned handover (docs/design.md): with a client sending `status` continuously, `mesh
 handover` and SIGTERM to the holder move the seat with zero failed and zero timed-out requests.
 Real controllers, NATS and PostgreSQL; each request is sent once, never retried."""
 

@@ -1,4 +1,4 @@
-"""The seed's story, end to end (docs/design.md, the story): the controller runs in a container named
+"""The seed's story, end to end (docs/design.md): the controller runs in a container named
 mesh-controller; `mesh push services/controller` makes it a process through its own plan.
 
 A real Docker Engine runs the old controller from an image made with `docker import` (a rootfs of

@@ -3,7 +3,7 @@
 Identical duplicates merge (the same account from two modules); conflicts are errors naming
 both modules: two processes of one name, one account with different settings, two checks on
 one port, two containers of one name. A declaration is canonical: the same inputs give the same
-bytes and the same sha256, whatever the order of modules or of fields (docs/design.md, contracts, must).
+bytes and the same sha256, whatever the order of modules or of fields (docs/design.md).
 """
 
 import hashlib

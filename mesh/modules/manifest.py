@@ -1,4 +1,4 @@
-"""`module.toml` as msgspec Structs (docs/design.md, contracts; every field is documented in docs/modules.md).
+"""`module.toml` as msgspec Structs (docs/design.md).
 
 Decoding is strict: an unknown field is an error naming it. Checks that msgspec cannot express
 (argv vs shell strings, paths, durations, modes, cross-references) are the gate's (`gate.py`).
