@@ -6,6 +6,7 @@ QUEUE = "mesh-controller"  # queue group of every controller verb subscription
 CTL_VERBS = "mesh.ctl.*"  # operator verbs: mesh.ctl.<verb>
 CTL_HOST_VERBS = "mesh.ctl.host.*.*"  # what a host asks: mesh.ctl.host.<name>.<verb>
 HOST_BEATS = "mesh.host.*.beat"
+EVENTS = "mesh.event.*.*"  # what hosts report: mesh.event.<name>.<kind>
 SEAT_EVENTS = f"mesh.seat.{SEAT}.*"
 
 
@@ -21,5 +22,21 @@ def host(name: str, verb: str) -> str:
     return f"mesh.host.{name}.{verb}"
 
 
+def event(name: str, kind: str) -> str:
+    """A host's report: `applied`, `processes` (or `>` in permissions)."""
+    return f"mesh.event.{name}.{kind}"
+
+
 def seat(event: str) -> str:
     return f"mesh.seat.{SEAT}.{event}"
+
+
+def last(subject: str) -> str:
+    """The last token: a verb's name, a report's or a seat event's kind. Only ever a key into a
+    fixed table or compared with a constant, never dispatched on."""
+    return subject.rsplit(".", 1)[-1]
+
+
+def ctl_host_machine(subject: str) -> str:
+    """The <name> of mesh.ctl.host.<name>.<verb> (unchecked: the caller checks it)."""
+    return subject.split(".")[3]

@@ -92,7 +92,7 @@ def _host(user: User) -> Permissions:
     publish = [
         subjects.ctl_host(name, ">"),
         subjects.host(name, "beat"),
-        f"mesh.event.{name}.>",
+        subjects.event(name, ">"),
         *(subjects.ctl(v) for v in HOST_CHECK_VERBS),
         # its own declaration only: a consumer whose filter is its key (the server checks the
         # filter in the subject against the one in the request)
@@ -119,9 +119,9 @@ def _controller(user: User) -> Permissions:
             f"{OBJ_SUBJECTS}.>",
         ],
         subscribe=[
-            "mesh.ctl.>",
+            subjects.ctl(">"),
             subjects.host("*", "beat"),
-            "mesh.event.*.>",
+            subjects.event("*", ">"),
             subjects.seat(">"),
             f"{inbox(user)}.>",
         ],

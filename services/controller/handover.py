@@ -9,23 +9,24 @@
    releases the lock and announces `released` with the time.
 4. The standby's blocking lock call returns; it increments the epoch and serves what it held.
 
-`VerbSubscriptions` is the one place verb subscriptions live, for standby and holder alike.
+`VerbSubscriptions` is the one place the controller's verb subscriptions live (a
+mesh.serving.Server), for standby and holder alike.
 """
 
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import anyio
 from anyio.abc import TaskGroup
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
 
 from mesh import bus, subjects, wire
 from mesh.lifetime import first_of
 from mesh.model import SeatAnnounce
+from mesh.serving import Endpoint, Server
 
 log = logging.getLogger(__name__)
 
@@ -34,63 +35,57 @@ SEAT_WAIT = 30.0  # how long a verb received before the seat is ours waits for i
 # than the worst handover (ready wait, plan stop, drain, slow verbs' 10 s, lock release)
 EARLY_FOR = 15.0  # a standby that subscribed but never got the seat unsubscribes after this
 
-Handler = Callable[[Any, Msg], Awaitable[None]]
-
 
 class VerbSubscriptions:
     """The `mesh-controller` queue-group subscriptions to controller verbs and host requests.
-    Until `serve(holder)` is called, a message waits (in its own task) for it."""
+    Until `serve(...)` is called, a message waits (in its own task) for it."""
 
-    def __init__(self, nc: Client, tasks: TaskGroup, routes: list[tuple[str, Handler]]) -> None:
+    def __init__(self, *, nc: Client, tasks: TaskGroup, endpoints: Sequence[Endpoint]) -> None:
         self._nc = nc
         self._tasks = tasks
-        self._routes = routes
+        self._server = Server(nc=nc, endpoints=endpoints, service="controller")
         self._holder: Any = None
         self._fresh: Callable[[], bool] = lambda: True
         self._ready = anyio.Event()
         self._elsewhere = anyio.Event()  # another controller took the seat: pass verbs on
-        self.subs: list[Subscription] = []
-        self.since: float | None = None
 
     @property
     def active(self) -> bool:
-        return bool(self.subs)
+        return self._server.active
+
+    @property
+    def since(self) -> float | None:
+        return self._server.since
 
     async def subscribe(self) -> None:
-        if self.subs:
-            return
-        for subject, handler in self._routes:
-            self.subs.append(
-                await self._nc.subscribe(subject, queue=subjects.QUEUE, cb=self._route(handler))
-            )
-        await self._nc.flush()
-        self.since = time.monotonic()
+        await self._server.subscribe(self._on_message)
 
-    def serve(self, holder: Any, fresh: Callable[[], bool] = lambda: True) -> None:
-        """Answer with `holder` from now on, while `fresh()` says the seat is still ours."""
+    def serve(
+        self, *, holder: Any, tasks: TaskGroup, fresh: Callable[[], bool] = lambda: True
+    ) -> None:
+        """Answer with `holder` from now on, its slow verbs in `tasks`, while `fresh()` says
+        the seat is still ours."""
+        self._server.serve(holder, tasks=tasks)
         self._holder = holder
         self._fresh = fresh
         self._ready.set()
 
-    def _route(self, handler: Handler) -> Callable[[Msg], Awaitable[None]]:
-        async def on_message(msg: Msg) -> None:
-            if self._holder is not None:
-                if not self._fresh():  # woken from a pause: the seat may have moved on
-                    await self._pass_on(msg)
-                    return
-                await handler(self._holder, msg)
-                return
-            if self._elsewhere.is_set():
+    async def _on_message(self, endpoint: Endpoint, msg: Msg) -> None:
+        if self._holder is not None:
+            if not self._fresh():  # woken from a pause: the seat may have moved on
                 await self._pass_on(msg)
                 return
-            try:
-                self._tasks.start_soon(self._later, handler, msg)
-            except RuntimeError:  # stopping
-                pass
+            await self._server.answer(endpoint, msg)
+            return
+        if self._elsewhere.is_set():
+            await self._pass_on(msg)
+            return
+        try:
+            self._tasks.start_soon(self._later, endpoint, msg)
+        except RuntimeError:  # stopping
+            pass
 
-        return on_message
-
-    async def _later(self, handler: Handler, msg: Msg) -> None:
+    async def _later(self, endpoint: Endpoint, msg: Msg) -> None:
         elsewhere = self._elsewhere  # `leave` starts a new one once it is done
         with anyio.move_on_after(SEAT_WAIT):
             await first_of(self._ready, elsewhere)
@@ -106,7 +101,7 @@ class VerbSubscriptions:
 
             await bus.answer(msg, unavailable)
             return
-        await handler(self._holder, msg)
+        await self._server.answer(endpoint, msg)
 
     async def _pass_on(self, msg: Msg) -> None:
         """Send a request we hold on to the group again, with its reply subject: the holder
@@ -121,13 +116,7 @@ class VerbSubscriptions:
 
     async def stop(self, *, drain: bool) -> None:
         """Drain (answer what is in flight) or, without a connection, just unsubscribe."""
-        subs, self.subs = self.subs, []
-        for sub in subs:
-            try:
-                with anyio.fail_after(3):
-                    await (sub.drain() if drain else sub.unsubscribe())
-            except Exception as e:
-                log.warning("could not stop a verb subscription: %s", e or type(e).__name__)
+        await self._server.stop(drain=drain)
 
 
 async def announce(nc: Client, me: SeatAnnounce) -> str | None:
@@ -155,7 +144,7 @@ async def stand_ready(nc: Client, me: SeatAnnounce, verbs: VerbSubscriptions) ->
     try:
         async with anyio.create_task_group() as tg:
             async for msg in seat.messages:
-                event = msg.subject.rsplit(".", 1)[-1]
+                event = subjects.last(msg.subject)
                 if event not in ("handover", "held"):
                     continue
                 try:

@@ -21,23 +21,28 @@ from datetime import UTC, datetime
 import anyio
 import asyncpg
 import msgspec
+from anyio.abc import TaskGroup
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 
 from mesh import blobs, bus, subjects, wire
 from mesh.errors import MeshError
-from mesh.model import Applied, Beat, Handover, ProcessesEvent, SeatAnnounce, SeatInfo
+from mesh.model import Handover, SeatAnnounce, SeatInfo
 from mesh.store import db, events, seats
 from mesh.store.migrate import migrate
 from services.controller import handover, readiness
-from services.controller.catalog import Catalog
+from services.controller.changes import Changes
 from services.controller.fleet import Fleet, open_bus
 from services.controller.handover import VerbSubscriptions
 from services.controller.planner import Planner
+from services.controller.publishing import Manifests, Publisher
 from services.controller.readiness import Readiness
+from services.controller.reports import HostReports
 from services.controller.seat import SeatLock
 from services.controller.standbys import ANNOUNCE_EVERY, Releases, Standbys
-from services.controller.verbs import Holder, on_host_verb, on_verb
+from services.controller.verbs import ENDPOINTS, Holder
+from services.controller.views import Views
 
 log = logging.getLogger("mesh.controller")
 
@@ -117,9 +122,7 @@ async def run(
             signalled = anyio.Event()
             tg.start_soon(_signals, tg.cancel_scope, holding, signalled)
             while True:
-                verbs = VerbSubscriptions(
-                    nc, tg, [(subjects.CTL_VERBS, on_verb), (subjects.CTL_HOST_VERBS, on_host_verb)]
-                )
+                verbs = VerbSubscriptions(nc=nc, tasks=tg, endpoints=ENDPOINTS)
                 if not await lock.try_acquire():
                     log.info("controller %s standing by for the seat %s", instance, subjects.SEAT)
                     ready.set("standby")
@@ -133,11 +136,11 @@ async def run(
                 if signalled.is_set():  # the signal came as the lock did: hand straight over
                     stop.requested.set()
                 try:
-                    await _hold(
+                    await Hold(
                         nc=nc, link=link, pool=pool, lock=lock, me=me, standbys=standbys,
                         down_after=down_after, verbs=verbs, stop=stop, released=released,
                         ready=ready,
-                    )  # fmt: skip
+                    ).run()  # fmt: skip
                 finally:
                     holding.clear()
                 await lock.release()
@@ -175,148 +178,150 @@ async def _announce_standby(nc: Client, me: SeatAnnounce) -> None:
         await anyio.sleep(ANNOUNCE_EVERY)
 
 
-async def _hold(
-    *,
-    nc: Client,
-    link: bus.Link,
-    pool: asyncpg.Pool,
-    lock: SeatLock,
-    me: SeatAnnounce,
-    standbys: Standbys,
-    down_after: int,
-    verbs: VerbSubscriptions,
-    stop: Stop,
-    released: Releases,
-    ready: Readiness,
-) -> None:
-    assert lock.conn is not None
-    before = await seats.read(lock.conn, seat=subjects.SEAT)
-    row = await seats.take(
-        lock.conn, seat=subjects.SEAT, holder=me.instance, pid=me.pid, host=me.host
-    )
-    assert row.since is not None
-    ready.set("holding", row.epoch)
-    previous = before.holder if before else None
-    let_go = released.take(previous) if previous else None
-    taken = Handover(
-        at=row.since, from_=previous, to=me.instance, planned=let_go is not None,
-        gap_ms=round((time.monotonic() - let_go) * 1000, 1) if let_go is not None else None,
-    )  # fmt: skip
-    await events.record(
-        pool, "seat.taken", epoch=row.epoch, holder=me.instance, pid=me.pid,
-        previous=previous, planned=taken.planned, gap_ms=taken.gap_ms,
-    )  # fmt: skip
-    how = f" (handed over by {previous} after {taken.gap_ms} ms)" if taken.planned else ""
-    log.info("controller %s holds the seat %s, epoch %d%s", me.instance, subjects.SEAT,
-             row.epoch, how)  # fmt: skip
+class Hold:
+    """One hold of the seat, in its named parts and in this order: take the seat (`_take`),
+    serve verbs and hear the hosts' reports (`_serve`) until asked to stop, hand over
+    (`_hand_over`), and release (`_release`), whatever happened in between."""
 
-    fleet = Fleet(pool=pool, epoch=row.epoch, down_after=down_after, open_bus=lambda: open_bus(nc))
-    await fleet.load()
-    kv, obs = await blobs.ensure(nc)
+    def __init__(
+        self,
+        *,
+        nc: Client,
+        link: bus.Link,
+        pool: asyncpg.Pool,
+        lock: SeatLock,
+        me: SeatAnnounce,
+        standbys: Standbys,
+        down_after: int,
+        verbs: VerbSubscriptions,
+        stop: Stop,
+        released: Releases,
+        ready: Readiness,
+    ) -> None:
+        self.nc = nc
+        self.link = link
+        self.pool = pool
+        self.lock = lock
+        self.me = me
+        self.standbys = standbys
+        self.down_after = down_after
+        self.verbs = verbs
+        self.stop = stop
+        self.released = released
+        self.ready = ready
+        self.reports: list[Subscription] = []  # the hosts' reports, once subscribed
 
-    async def on_beat(msg: Msg) -> None:
+    async def run(self) -> None:
+        row, taken = await self._take()
+        fleet = Fleet(
+            pool=self.pool, epoch=row.epoch, down_after=self.down_after,
+            open_bus=lambda: open_bus(self.nc),
+        )  # fmt: skip
+        await fleet.load()
+        kv, obs = await blobs.ensure(self.nc)
+        held = msgspec.structs.replace(self.me, since=row.since, epoch=row.epoch)
         try:
-            beat = wire.decode(msg.data, Beat)
-        except wire.BadRequest:
-            return  # a malformed beat is noise, not a reason to stop
-        if msg.subject != subjects.host(beat.name, "beat"):
-            return  # a machine speaks only for itself
-        await fleet.beat(beat)
-
-    async def on_processes(msg: Msg) -> None:
-        try:
-            event = wire.decode(msg.data, ProcessesEvent)
-        except wire.BadRequest:
-            return
-        if msg.subject == f"mesh.event.{event.name}.processes":  # only for itself
-            fleet.heard_processes(event.name, event.processes)
-
-    async def on_applied(msg: Msg) -> None:
-        try:
-            applied = wire.decode(msg.data, Applied)
-        except wire.BadRequest:
-            return
-        if msg.subject != f"mesh.event.{applied.name}.applied":
-            return  # a machine speaks only for itself
-        if applied.ok:
-            fleet.heard_applied(applied.name, applied.digest, None, applied.processes)
-        else:
-            if applied.step != "fence":  # an ignored stale value says nothing of the machine
-                fleet.heard_applied(
-                    applied.name, applied.digest, f"{applied.step}: {applied.error}",
-                    applied.processes,
+            async with anyio.create_task_group() as background:
+                manifests = Manifests()
+                publisher = Publisher(pool=self.pool, kv=kv, epoch=row.epoch, manifests=manifests)
+                changes = Changes(
+                    pool=self.pool, nc=self.nc, obs=obs, fleet=fleet, epoch=row.epoch,
+                    manifests=manifests, publisher=publisher, wake=lambda: planner.wake(),
                 )  # fmt: skip
-            else:  # the key's newest value may be a stale put: put the stored one again
-                catalog.wanted.pop(applied.name, None)
-            log.info("machine %s could not apply %s: %s: %s", applied.name,
-                     applied.digest[:19], applied.step, applied.error)  # fmt: skip
+                views = Views(
+                    pool=self.pool, obs=obs, fleet=fleet, manifests=manifests, publisher=publisher
+                )
+                planner = Planner(pool=self.pool, publisher=publisher, fleet=fleet, epoch=row.epoch)
+                # Slow verbs run in `serving`, answered before we go.
+                async with anyio.create_task_group() as serving:
+                    assert row.since is not None
+                    holder = Holder(
+                        seat=SeatInfo(holder=self.me.instance, pid=self.me.pid, host=self.me.host,
+                                      epoch=row.epoch, since=row.since),
+                        fleet=fleet, standbys=self.standbys, changes=changes, views=views,
+                        publisher=publisher, planner=planner,
+                        tasks=serving, handover=taken, stop=self.stop.handover,
+                    )  # fmt: skip
+                    await self._serve(
+                        holder=holder, reports=HostReports(fleet=fleet, publisher=publisher),
+                        held=held, background=background,
+                    )  # fmt: skip
+                    plans = anyio.CancelScope()
+                    background.start_soon(_plan_work, publisher, planner, row.epoch, plans)
 
-    async def on_event(msg: Msg) -> None:
-        kind = msg.subject.rsplit(".", 1)[-1]
-        if kind == "applied":
-            await on_applied(msg)
-        elif kind == "processes":
-            await on_processes(msg)
+                    await self.stop.requested.wait()
+                    await self._hand_over(held=held, plans=plans)
+                    serving.cancel_scope.deadline = anyio.current_time() + 10  # slow verbs finish
+                background.cancel_scope.cancel()
+        finally:
+            await self._release(fleet=fleet, held=held)
 
-    subs = []
-    held = msgspec.structs.replace(me, since=row.since, epoch=row.epoch)
-    try:
-        async with anyio.create_task_group() as background:
-            catalog = Catalog(
-                pool=pool, nc=nc, kv=kv, obs=obs, fleet=fleet, epoch=row.epoch,
-                wake=lambda: planner.wake(),
-            )  # fmt: skip
-            planner = Planner(pool=pool, catalog=catalog, fleet=fleet, epoch=row.epoch)
-            async with anyio.create_task_group() as serving:  # slow verbs, answered before we go
-                holder = Holder(
-                    seat=SeatInfo(holder=me.instance, pid=me.pid, host=me.host, epoch=row.epoch,
-                                  since=row.since),
-                    fleet=fleet, standbys=standbys, catalog=catalog, planner=planner,
-                    tasks=serving, handover=taken, stop=stop.handover,
-                )  # fmt: skip
-                await verbs.subscribe()
-                verbs.serve(holder, fresh=lock.fresh)
-                # Not in a queue group: a paused old holder that NATS has not dropped yet
-                # must not take every other beat and report (design.md §5.1).
-                subs = [
-                    await nc.subscribe(subjects.HOST_BEATS, cb=on_beat),
-                    # One subscription for both: a host's `applied` and `processes` reports are
-                    # handled in the order it sent them (an older snapshot never wins).
-                    await nc.subscribe("mesh.event.*.*", cb=on_event),
-                ]
-                await nc.flush()
-                await nc.publish(subjects.seat("held"), wire.encode(held))
-                link.on_up = fleet.forgive  # beats lost while we were away are not theirs
-                background.start_soon(lock.watch)
-                background.start_soon(fleet.watch)
-                background.start_soon(catalog.keep_published)
-                background.start_soon(_step_down_without_bus, link)
-                plans = anyio.CancelScope()
-                background.start_soon(_plan_work, catalog, planner, row.epoch, plans)
+    async def _take(self) -> tuple[seats.SeatRow, Handover]:
+        """Take the seat: a new epoch, and how it came to us (a handover, or not)."""
+        lock, me = self.lock, self.me
+        assert lock.conn is not None
+        before = await seats.read(lock.conn, seat=subjects.SEAT)
+        row = await seats.take(
+            lock.conn, seat=subjects.SEAT, holder=me.instance, pid=me.pid, host=me.host
+        )
+        assert row.since is not None
+        self.ready.set("holding", row.epoch)
+        previous = before.holder if before else None
+        let_go = self.released.take(previous) if previous else None
+        taken = Handover(
+            at=row.since, from_=previous, to=me.instance, planned=let_go is not None,
+            gap_ms=round((time.monotonic() - let_go) * 1000, 1) if let_go is not None else None,
+        )  # fmt: skip
+        await events.record(
+            self.pool, "seat.taken", epoch=row.epoch, holder=me.instance, pid=me.pid,
+            previous=previous, planned=taken.planned, gap_ms=taken.gap_ms,
+        )  # fmt: skip
+        how = f" (handed over by {previous} after {taken.gap_ms} ms)" if taken.planned else ""
+        log.info("controller %s holds the seat %s, epoch %d%s", me.instance, subjects.SEAT,
+                 row.epoch, how)  # fmt: skip
+        return row, taken
 
-                await stop.requested.wait()
-                ready.set("handing-over", row.epoch)
-                # The handover (design.md §5.2): a standby joins the verb group first.
-                successor = await handover.announce(nc, held) if nc.is_connected else None
-                log.info("controller %s hands over the seat%s", me.instance,
-                         f" to {successor}" if successor else " (no standby answered)")  # fmt: skip
-                plans.cancel()  # every plan write is a fenced transaction: the next holder goes on
-                await verbs.stop(drain=nc.is_connected)
-                serving.cancel_scope.deadline = anyio.current_time() + 10  # slow verbs finish
-            background.cancel_scope.cancel()
-    finally:
+    async def _serve(
+        self, *, holder: Holder, reports: HostReports, held: SeatAnnounce, background: TaskGroup
+    ) -> None:
+        """Serve verbs, hear the hosts, say `held`, and start the holder's background work."""
+        nc = self.nc
+        await self.verbs.subscribe()
+        self.verbs.serve(holder=holder, tasks=holder.tasks, fresh=self.lock.fresh)
+        self.reports = await reports.subscribe(nc)
+        await nc.flush()
+        await nc.publish(subjects.seat("held"), wire.encode(held))
+        self.link.on_up = holder.fleet.forgive  # beats lost while we were away are not theirs
+        background.start_soon(self.lock.watch)
+        background.start_soon(holder.fleet.watch)
+        background.start_soon(holder.publisher.keep_published)
+        background.start_soon(_step_down_without_bus, self.link)
+
+    async def _hand_over(self, *, held: SeatAnnounce, plans: anyio.CancelScope) -> None:
+        nc = self.nc
+        self.ready.set("handing-over", held.epoch)
+        # The handover (design.md §5.2): a standby joins the verb group first.
+        successor = await handover.announce(nc, held) if nc.is_connected else None
+        log.info("controller %s hands over the seat%s", self.me.instance,
+                 f" to {successor}" if successor else " (no standby answered)")  # fmt: skip
+        plans.cancel()  # every plan write is a fenced transaction: the next holder goes on
+        await self.verbs.stop(drain=nc.is_connected)
+
+    async def _release(self, *, fleet: Fleet, held: SeatAnnounce) -> None:
+        nc, lock = self.nc, self.lock
         # Each step on its own deadline: a store or bus that is gone must not keep the lock.
         with anyio.CancelScope(shield=True):
             if not nc.is_connected:
                 await lock.release()  # nobody can hear us: let the standby have the seat now
-            await verbs.stop(drain=nc.is_connected)
-            for sub in subs:
+            await self.verbs.stop(drain=nc.is_connected)
+            for sub in self.reports:
                 await _attempt("stop", sub.drain() if nc.is_connected else sub.unsubscribe())
             await _attempt("flush heartbeats", fleet.flush())
             await _attempt(
                 "record release",
-                events.record(pool, "seat.released", epoch=row.epoch, holder=me.instance),
-            )
+                events.record(self.pool, "seat.released", epoch=held.epoch,
+                              holder=self.me.instance),
+            )  # fmt: skip
             # Said before the lock goes, so the standby that gets it has heard it: its takeover
             # is known to be a handover, and the gap is measured from here.
             gone = msgspec.structs.replace(held, at=datetime.now(UTC))
@@ -324,7 +329,7 @@ async def _hold(
                 await _attempt("announce release", _publish_flushed(
                     nc, subjects.seat("released"), wire.encode(gone)))  # fmt: skip
             await lock.release()
-            log.info("controller %s released the seat, epoch %d", me.instance, row.epoch)
+            log.info("controller %s released the seat, epoch %d", self.me.instance, held.epoch)
 
 
 async def _publish_flushed(nc: Client, subject: str, body: bytes) -> None:
@@ -333,12 +338,12 @@ async def _publish_flushed(nc: Client, subject: str, body: bytes) -> None:
 
 
 async def _plan_work(
-    catalog: Catalog, planner: Planner, epoch: int, scope: anyio.CancelScope
+    publisher: Publisher, planner: Planner, epoch: int, scope: anyio.CancelScope
 ) -> None:
     """Declarations again under this epoch, then plans: a plan's publish never races the
     republish of what the store had."""
     with scope:
-        republished = await catalog.republish()
+        republished = await publisher.republish()
         if republished:
             log.info("republished %d declaration(s) under epoch %d", republished, epoch)
         await planner.run()

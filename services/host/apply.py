@@ -219,7 +219,7 @@ class Applier:
             name=self.name, digest=env.digest, epoch=env.epoch, ok=ok, step=step, error=error,
             processes=self.supervisor.states(),
         )  # fmt: skip
-        await self._nc.publish(f"mesh.event.{self.name}.applied", wire.encode(applied))
+        await self._nc.publish(subjects.event(self.name, "applied"), wire.encode(applied))
 
     async def _apply(self, decl: Declaration) -> None:
         ids: dict[str, accounts.Identity] = {}

@@ -13,7 +13,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import anyio
-import msgspec
 from msgspec.structs import replace
 from nats.aio.client import Client
 
@@ -23,16 +22,17 @@ from mesh.lifetime import stop_on_signals
 from mesh.model import (
     Beat,
     ProcessesEvent,
-    ProcessState,
     Register,
     RegisterReply,
     SeatAnnounce,
 )
 from mesh.paths import open_path_to
+from mesh.serving import Server
 from services.host import containers, verbs
 from services.host.apply import Applier
 from services.host.facts import gather
 from services.host.supervisor import Supervisor
+from services.host.verbs import HostStatus
 
 log = logging.getLogger("mesh.host")
 
@@ -43,21 +43,6 @@ REFUSALS = ("bad_request", "forbidden")  # the controller's answer is final for 
 
 class RegistrationRefused(MeshError):
     """The controller refused this host's registration for what it is, not for a passing fault."""
-
-
-class HostStatus(msgspec.Struct):
-    name: str
-    pid: int
-    tier: int | None
-    labels: dict[str, str]
-    root: str
-    dev_mode: bool  # no root rights: accounts map to the current user
-    registered: bool
-    epoch: int
-    started: datetime
-    applied: str | None = None  # digest of the declaration applied
-    applied_epoch: int = 0
-    processes: list[ProcessState] = []
 
 
 async def run(
@@ -105,13 +90,14 @@ async def run(
         pid=os.getpid(),
     )
     nc = await bus.connect(nats_url, name=f"mesh-host {name}", creds=creds)
+    served: Server | None = None
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(stop_on_signals, tg.cancel_scope)
 
             async def report_processes() -> None:
                 event = ProcessesEvent(name=name, processes=supervisor.states())
-                await nc.publish(f"mesh.event.{name}.processes", wire.encode(event))
+                await nc.publish(subjects.event(name, "processes"), wire.encode(event))
 
             supervisor = Supervisor(
                 nc=nc, root=state, changed=lambda: tg.start_soon(report_processes)
@@ -126,10 +112,11 @@ async def run(
                 status.processes = supervisor.states()
                 return status
 
-            await verbs.serve(
+            served = await verbs.serve(
                 verbs.Host(
                     name=name, root=state, nc=nc, supervisor=supervisor, status=current_status
-                )
+                ),
+                tasks=tg,
             )
             # Subscribed before registering, so a takeover during registration is not missed.
             held = await nc.subscribe(subjects.seat("held"))
@@ -149,8 +136,12 @@ async def run(
                     )  # fmt: skip
                     await report_processes()
     finally:
-        with anyio.CancelScope(shield=True), anyio.move_on_after(3):
-            await bus.close(nc)
+        with anyio.CancelScope(shield=True):
+            if served is not None:
+                with anyio.move_on_after(3):  # verbs in flight are answered
+                    await served.stop(drain=nc.is_connected)
+            with anyio.move_on_after(3):
+                await bus.close(nc)
 
 
 async def _register(

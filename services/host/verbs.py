@@ -1,32 +1,48 @@
-"""The host's own verbs on mesh.host.<name>.<verb>: a fixed table, strict bodies, error replies.
+"""The host's own verbs on mesh.host.<name>.<verb>: a fixed table served through mesh/serving.py.
 
 status (this host: registration, applied declaration, processes), logs (a process's output from
 an offset, for `mesh logs [-f]`), restart (one process), build (for the controller, on a
 builder)."""
 
-import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
-from typing import Any, NamedTuple
 
 import msgspec
+from anyio.abc import TaskGroup
 from nats.aio.client import Client
-from nats.aio.msg import Msg
 
-from mesh import bus, subjects, wire
+from mesh import subjects, wire
 from mesh.model import (
     BuildReply,
     BuildRequest,
     LogsReply,
     LogsRequest,
+    ProcessState,
     RestartReply,
     RestartRequest,
     StatusRequest,
 )
-from services.host import builds, logwriter
+from mesh.serving import Endpoint, Server, Verb
+from services.host import builder, logwriter
 from services.host.supervisor import Supervisor
 
-log = logging.getLogger(__name__)
+
+class HostStatus(msgspec.Struct):
+    """The `status` verb's reply."""
+
+    name: str
+    pid: int
+    tier: int | None
+    labels: dict[str, str]
+    root: str
+    dev_mode: bool  # no root rights: accounts map to the current user
+    registered: bool
+    epoch: int
+    started: datetime
+    applied: str | None = None  # digest of the declaration applied
+    applied_epoch: int = 0
+    processes: list[ProcessState] = []
 
 
 class Host(msgspec.Struct):
@@ -36,14 +52,14 @@ class Host(msgspec.Struct):
     root: Path  # where bundles, files, logs and state live
     nc: Client
     supervisor: Supervisor
-    status: Callable[[], Any]
+    status: Callable[[], HostStatus]
 
 
 def _log_file(h: Host, process: str) -> Path:
     return h.root / "processes" / process / "logs" / "output.log"
 
 
-async def status(h: Host, _: StatusRequest) -> Any:
+async def status(h: Host, _: StatusRequest) -> HostStatus:
     return h.status()
 
 
@@ -63,39 +79,31 @@ async def restart(h: Host, req: RestartRequest) -> RestartReply:
 
 
 async def build(h: Host, req: BuildRequest) -> BuildReply:
-    return await builds.build(h.nc, req, root=h.root)
+    return await builder.build(h.nc, req, root=h.root)
 
 
-class Verb(NamedTuple):
-    request: type
-    handler: Callable[[Host, Any], Awaitable[Any]]
-    limit: int = 4 * 1024  # bytes of body: these carry a name or two
-
+_SMALL = 4 * 1024  # bytes of body: these carry a name or two
 
 VERBS: dict[str, Verb] = {
-    "status": Verb(StatusRequest, status),
-    "logs": Verb(LogsRequest, logs),
-    "restart": Verb(RestartRequest, restart),
+    "status": Verb(StatusRequest, HostStatus, status, limit=_SMALL),
+    "logs": Verb(LogsRequest, LogsReply, logs, limit=_SMALL),
+    "restart": Verb(RestartRequest, RestartReply, restart, limit=_SMALL),
     # argv, paths and a key from a manifest of at most 256 KiB (the controller's push limit)
-    "build": Verb(BuildRequest, build, limit=640 * 1024),
+    "build": Verb(BuildRequest, BuildReply, build, limit=640 * 1024),
 }
 
 
-async def serve(h: Host) -> None:
-    async def on_msg(msg: Msg) -> None:
-        name = msg.subject.rsplit(".", 1)[-1]
-        verb = VERBS.get(name)
-
-        async def serve() -> Any:
-            if verb is None:
-                raise wire.BadRequest(
-                    f"unknown host verb {name[:64]!r}; known: {', '.join(sorted(VERBS))}",
-                    code="unknown_verb",
-                )
-            return await verb.handler(h, wire.decode(msg.data, verb.request, limit=verb.limit))
-
-        await bus.answer(msg, serve, service="host")
-
+async def serve(h: Host, *, tasks: TaskGroup) -> Server:
+    """Subscribe to this host's verbs; the caller stops (drains) the returned Server."""
     # One subscription per verb: a long build does not hold up status or logs.
-    for name in VERBS:
-        await h.nc.subscribe(subjects.host(h.name, name), cb=on_msg)
+    server = Server(
+        nc=h.nc,
+        endpoints=[
+            Endpoint(name, subjects.host(h.name, name), {name: verb}, what="host verb")
+            for name, verb in VERBS.items()
+        ],
+        service="host",
+    )
+    server.serve(h, tasks=tasks)
+    await server.subscribe()
+    return server

@@ -1,0 +1,196 @@
+"""One way to serve verbs, for the controller and hosts alike.
+
+A `Verb` is a typed request, a typed reply, a body limit and a handler. An `Endpoint` is a
+subject (wildcards allowed), an optional queue group and a fixed table of verbs keyed by the
+subject's last token: nothing is dispatched by a name taken from a message (Salt
+CVE-2020-11651), the token is only ever a key into the table. A `Server` holds one subscription
+per endpoint, routes each request (decode strictly with the verb's Struct and limit, call the
+handler, answer through `mesh.bus.answer`, which never raises) and drains them on stop.
+
+The shape is nats-py's `nats.micro` (an endpoint has a name, a subject, a queue group and a
+handler), so registering these as a micro service is a small step; but micro stops its endpoints
+by unsubscribing, which drops requests in flight, and a handover must drain (design.md §5.2).
+"""
+
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+import anyio
+from anyio.abc import TaskGroup
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from mesh import bus, subjects, wire
+
+log = logging.getLogger(__name__)
+
+C = TypeVar("C")  # what the handler is given besides the request (the service, a caller)
+Q = TypeVar("Q")  # the request
+R = TypeVar("R")  # the reply
+
+STOP_WITHIN = 3.0  # each subscription's drain: a bus that is gone must not hold a stop up
+
+
+@dataclass(frozen=True, eq=False)
+class Bound:
+    """Verbs that share a bound run each in its own task, at most `in_flight` at once. Past
+    that a request waits up to `wait` seconds for a slot (0: none) and is then answered `busy`:
+    more in flight would only queue inside the service, holding memory and callers' time."""
+
+    what: str  # named in the busy reply: "slow verbs", "host requests"
+    in_flight: int
+    wait: float = 0.0
+
+
+@dataclass(frozen=True)
+class Verb(Generic[C, Q, R]):
+    request: type[Q]
+    reply: type[R]
+    handler: Callable[[C, Q], Awaitable[R]]
+    limit: int = wire.MAX_BODY  # bytes of body, refused `too_large` before decoding
+    bound: Bound | None = None  # None: answered in the subscription's callback, in order
+
+
+def _as_is(served: Any, subject: str) -> Any:
+    return served
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One subscription: `verbs` keyed by the subject's last token. `caller(served, subject)`
+    is what the handlers get (the service itself by default); it may refuse with BadRequest,
+    answered before the verb is looked up."""
+
+    name: str  # as a micro endpoint's name
+    subject: str
+    verbs: Mapping[str, Verb[Any, Any, Any]]
+    queue: str | None = None
+    caller: Callable[[Any, str], Any] = _as_is
+    what: str = "verb"  # "unknown verb 'x'", "unknown host verb 'x'"
+
+
+Deliver = Callable[[Endpoint, Msg], Awaitable[None]]
+
+
+@dataclass
+class Server:
+    """The subscriptions of a set of endpoints on one connection, the one place they live.
+    `serve(served, tasks=...)` says what handlers are given and where bounded verbs run;
+    `subscribe(deliver)` lets a caller hold messages before routing them (a standby waiting
+    for the seat); `stop` drains."""
+
+    nc: Client
+    endpoints: Sequence[Endpoint]
+    service: str  # "controller", "host": named in `internal` and `unavailable` replies
+    since: float | None = None  # when the subscriptions were flushed (time.monotonic)
+    _subs: list[Subscription] = field(default_factory=list)
+    _served: Any = None
+    _tasks: TaskGroup | None = None
+    _limiters: dict[Bound, anyio.CapacityLimiter] = field(default_factory=dict)
+
+    @property
+    def active(self) -> bool:
+        return bool(self._subs)
+
+    def serve(self, served: Any, *, tasks: TaskGroup) -> None:
+        self._served = served
+        self._tasks = tasks
+
+    async def subscribe(self, deliver: Deliver | None = None) -> None:
+        if self._subs:
+            return
+        route = deliver or self.answer
+        for endpoint in self.endpoints:
+            self._subs.append(
+                await self.nc.subscribe(
+                    endpoint.subject, queue=endpoint.queue or "", cb=_callback(route, endpoint)
+                )
+            )
+        await self.nc.flush()
+        self.since = time.monotonic()
+
+    async def stop(self, *, drain: bool) -> None:
+        """Drain (answer what is in flight) or, without a connection, just unsubscribe."""
+        subs, self._subs = self._subs, []
+        for sub in subs:
+            try:
+                with anyio.fail_after(STOP_WITHIN):
+                    await (sub.drain() if drain else sub.unsubscribe())
+            except Exception as e:
+                log.warning("could not stop a verb subscription: %s", e or type(e).__name__)
+
+    async def answer(self, endpoint: Endpoint, msg: Msg) -> None:
+        """Route one request of `endpoint` and answer it (now, or from a bounded verb's task)."""
+        name = subjects.last(msg.subject)
+        verb = endpoint.verbs.get(name)
+        served = self._served
+
+        async def serve() -> Any:
+            caller = endpoint.caller(served, msg.subject)
+            if verb is None:
+                known = ", ".join(sorted(endpoint.verbs))
+                raise wire.BadRequest(
+                    f"unknown {endpoint.what} {name[:64]!r}; known: {known}", code="unknown_verb"
+                )
+            return await verb.handler(caller, wire.decode(msg.data, verb.request, limit=verb.limit))
+
+        if verb is None or verb.bound is None or self._tasks is None:
+            await bus.answer(msg, serve, service=self.service)
+            return
+        bound = verb.bound
+        limiter = self._limiters.setdefault(bound, anyio.CapacityLimiter(bound.in_flight))
+        slot = object()  # borrows one of the bound's slots; given back when answered
+        got = False
+        if bound.wait > 0:
+            # Waiting here holds the next requests in the subscription's buffer, in order.
+            with anyio.move_on_after(bound.wait):
+                await limiter.acquire_on_behalf_of(slot)
+                got = True
+        else:
+            try:
+                limiter.acquire_on_behalf_of_nowait(slot)
+                got = True
+            except anyio.WouldBlock:
+                pass
+        if not got:
+
+            async def busy() -> Any:
+                raise wire.BadRequest(
+                    f"the {self.service} is busy ({bound.in_flight} {bound.what} in flight); "
+                    "try again",
+                    code="busy",
+                )
+
+            log.warning("busy: refused %s on %s (%d %s in flight)", name[:64], msg.subject,
+                        bound.in_flight, bound.what)  # fmt: skip
+            await bus.answer(msg, busy, service=self.service)
+            return
+        try:
+            self._tasks.start_soon(self._answer_then_release, limiter, slot, msg, serve)
+            return
+        except RuntimeError:  # stopping: the task group is closed; answer here instead
+            limiter.release_on_behalf_of(slot)
+        await bus.answer(msg, serve, service=self.service)
+
+    async def _answer_then_release(
+        self,
+        limiter: anyio.CapacityLimiter,
+        slot: object,
+        msg: Msg,
+        serve: Callable[[], Awaitable[Any]],
+    ) -> None:
+        try:
+            await bus.answer(msg, serve, service=self.service)
+        finally:
+            limiter.release_on_behalf_of(slot)
+
+
+def _callback(route: Deliver, endpoint: Endpoint) -> Callable[[Msg], Awaitable[None]]:
+    async def on_message(msg: Msg) -> None:
+        await route(endpoint, msg)
+
+    return on_message

@@ -1,0 +1,76 @@
+"""What the holder hears from hosts without answering: beats, and each host's `applied` and
+`processes` reports. A machine speaks only for itself: a report whose subject names another
+machine than its body is ignored, as is a malformed one (noise, not a reason to stop)."""
+
+import logging
+
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from mesh import subjects, wire
+from mesh.model import Applied, Beat, ProcessesEvent
+from services.controller.fleet import Fleet
+from services.controller.publishing import Publisher
+
+log = logging.getLogger("mesh.controller")
+
+
+class HostReports:
+    def __init__(self, *, fleet: Fleet, publisher: Publisher) -> None:
+        self._fleet = fleet
+        self._publisher = publisher
+
+    async def subscribe(self, nc: Client) -> list[Subscription]:
+        # Not in a queue group: a paused old holder that NATS has not dropped yet
+        # must not take every other beat and report (design.md §5.1).
+        return [
+            await nc.subscribe(subjects.HOST_BEATS, cb=self.on_beat),
+            # One subscription for both: a host's `applied` and `processes` reports are
+            # handled in the order it sent them (an older snapshot never wins).
+            await nc.subscribe(subjects.EVENTS, cb=self.on_event),
+        ]
+
+    async def on_beat(self, msg: Msg) -> None:
+        try:
+            beat = wire.decode(msg.data, Beat)
+        except wire.BadRequest:
+            return  # a malformed beat is noise, not a reason to stop
+        if msg.subject != subjects.host(beat.name, "beat"):
+            return  # a machine speaks only for itself
+        await self._fleet.beat(beat)
+
+    async def on_event(self, msg: Msg) -> None:
+        kind = subjects.last(msg.subject)
+        if kind == "applied":
+            self._applied(msg)
+        elif kind == "processes":
+            self._processes(msg)
+
+    def _processes(self, msg: Msg) -> None:
+        try:
+            event = wire.decode(msg.data, ProcessesEvent)
+        except wire.BadRequest:
+            return
+        if msg.subject == subjects.event(event.name, "processes"):  # only for itself
+            self._fleet.heard_processes(event.name, event.processes)
+
+    def _applied(self, msg: Msg) -> None:
+        try:
+            applied = wire.decode(msg.data, Applied)
+        except wire.BadRequest:
+            return
+        if msg.subject != subjects.event(applied.name, "applied"):
+            return  # a machine speaks only for itself
+        if applied.ok:
+            self._fleet.heard_applied(applied.name, applied.digest, None, applied.processes)
+        else:
+            if applied.step != "fence":  # an ignored stale value says nothing of the machine
+                self._fleet.heard_applied(
+                    applied.name, applied.digest, f"{applied.step}: {applied.error}",
+                    applied.processes,
+                )  # fmt: skip
+            else:  # the key's newest value may be a stale put: put the stored one again
+                self._publisher.wanted.pop(applied.name, None)
+            log.info("machine %s could not apply %s: %s: %s", applied.name,
+                     applied.digest[:19], applied.step, applied.error)  # fmt: skip
