@@ -80,6 +80,8 @@ def _evil(entry: tarfile.TarInfo, data: bytes = b"") -> bytes:
         ("dev", tarfile.CHRTYPE, ""),
         ("fifo", tarfile.FIFOTYPE, ""),
         ("sym", tarfile.SYMTYPE, "../../etc"),
+        ("not-utf8-\udcff", tarfile.REGTYPE, ""),  # found by tests/test_fuzz.py
+        ("sym-not-utf8", tarfile.SYMTYPE, "x\udcff"),
     ],
 )
 def test_hostile_archive_entries_are_refused(

@@ -176,6 +176,11 @@ def members(data: bytes) -> dict[str, tarfile.TarInfo]:
         norm = posixpath.normpath(name)
         if "\0" in name or "\0" in info.linkname:
             raise ArchiveRefused(f"{name!r}: a NUL character in a name")
+        try:  # tarfile keeps bytes that are not UTF-8 as lone surrogates
+            name.encode()
+            info.linkname.encode()
+        except UnicodeEncodeError:
+            raise ArchiveRefused(f"{name!r}: a name that is not UTF-8") from None
         if name.startswith("/") or norm == ".." or norm.startswith("../"):
             raise ArchiveRefused(f"{name}: escapes the archive's root")
         if norm == "." and not info.isdir():
