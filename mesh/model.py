@@ -5,7 +5,7 @@ encoded with the same Structs, which keeps the JSON shapes of design.md §3 in o
 """
 
 from datetime import datetime
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -21,6 +21,30 @@ LabelKey = Annotated[
 ]
 Labels = Annotated[dict[LabelKey, Word], msgspec.Meta(max_length=64)]
 Interval = Annotated[float, msgspec.Meta(gt=0, le=3600)]
+
+# The words a plan's life is told in. Literals, so msgspec refuses any other word on decode and a
+# type checker sees a typo; on the wire they are the same plain strings.
+PlanState = Literal["pending", "building", "rolling", "done", "failed", "reverted"]
+StepState = Literal["pending", "applying", "done", "failed", "skipped", "reverted"]
+TierState = Literal["pending", "rolling", "done", "failed", "reverted"]
+Trigger = Literal["push", "assign", "unassign", "secret"]
+Phase = Literal["forward", "revert"]  # rolling forward, or giving machines `before` back
+# Every code an error reply carries (docs/verbs.md); `bad_reply` is the client's own, never sent.
+ErrorCode = Literal[
+    "bad_request",
+    "too_large",
+    "unknown_verb",
+    "forbidden",
+    "internal",
+    "unavailable",
+    "busy",
+    "not_found",
+    "refused",
+    "conflict",
+    "no_builder",
+    "no_standby",
+    "build_failed",
+]
 
 
 class Request(msgspec.Struct, forbid_unknown_fields=True):
@@ -63,8 +87,8 @@ class PlanSummary(msgspec.Struct):
     """A plan in one line: what `status` shows of the plan in progress and `plans` lists."""
 
     id: int
-    state: str  # pending | building | rolling | done | failed | reverted
-    trigger: str  # push | assign | unassign | secret
+    state: PlanState
+    trigger: Trigger
     subject: str  # the module or secret it is about
     by: str
     created: datetime
@@ -72,7 +96,7 @@ class PlanSummary(msgspec.Struct):
     machines: int
     done: int  # steps done or skipped
     tier: int | None = None  # the tier rolling now
-    phase: str = "forward"  # forward | revert
+    phase: Phase = "forward"
     failure: str | None = None  # which machine failed and why (not `error`: that is a refusal)
 
 
@@ -117,11 +141,16 @@ class Facts(msgspec.Struct, forbid_unknown_fields=True):
     container_engine: Word = ""
 
 
-class ProcessState(msgspec.Struct):
+class ProcessState(msgspec.Struct, omit_defaults=True):
+    # omit_defaults: `trial` appears on the wire only when true, so every other report's JSON
+    # is as it was before the field existed.
     name: str
     state: str
     healthy: bool
     pid: int | None
+    # A start-first new version on trial beside its old one (same name): its health is not the
+    # process's until it has replaced the old one, so a plan never counts it.
+    trial: bool = False
 
 
 class Node(msgspec.Struct):
@@ -187,7 +216,7 @@ class SeatAnnounce(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class ErrorBody(msgspec.Struct):
-    code: str
+    code: ErrorCode
     message: str
 
 
@@ -266,7 +295,7 @@ class PlansRequest(Request):
 class PlanStep(msgspec.Struct):
     machine: str
     tier: int
-    state: str  # pending | applying | done | failed | skipped | reverted
+    state: StepState
     started: datetime | None
     finished: datetime | None
     error: str | None
@@ -277,7 +306,7 @@ class PlanStep(msgspec.Struct):
 
 class PlanTier(msgspec.Struct):
     tier: int
-    state: str  # pending | rolling | done | failed | reverted
+    state: TierState
     total: int
     done: int
 
@@ -297,15 +326,15 @@ class PlanSettings(msgspec.Struct):
 
 class PlanReply(msgspec.Struct):
     id: int
-    state: str
-    trigger: str
+    state: PlanState
+    trigger: Trigger
     subject: str
     by: str
     epoch: int  # the seat's epoch that recorded it
     created: datetime
     started: datetime | None
     finished: datetime | None
-    phase: str
+    phase: Phase
     failure: str | None  # which machine failed and why (not `error`: that is a refusal)
     settings: PlanSettings
     builds: list[PlanBuild]

@@ -4,7 +4,7 @@ from typing import TypeVar
 
 import msgspec
 
-from mesh.model import ErrorBody, ErrorReply
+from mesh.model import ErrorBody, ErrorCode, ErrorReply
 
 T = TypeVar("T")
 
@@ -16,7 +16,7 @@ _encoder = msgspec.json.Encoder()
 class BadRequest(Exception):
     """A request that cannot be served; `code` and the message go back to the caller."""
 
-    def __init__(self, message: str, *, code: str = "bad_request") -> None:
+    def __init__(self, message: str, *, code: ErrorCode = "bad_request") -> None:
         super().__init__(message)
         self.code = code
 
@@ -37,20 +37,27 @@ def encode(value: object) -> bytes:
     return _encoder.encode(value)
 
 
-def error(code: str, message: str) -> bytes:
+def error(code: ErrorCode, message: str) -> bytes:
     return encode(ErrorReply(error=ErrorBody(code=code, message=message)))
 
 
 class RemoteError(Exception):
-    """The other side answered with an error reply."""
+    """The other side answered with an error reply (any code it sent, or our `bad_reply`)."""
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
         self.code = code
 
 
+class _AnyError(msgspec.Struct):
+    # Any code, not only ErrorCode's: a newer peer may answer with a code this side has not
+    # heard of, and its message must still reach the user rather than turn into `bad_reply`.
+    code: str
+    message: str
+
+
 class _MaybeError(msgspec.Struct):
-    error: ErrorBody | None = None
+    error: _AnyError | None = None
 
 
 def decode_reply(data: bytes, into: type[T]) -> T:

@@ -12,17 +12,26 @@ from typing import Any
 import asyncpg
 import msgspec
 
-from mesh.model import PlanBuild, PlanSettings, PlanStep, PlanSummary
+from mesh.model import (
+    Phase,
+    PlanBuild,
+    PlanSettings,
+    PlanState,
+    PlanStep,
+    PlanSummary,
+    StepState,
+    Trigger,
+)
 
-OPEN = ("pending", "building", "rolling")
+OPEN: tuple[PlanState, ...] = ("pending", "building", "rolling")
 # What the planner takes: a `building` plan has no steps until its push's builds are done.
-READY = ("pending", "rolling")
+READY: tuple[PlanState, ...] = ("pending", "rolling")
 
 
 class Step(msgspec.Struct):
     machine: str
     tier: int
-    state: str
+    state: StepState
     after: str
     after_body: bytes
     before: str | None = None
@@ -43,15 +52,15 @@ class Step(msgspec.Struct):
 
 class Plan(msgspec.Struct):
     id: int
-    state: str
-    trigger: str
+    state: PlanState
+    trigger: Trigger
     subject: str
     by: str
     epoch: int
     created: datetime
     started: datetime | None
     finished: datetime | None
-    phase: str
+    phase: Phase
     error: str | None
     settings: PlanSettings
     builds: list[PlanBuild]
@@ -62,7 +71,7 @@ class Plan(msgspec.Struct):
 async def create(
     conn: asyncpg.Connection,
     *,
-    trigger: str,
+    trigger: Trigger,
     subject: str,
     by: str,
     epoch: int,
@@ -70,7 +79,7 @@ async def create(
     builds: list[PlanBuild],
     undo: dict[str, Any],
     steps: list[Step],
-    state: str = "pending",
+    state: PlanState = "pending",
 ) -> int:
     plan_id: int = await conn.fetchval(
         "INSERT INTO plans (trigger, subject, state, epoch, requested_by, settings, builds, undo)"

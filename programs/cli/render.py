@@ -78,7 +78,11 @@ def nodes(console: Console, r: NodesReply) -> None:
         )
         labels = ",".join(f"{k}={v}" for k, v in sorted(n.labels.items())) or "-"
         procs = (
-            ", ".join(f"{p.name} {p.state}{' healthy' if p.healthy else ''}" for p in n.processes)
+            ", ".join(
+                f"{p.name}{' (new version)' if p.trial else ''} {p.state}"
+                f"{' healthy' if p.healthy else ''}"
+                for p in n.processes
+            )
             or "-"
         )
         if n.digest_wanted and n.digest_applied != n.digest_wanted and n.up:

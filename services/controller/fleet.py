@@ -16,8 +16,9 @@ from nats.aio.client import Client
 
 from mesh import wire
 from mesh.model import Beat, Node, NodeCounts, ProcessState, Register
-from mesh.store import catalog, events, machines
+from mesh.store import events, machines, seats
 from mesh.store.machines import MachineRow
+from services.controller.rollout import Report
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +101,16 @@ class Fleet:
         self.apply_errors.pop(name, None)
         self.failed_digest.pop(name, None)
 
+    def report(self, name: str) -> Report:
+        """What this fleet last heard of a machine, as the planner's rules (rollout.py) take it."""
+        return Report(
+            up=name in self._up,
+            applied=self.applied.get(name),
+            failed=self.failed_digest.get(name),
+            error=self.apply_errors.get(name),
+            processes=self.processes.get(name, []),
+        )
+
     def heard_processes(self, name: str, processes: list[ProcessState]) -> None:
         self.processes[name] = processes
         self.touch(name)
@@ -162,7 +173,7 @@ class Fleet:
         async with self._changing:
             m = self.machines.get(name)
             async with self._pool.acquire() as conn, conn.transaction():
-                await catalog.fence(conn, epoch=self._epoch)
+                await seats.fence(conn, epoch=self._epoch)
                 if m is None:
                     placed = await machines.placement(conn, name) or machines.Placement()
                     was = placed.tier
@@ -189,7 +200,7 @@ class Fleet:
         async with self._changing:
             m = self.machines.get(name)
             async with self._pool.acquire() as conn, conn.transaction():
-                await catalog.fence(conn, epoch=self._epoch)
+                await seats.fence(conn, epoch=self._epoch)
                 if m is None:
                     placed = await machines.placement(conn, name) or machines.Placement()
                     was = dict(placed.labels)

@@ -11,6 +11,9 @@ machines already changed get their old declarations back, tier by tier in revers
 change is taken back, and the plan ends `reverted`. Every write checks the seat's epoch in the
 same transaction, and the plan's state lives only in the store, so whichever controller holds
 the seat next continues it from where it stands (publishing a declaration again is harmless).
+
+What the planner decides (next steps, a step's verdict and its reason, revert order) is pure
+and lives in rollout.py; here are the store, the publishing and the waiting.
 """
 
 import logging
@@ -22,11 +25,12 @@ import asyncpg
 import msgspec
 
 from mesh import wire
-from mesh.model import PlanSummary
-from mesh.modules.compose import Declaration, encode, merge
-from mesh.store import catalog, events, plans
-from services.controller.catalog import Catalog
+from mesh.model import PlanState, PlanSummary
+from mesh.modules.compose import Declaration
+from mesh.store import declarations, events, modules, plans, seats
+from services.controller import rollout
 from services.controller.fleet import Fleet
+from services.controller.publishing import Publisher
 
 log = logging.getLogger(__name__)
 
@@ -39,9 +43,11 @@ LOOK_EVERY = 1.0  # the longest the planner waits without judging deadlines
 
 
 class Planner:
-    def __init__(self, *, pool: asyncpg.Pool, catalog: Catalog, fleet: Fleet, epoch: int) -> None:
+    def __init__(
+        self, *, pool: asyncpg.Pool, publisher: Publisher, fleet: Fleet, epoch: int
+    ) -> None:
         self._pool = pool
-        self._catalog = catalog
+        self._publisher = publisher
         self._fleet = fleet
         self._epoch = epoch
         self._wake = anyio.Event()
@@ -75,7 +81,7 @@ class Planner:
         if p.state == "pending":
             try:
                 await self._start(p)
-            except catalog.Fenced:
+            except seats.Fenced:
                 raise  # the seat moved on: this controller must stop, not fail the plan
             except wire.BadRequest as e:  # e.g. a conflict the catalog has come to since
                 await self._finish(p, "failed", f"could not compose: {e}")
@@ -85,9 +91,8 @@ class Planner:
         if p.phase == "forward":
             # A failed step already in the store (written with its plan's stop, but kept here
             # too: a plan with a failed step never rolls on).
-            bad = next((s for s in p.steps if s.state == "failed"), None)
-            failure = f"machine {bad.machine}: {bad.error}" if bad else None
-            for tier in sorted({s.tier for s in p.steps}):
+            failure = rollout.recorded_failure(p.steps)
+            for tier in rollout.tiers(p.steps):
                 if failure is not None:
                     break
                 failure = await self._roll_tier(p, tier)
@@ -100,7 +105,7 @@ class Planner:
             log.info("plan %d stopped: %s; reverting", p.id, failure)
             p.phase, p.error = "revert", failure
             self._show(p)
-        for tier in sorted({s.tier for s in p.steps}, reverse=True):
+        for tier in rollout.revert_order(p.steps):
             await self._revert_tier(p, tier)
         await self._finish(p, "reverted", p.error)
 
@@ -108,33 +113,27 @@ class Planner:
         now = datetime.now(UTC)
         machines = [s.machine for s in p.steps]
         async with self._pool.acquire() as conn, conn.transaction():
-            await catalog.fence(conn, epoch=self._epoch)
-            composed = await self._catalog.compose(conn, machines)
-            stored = await catalog.declarations(conn, machines)
-            for s in p.steps:
-                s.after, s.after_body = composed[s.machine]
-                before = stored.get(s.machine)
-                s.before, s.before_body = (before[0], before[1]) if before else (None, None)
-                s.tier = self._fleet.machines[s.machine].tier  # `mesh tier` may have moved it
-                if s.before == s.after:
-                    s.state, s.finished = "skipped", now
-                    s.error = "no change by the time the plan started"
+            await seats.fence(conn, epoch=self._epoch)
+            composed = await self._publisher.compose(conn, machines)
+            stored = await declarations.declarations(conn, machines)
+            tier_of = {m: self._fleet.machines[m].tier for m in machines}
+            rollout.prepare(p.steps, composed=composed, stored=stored, tier_of=tier_of, at=now)
             await plans.set_steps(conn, p.id, p.steps, epoch=self._epoch)
             await plans.set_plan(conn, p.id, state="rolling", started=now)
             await events.record(conn, "plan.started", epoch=self._epoch, plan=p.id)
         p.state, p.started = "rolling", now
         p.steps.sort(key=lambda s: (s.tier, s.machine))
-        tiers = sorted({s.tier for s in p.steps})
+        tiers = rollout.tiers(p.steps)
         log.info("plan %d (%s %s): %d machine(s) in tier(s) %s", p.id, p.trigger, p.subject,
                  len(p.steps), ", ".join(map(str, tiers)))  # fmt: skip
         self._show(p)
 
-    async def _finish(self, p: plans.Plan, state: str, error: str | None) -> None:
+    async def _finish(self, p: plans.Plan, state: PlanState, error: str | None) -> None:
         now = datetime.now(UTC)
         async with self._pool.acquire() as conn, conn.transaction():
-            await catalog.fence(conn, epoch=self._epoch)
+            await seats.fence(conn, epoch=self._epoch)
             if state == "reverted":
-                taken_back = await catalog.undo(conn, p.trigger, p.undo, plan_id=p.id)
+                taken_back = await modules.undo(conn, p.trigger, p.undo, plan_id=p.id)
                 log.info("plan %d: %s", p.id, taken_back)
             await plans.set_plan(conn, p.id, state=state, finished=now, error=error)
             await events.record(conn, f"plan.{state}", epoch=self._epoch, plan=p.id, error=error)
@@ -150,75 +149,40 @@ class Planner:
 
     async def _roll_tier(self, p: plans.Plan, tier: int) -> str | None:
         """Roll one tier out; None when every step is done, else why the plan stops."""
-        steps = [s for s in p.steps if s.tier == tier and s.state in ("pending", "applying")]
-        if not steps:
+        t = rollout.rolling(p.steps, tier=tier, settings=p.settings)
+        if t is None:
             return None
         self._tier = tier
-        deadline = p.settings.deadline
-        limit = p.settings.max_parallel or len(steps)
-        queue = [s for s in steps if s.state == "pending"]
-        active: dict[str, tuple[plans.Step, float]] = {}
-        resumed = [s for s in steps if s.state == "applying"]
+        resumed = rollout.resumed(t)
         if resumed:  # a step in flight when the last holder stopped: send it again
             await self._send(p, resumed, "after")
-            active.update((s.machine, (s, time.monotonic() + deadline)) for s in resumed)
-        log.info("plan %d: tier %d: %d machine(s)", p.id, tier, len(steps))
+            rollout.await_(t, resumed, now=time.monotonic())
+        log.info("plan %d: tier %d: %d machine(s)", p.id, tier, len(t.steps))
         self._show(p)
         look: set[str] = {s.machine for s in resumed}
-        while queue or active:
-            room = limit - len(active)
-            if room > 0 and queue:
-                batch, queue = queue[:room], queue[room:]
+        while not t.finished:
+            batch = rollout.next_batch(t)
+            if batch:
                 await self._send(p, batch, "after")
-                active.update(
-                    (s.machine, (s, time.monotonic() + deadline))
-                    for s in batch
-                    if s.state == "applying"  # not skipped because it is down
-                )
+                rollout.await_(t, batch, now=time.monotonic())  # not those skipped: down
                 look |= {s.machine for s in batch}
             if not look:
-                soonest = min((d for _, d in active.values()), default=time.monotonic())
-                wait = min(LOOK_EVERY, max(0.0, soonest - time.monotonic()))
-                look = await self._fleet.changes(wait)
-            done: list[plans.Step] = []
-            failed: tuple[plans.Step, str] | None = None
-            for machine in look & active.keys():
-                s = active[machine][0]
-                verdict = self._judge(machine, s.after, s.after_body)
-                if verdict is True:
-                    done.append(s)
-                    del active[machine]
-                elif isinstance(verdict, str):
-                    failed = (s, verdict)
-                    break
+                look = await self._fleet.changes(
+                    min(LOOK_EVERY, rollout.soonest(t, now=time.monotonic()))
+                )
+            verdict = rollout.look(
+                t, machines=look, report=self._fleet.report, names=self._processes,
+                now=time.monotonic(), at=datetime.now(UTC),
+            )  # fmt: skip
             look = set()
-            now = time.monotonic()
-            if failed is None:
-                late = next(((s, d) for s, d in active.values() if now >= d), None)
-                if late is not None:
-                    bad = late[0]
-                    failed = (bad, self._why(bad.machine, bad.after, bad.after_body, deadline))
-            finished = datetime.now(UTC)
-            for s in done:
-                s.state, s.finished = "done", finished
-            changed = list(done)
-            if failed is not None:
-                bad, why = failed
-                bad.state, bad.finished, bad.error = "failed", finished, why
-                for s, _ in active.values():
-                    if s is not bad:  # changed, but not seen through: the revert covers them
-                        s.state, s.finished = "failed", finished
-                        s.error = f"not finished when the plan stopped at machine {bad.machine}"
-                changed = [s for s in steps if s.state in ("done", "failed")]
-            if failed is not None:
+            if verdict.failure is not None:
                 # The failing step and the plan's stop in one transaction: whoever continues
                 # the plan sees both or neither, so it never rolls on past a failure.
-                failure = f"machine {failed[0].machine}: {failed[1]}"
                 stop = {"phase": "revert"} if p.settings.auto_revert else {}
-                await self._write(p, changed, error=failure, **stop)
-                return failure
-            if changed:
-                await self._write(p, changed)
+                await self._write(p, verdict.changed, error=verdict.failure, **stop)
+                return verdict.failure
+            if verdict.changed:
+                await self._write(p, verdict.changed)
         log.info("plan %d: tier %d done", p.id, tier)
         return None
 
@@ -229,26 +193,22 @@ class Planner:
         for s in steps:
             if which == "after":
                 bodies[s.machine] = (s.after, s.after_body)
-                if s.state == "pending":
-                    s.state, s.started, s.published = "applying", now, True
-                    if p.settings.skip_down and not self._fleet.up(s.machine):
-                        s.state, s.finished = "skipped", now
-                        s.error = (f"machine {s.machine} is down: skipped; it gets this "
-                                   "declaration when it comes back")  # fmt: skip
+                up = self._fleet.up(s.machine)
+                rollout.send(s, up=up, skip_down=p.settings.skip_down, at=now)
             else:
-                bodies[s.machine] = self._before(s)
+                bodies[s.machine] = rollout.before(s)
             self._fleet.forget_error(s.machine)  # an old failure is not this step's
         async with self._pool.acquire() as conn, conn.transaction():
-            await catalog.fence(conn, epoch=self._epoch)
-            await catalog.write_declarations(conn, bodies, epoch=self._epoch)
+            await seats.fence(conn, epoch=self._epoch)
+            await declarations.write_declarations(conn, bodies, epoch=self._epoch)
             await plans.set_steps(conn, p.id, steps, epoch=self._epoch)
-        await self._catalog.publish(bodies)
+        await self._publisher.publish(bodies)
         self._show(p)
 
     async def _write(self, p: plans.Plan, steps: list[plans.Step], **plan: str) -> None:
         """Steps (and, given, the plan's own fields) in one fenced transaction."""
         async with self._pool.acquire() as conn, conn.transaction():
-            await catalog.fence(conn, epoch=self._epoch)
+            await seats.fence(conn, epoch=self._epoch)
             await plans.set_steps(conn, p.id, steps, epoch=self._epoch)
             if plan:
                 await plans.set_plan(conn, p.id, **plan)
@@ -259,7 +219,7 @@ class Planner:
     async def _revert_tier(self, p: plans.Plan, tier: int) -> None:
         """Give this tier's changed machines their old declarations back and wait, within the
         deadline, for them to settle; a machine that does not is noted, not waited for longer."""
-        steps = [s for s in p.steps if s.tier == tier and s.published and not s.reverted]
+        steps = rollout.to_revert(p.steps, tier=tier)
         if not steps:
             return
         self._tier = tier
@@ -269,62 +229,21 @@ class Planner:
         waiting = {s.machine: s for s in steps if self._fleet.up(s.machine)}
         look = set(waiting)
         while waiting and time.monotonic() < until:
-            for machine in look & waiting.keys():
-                s = waiting[machine]
-                digest, body = self._before(s)
-                if self._judge(machine, digest, body) is not None:  # settled, well or not
-                    del waiting[machine]
+            rollout.settled(
+                waiting, machines=look, report=self._fleet.report, names=self._processes
+            )
             look = await self._fleet.changes(min(LOOK_EVERY, max(0.0, until - time.monotonic())))
-        for s in steps:
-            s.reverted = True
-            if s.state != "failed":
-                s.state = "reverted"  # `finished` stays when its forward step finished
-            if s.machine in waiting:
-                digest, body = self._before(s)
-                note = f"revert: {self._why(s.machine, digest, body, p.settings.deadline)}"
-                s.error = f"{s.error}; {note}" if s.error else note
+        unsettled: dict[str, str] = {}
+        for machine, s in waiting.items():
+            digest, body = rollout.before(s)
+            unsettled[machine] = rollout.why(
+                machine=machine, report=self._fleet.report(machine), digest=digest,
+                names=self._processes(digest, body), deadline=p.settings.deadline,
+            )  # fmt: skip
+        rollout.reverted(steps, unsettled=unsettled)
         await self._write(p, steps)
 
-    def _before(self, s: plans.Step) -> tuple[str, bytes]:
-        if s.before is not None and s.before_body is not None:
-            return s.before, s.before_body
-        body, digest = encode(merge(s.machine, []))  # it had none: nothing runs there again
-        return digest, body
-
     # --- judging a machine ---------------------------------------------------------------------
-
-    def _judge(self, machine: str, digest: str, body: bytes) -> bool | str | None:
-        """True: applied and healthy; a string: why it failed; None: not yet."""
-        if self._fleet.failed_digest.get(machine) == digest:
-            return self._fleet.apply_errors.get(machine, "the apply failed")
-        if self._fleet.applied.get(machine) != digest:
-            return None
-        states = {ps.name: ps for ps in self._fleet.processes.get(machine, [])}
-        for name in self._processes(digest, body):
-            ps = states.get(name)
-            if ps is None or not ps.healthy:
-                return None
-        return True
-
-    def _why(self, machine: str, digest: str, body: bytes, deadline: float) -> str:
-        """Why a machine is not there yet, for a step that ran out of time."""
-        if not self._fleet.up(machine):
-            return f"machine {machine} is down"
-        if self._fleet.applied.get(machine) != digest:
-            trials = [ps for ps in self._fleet.processes.get(machine, [])
-                      if ps.name.endswith(" (new version)") and not ps.healthy]  # fmt: skip
-            if trials:  # a start-first trial still waiting for its checks
-                return (f"process {trials[0].name} is {trials[0].state}, not healthy, "
-                        f"after {deadline:g}s")  # fmt: skip
-            return f"did not apply its new declaration within {deadline:g}s"
-        states = {ps.name: ps for ps in self._fleet.processes.get(machine, [])}
-        for name in sorted(self._processes(digest, body)):
-            ps = states.get(name)
-            if ps is None:
-                return f"process {name} is not running after {deadline:g}s"
-            if not ps.healthy:
-                return f"process {name} is {ps.state}, not healthy, after {deadline:g}s"
-        return f"not healthy after {deadline:g}s"
 
     def _processes(self, digest: str, body: bytes) -> frozenset[str]:
         names = self._names.pop(digest, None)

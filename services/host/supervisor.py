@@ -219,10 +219,11 @@ class Supervisor:
         self._changed()
 
     def states(self) -> list[ProcessState]:
-        """The processes, and any new version on a start-first trial beside its old one."""
+        """The processes, and any new version on a start-first trial beside its old one (same
+        name, `trial` set: a plan must not take its health for the process's)."""
         trials = [
-            msgspec.structs.replace(s.report(), name=f"{name} (new version)")
-            for name, s in sorted(self._candidates.items())
+            msgspec.structs.replace(s.report(), trial=True)
+            for _, s in sorted(self._candidates.items())
         ]
         return [s.report() for _, s in sorted(self.running.items())] + trials
 

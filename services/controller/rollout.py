@@ -1,0 +1,282 @@
+"""The planner's decisions, as pure functions over plain data: no I/O, no clock.
+
+The planner (planner.py) does the store writes, the publishing and the waiting; what it decides
+is here, so each rule can be tested in microseconds instead of through a whole mesh
+(tests/test_rollout.py): which steps of a tier to send next (`max_parallel` at a time), when a
+machine's report makes a step done or failed and why, when a step's deadline has passed, what a
+failure does to the tier's other steps, and which machines a revert gives their old declaration
+back, tier by tier in reverse. Times come in as arguments: `now` is monotonic seconds (for
+deadlines), `at` the wall-clock time written into a step.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from functools import partial
+
+import msgspec
+
+from mesh.model import PlanSettings, ProcessState
+from mesh.modules.compose import encode, merge
+from mesh.store.plans import Step
+
+# digest and body of a declaration -> the names of the processes it declares
+Names = Callable[[str, bytes], frozenset[str]]
+
+
+class Report(msgspec.Struct, frozen=True):
+    """What the fleet last heard of one machine."""
+
+    up: bool = True
+    applied: str | None = None  # the digest it reports applied
+    failed: str | None = None  # the digest whose apply stopped
+    error: str | None = None  # where and why that apply stopped
+    processes: list[ProcessState] = []
+
+
+# --- one machine ---------------------------------------------------------------------------------
+
+
+def judge(*, report: Report, digest: str, names: Callable[[], frozenset[str]]) -> bool | str | None:
+    """True: `digest` applied and every process it declares healthy; a string: why it failed;
+    None: not yet. A report about another digest (an old one) decides nothing, and a start-first
+    trial's health is not its process's: the old version is still the one serving. `names` (the
+    processes `digest` declares) is asked only once it is applied: decoding a declaration costs,
+    and a tier of thousands is judged at every report."""
+    if report.failed == digest:
+        return report.error if report.error is not None else "the apply failed"
+    if report.applied != digest:
+        return None
+    states = {ps.name: ps for ps in report.processes if not ps.trial}
+    for name in names():
+        ps = states.get(name)
+        if ps is None or not ps.healthy:
+            return None
+    return True
+
+
+def why(
+    *, machine: str, report: Report, digest: str, names: frozenset[str], deadline: float
+) -> str:
+    """Why a machine is not there yet, for a step that ran out of time."""
+    if not report.up:
+        return f"machine {machine} is down"
+    if report.applied != digest:
+        trials = [ps for ps in report.processes if ps.trial and not ps.healthy]
+        if trials:  # a start-first trial still waiting for its checks
+            return (f"process {trials[0].name} (new version) is {trials[0].state}, not healthy, "
+                    f"after {deadline:g}s")  # fmt: skip
+        return f"did not apply its new declaration within {deadline:g}s"
+    states = {ps.name: ps for ps in report.processes if not ps.trial}
+    for name in sorted(names):
+        ps = states.get(name)
+        if ps is None:
+            return f"process {name} is not running after {deadline:g}s"
+        if not ps.healthy:
+            return f"process {name} is {ps.state}, not healthy, after {deadline:g}s"
+    return f"not healthy after {deadline:g}s"
+
+
+def before(step: Step) -> tuple[str, bytes]:
+    """The declaration a revert gives the machine back: digest and body."""
+    if step.before is not None and step.before_body is not None:
+        return step.before, step.before_body
+    body, digest = encode(merge(step.machine, []))  # it had none: nothing runs there again
+    return digest, body
+
+
+# --- a plan --------------------------------------------------------------------------------------
+
+
+def tiers(steps: list[Step]) -> list[int]:
+    """The plan's tiers in the order they roll forward."""
+    return sorted({s.tier for s in steps})
+
+
+def revert_order(steps: list[Step]) -> list[int]:
+    """The order a revert takes: the last tier changed first."""
+    return sorted({s.tier for s in steps}, reverse=True)
+
+
+def recorded_failure(steps: list[Step]) -> str | None:
+    """The failure of a plan continued from the store: a failed step already there (written
+    with its plan's stop) means it never rolls on."""
+    bad = next((s for s in steps if s.state == "failed"), None)
+    return f"machine {bad.machine}: {bad.error}" if bad else None
+
+
+def prepare(
+    steps: list[Step],
+    *,
+    composed: dict[str, tuple[str, bytes]],
+    stored: dict[str, tuple[str, bytes, int]],  # digest, body, the epoch that wrote it
+    tier_of: dict[str, int],
+    at: datetime,
+) -> None:
+    """A plan starting: each step's new and old declarations and its machine's tier as it is
+    now (`mesh tier` may have moved it); a step whose machine has nothing to change is skipped."""
+    for s in steps:
+        s.after, s.after_body = composed[s.machine]
+        old = stored.get(s.machine)
+        s.before, s.before_body = (old[0], old[1]) if old else (None, None)
+        s.tier = tier_of[s.machine]
+        if s.before == s.after:
+            s.state, s.finished = "skipped", at
+            s.error = "no change by the time the plan started"
+
+
+def to_revert(steps: list[Step], *, tier: int) -> list[Step]:
+    """A tier's machines that got a new declaration and have not had the old one back."""
+    return [s for s in steps if s.tier == tier and s.published and not s.reverted]
+
+
+def reverted(steps: list[Step], *, unsettled: dict[str, str]) -> None:
+    """Mark a tier's reverted steps; `unsettled` maps the machines that did not settle on their
+    old declaration within the deadline to why, noted on their steps (never waited for longer)."""
+    for s in steps:
+        s.reverted = True
+        if s.state != "failed":
+            s.state = "reverted"  # `finished` stays when its forward step finished
+        if s.machine in unsettled:
+            note = f"revert: {unsettled[s.machine]}"
+            s.error = f"{s.error}; {note}" if s.error else note
+
+
+# --- one tier forward ----------------------------------------------------------------------------
+
+
+@dataclass
+class Tier:
+    """One tier rolling forward: the steps not sent yet, and the ones sent and awaited, each
+    with its deadline in monotonic seconds."""
+
+    steps: list[Step]
+    limit: int
+    deadline: float
+    queue: list[Step]
+    active: dict[str, tuple[Step, float]] = field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        """Nothing left to send or to wait for: the tier is complete."""
+        return not self.queue and not self.active
+
+
+def rolling(steps: list[Step], *, tier: int, settings: PlanSettings) -> Tier | None:
+    """A tier's steps still to roll (pending, or applying when a plan is continued); None when
+    there are none. `max_parallel` 0 means the whole tier at once."""
+    mine = [s for s in steps if s.tier == tier and s.state in ("pending", "applying")]
+    if not mine:
+        return None
+    return Tier(
+        steps=mine,
+        limit=settings.max_parallel or len(mine),
+        deadline=settings.deadline,
+        queue=[s for s in mine if s.state == "pending"],
+    )
+
+
+def resumed(t: Tier) -> list[Step]:
+    """Steps in flight when the last holder stopped: sent again, then awaited."""
+    return [s for s in t.steps if s.state == "applying"]
+
+
+def next_batch(t: Tier) -> list[Step]:
+    """The steps to send now: as many as `max_parallel` leaves room for."""
+    room = t.limit - len(t.active)
+    if room <= 0 or not t.queue:
+        return []
+    batch, t.queue = t.queue[:room], t.queue[room:]
+    return batch
+
+
+def send(step: Step, *, up: bool, skip_down: bool, at: datetime) -> None:
+    """A step whose new declaration is being sent: applying; or, with `skip_down` and its
+    machine down, skipped (it gets the declaration when it comes back)."""
+    if step.state != "pending":
+        return  # resumed: sent again as it was
+    step.state, step.started, step.published = "applying", at, True
+    if skip_down and not up:
+        step.state, step.finished = "skipped", at
+        step.error = (f"machine {step.machine} is down: skipped; it gets this "
+                      "declaration when it comes back")  # fmt: skip
+
+
+def await_(t: Tier, steps: list[Step], *, now: float) -> None:
+    """Wait for these sent steps (not the skipped ones) until `now` + the deadline."""
+    t.active.update((s.machine, (s, now + t.deadline)) for s in steps if s.state == "applying")
+
+
+def soonest(t: Tier, *, now: float) -> float:
+    """Seconds until the first awaited step's deadline (0 if past)."""
+    first = min((d for _, d in t.active.values()), default=now)
+    return max(0.0, first - now)
+
+
+@dataclass
+class Verdict:
+    done: list[Step]  # steps that became done
+    failure: str | None  # why the plan stops: "machine NAME: why"
+    changed: list[Step]  # steps whose state to write
+
+
+def look(
+    t: Tier,
+    *,
+    machines: set[str],
+    report: Callable[[str], Report],
+    names: Names,
+    now: float,
+    at: datetime,
+) -> Verdict:
+    """Judge the awaited steps of the machines whose reports changed, then the deadlines. The
+    first failure (a failed apply, else the first step past its deadline) stops the tier: the
+    other awaited steps fail too, changed but not seen through (the revert covers them)."""
+    done: list[Step] = []
+    failed: tuple[Step, str] | None = None
+    for machine in machines & t.active.keys():
+        s = t.active[machine][0]
+        verdict = judge(
+            report=report(machine), digest=s.after, names=partial(names, s.after, s.after_body)
+        )
+        if verdict is True:
+            done.append(s)
+            del t.active[machine]
+        elif isinstance(verdict, str):
+            failed = (s, verdict)
+            break
+    if failed is None:
+        late = next((s for s, d in t.active.values() if now >= d), None)
+        if late is not None:
+            failed = (
+                late,
+                why(machine=late.machine, report=report(late.machine), digest=late.after,
+                    names=names(late.after, late.after_body), deadline=t.deadline),
+            )  # fmt: skip
+    for s in done:
+        s.state, s.finished = "done", at
+    if failed is None:
+        return Verdict(done=done, failure=None, changed=list(done))
+    bad, reason = failed
+    bad.state, bad.finished, bad.error = "failed", at, reason
+    for s, _ in t.active.values():
+        if s is not bad:
+            s.state, s.finished = "failed", at
+            s.error = f"not finished when the plan stopped at machine {bad.machine}"
+    changed = [s for s in t.steps if s.state in ("done", "failed")]
+    return Verdict(done=done, failure=f"machine {bad.machine}: {reason}", changed=changed)
+
+
+# --- one tier back -------------------------------------------------------------------------------
+
+
+def settled(
+    waiting: dict[str, Step], *, machines: set[str], report: Callable[[str], Report], names: Names
+) -> None:
+    """Drop from `waiting` the machines (among those whose reports changed) that settled on
+    their old declaration, well or not: a revert notes trouble, it does not fail again."""
+    for machine in machines & waiting.keys():
+        digest, body = before(waiting[machine])
+        verdict = judge(report=report(machine), digest=digest, names=partial(names, digest, body))
+        if verdict is not None:
+            del waiting[machine]

@@ -1,0 +1,246 @@
+"""The planner's rules without a mesh (services/controller/rollout.py): batching, skipping down
+machines, deadlines, judging reports, stopping at a failure and reverting, with time as plain
+numbers. The same rules run under whole meshes in test_plans.py and test_faults.py."""
+
+from datetime import UTC, datetime
+
+import msgspec
+import pytest
+
+from mesh.model import PlanSettings, ProcessState, StepState
+from mesh.modules.compose import encode, merge
+from mesh.store.plans import Step
+from services.controller import rollout
+from services.controller.rollout import Report
+
+AT = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
+HELLO = frozenset({"hello"})
+
+
+def names(digest: str, body: bytes) -> frozenset[str]:
+    del body  # every declaration in these tests runs hello
+    return HELLO
+
+
+def step(
+    machine: str, *, tier: int = 0, state: StepState = "pending", before: str | None = "old"
+) -> Step:
+    return Step(
+        machine=machine, tier=tier, state=state, after=f"new-{machine}", after_body=b"{}",
+        before=before, before_body=b"{}",
+    )  # fmt: skip
+
+
+def healthy(digest: str, *, up: bool = True) -> Report:
+    return Report(up=up, applied=digest, processes=[ProcessState("hello", "running", True, 1)])
+
+
+def sent(steps: list[Step], *, settings: PlanSettings, now: float, down: set[str] = frozenset()):
+    """Start a tier the way the planner does: send the first batch and await it."""
+    t = rollout.rolling(steps, tier=steps[0].tier, settings=settings)
+    assert t is not None
+    batch = rollout.next_batch(t)
+    for s in batch:
+        rollout.send(s, up=s.machine not in down, skip_down=settings.skip_down, at=AT)
+    rollout.await_(t, batch, now=now)
+    return t, batch
+
+
+def test_max_parallel_sends_batches_and_refills_as_steps_finish() -> None:
+    steps = [step(f"node-{i}") for i in range(5)]
+    t, batch = sent(steps, settings=PlanSettings(max_parallel=2), now=0.0)
+    assert [s.machine for s in batch] == ["node-0", "node-1"]
+    assert rollout.next_batch(t) == []  # no room until one finishes
+    reports = {"node-0": healthy("new-node-0")}
+    v = rollout.look(
+        t, machines={"node-0"}, report=lambda m: reports.get(m, Report()), names=names,
+        now=1.0, at=AT,
+    )  # fmt: skip
+    assert v.failure is None and [s.machine for s in v.done] == ["node-0"]
+    assert steps[0].state == "done" and [s.machine for s in v.changed] == ["node-0"]
+    assert [s.machine for s in rollout.next_batch(t)] == ["node-2"]  # one freed place
+    assert not t.finished
+
+
+def test_max_parallel_zero_sends_the_whole_tier() -> None:
+    steps = [step(f"node-{i}") for i in range(4)]
+    _, batch = sent(steps, settings=PlanSettings(max_parallel=0), now=0.0)
+    assert len(batch) == 4
+
+
+def test_skip_down_skips_a_down_machine_and_does_not_wait_for_it() -> None:
+    steps = [step("node-1"), step("node-2")]
+    t, _ = sent(steps, settings=PlanSettings(skip_down=True), now=0.0, down={"node-2"})
+    assert steps[1].state == "skipped" and steps[1].published
+    assert steps[1].error == (
+        "machine node-2 is down: skipped; it gets this declaration when it comes back"
+    )
+    assert set(t.active) == {"node-1"}
+
+
+def test_without_skip_down_a_down_machine_fails_at_its_deadline() -> None:
+    steps = [step("node-2")]
+    t, _ = sent(steps, settings=PlanSettings(deadline=60), now=0.0, down={"node-2"})
+    assert steps[0].state == "applying"
+    v = rollout.look(t, machines=set(), report=lambda m: Report(up=False), names=names,
+                     now=60.0, at=AT)  # fmt: skip
+    assert v.failure == "machine node-2: machine node-2 is down"
+
+
+def test_the_deadline_expires_exactly_at_its_boundary() -> None:
+    steps = [step("node-1")]
+    t, _ = sent(steps, settings=PlanSettings(deadline=60), now=100.0)
+    running = Report(applied="new-node-1", processes=[ProcessState("hello", "running", False, 7)])
+    v = rollout.look(t, machines=set(), report=lambda m: running, names=names, now=159.999, at=AT)
+    assert v.failure is None and steps[0].state == "applying"
+    assert rollout.soonest(t, now=159.5) == pytest.approx(0.5)
+    v = rollout.look(t, machines=set(), report=lambda m: running, names=names, now=160.0, at=AT)
+    assert v.failure == "machine node-1: process hello is running, not healthy, after 60s"
+    assert steps[0].state == "failed" and steps[0].finished == AT
+
+
+def test_a_trial_process_health_does_not_count() -> None:
+    trial = Report(
+        applied="old",
+        processes=[
+            ProcessState("hello", "running", True, 1),  # the old version, serving
+            ProcessState("hello", "running", True, 2, trial=True),
+        ],
+    )
+    assert rollout.judge(report=trial, digest="new", names=lambda: HELLO) is None
+    # Applied, but the only healthy entry is a trial: not done.
+    only_trial = Report(
+        applied="new",
+        processes=[
+            ProcessState("hello", "starting", False, 1),
+            ProcessState("hello", "running", True, 2, trial=True),
+        ],
+    )
+    assert rollout.judge(report=only_trial, digest="new", names=lambda: HELLO) is None
+    waiting = Report(applied="old", processes=[ProcessState("hello", "starting", False, 2, True)])
+    why = rollout.why(machine="n", report=waiting, digest="new", names=HELLO, deadline=60)
+    assert why == "process hello (new version) is starting, not healthy, after 60s"
+
+
+def test_a_report_for_an_old_digest_does_not_count() -> None:
+    old_ok = healthy("old")
+    assert rollout.judge(report=old_ok, digest="new", names=lambda: HELLO) is None
+    old_failed = Report(applied="older", failed="old", error="files: disk full")
+    assert rollout.judge(report=old_failed, digest="new", names=lambda: HELLO) is None
+    failed = Report(applied="old", failed="new", error="prepare: exit 3")
+    assert rollout.judge(report=failed, digest="new", names=lambda: HELLO) == "prepare: exit 3"
+    assert rollout.judge(report=healthy("new"), digest="new", names=lambda: HELLO) is True
+
+
+def test_reasons_a_step_ran_out_of_time() -> None:
+    def why(report: Report) -> str:
+        return rollout.why(machine="node-2", report=report, digest="d", names=HELLO, deadline=60)
+
+    assert why(Report(up=False)) == "machine node-2 is down"
+    assert why(Report(applied="old")) == "did not apply its new declaration within 60s"
+    assert why(Report(applied="d")) == "process hello is not running after 60s"
+    backoff = Report(applied="d", processes=[ProcessState("hello", "backoff", False, None)])
+    assert why(backoff) == "process hello is backoff, not healthy, after 60s"
+    assert why(healthy("d")) == "not healthy after 60s"
+
+
+def test_a_failure_fails_the_tier_s_other_awaited_steps() -> None:
+    steps = [step("node-1"), step("node-2"), step("node-3")]
+    t, _ = sent(steps, settings=PlanSettings(), now=0.0)
+    reports = {
+        "node-1": healthy("new-node-1"),
+        "node-2": Report(failed="new-node-2", error="accounts: getent exit 1"),
+    }
+
+    def look(machines: set[str]) -> rollout.Verdict:
+        return rollout.look(t, machines=machines, report=lambda m: reports.get(m, Report()),
+                            names=names, now=1.0, at=AT)  # fmt: skip
+
+    assert look({"node-1"}).failure is None  # done before node-2's failure is heard
+    v = look({"node-2"})
+    assert v.failure == "machine node-2: accounts: getent exit 1"
+    assert [(s.machine, s.state) for s in steps] == [
+        ("node-1", "done"), ("node-2", "failed"), ("node-3", "failed"),
+    ]  # fmt: skip
+    assert steps[2].error == "not finished when the plan stopped at machine node-2"
+    assert {s.machine for s in v.changed} == {"node-1", "node-2", "node-3"}
+
+
+def test_a_failure_in_tier_0_leaves_tiers_1_and_2_untouched_and_reverts_only_tier_0() -> None:
+    steps = [step("node-0", tier=0), step("node-1", tier=1), step("node-2", tier=2)]
+    assert rollout.tiers(steps) == [0, 1, 2]
+    t, _ = sent(steps, settings=PlanSettings(deadline=5), now=0.0)
+    assert list(t.active) == ["node-0"]  # only tier 0's step was sent
+    v = rollout.look(t, machines=set(), report=lambda m: Report(), names=names, now=5.0, at=AT)
+    assert v.failure == "machine node-0: did not apply its new declaration within 5s"
+    for s in steps[1:]:
+        assert (s.state, s.published, s.started) == ("pending", False, None)
+    assert rollout.recorded_failure(steps) == v.failure  # a new holder does not roll on
+    order = [(tier, rollout.to_revert(steps, tier=tier)) for tier in rollout.revert_order(steps)]
+    assert [(tier, [s.machine for s in mine]) for tier, mine in order] == [
+        (2, []), (1, []), (0, ["node-0"]),
+    ]  # fmt: skip
+
+
+def test_revert_goes_tier_by_tier_in_reverse_and_notes_who_did_not_settle() -> None:
+    steps = [step(f"node-{t}", tier=t, state="done") for t in (0, 1, 2)]
+    for s in steps:
+        s.published = True
+    steps[2].state = "failed"
+    assert rollout.revert_order(steps) == [2, 1, 0]
+    waiting = {s.machine: s for s in steps}
+    reports = {"node-0": healthy("old"), "node-2": Report(applied="old")}  # node-2 not healthy
+    rollout.settled(waiting, machines={"node-0", "node-2"}, report=lambda m: reports[m],
+                    names=names)  # fmt: skip
+    assert set(waiting) == {"node-1", "node-2"}
+    rollout.reverted(steps, unsettled={"node-1": "machine node-1 is down"})
+    assert [(s.state, s.reverted) for s in steps] == [
+        ("reverted", True), ("reverted", True), ("failed", True),
+    ]  # fmt: skip
+    assert steps[1].error == "revert: machine node-1 is down"
+    assert rollout.to_revert(steps, tier=0) == []  # reverted once only
+
+
+def test_a_revert_of_a_machine_that_had_nothing_gives_it_an_empty_declaration() -> None:
+    s = step("node-1", before=None)
+    s.before_body = None
+    body, digest = encode(merge("node-1", []))
+    assert rollout.before(s) == (digest, body)
+    assert rollout.before(step("node-2")) == ("old", b"{}")
+
+
+def test_a_continued_plan_sends_its_applying_steps_again_before_new_ones() -> None:
+    steps = [step("node-1", state="applying"), step("node-2"), step("node-3", state="done")]
+    t = rollout.rolling(steps, tier=0, settings=PlanSettings(max_parallel=1))
+    assert t is not None
+    assert [s.machine for s in rollout.resumed(t)] == ["node-1"]
+    rollout.send(steps[0], up=True, skip_down=False, at=AT)
+    assert steps[0].started is None  # sent again as it was
+    rollout.await_(t, rollout.resumed(t), now=0.0)
+    assert rollout.next_batch(t) == []  # node-1 takes the one place
+    assert rollout.rolling([step("n", state="done")], tier=0, settings=PlanSettings()) is None
+
+
+def test_prepare_skips_machines_with_nothing_to_change_and_takes_their_tier_now() -> None:
+    steps = [step("node-1"), step("node-2")]
+    rollout.prepare(
+        steps,
+        composed={"node-1": ("a", b"A"), "node-2": ("b", b"B")},
+        stored={"node-1": ("a", b"A", 1)},
+        tier_of={"node-1": 1, "node-2": 2},
+        at=AT,
+    )
+    assert (steps[0].state, steps[0].tier, steps[0].error) == (
+        "skipped", 1, "no change by the time the plan started",
+    )  # fmt: skip
+    assert (steps[1].state, steps[1].tier, steps[1].before, steps[1].after) == (
+        "pending", 2, None, "b",
+    )  # fmt: skip
+
+
+def test_a_trial_report_keeps_its_wire_shape() -> None:
+    # Only a trial says so: every other report's JSON is as before the field existed.
+    plain = msgspec.json.encode(ProcessState("hello", "running", True, 1))
+    assert plain == b'{"name":"hello","state":"running","healthy":true,"pid":1}'
+    trial = msgspec.json.encode(ProcessState("hello", "running", True, 1, trial=True))
+    assert msgspec.json.decode(trial, type=ProcessState).trial
