@@ -193,10 +193,14 @@ async def database_url(pg_admin_url: str) -> str:
 
 
 @pytest.fixture
-def nats_server(tmp_path: Path, procs: Procs) -> subprocess.Popen:
-    """This test's nats-server process (its URL is the `nats_url` fixture)."""
+def nats_server(tmp_path: Path, procs: Procs, request: pytest.FixtureRequest) -> subprocess.Popen:
+    """This test's nats-server process (its URL is the `nats_url` fixture). An indirect
+    parameter, if any, is the server's `max_payload`."""
     port = ports.free_port()
-    conf = natsd.write_config(tmp_path / "nats", port=port, name=f"test-{port}")
+    conf = natsd.write_config(
+        tmp_path / "nats", port=port, name=f"test-{port}",
+        max_payload=getattr(request, "param", None),
+    )  # fmt: skip
     proc = procs.start("nats-server", natsd.argv(conf))
     wait_until(
         lambda: proc.poll() is not None or _port_open(port), within=10, what="nats-server to listen"

@@ -9,22 +9,19 @@ locks a table the verb reads, in its own session, and lets go when it has seen w
 import json
 import logging
 import re
-import socket
 import subprocess
 import time
 from datetime import UTC, datetime
-from pathlib import Path
 
 import asyncpg
 import msgspec
 import nats
 import pytest
-from helpers import ask, await_until, mesh_cli, ok, wait_until
+from helpers import ask, await_until, mesh_cli, ok
 from nats.aio.client import Client
 from nats.errors import TimeoutError as NatsTimeout
 
 from mesh import bus, subjects, wire
-from mesh.embedded import natsd, ports
 from mesh.model import SeatAnnounce
 from programs.cli import client
 from services.controller import handover, planner, standbys
@@ -35,29 +32,6 @@ FACTS = {"os": "linux", "arch": "x86_64", "cpus": 1, "memory": 1, "mesh_version"
 
 def _registration(name: str) -> dict:
     return {"name": name, "tier": 0, "labels": {}, "facts": FACTS, "beat_interval": 1, "pid": 1}
-
-
-def _port_open(port: int) -> bool:
-    with socket.socket() as s:
-        s.settimeout(0.2)
-        return s.connect_ex(("127.0.0.1", port)) == 0
-
-
-@pytest.fixture
-def nats_server(tmp_path: Path, procs, request: pytest.FixtureRequest) -> subprocess.Popen:
-    """As conftest's, with the server's `max_payload` set by an indirect parameter, if any."""
-    port = ports.free_port()
-    conf = natsd.write_config(
-        tmp_path / "nats", port=port, name=f"test-{port}",
-        max_payload=getattr(request, "param", None),
-    )  # fmt: skip
-    proc = procs.start("nats-server", natsd.argv(conf))
-    wait_until(
-        lambda: proc.poll() is not None or _port_open(port), within=10, what="nats-server to listen"
-    )
-    assert proc.poll() is None, (tmp_path / "nats-server.log").read_text()
-    proc.url = f"nats://127.0.0.1:{port}"  # type: ignore[attr-defined]
-    return proc
 
 
 async def _holding(nc: Client) -> dict:
