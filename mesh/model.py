@@ -1,7 +1,7 @@
 """The wire: every message between controller, hosts and clients as a strict msgspec.Struct.
 
 Requests forbid unknown fields so a typo is an error, not a silently ignored key. Replies are
-encoded with the same Structs, which keeps the JSON shapes of design.md §3 in one place.
+encoded with the same Structs, which keeps the JSON shapes of docs/design.md in one place.
 """
 
 from datetime import datetime

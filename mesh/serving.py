@@ -9,7 +9,7 @@ handler, answer through `mesh.bus.answer`, which never raises) and drains them o
 
 The shape is nats-py's `nats.micro` (an endpoint has a name, a subject, a queue group and a
 handler), so registering these as a micro service is a small step; but micro stops its endpoints
-by unsubscribing, which drops requests in flight, and a handover must drain (design.md §5.2).
+by unsubscribing, which drops requests in flight, and a handover must drain (docs/design.md).
 """
 
 import logging

@@ -1,4 +1,4 @@
-"""The planned handover (design.md §5.2): nothing unanswered while the seat changes hands.
+"""The planned handover (docs/design.md, the seat): nothing unanswered while the seat changes hands.
 
 1. The holder (on SIGTERM or the `handover` verb) publishes `mesh.seat.mesh-controller.handover`.
 2. Each standby subscribes to the verb subjects in the `mesh-controller` queue group, flushes,

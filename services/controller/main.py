@@ -46,7 +46,7 @@ from services.controller.views import Views
 
 log = logging.getLogger("mesh.controller")
 
-BUS_GRACE = 3.0  # a holder cut off from NATS this long steps down (design.md §5.4)
+BUS_GRACE = 3.0  # a holder cut off from NATS this long steps down (docs/design.md, the seat)
 
 
 class BusLost(MeshError):
@@ -300,7 +300,7 @@ class Hold:
     async def _hand_over(self, *, held: SeatAnnounce, plans: anyio.CancelScope) -> None:
         nc = self.nc
         self.ready.set("handing-over", held.epoch)
-        # The handover (design.md §5.2): a standby joins the verb group first.
+        # The handover (docs/design.md, the seat): a standby joins the verb group first.
         successor = await handover.announce(nc, held) if nc.is_connected else None
         log.info("controller %s hands over the seat%s", self.me.instance,
                  f" to {successor}" if successor else " (no standby answered)")  # fmt: skip

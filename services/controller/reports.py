@@ -23,7 +23,7 @@ class HostReports:
 
     async def subscribe(self, nc: Client) -> list[Subscription]:
         # Not in a queue group: a paused old holder that NATS has not dropped yet
-        # must not take every other beat and report (design.md §5.1).
+        # must not take every other beat and report (docs/design.md, the seat).
         return [
             await nc.subscribe(subjects.HOST_BEATS, cb=self.on_beat),
             # One subscription for both: a host's `applied` and `processes` reports are
