@@ -1,4 +1,4 @@
-"""Every subject mesh uses, in one place (docs/architecture.md). Names are checked before use.
+"""Every subject mesh uses, in one place (docs/architecture.md). Names are checked before use."""
 
 SEAT = "mesh-controller"
 QUEUE = "mesh-controller"  # queue group of every controller verb subscription
