@@ -150,7 +150,7 @@ class Verbs:
                     continue
                 self.answered += 1
                 seen.append((time.monotonic(), reply["seat"]["holder"], reply["seat"]["epoch"]))
-                await anyio.sleep(0.002)  # pacing: a steady client, not a CPU hog
+                await anyio.sleep(0.002)  # ok: pacing a steady client, not a wait
 
         async with anyio.create_task_group() as tg:
             for _ in range(workers):

@@ -242,7 +242,7 @@ async def test_an_exec_check_runs_with_the_accounts_supplementary_groups(
         '[bundle.svc]\nkind = "files"\nsource = "src"\n'
         f'[account.{account}]\ngroups = ["{group}"]\n'
         f'[process.svc]\nbundle = "svc"\naccount = "{account}"\n'
-        'command = ["python3", "-c", "import time; time.sleep(3600)"]\n'
+        'command = ["python3", "-c", "import signal; signal.pause()"]\n'
         f'check = {{ exec = ["python3", "in_group.py", "{group}"], every = "300ms", passes = 2 }}\n'
         '[assign]\nmachines = ["node-1"]\n'
     )
