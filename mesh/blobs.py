@@ -1,31 +1,53 @@
 """The JetStream side of the truth's copies: the object store `mesh-bundles` (module sources,
 bundles and build logs, content-addressed) and the KV bucket `mesh-declarations`.
 
-Everything here can be rebuilt from PostgreSQL; the controller creates both at takeover.
+Everything here can be rebuilt from PostgreSQL; the controller creates both at takeover, with
+as many replicas as the NATS cluster allows up to 3 (NATS's guidance for what must survive the
+loss of a server): one on a lone server, 2 on two, 3 on three or more. On a mesh whose cluster
+has grown, the next takeover raises the replicas of both (JetStream copies the data over).
 """
 
 import base64
 import hashlib
+import logging
+import time
 
+import anyio
 from nats.aio.client import Client
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js.api import ObjectStoreConfig
 from nats.js.errors import (
+    APIError,
     BadObjectMetaError,
     BucketNotFoundError,
     DigestMismatchError,
     NotFoundError,
     ObjectNotFoundError,
+    ServiceUnavailableError,
 )
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
+from mesh.errors import MeshError
 from mesh.modules import archive
+
+log = logging.getLogger(__name__)
 
 BUNDLES = "mesh-bundles"
 DECLARATIONS = "mesh-declarations"
+REPLICAS = 3  # at most; fewer where the cluster has fewer servers
+# JetStream's answers to "too many replicas for this cluster": no suitable peers, insufficient
+# resources, replicas > 1 on a lone server. Anything else is raised, not taken for a small cluster.
+_TOO_FEW_SERVERS = {10005, 10023, 10074}
 
 
 class BlobMissing(Exception):
     pass
+
+
+class BlobsUnavailable(MeshError):
+    """JetStream did not answer long enough to open the bucket and the store."""
 
 
 class BlobCorrupt(Exception):
@@ -44,18 +66,87 @@ def _object_name(d: str) -> str:
     return d.replace(":", "-")  # object names become subject tokens inside JetStream
 
 
-async def ensure(nc: Client) -> tuple[KeyValue, ObjectStore]:
-    """Open (creating if new) the declarations bucket and the bundle store."""
+async def ensure(nc: Client, *, within: float = 60.0) -> tuple[KeyValue, ObjectStore]:
+    """Open (creating if new) the declarations bucket and the bundle store, each with the most
+    replicas the cluster allows up to REPLICAS, raising them on a cluster that has grown.
+
+    JetStream may not answer for a while (a cluster electing its leader after a restart, the
+    server we are connected to just lost): asked again until `within` seconds have passed."""
+    deadline = time.monotonic() + within
+    told = False
+    while True:
+        try:
+            return await _ensure(nc)
+        except (NatsTimeout, ServiceUnavailableError, NoRespondersError) as e:
+            if time.monotonic() > deadline:
+                raise BlobsUnavailable(
+                    f"JetStream did not answer for {within:g}s ({type(e).__name__}): "
+                    f"cannot open {DECLARATIONS} and {BUNDLES}"
+                ) from None
+            if not told:
+                log.info("JetStream is not answering yet (%s); asking again", type(e).__name__)
+                told = True
+            await anyio.sleep(0.5)
+
+
+async def _ensure(nc: Client) -> tuple[KeyValue, ObjectStore]:
     js = nc.jetstream()
     try:
         kv = await js.key_value(DECLARATIONS)
     except (BucketNotFoundError, NotFoundError):
-        kv = await js.create_key_value(bucket=DECLARATIONS, history=5)
+        kv = await _most(
+            DECLARATIONS, lambda r: js.create_key_value(bucket=DECLARATIONS, history=5, replicas=r)
+        )
     try:
         obs = await js.object_store(BUNDLES)
     except (BucketNotFoundError, NotFoundError):
-        obs = await js.create_object_store(BUNDLES)
+        obs = await _most(
+            BUNDLES,
+            lambda r: js.create_object_store(BUNDLES, config=ObjectStoreConfig(replicas=r)),
+        )
+    for stream in (f"KV_{DECLARATIONS}", f"OBJ_{BUNDLES}"):
+        await _grow(nc, stream)
     return kv, obs
+
+
+async def _most(what: str, create):
+    """Create with REPLICAS, then fewer while the cluster has too few servers for them."""
+    for replicas in range(REPLICAS, 0, -1):
+        try:
+            made = await create(replicas)
+        except APIError as e:
+            if replicas == 1 or e.err_code not in _TOO_FEW_SERVERS:
+                raise
+            log.debug("%s with %d replicas: %s", what, replicas, e.description)
+            continue
+        log.info("created %s with %d replica(s)", what, replicas)
+        return made
+    raise AssertionError("unreachable")
+
+
+async def replicas(nc: Client, stream: str) -> int:
+    info = await nc.jsm().stream_info(stream)
+    return info.config.num_replicas or 1
+
+
+async def _grow(nc: Client, stream: str) -> None:
+    """Raise the stream's replicas toward REPLICAS as far as the cluster allows (a no-op on a
+    lone server, or once there)."""
+    jsm = nc.jsm()
+    info = await jsm.stream_info(stream)
+    have = info.config.num_replicas or 1
+    if info.cluster is None or not info.cluster.name:
+        return  # a lone server: one replica is all it can hold
+    for wanted in range(REPLICAS, have, -1):
+        try:
+            await jsm.update_stream(info.config, num_replicas=wanted)
+        except APIError as e:
+            if e.err_code not in _TOO_FEW_SERVERS:
+                raise
+            log.debug("%s to %d replicas: %s", stream, wanted, e.description)
+            continue
+        log.info("raised %s from %d to %d replicas (the cluster has grown)", stream, have, wanted)
+        return
 
 
 async def store(nc: Client) -> ObjectStore:

@@ -19,11 +19,22 @@ from nats.aio.msg import Msg
 from nats.errors import NoRespondersError, NoServersError
 from nats.errors import TimeoutError as NatsTimeout
 
-from mesh import wire
+from mesh import config, wire
 from mesh.auth import creds as credentials
+from mesh.auth import tls
 from mesh.errors import MeshError
 
 log = logging.getLogger(__name__)
+
+
+class _SslEofNoise(logging.Filter):
+    # asyncio warns at every TLS connection nats-py closes (its protocol's eof_received returns
+    # True, which TLS transports ignore): harmless, and it would fill every log.
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "eof_received()" not in record.getMessage()
+
+
+logging.getLogger("asyncio").addFilter(_SslEofNoise())
 
 
 class Unreachable(MeshError):
@@ -114,8 +125,14 @@ async def connect(
     reconnect: bool = True,
     link: Link | None = None,
     denied: Callable[[str], None] | None = None,
+    ca: str | None = None,
 ) -> Client:
     """Connect to NATS. Services reconnect forever; one-shot clients fail fast.
+
+    `url` may list several servers, comma-separated (a cluster): the client is given all of
+    them and moves to another when its server goes. TLS is used whenever the mesh's CA is known
+    (`ca`, the CA a credentials file carries, MESH_CA) and required for `tls://` URLs; only the
+    mesh's CA is trusted.
 
     `creds` is a credentials file (mesh.auth.creds): its identity authenticates the connection
     and its inbox prefix is the one the server lets this identity subscribe to. `denied` hears
@@ -141,7 +158,7 @@ async def connect(
         await _quiet(e)
 
     options: dict[str, Any] = {
-        "servers": [url],
+        "servers": config.servers(url),
         "name": name,
         "error_cb": on_error,
         "connect_timeout": 2,
@@ -151,13 +168,14 @@ async def connect(
         "ping_interval": 5,
         "max_outstanding_pings": 2,
     }
-    if creds:
-        held = credentials.read(creds)
+    held = credentials.read(creds) if creds else None
+    if held is not None:
         if held.jwt:
             options["user_credentials"] = held.path
         else:
             options["nkeys_seed_str"] = held.seed
         options["inbox_prefix"] = held.inbox
+    options.update(_tls(url, ca, held))
     if link:
         options["disconnected_cb"] = link.disconnected
         options["reconnected_cb"] = link.reconnected
@@ -176,6 +194,23 @@ async def connect(
         raise
     connecting = False
     return nc
+
+
+def _tls(url: str, ca: str | None, held: credentials.Creds | None) -> dict[str, Any]:
+    """nats-py's TLS options: a context trusting the mesh's CA alone, when one is known."""
+    cafile = ca or (None if held is not None and held.ca else config.ca())
+    cadata = held.ca if held is not None and not ca else None
+    if cafile is None and cadata is None:
+        if any(s.startswith("tls://") for s in config.servers(url)):
+            raise Unreachable(
+                f"{url} is TLS and the mesh's CA is not known: set MESH_CA (or --ca) to its "
+                "certificate, or use a credentials file that carries it"
+            )
+        return {}
+    try:
+        return {"tls": tls.client_context(cafile=cafile, cadata=cadata)}
+    except tls.TlsError as e:
+        raise Unreachable(f"cannot connect to {url}: {e}") from None
 
 
 def _unauthorized(url: str, creds: str | None) -> str:

@@ -5,8 +5,37 @@ import os
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 
 
-def nats_url(flag: str | None = None) -> str:
-    return flag or os.environ.get("MESH_NATS_URL") or DEFAULT_NATS_URL
+def nats_url(flag: str | None = None, creds: str | None = None) -> str:
+    """The NATS server(s), comma-separated: the flag, MESH_NATS_URL, the ones the credentials
+    file names (a file `mesh machine add` made carries them), or the default."""
+    return flag or os.environ.get("MESH_NATS_URL") or _creds_servers(creds) or DEFAULT_NATS_URL
+
+
+def servers(url: str) -> list[str]:
+    """`tls://a:4222,tls://b:4222` as a list; every client is given every server."""
+    return [part.strip() for part in url.split(",") if part.strip()]
+
+
+def ca(flag: str | None = None) -> str | None:
+    """The mesh's CA certificate file: the flag, MESH_CA, or `ca.pem` among the files the host
+    wrote for this process. (A credentials file that carries the CA is used before these.)"""
+    given = flag or os.environ.get("MESH_CA")
+    if given:
+        return given
+    folder = os.environ.get("MESH_FILES")
+    found = os.path.join(folder, "ca.pem") if folder else None
+    return found if found and os.path.isfile(found) else None
+
+
+def _creds_servers(path: str | None) -> str | None:
+    if not path:
+        return None
+    from mesh.auth import creds as credentials  # only when a file is named
+
+    try:
+        return credentials.read(path).servers
+    except credentials.CredsError:
+        return None  # the connection reports the file's trouble
 
 
 def database_url(flag: str | None = None) -> str | None:

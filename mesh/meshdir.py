@@ -6,11 +6,16 @@ one; `mesh init` is meant to make one the same way.
     DIR/creds/admin.creds    an operator's credentials (viewer.creds likewise), mode 0600
     DIR/creds/controller.creds
     DIR/creds/hosts/NAME.creds
-    DIR/nats/nats.conf       the server's configuration; it includes auth.conf
+    DIR/tls/ca.pem           the mesh's CA certificate, given to every client (MESH_CA)
+    DIR/tls/ca.key           its key, mode 0600: it signs the servers' certificates
     DIR/nats/auth.conf       the authorization block, written from users.json
-    DIR/nats/nats.pid        the running server's pid (written by nats-server), for reloads
-    DIR/nats/url             the URL clients use
-    DIR/env                  shell lines for other terminals (MESH_NATS_URL, MESH_CREDS, ...)
+    DIR/nats/nK/nats.conf    server nK's configuration (n1, n2, ...); it includes auth.conf
+    DIR/nats/nK/server.pem   its certificate (server.key, mode 0600), signed by the CA
+    DIR/nats/nK/nats.pid     the running server's pid (written by nats-server), for reloads
+    DIR/nats/nK/js           its JetStream store
+    DIR/nats/url             the URL(s) clients use, comma-separated
+    DIR/env                  shell lines for other terminals (MESH_NATS_URL, MESH_CA, MESH_DIR,
+                             MESH_CREDS, MESH_DATABASE_URL)
 """
 
 from pathlib import Path
@@ -35,16 +40,29 @@ class MeshDir:
         return self.root / "nats"
 
     @property
-    def nats_conf(self) -> Path:
-        return self.nats / "nats.conf"
+    def tls(self) -> Path:
+        return self.root / "tls"
+
+    @property
+    def ca(self) -> Path:
+        return self.tls / "ca.pem"
 
     @property
     def auth_conf(self) -> Path:
         return self.nats / "auth.conf"
 
-    @property
-    def pid_file(self) -> Path:
-        return self.nats / "nats.pid"
+    def server(self, name: str) -> Path:
+        """The folder of nats-server `name` (n1, n2, ...)."""
+        return self.nats / name
+
+    def servers(self) -> list[str]:
+        """The names of the nats-servers this folder has configured, in order."""
+        found = [p.parent.name for p in self.nats.glob("n*/nats.conf")]
+        return sorted(found, key=lambda n: (len(n), n))
+
+    def pid_files(self) -> list[Path]:
+        """Where each of this folder's nats-servers writes its pid."""
+        return [self.server(n) / "nats.pid" for n in self.servers()]
 
     @property
     def url_file(self) -> Path:

@@ -1,12 +1,14 @@
 """`mesh dev up`: NATS, PostgreSQL, two controllers and N hosts on this machine, in the foreground.
 
-Everything lives under DIR (default `.mesh/dev`, laid out as `mesh.meshdir` says): the NATS
-config and JetStream store, the credentials of every piece and of the operators (every
-connection authenticates; DIR/env points at the admin's), the PostgreSQL cluster, each host's
-root, and one log per piece in DIR/logs. A lock on DIR/lock keeps
+Everything lives under DIR (default `.mesh/dev`, laid out as `mesh.meshdir` says): the mesh's
+CA, the NATS configs, certificates and JetStream stores (one nats-server, or `--nats N` of them
+in one cluster), the credentials of every piece and of the operators (every connection is TLS
+and authenticates; DIR/env points at the admin's), the PostgreSQL cluster, each host's root, and
+one log per piece in DIR/logs. A lock on DIR/lock keeps
 a second `mesh dev up` off a folder in use. On SIGINT/SIGTERM the pieces stop in reverse order:
 hosts, controllers, PostgreSQL, NATS. Started again on the same DIR, the mesh comes back with
-its data.
+its data. With a cluster, one nats-server lost is reported and the mesh runs on; all of them
+lost stops it.
 """
 
 import fcntl
@@ -24,7 +26,7 @@ import msgspec
 from nats.aio.client import Client
 
 from mesh import bus, subjects, wire
-from mesh.auth import registry
+from mesh.auth import registry, tls
 from mesh.embedded import natsd, ports, postgres
 from mesh.embedded.children import Child, remove_containers, spawn, stop_supervised
 from mesh.errors import MeshError
@@ -35,6 +37,8 @@ from programs.placement import place_new
 
 READY_WITHIN = 90.0
 DATABASE = "mesh"
+NATS_PORT = 4222  # the first server's client port where free; the next ones count up
+MAX_NATS = 7
 
 
 class DevError(MeshError):
@@ -75,14 +79,16 @@ def say(line: str) -> None:
 
 class DevMesh:
     def __init__(
-        self, *, folder: Path, hosts: int, port: int | None, detached: bool = False
-    ) -> None:
+        self, *, folder: Path, hosts: int, port: int | None, detached: bool = False,
+        nats: int = 1,
+    ) -> None:  # fmt: skip
         self.detached = detached  # `mesh init`: the servers and the host outlive the command
         self.dir = folder.resolve()
         self.mesh = MeshDir(self.dir)
         self.creds: dict[str, Path] = {}  # piece (or "admin", "viewer") -> its credentials
         self.hosts = hosts
         self.port = port
+        self.nats = nats  # nats-servers in the cluster
         self.children: list[Child] = []
         self.nats_url = ""
         self.database_url = ""
@@ -95,6 +101,8 @@ class DevMesh:
         env = dict(os.environ)
         env.pop("MESH_CREDS", None)  # each piece is given its own with --creds
         env["MESH_NATS_URL"] = self.nats_url
+        env["MESH_CA"] = str(self.mesh.ca)
+        env["MESH_DIR"] = str(self.dir)
         env["MESH_DATABASE_URL"] = self.database_url
         env["PYTHONUNBUFFERED"] = "1"
         return env
@@ -109,7 +117,9 @@ class DevMesh:
 
     def issue_credentials(self) -> None:
         """Credentials for every piece and for the operators, kept across restarts on DIR: only
-        what is missing is issued. The server admits nobody else."""
+        what is missing is issued. The server admits nobody else. The mesh's CA first: every
+        credentials file carries it."""
+        tls.ensure_ca(self.mesh.tls)
         with registry.locked(self.mesh) as users:
             self.creds["admin"] = users.ensure("operator", "admin", role="admin")
             self.creds["viewer"] = users.ensure("operator", "viewer", role="viewer")
@@ -120,28 +130,56 @@ class DevMesh:
             users.save()
         say(f"credentials in {self.mesh.creds} (operators: admin.creds, viewer.creds)")
 
+    def _client_ports(self) -> list[int]:
+        """NATS_PORT and up where free (or --port and up); a free port for any in use."""
+        if self.port == 0:
+            return [ports.free_port() for _ in range(self.nats)]
+        first = NATS_PORT if self.port is None else self.port
+        chosen = []
+        for i in range(self.nats):
+            wanted = first + i
+            if ports.port_free(wanted):
+                chosen.append(wanted)
+                continue
+            if self.port is not None and i == 0:
+                raise DevError(f"--port: {wanted} is in use; choose another, or 0 for any")
+            chosen.append(ports.free_port())
+            say(f"port {wanted} is in use; nats-server n{i + 1} takes port {chosen[-1]} instead")
+        return chosen
+
     async def start_nats(self) -> None:
-        port = self.port
-        if port is None:
-            port = 4222 if ports.port_free(4222) else ports.free_port()
-            if port != 4222:
-                say(f"port 4222 is in use; NATS takes port {port} instead")
-        elif port == 0:
-            port = ports.free_port()
-        conf = natsd.write_config(self.mesh.nats, port=port, auth=self.mesh.auth_conf)
-        self.nats_url = f"nats://127.0.0.1:{port}"
+        """The nats-servers, TLS with the mesh's CA; with several, one cluster whose servers
+        route to each other over TLS too."""
+        client = self._client_ports()
+        cluster = [ports.free_port() for _ in range(self.nats)] if self.nats > 1 else []
+        servers = []
+        for i in range(self.nats):
+            name = f"n{i + 1}"
+            folder = self.mesh.server(name)
+            cert, key = folder / "server.pem", folder / "server.key"
+            if not cert.exists() or not key.exists():
+                tls.issue_server(self.mesh.tls, cert, key, name=name,
+                                 hosts=["127.0.0.1", "localhost"])  # fmt: skip
+            conf = natsd.write_config(
+                folder, port=client[i], name=name, auth=self.mesh.auth_conf,
+                tls=natsd.Tls(cert=cert, key=key, ca=self.mesh.ca),
+                cluster=natsd.Cluster(port=cluster[i], routes=[f"127.0.0.1:{p}" for p in cluster])
+                if cluster else None,
+            )  # fmt: skip
+            servers.append((name, f"tls://127.0.0.1:{client[i]}", conf, folder))
+        self.nats_url = ",".join(url for _, url, _, _ in servers)
         self.mesh.url_file.write_text(self.nats_url + "\n")
-        child = await self._start("nats-server", natsd.argv(conf))
-        await _wait(
-            f"nats-server on {self.nats_url}",
-            child,
-            lambda: _nats_answers(self.nats_url, str(self.creds["admin"])),
-            within=20,
-        )
-        say(
-            f"nats-server up on {self.nats_url} "
-            f"(JetStream in {self.dir / 'nats' / 'js'}, pid {child.pid})"
-        )
+        started = []
+        for name, url, conf, folder in servers:
+            started.append((name, url, folder, await self._start(f"nats-{name}", natsd.argv(conf))))
+        for name, url, folder, child in started:
+            await _wait(
+                f"nats-server {name} on {url}",
+                child,
+                lambda u=url: _nats_answers(u, str(self.creds["admin"])),
+                within=20,
+            )
+            say(f"nats-server {name} up on {url} (JetStream in {folder / 'js'}, pid {child.pid})")
 
     async def start_postgres(self) -> None:
         data = self.dir / "pg"
@@ -233,6 +271,9 @@ class DevMesh:
             late = [n for n in wanted if not await _registered(nc, n, status.seat.epoch)]
         return "hosts " + ", ".join(late) if late else None
 
+    def _nats_left(self) -> int:
+        return sum(1 for c in self.children if c.name.startswith("nats-") and c.running)
+
     def _check_alive(self) -> None:
         for child in self.children:
             if not child.running and not child.stopping:
@@ -245,6 +286,8 @@ class DevMesh:
         env = self.dir / "env"
         env.write_text(
             f"export MESH_NATS_URL={shlex.quote(self.nats_url)}\n"
+            f"export MESH_CA={shlex.quote(str(self.mesh.ca))}\n"
+            f"export MESH_DIR={shlex.quote(str(self.dir))}\n"
             f"export MESH_DATABASE_URL={shlex.quote(self.database_url)}\n"
             f"export MESH_CREDS={shlex.quote(str(self.creds['admin']))}\n"
         )
@@ -263,6 +306,9 @@ class DevMesh:
                 return
             how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
             say(f"{child.name} exited ({how}); its log: {child.log}")
+            if child.name.startswith("nats-") and self._nats_left():
+                self.children.remove(child)  # the cluster runs on without it
+                return
             if not child.name.startswith("ctl-"):
                 break
             # Like Restart=always: a killed controller comes back as a standby, so the seat
@@ -270,8 +316,9 @@ class DevMesh:
             await anyio.sleep(1)
             self.children.remove(child)
             child = await self._start_controller(child.name)
-        if child.name in ("nats-server", "postgres"):
-            say(f"{child.name} is gone: stopping the mesh")
+        if child.name.startswith("nats-") or child.name == "postgres":
+            say(f"{'NATS' if child.name.startswith('nats-') else child.name} is gone: "
+                "stopping the mesh")  # fmt: skip
             self.lost = f"{child.name} exited ({how}); see {child.log}"
             scope.cancel()
 
@@ -280,7 +327,7 @@ class DevMesh:
             (lambda c: c.name.startswith("node-"), signal.SIGTERM),
             (lambda c: c.name.startswith("ctl-"), signal.SIGTERM),
             (lambda c: c.name == "postgres", signal.SIGINT),  # fast shutdown
-            (lambda c: c.name == "nats-server", signal.SIGTERM),
+            (lambda c: c.name.startswith("nats-"), signal.SIGTERM),
         ]
         for belongs, sig in groups:
             async with anyio.create_task_group() as tg:
@@ -339,13 +386,19 @@ async def _wait(what: str, child: Child, probe: Callable, *, within: float) -> N
     raise DevError(f"{what} did not answer within {within:g}s; see {child.log}")
 
 
-async def up(*, folder: Path, hosts: int, port: int | None) -> None:
+def check_nats(nats: int) -> None:
+    if not 1 <= nats <= MAX_NATS:
+        raise DevError(f"--nats: {nats} is out of range (1 to {MAX_NATS} servers)")
+
+
+async def up(*, folder: Path, hosts: int, port: int | None, nats: int = 1) -> None:
     if hosts < 0 or hosts > 64:
         raise DevError(f"--hosts: {hosts} is out of range (0 to 64)")
+    check_nats(nats)
     folder.mkdir(parents=True, exist_ok=True)
     lock = DirLock(folder)
     lock.acquire()
-    mesh = DevMesh(folder=folder, hosts=hosts, port=port)
+    mesh = DevMesh(folder=folder, hosts=hosts, port=port, nats=nats)
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(stop_on_signals, tg.cancel_scope)

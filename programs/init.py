@@ -31,7 +31,7 @@ from mesh.names import check_name
 from mesh.store import db
 from mesh.store.migrate import migrate
 from programs.cli.client import CliError
-from programs.dev_up import DevError, DevMesh, DirLock, say
+from programs.dev_up import DevError, DevMesh, DirLock, check_nats, say
 from programs.placement import place
 
 INIT_INSTANCE = "mesh-init"
@@ -42,8 +42,9 @@ def default_dir() -> Path:
     return Path("/var/lib/mesh") if os.geteuid() == 0 else Path.home() / ".mesh"
 
 
-async def init(*, folder: Path, name: str, port: int | None) -> None:
+async def init(*, folder: Path, name: str, port: int | None, nats: int = 1) -> None:
     check_name(name, field="--name")
+    check_nats(nats)
     folder.mkdir(parents=True, exist_ok=True)
     lock = DirLock(folder)
     lock.acquire()
@@ -53,7 +54,7 @@ async def init(*, folder: Path, name: str, port: int | None) -> None:
             f"{folder} already holds a mesh (see {record}); `source {folder}/env` to use it, "
             "or choose another --dir"
         )
-    mesh = DevMesh(folder=folder, hosts=0, port=port, detached=True)
+    mesh = DevMesh(folder=folder, hosts=0, port=port, detached=True, nats=nats)
     temporary: Child | None = None
     try:
         mesh.issue_credentials()
@@ -122,6 +123,7 @@ async def init(*, folder: Path, name: str, port: int | None) -> None:
 
     env = mesh.write_env()
     pids = {c.name: c.pid for c in mesh.children}
+    servers = [c for c in mesh.children if c.name.startswith("nats-")]
     record.write_text(json.dumps({
         "name": name, "made": datetime.now(UTC).isoformat(), "nats_url": mesh.nats_url,
         "database_url": mesh.database_url, "pids": pids, "host_root": str(mesh.dir / "host"),
@@ -130,8 +132,9 @@ async def init(*, folder: Path, name: str, port: int | None) -> None:
     say(f"the controller runs as a process: {seat.holder} (pid {seat.pid}), epoch {seat.epoch}")
     print(
         f"\nmade a mesh in {mesh.dir}:\n"
-        f"  nats-server   {mesh.nats_url} (pid {pids['nats-server']}), every connection "
-        f"authenticated; credentials in {mesh.mesh.creds}\n"
+        f"  nats-server   {mesh.nats_url} (pid {', '.join(str(c.pid) for c in servers)}), "
+        f"TLS with the mesh's CA ({mesh.mesh.ca}), every connection authenticated; "
+        f"credentials in {mesh.mesh.creds}\n"
         f"  PostgreSQL    pid {pids['postgres']}, data in {mesh.dir / 'pg'}\n"
         f"  host {name:<8} pid {pids[name]}, tier 0, builds bundles\n"
         f"  controller    a process the host runs from services/controller (pid {seat.pid})\n"

@@ -1,6 +1,8 @@
 """Credentials files: one identity's nkey seed, decorated the way NATS tools write it (so the
 `nats` command line reads the same file with `--nkey`), with a header naming whose it is and the
-inbox prefix its permissions allow.
+inbox prefix its permissions allow. A file can also carry what a machine needs to reach the
+mesh: the NATS servers (`# mesh-nats-url:`) and the mesh's CA certificate, so one file is all a
+new machine is handed (`mesh machine add`).
 
 A file made by another tool is read too: a NATS `.creds` file with a user JWT (operator mode) is
 passed to the client as it is; a bare seed file gets the default inbox prefix.
@@ -20,6 +22,10 @@ _SEED_BEGIN = "-----BEGIN USER NKEY SEED-----"
 _SEED_END = "------END USER NKEY SEED------"
 _INBOX_LINE = re.compile(r"^# mesh-inbox: (\S+)\s*$", re.MULTILINE)
 _SEED_LINE = re.compile(r"^\s*(SU[A-Z2-7]+)\s*$", re.MULTILINE)
+_SERVERS_LINE = re.compile(r"^# mesh-nats-url: (\S+)\s*$", re.MULTILINE)
+_CERT = re.compile(
+    r"-----BEGIN CERTIFICATE-----\s+[A-Za-z0-9+/=\s]+?-----END CERTIFICATE-----", re.MULTILINE
+)
 
 
 class CredsError(MeshError):
@@ -31,24 +37,35 @@ class Creds(msgspec.Struct, frozen=True):
     seed: str | None  # None for a JWT .creds file, which the client reads itself
     inbox: str  # the inbox prefix this identity may subscribe to
     jwt: bool = False
+    ca: str | None = None  # the mesh's CA certificate (PEM), when the file carries it
+    servers: str | None = None  # the NATS URL(s), comma-separated, when the file carries them
 
 
-def render(*, who: str, seed: str, inbox: str) -> str:
-    return "\n".join(
-        [
-            f"# mesh credentials: {who}",
-            "# Whoever holds this file connects to the mesh's NATS as this identity:",
-            "# keep it secret (mode 0600). Revoke it by removing the identity from the mesh.",
-            f"# mesh-inbox: {inbox}",
-            _SEED_BEGIN,
-            seed,
-            _SEED_END,
+def render(
+    *, who: str, seed: str, inbox: str, ca: str | None = None, servers: str | None = None
+) -> str:
+    lines = [
+        f"# mesh credentials: {who}",
+        "# Whoever holds this file connects to the mesh's NATS as this identity:",
+        "# keep it secret (mode 0600). Revoke it by removing the identity from the mesh.",
+        f"# mesh-inbox: {inbox}",
+    ]
+    if servers:
+        lines.append(f"# mesh-nats-url: {servers}")
+    lines += [_SEED_BEGIN, seed, _SEED_END]
+    if ca:
+        lines += [
             "",
+            "# the mesh's CA: the servers' certificates are checked against it",
+            ca.strip(),
         ]
-    )
+    return "\n".join([*lines, ""])
 
 
-def write(path: Path, *, who: str, seed: str, inbox: str) -> None:
+def write(
+    path: Path, *, who: str, seed: str, inbox: str, ca: str | None = None,
+    servers: str | None = None,
+) -> None:  # fmt: skip
     """Write the file readable by its owner alone (0600), atomically: never a moment when it is
     readable by others or half written."""
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -56,7 +73,8 @@ def write(path: Path, *, who: str, seed: str, inbox: str) -> None:
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
         os.fchmod(fd, 0o600)  # whatever the umask
-        os.write(fd, render(who=who, seed=seed, inbox=inbox).encode())
+        text = render(who=who, seed=seed, inbox=inbox, ca=ca, servers=servers)
+        os.write(fd, text.encode())
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -81,4 +99,12 @@ def read(path: str | Path) -> Creds:
     except ValueError as e:
         raise CredsError(f"credentials {path}: {e}") from None
     inbox = _INBOX_LINE.search(text)
-    return Creds(path=str(path), seed=seed, inbox=inbox.group(1) if inbox else DEFAULT_INBOX)
+    servers = _SERVERS_LINE.search(text)
+    certs = _CERT.findall(text)
+    return Creds(
+        path=str(path),
+        seed=seed,
+        inbox=inbox.group(1) if inbox else DEFAULT_INBOX,
+        ca="\n".join(certs) + "\n" if certs else None,
+        servers=servers.group(1) if servers else None,
+    )

@@ -64,9 +64,19 @@ class Registry:
         key = new_user()
         user = User(name=name, kind=kind, public=key.public, role=role, builder=builder)
         path = self.dir.creds_file(kind, name)
-        creds.write(path, who=user.describe(), seed=key.seed, inbox=inbox(user))
+        self._write(path, user, key.seed)
         self.users[(kind, name)] = user
         return path
+
+    def _write(self, path: Path, user: User, seed: str) -> None:
+        """The credentials file, carrying the mesh's CA and NATS URL(s) where the folder has
+        them: the one file a machine needs to connect."""
+        try:
+            ca = self.dir.ca.read_text()
+        except FileNotFoundError:
+            ca = None
+        creds.write(path, who=user.describe(), seed=seed, inbox=inbox(user), ca=ca,
+                    servers=self.dir.nats_url())  # fmt: skip
 
     def ensure(
         self, kind: Kind, name: str, *, role: Role | None = None, builder: bool = False
@@ -82,7 +92,10 @@ class Registry:
             except creds.CredsError:
                 held = None
             if held is not None and held.seed and public_of(held.seed) == user.public:
-                self.users[(kind, name)] = msgspec.structs.replace(user, role=role, builder=builder)
+                user = msgspec.structs.replace(user, role=role, builder=builder)
+                self.users[(kind, name)] = user
+                if self.dir.ca.exists() and held.ca != self.dir.ca.read_text():
+                    self._write(path, user, held.seed)  # the same key, now with the mesh's CA
                 return path
         return self.issue(kind, name, role=role, builder=builder)
 

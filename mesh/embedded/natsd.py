@@ -11,6 +11,8 @@ import sys
 import sysconfig
 from pathlib import Path
 
+import msgspec
+
 from mesh.errors import MeshError
 
 
@@ -33,25 +35,49 @@ def binary() -> str:
     )
 
 
+class Tls(msgspec.Struct, frozen=True):
+    """The server's certificate and key, and the CA its cluster peers' certificates must have."""
+
+    cert: Path
+    key: Path
+    ca: Path
+
+
+class Cluster(msgspec.Struct, frozen=True):
+    """This server's place in a cluster: where it listens for routes and whom it routes to."""
+
+    port: int
+    routes: list[str]  # host:port of every server's cluster listener (its own is skipped)
+    name: str = "mesh"
+
+
 def write_config(
     folder: Path,
     *,
     port: int,
     name: str = "mesh-dev",
+    host: str = "127.0.0.1",
     auth: Path | None = None,
     max_payload: int | None = None,
+    tls: Tls | None = None,
+    cluster: Cluster | None = None,
 ) -> Path:
-    """Write `folder/nats.conf` for a server on 127.0.0.1:`port` with JetStream in `folder/js`
+    """Write `folder/nats.conf` for a server on `host`:`port` with JetStream in `folder/js`
     and its pid in `folder/nats.pid`. With `auth` (a file holding an `authorization` block, see
     mesh.auth.server), every connection must authenticate as one of its users. `max_payload`
-    (bytes) replaces the server's default of 1 MiB (tests use a small one)."""
+    (bytes) replaces the server's default of 1 MiB (tests use a small one).
+
+    With `tls`, clients must speak TLS (a plaintext client is refused) and the routes of a
+    `cluster` are TLS too, each side checking the other's certificate against the CA. Servers in
+    a cluster do not advertise each other to clients (`no_advertise`): every client is given
+    every server's URL, which is also the name its certificate is checked against."""
     folder.mkdir(parents=True, exist_ok=True)
     store = folder / "js"
     store.mkdir(exist_ok=True)
-    # JSON strings are valid NATS-config strings, which quotes paths with spaces safely.
+    q = json.dumps  # JSON strings are valid NATS-config strings: paths with spaces are safe
     lines = [
         f"server_name: {json.dumps(name)}",
-        "listen: 127.0.0.1:" + str(port),
+        f"listen: {host}:{port}",
         f"pid_file: {json.dumps(str(folder / 'nats.pid'))}",
         # The server's side of liveness: a client that stops answering pings (a paused or
         # vanished controller) is cut after 20-30 s, its subscriptions with it (the default
@@ -63,6 +89,36 @@ def write_config(
         "  sync_interval: always",
         "}",
     ]
+    if tls is not None:
+        lines += [
+            "tls {",
+            f"  cert_file: {q(str(tls.cert))}",
+            f"  key_file: {q(str(tls.key))}",
+            "  timeout: 2",
+            "}",
+        ]
+    if cluster is not None:
+        own = f"{host}:{cluster.port}"
+        scheme = "tls" if tls is not None else "nats"
+        routes = [f"{scheme}://{r}" for r in cluster.routes if r != own]
+        lines += [
+            "cluster {",
+            f"  name: {q(cluster.name)}",
+            f"  listen: {q(own)}",
+            "  no_advertise: true",
+            f"  routes: [{', '.join(q(r) for r in routes)}]",
+        ]
+        if tls is not None:
+            lines += [
+                "  tls {",
+                f"    cert_file: {q(str(tls.cert))}",
+                f"    key_file: {q(str(tls.key))}",
+                f"    ca_file: {q(str(tls.ca))}",
+                "    verify: true",
+                "    timeout: 2",
+                "  }",
+            ]
+        lines.append("}")
     if max_payload is not None:
         lines.append(f"max_payload: {int(max_payload)}")
     if auth is not None:  # an include is read relative to the including file's folder

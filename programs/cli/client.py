@@ -112,8 +112,8 @@ CHANGE_TIMEOUT = 900.0  # a push may wait for a build (10 minutes by default) an
 
 def where(args: argparse.Namespace) -> tuple[str, str | None]:
     """The NATS URL and credentials file the command line and environment select."""
-    url = config.nats_url(getattr(args, "nats_url", None))
-    return url, config.creds(getattr(args, "creds", None))
+    creds = config.creds(getattr(args, "creds", None))
+    return config.nats_url(getattr(args, "nats_url", None), creds), creds
 
 
 async def verb(

@@ -7,10 +7,10 @@ from typing import Any
 
 import anyio
 
-from mesh import bus, config, subjects, wire
+from mesh import bus, subjects, wire
 from mesh.model import LogsReply, LogsRequest
 from mesh.names import check_name
-from programs.cli.client import CliError, connected
+from programs.cli.client import CliError, connected, where
 
 FOLLOW_EVERY = 0.5
 
@@ -39,11 +39,9 @@ async def _read(nc: Any, machine: str, req: LogsRequest, timeout: float) -> Logs
 async def cmd_logs(args: argparse.Namespace) -> None:
     check_name(args.machine, field="MACHINE")
     check_name(args.process, field="PROCESS")
-    url = config.nats_url(getattr(args, "nats_url", None))
+    url, creds = where(args)
     timeout = getattr(args, "timeout", 5.0)
-    async with connected(
-        url=url, creds=config.creds(getattr(args, "creds", None)), what="logs"
-    ) as nc:
+    async with connected(url=url, creds=creds, what="logs") as nc:
         reply = await _read(nc, args.machine, LogsRequest(process=args.process), timeout)
         sys.stdout.write(reply.data)
         sys.stdout.flush()

@@ -118,11 +118,15 @@ def _mesh(args: argparse.Namespace) -> MeshDir:
 
 
 def _reload(folder: MeshDir) -> bool:
-    try:
-        server.reload(folder.pid_file)
-    except server.ServerNotRunning:
-        return False
-    return True
+    """Reload every nats-server of the folder that runs; True if any did."""
+    reloaded = False
+    for pid_file in folder.pid_files():
+        try:
+            server.reload(pid_file)
+        except server.ServerNotRunning:
+            continue
+        reloaded = True
+    return reloaded
 
 
 async def cmd_machine_add(args: argparse.Namespace) -> None:

@@ -33,6 +33,9 @@ def _common() -> argparse.ArgumentParser:
     p.add_argument("--nats-url", default=s, metavar="URL", help="NATS server (env MESH_NATS_URL)")
     p.add_argument("--creds", default=s, metavar="FILE", help="NATS credentials (env MESH_CREDS)")
     p.add_argument(
+        "--ca", default=s, metavar="FILE", help="the mesh's CA certificate (env MESH_CA)"
+    )
+    p.add_argument(
         "--timeout", type=float, default=s, metavar="S", help="how long to wait for an answer (5)"
     )
     return p
@@ -59,6 +62,9 @@ def parser() -> argparse.ArgumentParser:
     dev_up.add_argument(
         "--port", type=int, default=None, help="NATS port (4222, or a free one if taken; 0: free)"
     )
+    dev_up.add_argument(
+        "--nats", type=int, default=1, metavar="N", help="nats-servers in one cluster (1)"
+    )
     devcreds.add_parser(dev_verbs, common)
     machines.add_dev_parser(dev_verbs, common)
 
@@ -69,6 +75,9 @@ def parser() -> argparse.ArgumentParser:
                      help="where it lives (/var/lib/mesh as root, else ~/.mesh)")  # fmt: skip
     new.add_argument("--name", default=None, help="this machine's name (its hostname)")
     new.add_argument("--port", type=int, default=None, help="NATS port (4222, or a free one)")
+    new.add_argument(
+        "--nats", type=int, default=1, metavar="N", help="nats-servers in one cluster (1)"
+    )
 
     ctl = verbs.add_parser("controller", parents=[common], help="the controller service")
     ctl_verbs = ctl.add_subparsers(
@@ -136,7 +145,7 @@ async def cmd_nodes(args: argparse.Namespace) -> None:
 async def cmd_dev_up(args: argparse.Namespace) -> None:
     from programs.dev_up import up
 
-    await up(folder=args.dir, hosts=args.hosts, port=args.port)
+    await up(folder=args.dir, hosts=args.hosts, port=args.port, nats=args.nats)
 
 
 async def cmd_init(args: argparse.Namespace) -> None:
@@ -145,7 +154,7 @@ async def cmd_init(args: argparse.Namespace) -> None:
     from programs.init import default_dir, init
 
     name = args.name or socket.gethostname().split(".")[0]
-    await init(folder=args.dir or default_dir(), name=name, port=args.port)
+    await init(folder=args.dir or default_dir(), name=name, port=args.port, nats=args.nats)
 
 
 async def cmd_controller_ready(args: argparse.Namespace) -> None:
@@ -188,7 +197,9 @@ async def cmd_controller_run(args: argparse.Namespace) -> None:
     if args.instance:
         check_name(args.instance, field="--instance")
     await run(
-        nats_url=config.nats_url(getattr(args, "nats_url", None)),
+        nats_url=config.nats_url(
+            getattr(args, "nats_url", None), config.creds(getattr(args, "creds", None))
+        ),
         database_url=database_url,
         instance=args.instance,
         creds=config.creds(getattr(args, "creds", None)),
@@ -204,7 +215,9 @@ async def cmd_host_run(args: argparse.Namespace) -> None:
         raise CliError(f"--beat: {args.beat:g} is out of range (0.05 to 3600 seconds)")
     await run(
         name=args.name,
-        nats_url=config.nats_url(getattr(args, "nats_url", None)),
+        nats_url=config.nats_url(
+            getattr(args, "nats_url", None), config.creds(getattr(args, "creds", None))
+        ),
         tier=args.tier,
         labels=dict(args.label),
         root=args.root,
@@ -252,6 +265,10 @@ def main(argv: list[str] | None = None) -> None:
         datefmt="%H:%M:%S",
     )
     logging.getLogger("nats").setLevel(logging.CRITICAL)  # reconnect chatter; we report outcomes
+    if getattr(args, "ca", None):
+        # Read where every connection is made (mesh.config.ca), and inherited by what the
+        # command starts (a host's processes, dev up's pieces).
+        os.environ["MESH_CA"] = args.ca
     command = COMMANDS[_key(args)]
     try:
         anyio.run(command, args)
