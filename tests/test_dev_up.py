@@ -112,19 +112,26 @@ def test_dev_up_end_to_end(tmp_path: Path) -> None:
     dev = DevUp(folder)
     try:
         url = dev.wait_for("ready ", within=90).split()[1]
-        assert url.startswith("nats://127.0.0.1:")
+        assert url.startswith("tls://127.0.0.1:")  # TLS by default
         env = _env_file(folder)
         assert env["MESH_NATS_URL"] == url
+        assert env["MESH_CA"] == str(folder.resolve() / "tls" / "ca.pem")
+        assert env["MESH_DIR"] == str(folder.resolve())
+        assert os.stat(folder / "tls" / "ca.key").st_mode & 0o777 == 0o600
         creds = env["MESH_CREDS"]
         assert creds == str(folder / "creds" / "admin.creds")
         assert os.stat(creds).st_mode & 0o777 == 0o600
         seed = Path(creds).read_text()
 
-        # Without credentials, not even a connection.
-        refused = mesh_cli("status", nats_url=url)
+        # Without the CA, no TLS connection; with it but without credentials, none either.
+        unknown = mesh_cli("status", nats_url=url)
+        assert unknown.returncode == 1
+        assert "the mesh's CA is not known" in unknown.stderr
+        refused = mesh_cli("--ca", env["MESH_CA"], "status", nats_url=url)
         assert refused.returncode == 1
         assert "refused a connection without credentials" in refused.stderr
-        assert "Traceback" not in refused.stderr and len(refused.stderr.splitlines()) == 1
+        for answer in (unknown, refused):
+            assert "Traceback" not in answer.stderr and len(answer.stderr.splitlines()) == 1
 
         nodes = _cli_json("nodes", url=url, creds=creds)["nodes"]
         assert [(n["name"], n["tier"], n["up"]) for n in nodes] == [

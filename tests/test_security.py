@@ -91,7 +91,9 @@ def secured(tmp_path: Path, procs) -> Secured:
         users.ensure("host", "node-2")
         users.save()
     port = ports.free_port()
-    conf = natsd.write_config(folder.nats, port=port, name=f"secure-{port}", auth=folder.auth_conf)
+    conf = natsd.write_config(
+        folder.server("n1"), port=port, name=f"secure-{port}", auth=folder.auth_conf
+    )
     url = f"nats://127.0.0.1:{port}"
     folder.url_file.write_text(url + "\n")
 
