@@ -88,13 +88,18 @@ def _compose_nats(tmp_path: Path) -> tuple[Path, int, int]:
     auth_mount = next(v.split(":")[1] for v in nats["volumes"] if v.startswith("nats-auth:"))
     conf = tmp_path / target.relative_to("/")
     (tmp_path / Path(auth_mount).relative_to("/")).mkdir(parents=True)
-    ok(dev_creds("--dir", str(tmp_path / "mesh"), "--export", str(tmp_path / "out")))
-    (tmp_path / "mesh" / "nats" / "auth.conf").rename(
-        tmp_path / Path(auth_mount).relative_to("/") / "auth.conf"
-    )
+    command = doc["services"]["creds"]["command"]
+    hosts = [command[i + 1] for i, a in enumerate(command) if a == "--nats-host"]
+    assert hosts == ["nats"], "the server's certificate must name the service clients reach"
+    ok(dev_creds("--dir", str(tmp_path / "mesh"), "--export", str(tmp_path / "out"),
+                 *(a for h in hosts for a in ("--nats-host", h))))  # fmt: skip
+    mounted = tmp_path / Path(auth_mount).relative_to("/")
+    for made in ("auth.conf", "server.pem", "server.key"):
+        (tmp_path / "mesh" / "nats" / made).rename(mounted / made)
     port, monitor = ports.free_port(), ports.free_port()
     text = doc["configs"]["nats_conf"]["content"]
     text = text.replace("/data", str(tmp_path / "data")).replace(":4222", f":{port}")
+    text = text.replace(f'"{auth_mount}/', f'"{mounted}/')
     text = re.sub(r"^http: 127\.0\.0\.1:\d+$", f"http: 127.0.0.1:{monitor}", text, flags=re.M)
     conf.write_text(text)
     return conf, port, monitor
@@ -109,15 +114,18 @@ def test_compose_nats_config_is_valid(tmp_path: Path) -> None:
 async def test_compose_nats_admits_the_exported_credentials_only(tmp_path: Path, procs) -> None:
     conf, port, monitor = _compose_nats(tmp_path)
     server = procs.start("nats-server", natsd.argv(conf))
-    url = f"nats://127.0.0.1:{port}"
+    url = f"tls://127.0.0.1:{port}"
     wait_until(lambda: server.poll() is not None or _open(port), within=10, what="nats-server")
     assert server.poll() is None, server.log_path.read_text()
+    ca = str(tmp_path / "mesh" / "tls" / "ca.pem")
     # what the nats service's health check asks (its wget)
     async with httpx.AsyncClient(trust_env=False) as http:
         answer = await http.get(f"http://127.0.0.1:{monitor}/healthz", timeout=5)
     assert answer.status_code == 200, answer.text
+    with pytest.raises(bus.Unreachable, match="CA is not known"):
+        await bus.connect(url, name="no CA", reconnect=False)
     with pytest.raises(bus.Unauthorized):
-        await bus.connect(url, name="nobody", reconnect=False)
+        await bus.connect(url, name="nobody", reconnect=False, ca=ca)
     for name in IDENTITIES:
         path = tmp_path / "out" / name / "nats.creds"
         nc = await bus.connect(url, name=name, creds=str(path), reconnect=False)
@@ -126,7 +134,7 @@ async def test_compose_nats_admits_the_exported_credentials_only(tmp_path: Path,
     key = new_user()
     creds.write(stranger, who="a stranger", seed=key.seed, inbox="_INBOX")
     with pytest.raises(bus.Unauthorized):
-        await bus.connect(url, name="stranger", creds=str(stranger), reconnect=False)
+        await bus.connect(url, name="stranger", creds=str(stranger), reconnect=False, ca=ca)
 
 
 def _open(port: int) -> bool:
@@ -143,7 +151,7 @@ async def test_compose_rehearsed_without_docker(tmp_path: Path, procs, database_
     conf, port, _ = _compose_nats(tmp_path)
     server = procs.start("nats-server", natsd.argv(conf))
     wait_until(lambda: server.poll() is not None or _open(port), within=10, what="nats-server")
-    url = f"nats://127.0.0.1:{port}"
+    url = f"tls://127.0.0.1:{port}"
 
     def env_of(service: str, identity: str) -> dict[str, str]:
         env = dict(doc["services"][service]["environment"])

@@ -1,6 +1,10 @@
-"""`mesh dev creds [--dir DIR] [--hosts N] [--export OUT]`: the credentials `mesh dev up` issues,
-without starting anything, for a mesh whose pieces run elsewhere (compose.dev.yaml's one-shot
-`creds` service).
+"""`mesh dev creds [--dir DIR] [--hosts N] [--export OUT] [--nats-host HOST]`: the credentials
+`mesh dev up` issues, without starting anything, for a mesh whose pieces run elsewhere
+(compose.dev.yaml's one-shot `creds` service).
+
+The mesh's CA is made first (DIR/tls), so every credentials file carries it. With `--nats-host`
+(repeatable: the names clients reach the server by, e.g. `nats` in compose), a certificate for
+the nats-server is issued beside its authorization block (DIR/nats/server.pem, server.key 0600).
 
 It issues what is missing, exactly as `mesh dev up` does (operators `admin` and `viewer`, the
 controllers, hosts `node-1`…`node-N`, node-1 the builder), keeps what exists, and writes the
@@ -14,7 +18,7 @@ from typing import Any
 
 import msgspec
 
-from mesh.auth import creds, registry
+from mesh.auth import creds, registry, tls
 from mesh.auth.policy import Kind, Role
 from mesh.meshdir import DEFAULT_DIR, MeshDir
 from programs.cli.args import Parser
@@ -28,6 +32,8 @@ class Issued(msgspec.Struct):
     auth: str  # the authorization block for nats-server to include
     creds: dict[str, str]  # identity -> its credentials file in DIR
     exported: dict[str, str]  # identity -> its copy under --export (empty without it)
+    ca: str = ""  # the mesh's CA certificate, which every credentials file carries
+    server_cert: str = ""  # the nats-server's certificate, with --nats-host
 
 
 def add_parser(dev_verbs: Any, common: argparse.ArgumentParser) -> None:
@@ -41,6 +47,10 @@ def add_parser(dev_verbs: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--export", type=Path, default=None, metavar="OUT",
         help="also copy each identity's file to OUT/<identity>/nats.creds",
+    )  # fmt: skip
+    p.add_argument(
+        "--nats-host", action="append", default=[], metavar="HOST",
+        help="issue the nats-server a certificate for HOST (repeatable), in DIR/nats",
     )  # fmt: skip
 
 
@@ -73,6 +83,7 @@ class Held(msgspec.Struct, frozen=True):
 def issue(folder: MeshDir, hosts: int) -> dict[str, Held]:
     """Issue what is missing, keep what exists, write users.json and auth.conf."""
     issued: dict[str, Held] = {}
+    tls.ensure_ca(folder.tls)
     with registry.locked(folder) as users:
         for kind, name, role, builder in identities(hosts):
             path = users.ensure(kind, name, role=role, builder=builder)
@@ -91,7 +102,8 @@ def export(issued: dict[str, Held], out: Path) -> dict[str, str]:
         if found.seed is None:  # never: mesh issues nkey seeds
             raise registry.AuthError(f"{held.path}: not an nkey credentials file")
         target = out / name / EXPORT_FILE
-        creds.write(target, who=held.who, seed=found.seed, inbox=found.inbox)
+        creds.write(target, who=held.who, seed=found.seed, inbox=found.inbox, ca=found.ca,
+                    servers=found.servers)  # fmt: skip
         copies[name] = str(target)
     return copies
 
@@ -100,17 +112,26 @@ async def cmd_dev_creds(args: argparse.Namespace) -> None:
     folder = MeshDir(args.dir)
     issued = issue(folder, args.hosts)
     exported = export(issued, args.export) if args.export is not None else {}
+    cert = folder.nats / "server.pem"
+    if args.nats_host:
+        hosts = [*args.nats_host, "127.0.0.1", "localhost"]
+        tls.issue_server(folder.tls, cert, folder.nats / "server.key", name="nats", hosts=hosts)
     result = Issued(
         dir=str(folder.root),
         auth=str(folder.auth_conf),
         creds={name: str(held.path) for name, held in issued.items()},
         exported=exported,
+        ca=str(folder.ca),
+        server_cert=str(cert) if args.nats_host else "",
     )
     if args.json:
         print_json(result)
         return
     print(f"credentials in {folder.creds}: {', '.join(issued)}")
     print(f"nats-server authorization (to include): {folder.auth_conf}")
+    print(f"the mesh's CA: {folder.ca} (every credentials file carries it)")
+    if args.nats_host:
+        print(f"nats-server certificate for {', '.join(args.nats_host)}: {cert}")
     if exported:
         print(f"copied to {args.export}/<identity>/{EXPORT_FILE}")
 

@@ -10,6 +10,12 @@ The consumer delivers the key's newest value, then every new one. It is made aga
 value first) when its heartbeats stop, as after a server restart that forgot it, or when a
 message was missed; a value already yielded (same stream sequence) is not yielded again, so a
 long apply is never interrupted by the value it is applying.
+
+On a cluster the consumer stays one replica in memory, deliberately: it holds nothing that
+matters (the bucket is replicated; the consumer only points at its newest value). When the
+server holding it is lost, its heartbeats stop and it is made again on a server that is left,
+newest value first, so nothing is missed; a replicated consumer would cost every host a RAFT
+group for the same outcome.
 """
 
 import logging
