@@ -18,9 +18,11 @@ one; `mesh init` is meant to make one the same way.
                              MESH_CREDS, MESH_DATABASE_URL)
 """
 
+import os
 from pathlib import Path
 
-DEFAULT_DIR = Path(".mesh/dev")
+# MESH_DIR (DIR/env sets it) lets `mesh machine add` and `mesh cert` find the mesh from any folder.
+DEFAULT_DIR = Path(os.environ.get("MESH_DIR") or ".mesh/dev")
 
 
 class MeshDir:
