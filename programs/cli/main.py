@@ -19,7 +19,7 @@ from mesh import config
 from mesh.errors import MeshError
 from mesh.model import HandoverReply, NodesReply, StatusReply
 from mesh.names import check_name
-from programs.cli import devcreds, hosts, machines, modules, render
+from programs.cli import certs, devcreds, hosts, machines, modules, render
 from programs.cli.args import Parser, label, tier
 from programs.cli.client import CliError, verb
 from programs.cli.output import console, print_json
@@ -121,6 +121,7 @@ def parser() -> argparse.ArgumentParser:
     modules.add_parsers(verbs, common)
     hosts.add_parsers(verbs, common)
     machines.add_parsers(verbs, common)
+    certs.add_parsers(verbs, common)
     return top
 
 
@@ -240,6 +241,7 @@ COMMANDS: dict[tuple[str, ...], Callable[[argparse.Namespace], Any]] = {
     **hosts.COMMANDS,
     **machines.COMMANDS,
     **devcreds.COMMANDS,
+    **certs.COMMANDS,
 }
 
 

@@ -1,0 +1,331 @@
+"""`mesh cert rotate` / `mesh cert show`: the TLS certificates of a mesh folder's nats-servers
+(the folder `mesh dev up --dir` or `mesh init` made; docs/security.md).
+
+Rotation issues every server a new key and certificate from the folder's CA, for the same name
+and addresses as the certificate it replaces, swaps the files in and reloads each running server
+(SIGHUP: nats-server reads its TLS files again). Clients trust the CA, not a certificate, so
+nothing changes for them: open connections stay up, new ones get the new certificate. Then the
+command checks what each running server presents, so "reloaded" means the new certificate is
+being served, not only that a signal was sent.
+"""
+
+import argparse
+import ipaddress
+import os
+import re
+import socket
+import ssl
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgspec
+from cryptography import x509
+from cryptography.exceptions import InvalidSignature
+from cryptography.x509.oid import NameOID
+
+from mesh.auth import server, tls
+from mesh.meshdir import DEFAULT_DIR, MeshDir
+from programs.cli.args import Parser
+from programs.cli.client import CliError
+from programs.cli.output import print_json
+
+RELOAD_WITHIN = 5.0  # seconds for a signalled server to present its new certificate
+_LISTEN = re.compile(r"^listen:\s*(\S+):(\d+)\s*$", re.MULTILINE)
+
+
+class CaInfo(msgspec.Struct):
+    subject: str
+    serial: str  # hex, as `openssl x509 -serial` prints it
+    not_after: str  # ISO 8601, UTC
+    cert: str  # its file (given to clients: MESH_CA, and inside credentials files)
+
+
+class ServerCert(msgspec.Struct):
+    name: str  # the server's folder name (n1, n2, ...)
+    subject: str  # its certificate's common name
+    hosts: list[str]  # the addresses and names its certificate is valid for
+    serial: str
+    not_after: str
+    issued_by_ca: bool  # signed by the folder's CA (clients refuse it otherwise)
+    running: bool
+    presented: str | None  # the serial the running server presents now, if it answered
+    cert: str
+
+
+class Rotated(msgspec.Struct):
+    name: str
+    hosts: list[str]
+    old_serial: str | None  # None when the server had no certificate to read
+    serial: str
+    not_after: str
+    # "reloaded" (it presents the new certificate), "not running" (it will at its start),
+    # "reload failed" (it still presents another), "signalled" (it did not answer after the
+    # signal, or its address is unknown: it takes the new certificate when it next starts)
+    state: str
+    presented: str | None  # the serial the server presents after the reload
+    cert: str
+
+
+class Shown(msgspec.Struct):
+    dir: str
+    ca: CaInfo
+    servers: list[ServerCert]
+
+
+class Rotation(msgspec.Struct):
+    dir: str
+    ca: CaInfo
+    servers: list[Rotated]
+
+
+def add_parsers(verbs: Any, common: argparse.ArgumentParser) -> None:
+    cert = verbs.add_parser("cert", parents=[common], help="the nats-servers' TLS certificates")
+    cert_verbs = cert.add_subparsers(dest="cert_command", metavar="COMMAND", parser_class=Parser)
+    cert_verbs.required = True
+    rotate = cert_verbs.add_parser(
+        "rotate", parents=[common], help="new certificates for every nats-server, reloaded"
+    )
+    show = cert_verbs.add_parser(
+        "show", parents=[common], help="the CA and every nats-server's certificate"
+    )
+    for p in (rotate, show):
+        p.add_argument(
+            "--dir", type=Path, default=None,
+            help=f"the mesh's folder (env MESH_DIR, else {DEFAULT_DIR})",
+        )  # fmt: skip
+
+
+def _folder(args: argparse.Namespace) -> MeshDir:
+    """The mesh folder, which must hold a CA and at least one nats-server."""
+    given = args.dir or os.environ.get("MESH_DIR") or DEFAULT_DIR
+    folder = MeshDir(Path(given))
+    make = f"`mesh dev up --dir {given}` (or `mesh init`) makes a mesh there"
+    if not folder.root.is_dir():
+        raise CliError(f"no mesh folder at {folder.root}; {make}")
+    missing = [p.name for p in (folder.ca, folder.tls / "ca.key") if not p.is_file()]
+    if missing:
+        raise CliError(
+            f"no mesh CA in {folder.tls} (missing {', '.join(missing)}): {folder.root} is not a "
+            f"mesh folder with TLS; {make}"
+        )
+    if not folder.servers():
+        raise CliError(f"no nats-server in {folder.nats} (no nK/nats.conf); {make}")
+    return folder
+
+
+def _hex(number: int) -> str:
+    text = f"{number:X}"
+    return text if len(text) % 2 == 0 else "0" + text
+
+
+def _when(cert: x509.Certificate) -> str:
+    return cert.not_valid_after_utc.isoformat(timespec="seconds")
+
+
+def _load(path: Path, what: str) -> x509.Certificate:
+    try:
+        return x509.load_pem_x509_certificate(path.read_bytes())
+    except OSError as e:
+        raise CliError(f"{what} {path}: {e.strerror or e}") from None
+    except ValueError as e:
+        raise CliError(f"{what} {path}: not a PEM certificate ({e})") from None
+
+
+def _common_name(cert: x509.Certificate, fallback: str) -> str:
+    found = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+    return str(found[0].value) if found else fallback
+
+
+def _hosts(cert: x509.Certificate) -> list[str]:
+    """The certificate's subject alternative names, IP addresses and DNS names, in order."""
+    try:
+        alt = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return []
+    hosts = []
+    for entry in alt:
+        if isinstance(entry, x509.IPAddress | x509.DNSName):
+            hosts.append(str(entry.value))
+    return hosts
+
+
+def _issued_by(cert: x509.Certificate, ca: x509.Certificate) -> bool:
+    try:
+        cert.verify_directly_issued_by(ca)
+    except (InvalidSignature, ValueError, TypeError):
+        return False
+    return True
+
+
+def _ca_info(folder: MeshDir) -> tuple[CaInfo, x509.Certificate]:
+    ca = _load(folder.ca, "the mesh's CA")
+    info = CaInfo(subject=ca.subject.rfc4514_string(), serial=_hex(ca.serial_number),
+                  not_after=_when(ca), cert=str(folder.ca))  # fmt: skip
+    return info, ca
+
+
+def _listen(conf: Path) -> tuple[str, int] | None:
+    """Where the server of `conf` listens for clients, as a client reaches it."""
+    try:
+        found = _LISTEN.search(conf.read_text())
+    except OSError:
+        return None
+    if found is None:
+        return None
+    host = found.group(1).strip("[]")
+    try:
+        if ipaddress.ip_address(host).is_unspecified:
+            host = "127.0.0.1" if ipaddress.ip_address(host).version == 4 else "::1"
+    except ValueError:
+        pass
+    return host, int(found.group(2))
+
+
+def presented(host: str, port: int, ca: Path, *, timeout: float = 2.0) -> int | None:
+    """The serial of the certificate the nats-server at host:port presents, checked against the
+    mesh's CA; None if it does not answer. NATS sends its INFO in the clear, then the client
+    starts TLS on the same connection."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False  # the serial is the question, not the name
+    context.load_verify_locations(cafile=str(ca))
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as raw:
+            info = b""
+            while not info.endswith(b"\r\n"):
+                chunk = raw.recv(4096)
+                if not chunk:
+                    return None
+                info += chunk
+            with context.wrap_socket(raw, server_hostname=host) as tls_sock:
+                der = tls_sock.getpeercert(binary_form=True)
+    except (OSError, ssl.SSLError):
+        return None
+    return x509.load_der_x509_certificate(der).serial_number if der else None
+
+
+def _server_paths(folder: MeshDir, name: str) -> tuple[Path, Path, Path]:
+    base = folder.server(name)
+    return base / "server.pem", base / "server.key", base / "nats.conf"
+
+
+async def cmd_cert_show(args: argparse.Namespace) -> None:
+    folder = _folder(args)
+    ca_info, ca = _ca_info(folder)
+    shown = []
+    for name in folder.servers():
+        cert_path, _, conf = _server_paths(folder, name)
+        cert = _load(cert_path, f"nats-server {name}'s certificate")
+        running = server.running_pid(folder.server(name) / "nats.pid") is not None
+        where = _listen(conf) if running else None
+        now = presented(*where, folder.ca) if where else None
+        shown.append(ServerCert(
+            name=name, subject=_common_name(cert, name), hosts=_hosts(cert),
+            serial=_hex(cert.serial_number), not_after=_when(cert),
+            issued_by_ca=_issued_by(cert, ca), running=running,
+            presented=_hex(now) if now is not None else None, cert=str(cert_path),
+        ))  # fmt: skip
+    if args.json:
+        print_json(Shown(dir=str(folder.root), ca=ca_info, servers=shown))
+        return
+    print(f"CA {ca_info.subject}: serial {ca_info.serial}, expires {ca_info.not_after} "
+          f"({ca_info.cert})")  # fmt: skip
+    for s in shown:
+        line = (
+            f"{s.name} ({s.subject}): {', '.join(s.hosts) or 'no addresses'}; serial {s.serial}, "
+            f"expires {s.not_after}"
+        )
+        if not s.issued_by_ca:
+            line += "; NOT issued by this folder's CA (clients refuse it: `mesh cert rotate`)"
+        if not s.running:
+            line += "; not running"
+        elif s.presented is None:
+            line += "; running, but did not answer a TLS handshake"
+        elif s.presented != s.serial:
+            line += f"; running with serial {s.presented} (reload it: `mesh cert rotate`)"
+        print(line)
+
+
+async def cmd_cert_rotate(args: argparse.Namespace) -> None:
+    folder = _folder(args)
+    ca_info, _ = _ca_info(folder)
+    # Read every current certificate first: a folder with one unreadable leaves all untouched.
+    current = {}
+    for name in folder.servers():
+        cert_path, _, _ = _server_paths(folder, name)
+        cert = _load(cert_path, f"nats-server {name}'s certificate")
+        hosts = _hosts(cert)
+        if not hosts:
+            raise CliError(
+                f"nats-server {name}'s certificate {cert_path} names no address: cannot tell "
+                "which ones the new one must be valid for"
+            )
+        current[name] = (cert, hosts)
+    rotated = []
+    for name, (old, hosts) in current.items():
+        rotated.append(await _rotate_one(folder, name, old, hosts))
+    if args.json:
+        print_json(Rotation(dir=str(folder.root), ca=ca_info, servers=rotated))
+    else:
+        for r in rotated:
+            old = r.old_serial or "none"
+            state = r.state
+            if r.state == "reload failed":
+                state += f" (it still presents serial {r.presented}; see its log)"
+            elif r.state == "signalled":
+                state += " (it did not answer since: it takes the new certificate when it starts)"
+            print(f"{r.name}: serial {old} → {r.serial}, expires {r.not_after}, {state}")
+    failed = [r.name for r in rotated if r.state == "reload failed"]
+    if failed:
+        raise CliError(
+            f"the new certificates are in place, but {', '.join(failed)} did not take them on "
+            f"reload; see its log (in {folder.root / 'logs'} for a dev mesh), or restart it"
+        )
+
+
+async def _rotate_one(
+    folder: MeshDir, name: str, old: x509.Certificate, hosts: list[str]
+) -> Rotated:
+    cert_path, key_path, conf = _server_paths(folder, name)
+    # Issued beside the files first, then moved over them (a rename each, the key first): a
+    # failure while issuing leaves the old pair in use, and the server reads neither half-way
+    # because it reads them only when signalled below.
+    new_cert = cert_path.with_name(f".{cert_path.name}.new")
+    new_key = key_path.with_name(f".{key_path.name}.new")
+    try:
+        tls.issue_server(folder.tls, new_cert, new_key, name=_common_name(old, name), hosts=hosts)
+    except tls.TlsError as e:
+        raise CliError(f"nats-server {name}: {e}") from None
+    os.replace(new_key, key_path)
+    os.replace(new_cert, cert_path)
+    cert = _load(cert_path, f"nats-server {name}'s new certificate")
+    serial = cert.serial_number
+    rotated = Rotated(
+        name=name, hosts=hosts, old_serial=_hex(old.serial_number), serial=_hex(serial),
+        not_after=_when(cert), state="not running", presented=None, cert=str(cert_path),
+    )  # fmt: skip
+    try:
+        server.reload(folder.server(name) / "nats.pid")
+    except server.ServerNotRunning:
+        return rotated
+    where = _listen(conf)
+    deadline = time.monotonic() + RELOAD_WITHIN
+    now = None
+    while where is not None:
+        now = presented(*where, folder.ca)
+        if now == serial or time.monotonic() > deadline:
+            break
+        await anyio.sleep(0.1)
+    rotated.presented = _hex(now) if now is not None else None
+    if where is None or now is None:  # nothing to ask, or no answer: the result is not known
+        rotated.state = "signalled"
+    else:
+        rotated.state = "reloaded" if now == serial else "reload failed"
+    return rotated
+
+
+COMMANDS = {
+    ("cert", "rotate"): cmd_cert_rotate,
+    ("cert", "show"): cmd_cert_show,
+}
