@@ -1,0 +1,506 @@
+"""Machines with their own network (issue 13, items 3 and 4): every nats-server (three, one
+TLS cluster), PostgreSQL, every controller and every host in a network namespace of its own,
+joined by a switch in another (tests/netns.py); the test's own clients sit in a "client"
+namespace. Only the switch's addresses carry mesh traffic: no loopback, and nothing touches
+the host's network.
+
+PostgreSQL runs in its own namespace too, listening on its switch address (pg_hba lets the
+switch's subnet in), so cutting a controller's link cuts its store session as a real machine's
+would, and blocking only the NATS servers' addresses inside a namespace leaves its store.
+
+Faults: SIGKILL of the nats-server the holder is connected to (found by the holder's
+namespace's established connections), a host's link cut at the switch for longer than its
+down-detection, the holder's namespace cut off from NATS only, and clients that do not trust
+the mesh's CA or do not speak TLS. Real processes, no mocks; every wait polls with a deadline.
+
+Root only (network namespaces): skipped otherwise, or where `ip netns add` is refused.
+"""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import anyio
+import asyncpg
+import nats
+import netns
+import pytest
+from helpers import MESH, ask, await_until
+from test_faults import (
+    DEADLINE,
+    Verbs,
+    _exited,
+    _true,
+    assert_kv_epochs_rise,
+    assert_one_epoch_at_a_time,
+    fleet,
+    install_audit,
+    plan_of,
+    query,
+    status,
+    steps,
+)
+from test_plans import assert_tier_order, mesh, module, ok
+
+from mesh import bus
+from mesh.auth import tls
+from mesh.embedded import natsd, postgres
+
+pytestmark = pytest.mark.slow
+
+NATS = ["n1", "n2", "n3"]
+CONTROLLERS = ["ctl-0", "ctl-1"]
+HOSTS = ["node-1", "node-2", "node-3"]
+MEMBERS = [*NATS, "pg", *CONTROLLERS, *HOSTS, "client"]
+CLIENT_PORT, ROUTE_PORT, MONITOR_PORT, PG_PORT = 4222, 6222, 8222, 5432
+BEAT = 0.5  # the hosts' beat: down after 3 missed, 1.5 s
+
+
+@pytest.fixture
+def net():
+    why = netns.unavailable()
+    if why:
+        pytest.skip(why)
+    with netns.network(MEMBERS) as network:
+        yield network
+
+
+class NetMesh:
+    """The pieces of a mesh, each started inside its own namespace."""
+
+    def __init__(self, net: netns.Network, procs, tmp_path: Path) -> None:
+        self.net = net
+        self.procs = procs
+        self.dir = tmp_path
+        self.ca_folder = tmp_path / "tls"
+        self.ca = str(tls.ensure_ca(self.ca_folder))
+        self.nats: dict[str, subprocess.Popen] = {}
+        self.confs: dict[str, Path] = {}
+        self.url = ",".join(f"tls://{net.address(n)}:{CLIENT_PORT}" for n in NATS)
+        self.database_url = f"postgresql://{postgres.PG_USER}@{net.address('pg')}:{PG_PORT}/mesh"
+        self.pg_folder: Path | None = None
+        self.controllers: dict[str, subprocess.Popen] = {}
+        self.hosts: dict[str, subprocess.Popen] = {}
+
+    def env(self) -> dict[str, str]:
+        return {"MESH_NATS_URL": self.url, "MESH_CA": self.ca,
+                "MESH_DATABASE_URL": self.database_url, "PYTHONUNBUFFERED": "1"}  # fmt: skip
+
+    # --- NATS ------------------------------------------------------------------------------
+
+    async def start_nats(self) -> None:
+        routes = [f"{self.net.address(n)}:{ROUTE_PORT}" for n in NATS]
+        for name in NATS:
+            folder = self.dir / "nats" / name
+            cert, key = folder / "server.pem", folder / "server.key"
+            tls.issue_server(self.ca_folder, cert, key, name=name, hosts=[self.net.address(name)])
+            conf = natsd.write_config(
+                folder, port=CLIENT_PORT, name=name, host=self.net.address(name),
+                tls=natsd.Tls(cert=cert, key=key, ca=Path(self.ca)),
+                cluster=natsd.Cluster(port=ROUTE_PORT, routes=routes),
+            )  # fmt: skip
+            # The monitoring port, for /healthz (JetStream current) and /connz.
+            conf.write_text(conf.read_text() + f'http: "{self.net.address(name)}:{MONITOR_PORT}"\n')
+            self.confs[name] = conf
+            self.run_nats(name)
+        for name in NATS:
+            await self.nats_healthy(name)
+
+    def run_nats(self, name: str) -> None:
+        argv = self.net.argv(name, natsd.argv(self.confs[name]))
+        self.nats[name] = self.procs.start(f"nats-{name}", argv)
+
+    def kill_nats(self, name: str) -> None:
+        proc = self.nats[name]
+        os.kill(proc.pid, signal.SIGKILL)
+        assert proc.wait(timeout=10) == -signal.SIGKILL
+
+    async def nats_healthy(self, name: str, within: float = 60) -> None:
+        """The server answers TLS clients and its JetStream is current (/healthz)."""
+        proc = self.nats[name]
+
+        async def healthy():
+            assert proc.poll() is None, (self.dir / f"nats-{name}.log").read_text()[-3000:]
+            url = f"http://{self.net.address(name)}:{MONITOR_PORT}/healthz"
+            try:
+                got = await anyio.to_thread.run_sync(_get, url)
+            except OSError:
+                return False
+            return json.loads(got).get("status") == "ok"
+
+        await await_until(healthy, within=within, what=f"nats-server {name} healthy")
+
+    async def connect(self) -> nats.aio.client.Client:
+        return await bus.connect(self.url, name="test", ca=self.ca)
+
+    # --- PostgreSQL ------------------------------------------------------------------------
+
+    async def start_postgres(self) -> None:
+        # Not under pytest's folder, which is private to root (see conftest's pg_admin_url).
+        self.pg_folder = Path(tempfile.mkdtemp(prefix="mesh-test-pg-"))
+        data = self.pg_folder / "data"
+        await anyio.to_thread.run_sync(postgres.init, data)
+        with open(data / "pg_hba.conf", "a") as hba:
+            hba.write(f"host all all {self.net.subnet} trust\n")
+        argv = [*postgres.argv(data, port=PG_PORT), "-c",
+                f"listen_addresses={self.net.address('pg')}"]  # fmt: skip
+        with self.net.inside("pg"):  # forked in there, then drops to its account
+            proc = self.procs.start("postgres", argv, cwd=data, **postgres.run_as())
+        admin = self.database_url.rpartition("/")[0] + "/postgres"
+
+        async def ready():
+            assert proc.poll() is None, (self.dir / "postgres.log").read_text()[-3000:]
+            try:
+                conn = await asyncpg.connect(admin, timeout=2)
+            except (OSError, asyncpg.PostgresError, TimeoutError):
+                return False
+            try:
+                await conn.execute('CREATE DATABASE "mesh"')
+            finally:
+                await conn.close()
+            return True
+
+        await await_until(ready, within=60, what="PostgreSQL to accept connections")
+
+    def stop_postgres(self) -> None:
+        if self.pg_folder is not None:
+            shutil.rmtree(self.pg_folder, ignore_errors=True)
+
+    # --- the mesh's services ---------------------------------------------------------------
+
+    def start_controller(self, instance: str) -> subprocess.Popen:
+        argv = self.net.argv(instance, [*MESH, "controller", "run", "--instance", instance])
+        proc = self.procs.start(instance, argv, env=self.env())
+        self.controllers[instance] = proc
+        return proc
+
+    def start_host(self, name: str, *extra: str) -> subprocess.Popen:
+        argv = self.net.argv(name, [
+            *MESH, "host", "run", "--name", name, "--root", str(self.dir / "hosts" / name),
+            "--beat", str(BEAT), *extra,
+        ])  # fmt: skip
+        proc = self.procs.start(name, argv, env=self.env())
+        self.hosts[name] = proc
+        return proc
+
+    def holder_server(self, holder: str) -> str:
+        """The nats-server the controller `holder` is connected to (its namespace's only NATS
+        connection is the controller's)."""
+        addresses = {self.net.address(n): n for n in NATS}
+        found = self.net.peers(holder, CLIENT_PORT) & addresses.keys()
+        assert len(found) == 1, f"{holder} connected to {found}"
+        return addresses[found.pop()]
+
+
+def _get(url: str) -> bytes:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.read()
+    except urllib.error.HTTPError as e:  # /healthz answers 503 with a body while not current
+        return e.read()
+
+
+@pytest.fixture
+async def netmesh(net, procs, tmp_path, monkeypatch):
+    """The test thread sits in the client namespace throughout: every socket it opens (NATS,
+    PostgreSQL, monitoring) and every command it runs goes over the switch."""
+    monkeypatch.setenv("MESH_CA", str(tmp_path / "tls" / "ca.pem"))
+    monkeypatch.delenv("MESH_CREDS", raising=False)
+    with net.inside("client"):
+        m = NetMesh(net, procs, tmp_path)
+        try:
+            yield m
+        finally:
+            procs.kill_all()  # before the namespaces go
+            m.stop_postgres()
+
+
+async def started(m: NetMesh) -> nats.aio.client.Client:
+    """NATS, PostgreSQL, ctl-0 holding, ctl-1 standing by, node-1..3 in tiers 0..2 up."""
+    await m.start_nats()
+    await m.start_postgres()
+    nc = await m.connect()
+    await fleet(nc, m.start_controller, m.start_host, m.dir, hosts=len(HOSTS))
+    return nc
+
+
+async def finished(nc, plan_id: int, within: float = 90) -> dict:
+    async def done():
+        p = await plan_of(nc, plan_id)
+        return p if p and p["state"] not in ("pending", "rolling") else None
+
+    return await await_until(done, within=within, what="the plan to finish")
+
+
+async def waiting_in(nc, plan_id: int, machine: str) -> dict:
+    async def applying():
+        p = await plan_of(nc, plan_id)
+        return p if p and p["state"] == "rolling" and steps(p)[machine] == "applying" else None
+
+    return await await_until(applying, within=60, what=f"{machine}'s step applying")
+
+
+async def assert_declarations_newest(nc, plan: dict) -> None:
+    """Every host's key is in the bucket, with the plan's declaration and the newest epoch."""
+    taken = await status(nc)
+    assert taken is not None
+    kv = await nc.jetstream().key_value("mesh-declarations")
+    for step in plan["steps"]:
+        entry = json.loads((await kv.get(step["machine"])).value)
+        assert entry["digest"] == step["after"], (step, entry)
+        assert entry["epoch"] == taken["seat"]["epoch"], (step["machine"], entry["epoch"])
+    await assert_kv_epochs_rise(nc)
+
+
+# --- a: nats-servers killed under the holder ------------------------------------------------------
+
+
+async def test_the_nats_server_of_the_holder_killed_during_a_plan(netmesh, tmp_path) -> None:
+    """Tier 1 waits: SIGKILL the nats-server the holder is connected to, start it again (its
+    JetStream catches up). Tier 2 waits: the same with the holder's server then. A status client
+    runs throughout: every request is answered within its deadline; the plan finishes and
+    every declaration is in the bucket under the newest epoch."""
+    m = netmesh
+    nc = await started(m)
+    try:
+        await install_audit(m.database_url)
+        roots = tmp_path / "hosts"
+        source = module(tmp_path / "m", marker="ready", deadline="90s")
+        plan_id = ok(mesh(m.url, "push", str(source), "--json"))["plan"]
+        verbs, stop = Verbs(), anyio.Event()
+        killed = []
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(verbs.run, nc, stop)
+            for waiting, ready in (("node-2", "node-1"), ("node-3", "node-2")):
+                (roots / ready / "ready").write_text("")
+                await waiting_in(nc, plan_id, waiting)
+                s = await status(nc)
+                assert s is not None
+                server = m.holder_server(s["seat"]["holder"])
+                m.kill_nats(server)
+                killed.append((s["seat"]["holder"], server))
+
+                async def moved(holder=s["seat"]["holder"], server=server):
+                    """The holder is on another server (and still holds)."""
+                    now = await status(nc)
+                    if now is None or now["seat"]["holder"] != holder:
+                        return None
+                    found = m.net.peers(holder, CLIENT_PORT)
+                    return now if found and m.net.address(server) not in found else None
+
+                await await_until(moved, within=30, what="the holder on another server")
+                m.run_nats(server)
+                await m.nats_healthy(server)
+            (roots / "node-3" / "ready").write_text("")
+            plan = await finished(nc, plan_id)
+            answered = verbs.answered
+            await await_until(lambda: _true(verbs.answered > answered + 20), within=DEADLINE,
+                              what="answers after the plan")  # fmt: skip
+            stop.set()
+
+        print(f"killed {killed}; {verbs.answered} status answered, the slowest in "
+              f"{verbs.worst:.2f}s")  # fmt: skip
+        assert verbs.failures == [], verbs.failures[:5]
+        assert plan["state"] == "done", plan
+        assert steps(plan) == {h: "done" for h in HOSTS}
+        assert_tier_order(plan)
+        await assert_one_epoch_at_a_time(m.database_url)
+        await assert_declarations_newest(nc, plan)
+    finally:
+        await nc.close()
+
+
+# --- b: a host's link cut ---------------------------------------------------------------------
+
+
+async def test_a_host_cut_off_is_down_skipped_and_comes_back_unrestarted(netmesh, tmp_path) -> None:
+    """node-2's link is cut while tier 0 waits, for longer than its down-detection: it shows
+    down, and with `skip_down` its step is skipped and tier 2 goes on. Restored, node-2 is up
+    again, applies the newest declaration, and neither its host agent nor the process it ran
+    before was restarted."""
+    m = netmesh
+    nc = await started(m)
+    try:
+        roots = tmp_path / "hosts"
+        ok(mesh(m.url, "push", str(module(tmp_path / "keep", name="keep")), "--wait", "--json"))
+        before = await ask(nc, "mesh.host.node-2.status")
+        pids = {p["name"]: p["pid"] for p in before["processes"]}
+        assert pids.get("keep"), before
+        agent = m.hosts["node-2"].pid
+
+        (roots / "node-3" / "ready").write_text("")
+        source = module(tmp_path / "gated", marker="ready", deadline="60s",
+                        extra="skip_down = true\n")  # fmt: skip
+        plan_id = ok(mesh(m.url, "push", str(source), "--json"))["plan"]
+        await waiting_in(nc, plan_id, "node-1")
+        m.net.cut("node-2")
+        cut = time.monotonic()
+        try:
+
+            async def down():
+                nodes = await ask(nc, "mesh.ctl.nodes", timeout=1)
+                up = {n["name"]: n["up"] for n in nodes["nodes"]} if nodes else {}
+                return up.get("node-2") is False
+
+            await await_until(down, within=30, what="node-2 down")
+            print(f"node-2 down {time.monotonic() - cut:.1f}s after its link was cut")
+            (roots / "node-1" / "ready").write_text("")
+            plan = await finished(nc, plan_id)
+            assert steps(plan) == {"node-1": "done", "node-2": "skipped", "node-3": "done"}, plan
+            assert plan["state"] == "done", plan
+        finally:
+            m.net.restore("node-2")
+        restored = time.monotonic()
+        after = next(s["after"] for s in plan["steps"] if s["machine"] == "node-2")
+
+        async def back():
+            nodes = await ask(nc, "mesh.ctl.nodes", timeout=1)
+            node = (
+                next((n for n in nodes["nodes"] if n["name"] == "node-2"), None) if nodes else None
+            )
+            return node if node and node["up"] and node["digest_applied"] == after else None
+
+        await await_until(back, within=60, what="node-2 up with the newest declaration")
+        print(f"node-2 up and applied {time.monotonic() - restored:.1f}s after its link came back")
+        host = await ask(nc, "mesh.host.node-2.status")
+        assert host["applied"] == after
+        now = {p["name"]: p["pid"] for p in host["processes"]}
+        assert now["keep"] == pids["keep"], (pids, now)
+        assert "gated" in now, now
+        assert m.hosts["node-2"].poll() is None and m.hosts["node-2"].pid == agent
+        await assert_declarations_newest(nc, plan)
+    finally:
+        await nc.close()
+
+
+# --- c: the holder cut off from NATS only -----------------------------------------------------
+
+
+async def test_the_holder_cut_off_from_nats_only_steps_down(netmesh, tmp_path) -> None:
+    """Tier 1 waits: the holder's namespace loses its routes to every nats-server but keeps
+    PostgreSQL. It gives up the seat within its bound (the client's ping detection plus the 3 s
+    grace), the standby takes it and finishes the plan, and no two epochs wrote at once."""
+    m = netmesh
+    nc = await started(m)
+    try:
+        await install_audit(m.database_url)
+        roots = tmp_path / "hosts"
+        source = module(tmp_path / "m", marker="ready", deadline="90s")
+        plan_id = ok(mesh(m.url, "push", str(source), "--json"))["plan"]
+        (roots / "node-1" / "ready").write_text("")
+        await waiting_in(nc, plan_id, "node-2")
+        before = await status(nc)
+        assert before is not None
+        holder = before["seat"]["holder"]
+        standby = next(c for c in CONTROLLERS if c != holder)
+        servers = [m.net.address(n) for n in NATS]
+        m.net.block(holder, servers)
+        blocked = time.monotonic()
+        try:
+            code = await await_until(lambda: _exited(m.controllers[holder]), within=60,
+                                     what=f"{holder} to step down")  # fmt: skip
+            gave_up = time.monotonic() - blocked
+
+            async def taken():
+                s = await status(nc)
+                return s if s and s["seat"]["holder"] == standby else None
+
+            after = await await_until(taken, within=30, what=f"{standby} to take the seat")
+            took = time.monotonic() - blocked
+        finally:
+            m.net.unblock(holder, servers)
+        print(f"{holder} gave up the seat {gave_up:.1f}s after losing NATS; {standby} held it "
+              f"{took:.1f}s after")  # fmt: skip
+        log = m.controllers[holder].log_path.read_text()
+        assert code == (1,), log[-3000:]
+        assert "lost NATS for more than" in log, log[-3000:]
+        assert "Traceback" not in log, log[-3000:]
+        # nats-py notices a silent link by its pings (every 5 s, two outstanding), then 3 s.
+        assert gave_up < 25, gave_up
+        assert after["seat"]["epoch"] > before["seat"]["epoch"]
+
+        (roots / "node-2" / "ready").write_text("")
+        (roots / "node-3" / "ready").write_text("")
+        plan = await finished(nc, plan_id)
+        assert plan["state"] == "done", plan
+        assert steps(plan) == {h: "done" for h in HOSTS}
+        assert_tier_order(plan)
+        wrote = await assert_one_epoch_at_a_time(m.database_url)
+        assert after["seat"]["epoch"] in wrote, wrote
+        released = await query(
+            m.database_url, "SELECT kind, epoch FROM events WHERE kind LIKE 'seat.%' ORDER BY id"
+        )
+        print([tuple(r) for r in released])
+        await assert_declarations_newest(nc, plan)
+    finally:
+        await nc.close()
+
+
+# --- d: clients the servers refuse ------------------------------------------------------------
+
+
+async def test_clients_without_the_mesh_ca_or_tls_cannot_connect(netmesh, tmp_path) -> None:
+    m = netmesh
+    await m.start_nats()
+    for name in NATS:
+        address = m.net.address(name)
+        url = f"tls://{address}:{CLIENT_PORT}"
+
+        # The mesh's CA: connects (the control).
+        nc = await bus.connect(url, name="test", ca=m.ca, reconnect=False)
+        await nc.close()
+
+        # No CA: the mesh's client refuses to try; nats-py with the system's CAs fails the
+        # server's certificate.
+        os.environ.pop("MESH_CA", None)
+        try:
+            with pytest.raises(bus.Unreachable, match="CA is not known"):
+                await bus.connect(url, name="test", reconnect=False)
+        finally:
+            os.environ["MESH_CA"] = m.ca
+        with pytest.raises(ssl.SSLCertVerificationError):
+            await nats.connect(url, tls=ssl.create_default_context(), allow_reconnect=False,
+                               max_reconnect_attempts=0, connect_timeout=3)  # fmt: skip
+
+        # Another CA: the server's certificate is not one of its.
+        other = tls.ensure_ca(tmp_path / "other-ca")
+        with pytest.raises(bus.Unreachable, match="certificate verify failed"):
+            await bus.connect(url, name="test", ca=str(other), reconnect=False)
+
+        # Plaintext: nats-py without a TLS context gives up; a raw CONNECT gets no PONG, an
+        # error naming TLS, and the connection closed.
+        with pytest.raises(Exception, match=r"ssl|tls|TLS"):
+            await nats.connect(f"nats://{address}:{CLIENT_PORT}", allow_reconnect=False,
+                               max_reconnect_attempts=0, connect_timeout=3)  # fmt: skip
+        said = await anyio.to_thread.run_sync(_plaintext, address)
+        assert b"PONG" not in said, said
+        assert b"TLS Required" in said or said.startswith(b"INFO"), said
+
+
+def _plaintext(address: str) -> bytes:
+    """What a nats-server says to a plaintext CONNECT + PING, up to its closing the socket."""
+    said = b""
+    with socket.create_connection((address, CLIENT_PORT), timeout=5) as s:
+        said += s.recv(65536)  # INFO
+        assert b'"tls_required":true' in said, said
+        s.sendall(b'CONNECT {"verbose":false}\r\nPING\r\n')
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                chunk = s.recv(65536)
+            except (ConnectionResetError, TimeoutError):
+                break
+            if not chunk:
+                break
+            said += chunk
+        else:
+            raise AssertionError(f"the server kept a plaintext client open: {said!r}")
+    return said
