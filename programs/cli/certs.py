@@ -237,7 +237,7 @@ async def cmd_cert_show(args: argparse.Namespace) -> None:
             f"expires {s.not_after}"
         )
         if not s.issued_by_ca:
-            line += "; NOT issued by this folder's CA (clients refuse it: `mesh cert rotate`)"
+            line += "; NOT issued by this folder's CA (clients refuse it; `mesh cert rotate`)"
         if not s.running:
             line += "; not running"
         elif s.presented is None:
