@@ -11,6 +11,8 @@ import base64
 import hashlib
 import logging
 import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import anyio
 from nats.aio.client import Client
@@ -33,9 +35,11 @@ from mesh.errors import MeshError
 from mesh.modules import archive
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 BUNDLES = "mesh-bundles"
 DECLARATIONS = "mesh-declarations"
+SEAT = "mesh-seat"  # the seat's epoch as the bus knows it (services/controller/epochs.py)
 REPLICAS = 3  # at most; fewer where the cluster has fewer servers
 # JetStream's answers to "too many replicas for this cluster": no suitable peers, insufficient
 # resources, replicas > 1 on a lone server. Anything else is raised, not taken for a small cluster.
@@ -72,16 +76,36 @@ async def ensure(nc: Client, *, within: float = 60.0) -> tuple[KeyValue, ObjectS
 
     JetStream may not answer for a while (a cluster electing its leader after a restart, the
     server we are connected to just lost): asked again until `within` seconds have passed."""
+    return await _patiently(lambda: _ensure(nc), within=within)
+
+
+async def ensure_seat(nc: Client, *, within: float = 60.0) -> KeyValue:
+    """The bucket where the seat's holder records its epoch, opened (or created) as `ensure`
+    opens the others."""
+    return await _patiently(lambda: _ensure_seat(nc), within=within)
+
+
+async def _ensure_seat(nc: Client) -> KeyValue:
+    js = nc.jetstream()
+    try:
+        kv = await js.key_value(SEAT)
+    except (BucketNotFoundError, NotFoundError):
+        kv = await _most(SEAT, lambda r: js.create_key_value(bucket=SEAT, history=5, replicas=r))
+    await _grow(nc, f"KV_{SEAT}")
+    return kv
+
+
+async def _patiently(attempt: Callable[[], Awaitable[T]], *, within: float) -> T:
     deadline = time.monotonic() + within
     told = False
     while True:
         try:
-            return await _ensure(nc)
+            return await attempt()
         except (NatsTimeout, ServiceUnavailableError, NoRespondersError) as e:
             if time.monotonic() > deadline:
                 raise BlobsUnavailable(
                     f"JetStream did not answer for {within:g}s ({type(e).__name__}): "
-                    f"cannot open {DECLARATIONS} and {BUNDLES}"
+                    "cannot open the mesh's buckets"
                 ) from None
             if not told:
                 log.info("JetStream is not answering yet (%s); asking again", type(e).__name__)
@@ -109,7 +133,7 @@ async def _ensure(nc: Client) -> tuple[KeyValue, ObjectStore]:
     return kv, obs
 
 
-async def _most(what: str, create):
+async def _most(what: str, create: Callable[[int], Awaitable[T]]) -> T:
     """Create with REPLICAS, then fewer while the cluster has too few servers for them."""
     for replicas in range(REPLICAS, 0, -1):
         try:

@@ -68,6 +68,9 @@ class SeatInfo(msgspec.Struct):
     host: str
     epoch: int
     since: datetime
+    # What the holder found wrong with the store at takeover: its epoch below the bus's (it
+    # lost writes in a failover), a standby without synchronous replication.
+    warnings: list[str] = []
 
 
 class Standby(msgspec.Struct):
@@ -373,6 +376,7 @@ class DeclarationReply(msgspec.Struct):
     digest: str
     epoch: int
     declaration: msgspec.Raw
+    holder: str = ""  # the controller that published it: hosts refuse one epoch from two
 
 
 class SecretSetRequest(Request):

@@ -154,6 +154,17 @@ async def test_the_example_is_applied_on_the_assigned_machine(fleet, nc, nats_ur
     assert status["applied"] == current["digest"]
     assert token.read_text() == SECRET
 
+    # The same epoch from another controller (two holders given one epoch by a store that
+    # lost writes) is refused too: the first holder's declaration stays.
+    assert current["holder"] == "ctl-a"
+    twin = {**stale, "epoch": current["epoch"], "holder": "ctl-twin"}
+    await kv.put("node-2", json.dumps(twin).encode())
+    event = json.loads((await events.next_msg(timeout=10)).data)
+    assert (event["ok"], event["step"]) == (False, "fence"), event
+    assert "comes from ctl-twin, but ctl-a published it first" in event["error"]
+    status = await ask(nc, "mesh.host.node-2.status")
+    assert status["applied"] == current["digest"]
+
     # Last, so that everything above runs either way: files belong to the process's account,
     # which exists only as root (without root, accounts map to the user running the host).
     if not ROOT:

@@ -17,7 +17,7 @@ from typing import Literal
 import msgspec
 
 from mesh import subjects
-from mesh.blobs import BUNDLES, DECLARATIONS
+from mesh.blobs import BUNDLES, DECLARATIONS, SEAT
 
 Kind = Literal["host", "controller", "operator"]
 Role = Literal["admin", "viewer"]
@@ -116,6 +116,7 @@ def _controller(user: User) -> Permissions:
             subjects.host("*", "build"),
             f"{_API}.>",
             f"{KV_SUBJECTS}.>",
+            f"$KV.{SEAT}.>",  # the seat's epoch on the bus (services/controller/epochs.py)
             f"{OBJ_SUBJECTS}.>",
         ],
         subscribe=[

@@ -21,17 +21,22 @@ class SeatRow(msgspec.Struct):
     since: datetime | None
 
 
-async def take(conn: asyncpg.Connection, *, seat: str, holder: str, pid: int, host: str) -> SeatRow:
-    """Increment the epoch and name the new holder. Call only while holding the seat's lock."""
+async def take(
+    conn: asyncpg.Connection, *, seat: str, holder: str, pid: int, host: str, at_least: int = 0
+) -> SeatRow:
+    """Increment the epoch (to `at_least` if that is higher: an epoch the bus has seen) and
+    name the new holder. Call only while holding the seat's lock."""
     r = await conn.fetchrow(
         """
-        UPDATE seats SET epoch = epoch + 1, holder = $2, pid = $3, host = $4, since = now()
+        UPDATE seats SET epoch = GREATEST(epoch + 1, $5), holder = $2, pid = $3, host = $4,
+            since = now()
         WHERE name = $1 RETURNING name, epoch, holder, pid, host, since
         """,
         seat,
         holder,
         pid,
         host,
+        at_least,
     )
     if r is None:
         raise RuntimeError(f"seat {seat!r} is missing from the store (migrations not applied?)")

@@ -4,6 +4,7 @@ import json
 from datetime import UTC, datetime
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from mesh.model import (
@@ -53,6 +54,8 @@ def status(console: Console, s: StatusReply) -> None:
         else:
             how = f"{h.to} took over from {h.from_} {_ago(h.at)} (it did not hand over)"
         table.add_row("[bold]last handover[/]", how)
+    for warning in s.seat.warnings if s.seat else []:
+        table.add_row("[bold yellow]warning[/]", escape(warning))
     console.print(table)
 
 

@@ -25,13 +25,14 @@ from anyio.abc import TaskGroup
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from nats.js.kv import KeyValue
 
 from mesh import blobs, bus, subjects, wire
 from mesh.errors import MeshError
 from mesh.model import Handover, SeatAnnounce, SeatInfo
 from mesh.store import db, events, seats
 from mesh.store.migrate import migrate
-from services.controller import handover, readiness
+from services.controller import epochs, handover, readiness
 from services.controller.changes import Changes
 from services.controller.fleet import Fleet, open_bus
 from services.controller.handover import VerbSubscriptions
@@ -210,6 +211,8 @@ class Hold:
         self.released = released
         self.ready = ready
         self.reports: list[Subscription] = []  # the hosts' reports, once subscribed
+        self.seat_kv: KeyValue | None = None  # the bus's record of the seat (epochs)
+        self.warnings: list[str] = []  # what the takeover found wrong with the store
 
     async def run(self) -> None:
         row, taken = await self._take()
@@ -223,7 +226,8 @@ class Hold:
         try:
             async with anyio.create_task_group() as background:
                 manifests = Manifests()
-                publisher = Publisher(pool=self.pool, kv=kv, epoch=row.epoch, manifests=manifests)
+                publisher = Publisher(pool=self.pool, kv=kv, epoch=row.epoch, manifests=manifests,
+                                      holder=self.me.instance)  # fmt: skip
                 changes = Changes(
                     pool=self.pool, nc=self.nc, obs=obs, fleet=fleet, epoch=row.epoch,
                     manifests=manifests, publisher=publisher, wake=lambda: planner.wake(),
@@ -237,7 +241,7 @@ class Hold:
                     assert row.since is not None
                     holder = Holder(
                         seat=SeatInfo(holder=self.me.instance, pid=self.me.pid, host=self.me.host,
-                                      epoch=row.epoch, since=row.since),
+                                      epoch=row.epoch, since=row.since, warnings=self.warnings),
                         fleet=fleet, standbys=self.standbys, changes=changes, views=views,
                         publisher=publisher, planner=planner,
                         tasks=serving, handover=taken, stop=self.stop.handover,
@@ -257,14 +261,32 @@ class Hold:
             await self._release(fleet=fleet, held=held)
 
     async def _take(self) -> tuple[seats.SeatRow, Handover]:
-        """Take the seat: a new epoch, and how it came to us (a handover, or not)."""
+        """Take the seat: a new epoch above both the store's and the bus's, recorded in both,
+        and how it came to us (a handover, or not)."""
         lock, me = self.lock, self.me
         assert lock.conn is not None
+        self.seat_kv = await blobs.ensure_seat(self.nc)
+        on_bus = await epochs.read(self.seat_kv)
+        bus_epoch = on_bus.record.epoch if on_bus.record else 0
         before = await seats.read(lock.conn, seat=subjects.SEAT)
         row = await seats.take(
-            lock.conn, seat=subjects.SEAT, holder=me.instance, pid=me.pid, host=me.host
-        )
+            lock.conn, seat=subjects.SEAT, holder=me.instance, pid=me.pid, host=me.host,
+            at_least=bus_epoch + 1,
+        )  # fmt: skip
         assert row.since is not None
+        store_epoch = before.epoch if before else 0
+        if store_epoch < bus_epoch:
+            warning = (
+                f"the store's epoch ({store_epoch}) was below the bus's ({bus_epoch}): the store "
+                "lost writes, as a failover without synchronous replication does; took epoch "
+                f"{row.epoch}, above both"
+            )
+            log.warning("controller %s: %s", me.instance, warning)
+            self.warnings.append(warning)
+            await events.record(self.pool, "seat.store_behind", store_epoch=store_epoch,
+                                bus_epoch=bus_epoch, epoch=row.epoch)  # fmt: skip
+        await epochs.claim(self.seat_kv, seen=on_bus, epoch=row.epoch, holder=me.instance,
+                           pid=me.pid)  # fmt: skip
         self.ready.set("holding", row.epoch)
         previous = before.holder if before else None
         let_go = self.released.take(previous) if previous else None
@@ -293,6 +315,8 @@ class Hold:
         await nc.publish(subjects.seat("held"), wire.encode(held))
         self.link.on_up = holder.fleet.forgive  # beats lost while we were away are not theirs
         background.start_soon(self.lock.watch)
+        assert self.seat_kv is not None
+        background.start_soon(lambda: epochs.watch(self.seat_kv, epoch=held.epoch))
         background.start_soon(holder.fleet.watch)
         background.start_soon(holder.publisher.keep_published)
         background.start_soon(_step_down_without_bus, self.link)

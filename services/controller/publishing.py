@@ -50,11 +50,13 @@ class Manifests:
 
 class Publisher:
     def __init__(
-        self, *, pool: asyncpg.Pool, kv: KeyValue, epoch: int, manifests: Manifests
-    ) -> None:
+        self, *, pool: asyncpg.Pool, kv: KeyValue, epoch: int, manifests: Manifests,
+        holder: str = "",
+    ) -> None:  # fmt: skip
         self._pool = pool
         self._kv = kv
         self._epoch = epoch
+        self._holder = holder  # named in every envelope: hosts refuse one epoch from two
         self._manifests = manifests
         self.wanted: dict[str, str] = {}  # machine -> digest of its published declaration
 
@@ -100,7 +102,11 @@ class Publisher:
 
         async def put(machine: str, d: str, body: bytes) -> None:
             envelope = DeclarationReply(
-                machine=machine, digest=d, epoch=self._epoch, declaration=msgspec.Raw(body)
+                machine=machine,
+                digest=d,
+                epoch=self._epoch,
+                declaration=msgspec.Raw(body),
+                holder=self._holder,
             )
             async with limiter:
                 try:

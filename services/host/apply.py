@@ -37,6 +37,7 @@ class Envelope(msgspec.Struct):
     digest: str
     epoch: int
     declaration: Declaration
+    holder: str = ""  # the controller that published it
 
 
 RETRY_FIRST = 5.0
@@ -84,6 +85,19 @@ class _Head(msgspec.Struct):
     machine: str = ""
     digest: str = ""
     epoch: int = 0
+    holder: str = ""
+
+
+def fenced(epoch: int, holder: str, *, applied: int, by: str) -> str | None:
+    """Why a declaration of `epoch` from `holder` must not be applied on a machine that has
+    applied `applied` from `by`, or None. An older epoch is a paused old holder's; the same
+    epoch from another holder means two controllers got one epoch (a store that lost writes):
+    the first one applied keeps it."""
+    if epoch < applied:
+        return f"epoch {epoch} is older than epoch {applied}"
+    if epoch == applied and holder and by and holder != by:
+        return f"epoch {epoch} comes from {holder}, but {by} published it first"
+    return None
 
 
 def _head(value: bytes) -> _Head | None:
@@ -116,17 +130,21 @@ class Applier:
         self._root = root
         self._state = root / "state" / "applied.json"
         self.epoch = 0
+        self.holder = ""  # the controller whose declaration was applied last
         self.digest: str | None = None
         try:
             saved = json.loads(self._state.read_text())
             self.epoch, self.digest = int(saved["epoch"]), saved["digest"]
-        except (OSError, ValueError, KeyError, TypeError):
+            self.holder = str(saved.get("holder", ""))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             pass
 
     def _save(self) -> None:
         self._state.parent.mkdir(parents=True, exist_ok=True)
         tmp = self._state.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"epoch": self.epoch, "digest": self.digest}))
+        tmp.write_text(
+            json.dumps({"epoch": self.epoch, "digest": self.digest, "holder": self.holder})
+        )
         tmp.replace(self._state)
 
     async def watch(self) -> None:
@@ -135,18 +153,19 @@ class Applier:
 
         async def receive() -> None:
             # Through a consumer the server lets this host create for its own key only.
-            newest = 0  # the highest epoch seen on the key
+            newest, by = 0, ""  # the highest epoch seen on the key, and whose it was
             async for value in watch.values(self._nc, self.name):
                 head = _head(value)
-                if head is not None and head.epoch < max(newest, self.epoch):
+                top, top_by = max((newest, by), (self.epoch, self.holder))
+                why = fenced(head.epoch, head.holder, applied=top, by=top_by) if head else None
+                if head is not None and why is not None:
                     # A paused old holder's late put: refused here, so it neither interrupts
                     # the apply in progress nor takes the place of a value still to apply.
-                    why = f"epoch {head.epoch} is older than epoch {max(newest, self.epoch)}"
                     log.info("host %s: a declaration of %s: ignored", self.name, why)
                     await self._report(head, ok=False, step="fence", error=f"{why}: ignored")
                     continue
-                if head is not None:
-                    newest = max(newest, head.epoch)
+                if head is not None and (head.epoch, head.holder) > (newest, by):
+                    newest, by = head.epoch, head.holder
                 latest.put(value, interrupts=head is None or head.digest != self._applying)
 
         async with anyio.create_task_group() as tg:
@@ -175,13 +194,14 @@ class Applier:
             return True
         if env.machine != self.name:
             return True
-        if env.epoch < self.epoch:
-            why = f"epoch {env.epoch} is older than the applied epoch {self.epoch}: ignored"
+        refused = fenced(env.epoch, env.holder, applied=self.epoch, by=self.holder)
+        if refused is not None:
+            why = f"{refused}: ignored"
             log.info("host %s: a declaration of %s", self.name, why)
             await self._report(env, ok=False, step="fence", error=why)
             return True
         if env.digest == self.digest and not self._first:
-            self.epoch = env.epoch
+            self.epoch, self.holder = env.epoch, env.holder or self.holder
             self._save()
             return True
         started = time.monotonic()
@@ -203,6 +223,7 @@ class Applier:
             self._first = True
         self._first = False  # adopted what the last host left: only after an apply that worked
         self.epoch, self.digest = env.epoch, env.digest
+        self.holder = env.holder or self.holder
         self._save()
         bundles.collect(self._root, set(env.declaration.bundles), self._unused, time.time())
         log.info(

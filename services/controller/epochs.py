@@ -1,0 +1,86 @@
+"""The seat's epoch on the bus, beside the store's: an epoch never repeats, whatever the store lost.
+
+The store's epoch lives in PostgreSQL; with asynchronous replication a promoted standby can lack
+the last increment, and a new holder would get an epoch an old holder already used. So the
+holder also records its epoch in the KV bucket `mesh-seat` (key `mesh-controller`) with
+compare-and-set against the revision it read: a controller taking the seat uses an epoch above
+both, and one whose write finds a newer revision has lost a race it must not win. A holder
+that sees a higher epoch on the bus than its own steps down.
+"""
+
+import logging
+from datetime import UTC, datetime
+
+import anyio
+import msgspec
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.kv import KeyValue
+
+from mesh import subjects
+from mesh.errors import MeshError
+
+log = logging.getLogger(__name__)
+
+WATCH_EVERY = 1.0  # how often the holder reads the bus's epoch
+
+
+class BusEpoch(msgspec.Struct):
+    epoch: int
+    holder: str
+    pid: int
+    at: datetime
+
+
+class Seen(msgspec.Struct):
+    record: BusEpoch | None
+    revision: int  # 0: the key has never been written
+
+
+class EpochTaken(MeshError):
+    """Another controller recorded an epoch on the bus that this one did not expect."""
+
+
+async def read(kv: KeyValue) -> Seen:
+    try:
+        entry = await kv.get(subjects.SEAT)
+    except KeyNotFoundError:
+        return Seen(record=None, revision=0)
+    try:
+        record = msgspec.json.decode(entry.value or b"", type=BusEpoch)
+    except msgspec.DecodeError:
+        record = None  # unreadable: its revision still orders the writes
+    return Seen(record=record, revision=entry.revision or 0)
+
+
+async def claim(kv: KeyValue, *, seen: Seen, epoch: int, holder: str, pid: int) -> None:
+    """Record `epoch` as the holder's, if nobody wrote since `seen`."""
+    body = msgspec.json.encode(BusEpoch(epoch=epoch, holder=holder, pid=pid, at=datetime.now(UTC)))
+    try:
+        if seen.revision == 0:
+            await kv.create(subjects.SEAT, body)
+        else:
+            await kv.update(subjects.SEAT, body, last=seen.revision)
+    except KeyWrongLastSequenceError:
+        now = await read(kv)
+        who = f"{now.record.holder}, epoch {now.record.epoch}" if now.record else "unknown"
+        raise EpochTaken(
+            f"another controller recorded the seat on the bus first ({who}): not taking it"
+        ) from None
+
+
+async def watch(kv: KeyValue, *, epoch: int) -> None:
+    """Return never; raise EpochTaken once the bus names a higher epoch than ours (two stores
+    that each think they are the primary). A bus that does not answer is the step-down on
+    losing NATS's business, not this one's."""
+    while True:
+        await anyio.sleep(WATCH_EVERY)
+        try:
+            seen = await read(kv)
+        except (NatsTimeout, OSError):
+            continue
+        if seen.record is not None and seen.record.epoch > epoch:
+            raise EpochTaken(
+                f"{seen.record.holder} holds epoch {seen.record.epoch} on the bus, above ours "
+                f"({epoch}): stepping down"
+            )
