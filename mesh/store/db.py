@@ -1,6 +1,17 @@
-"""Opening connections to the store, with keepalives so a dead peer cannot hold a lock for long."""
+"""Opening connections to the store, with keepalives so a dead peer cannot hold a lock for long.
+
+`MESH_DATABASE_URL` may list several servers, as libpq reads it:
+`postgresql://user@h1:5432,h2:5432/mesh?target_session_attrs=read-write`. They are tried in
+order, each with the whole timeout; with `target_session_attrs=read-write` (or `primary`) a
+session that lands on a read-only server (a standby) is closed and the next one tried, so the
+seat's lock and every write always go to the primary. Failing all of them, the error names
+every server tried and why each was refused. Never point it at a transaction-pooling proxy: the
+seat's advisory lock belongs to one session.
+"""
 
 import socket
+import urllib.parse
+from typing import Any
 
 import asyncpg
 
@@ -19,21 +30,76 @@ KEEPALIVES = {
     "application_name": "mesh",
 }
 
+# Refusals of one server that say nothing about the next: try it.
+_NEXT = (
+    OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError,
+    asyncpg.exceptions.InternalClientError,
+)  # fmt: skip
+
 
 class StoreUnreachable(MeshError):
     """PostgreSQL did not accept a connection; the message says where it tried."""
 
 
 def _where(url: str) -> str:
-    # Never echo a password back: keep only what follows the '@'.
-    return url.rsplit("@", 1)[-1]
+    """The URL without its credentials: the server(s), the database and the options other than
+    a password (never echoed back, whether in the user part or in the query)."""
+    parts = urllib.parse.urlsplit(url)
+    servers = parts.netloc.rsplit("@", 1)[-1]
+    query = "&".join(
+        p for p in parts.query.split("&") if p and p.split("=", 1)[0].lower() != "password"
+    )
+    return servers + parts.path + (f"?{query}" if query else "")
+
+
+def servers(url: str) -> list[str]:
+    """The `host[:port]` entries of the URL's server list, in order ([] if it names none:
+    a Unix socket or a `host=` option, left to asyncpg)."""
+    servers = urllib.parse.urlsplit(url).netloc.rsplit("@", 1)[-1]
+    return [s for s in servers.split(",") if s]
+
+
+def _host_port(server: str) -> tuple[str, int | None]:
+    if server.startswith("["):  # [v6]:port
+        host, _, rest = server[1:].partition("]")
+        port = rest.removeprefix(":")
+    else:
+        host, _, port = server.partition(":")
+    return urllib.parse.unquote(host), int(port) if port else None
+
+
+def _why(e: BaseException) -> str:
+    if isinstance(e, asyncpg.exceptions.TargetServerAttributeNotMatched):
+        return "a read-only server (a standby), closed"
+    if isinstance(e, TimeoutError):
+        return "no answer in time"
+    return str(e) or type(e).__name__
+
+
+async def _open(url: str, *, timeout: float, **kwargs: Any) -> asyncpg.Connection:
+    """One session on the first server of the list that takes it (and suits the URL's
+    `target_session_attrs`); StoreUnreachable naming every server and its refusal otherwise."""
+    listed = servers(url)
+    if len(listed) <= 1:
+        try:
+            return await asyncpg.connect(url, timeout=timeout, **kwargs)
+        except _NEXT as e:
+            raise StoreUnreachable(f"cannot reach PostgreSQL at {_where(url)}: {_why(e)}") from None
+    refused = []
+    for server in listed:
+        host, port = _host_port(server)
+        try:
+            # host and port given override the URL's list; the rest of the URL still applies.
+            return await asyncpg.connect(url, host=host, port=port, timeout=timeout, **kwargs)
+        except _NEXT as e:
+            refused.append(f"{server}: {_why(e)}")
+    raise StoreUnreachable(
+        f"cannot reach a usable PostgreSQL at {_where(url)}: tried " + "; ".join(refused)
+    )
 
 
 async def connect(url: str, *, timeout: float = 5.0) -> asyncpg.Connection:
-    try:
-        conn = await asyncpg.connect(url, timeout=timeout, server_settings=KEEPALIVES)
-    except (OSError, TimeoutError, asyncpg.PostgresError) as e:
-        raise StoreUnreachable(f"cannot reach PostgreSQL at {_where(url)}: {e}") from None
+    conn = await _open(url, timeout=timeout, server_settings=KEEPALIVES)
     _client_keepalives(conn)
     return conn
 
@@ -50,10 +116,17 @@ def _client_keepalives(conn: asyncpg.Connection) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
 
 
+async def _pool_connect(url: str, **kwargs: Any) -> asyncpg.Connection:
+    return await _open(url, **kwargs)
+
+
 async def pool(url: str, *, size: int = 4, timeout: float = 5.0) -> asyncpg.Pool:
+    """Every connection of the pool, including those it opens again after a failover, is
+    opened as `connect` opens one: the servers in order, the primary only if so asked."""
     try:
         return await asyncpg.create_pool(
-            url, min_size=1, max_size=size, timeout=timeout, server_settings=KEEPALIVES
-        )
-    except (OSError, TimeoutError, asyncpg.PostgresError) as e:
-        raise StoreUnreachable(f"cannot reach PostgreSQL at {_where(url)}: {e}") from None
+            url, min_size=1, max_size=size, timeout=timeout, server_settings=KEEPALIVES,
+            connect=_pool_connect,
+        )  # fmt: skip
+    except _NEXT as e:
+        raise StoreUnreachable(f"cannot reach PostgreSQL at {_where(url)}: {_why(e)}") from None

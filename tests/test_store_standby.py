@@ -1,0 +1,216 @@
+"""A store with a standby (issue 14): a primary and a synchronous streaming standby from the
+embedded binaries, the multi-host URL that always lands on the primary (whichever order, and
+after a promotion), the replication check's warning, and `mesh dev up --store-standby`.
+
+Real processes throughout; every one is stopped at teardown, even when a test fails."""
+
+import asyncio
+import shutil
+import signal
+import subprocess
+import tempfile
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import asyncpg
+import pytest
+from helpers import await_until
+
+from mesh.embedded import postgres
+from mesh.embedded.children import Child
+from mesh.store import db, replication
+
+pytestmark = pytest.mark.slow
+
+DATABASE = "mesh"
+
+
+@dataclass
+class Pair:
+    folder: Path
+    primary: Child
+    primary_port: int
+    standby: Child | None = None
+    standby_port: int = 0
+    children: list[Child] = field(default_factory=list)
+
+    def url(self, *ports: int) -> str:
+        return postgres.multi_host_url(list(ports), DATABASE)
+
+
+async def _start_pair(folder: Path, *, synchronous: bool) -> Pair:
+    settings = (
+        postgres.PRIMARY
+        if synchronous
+        else tuple(s for s in postgres.PRIMARY if not s.startswith("synchronous_"))
+    )
+    primary, url = await postgres.start(
+        folder / "pg", log=folder / "primary.log", database=DATABASE, settings=settings
+    )
+    port = int(url.rsplit(":", 1)[1].split("/")[0])
+    pair = Pair(folder, primary, port, children=[primary])
+    standby, standby_port = await postgres.start_standby(
+        folder / "pg-standby", primary_port=port, log=folder / "standby.log"
+    )
+    pair.standby, pair.standby_port = standby, standby_port
+    pair.children.append(standby)
+    return pair
+
+
+@pytest.fixture
+async def folder() -> AsyncIterator[Path]:
+    # Not under pytest's folder, which a starting session makes private (0700) again: the
+    # servers run as their own account (as root) and must keep reaching their data.
+    path = Path(tempfile.mkdtemp(prefix="mesh-test-standby-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+async def pairs(folder: Path) -> AsyncIterator[list[Pair]]:
+    started: list[Pair] = []
+    yield started
+    for pair in started:
+        for child in reversed(pair.children):
+            await child.stop(sig=signal.SIGINT, timeout=20)
+
+
+async def _sync_pair(folder: Path, pairs: list[Pair]) -> Pair:
+    pair = await _start_pair(folder, synchronous=True)
+    pairs.append(pair)
+    await postgres.wait_synchronous(pair.primary_port, deadline=60)
+    return pair
+
+
+async def _server_of(conn: asyncpg.Connection) -> tuple[int, bool]:
+    port = int(await conn.fetchval("SELECT current_setting('port')"))
+    return port, await conn.fetchval("SELECT pg_is_in_recovery()")
+
+
+async def test_the_standby_streams_synchronously(folder: Path, pairs: list[Pair]) -> None:
+    pair = await _sync_pair(folder, pairs)
+    conn = await asyncpg.connect(postgres.url(pair.primary_port, DATABASE))
+    try:
+        row = await conn.fetchrow(
+            "SELECT application_name, state, sync_state FROM pg_stat_replication"
+        )
+        assert (row["application_name"], row["state"], row["sync_state"]) == (
+            postgres.STANDBY_NAME, "streaming", "sync",
+        )  # fmt: skip
+        # A commit on the primary waits for the standby: it is there as soon as it returns.
+        await conn.execute("CREATE TABLE marks (n int)")
+        await conn.execute("INSERT INTO marks VALUES (1)")
+    finally:
+        await conn.close()
+    standby = await asyncpg.connect(postgres.url(pair.standby_port, DATABASE))
+    try:
+        assert await standby.fetchval("SELECT pg_is_in_recovery()")
+        assert await standby.fetchval("SELECT count(*) FROM marks") == 1
+    finally:
+        await standby.close()
+
+
+async def test_the_multi_host_url_reaches_the_primary_whichever_order(
+    folder: Path, pairs: list[Pair]
+) -> None:
+    pair = await _sync_pair(folder, pairs)
+    for order in ((pair.primary_port, pair.standby_port), (pair.standby_port, pair.primary_port)):
+        url = pair.url(*order)
+        conn = await db.connect(url)
+        try:
+            assert await _server_of(conn) == (pair.primary_port, False), url
+            await conn.execute("SELECT pg_advisory_lock(1); SELECT pg_advisory_unlock(1)")
+        finally:
+            await conn.close()
+        pool = await db.pool(url, size=2)
+        try:
+            async with pool.acquire() as conn:
+                assert await _server_of(conn) == (pair.primary_port, False), url
+        finally:
+            await pool.close()
+    # The standby's session was closed, not kept: only the walreceiver's remains on it.
+    standby = await asyncpg.connect(postgres.url(pair.standby_port, DATABASE))
+    try:
+        others = await standby.fetchval(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'mesh'"
+        )
+        assert others == 0
+    finally:
+        await standby.close()
+    # Nothing writable: every server tried is named, and why each was refused.
+    dead = postgres.free_port()
+    with pytest.raises(db.StoreUnreachable) as refused:
+        await db.connect(pair.url(pair.standby_port, dead), timeout=3)
+    message = str(refused.value)
+    assert f"127.0.0.1:{pair.standby_port}: a read-only server" in message, message
+    assert f"127.0.0.1:{dead}: " in message, message
+    assert "password" not in db._where("postgresql://u:secret@h1,h2/mesh?password=x&a=b")
+    assert "secret" not in db._where("postgresql://u:secret@h1,h2/mesh?password=x&a=b")
+
+
+async def test_after_a_promotion_the_same_url_reaches_the_new_primary(
+    folder: Path, pairs: list[Pair]
+) -> None:
+    pair = await _sync_pair(folder, pairs)
+    url = pair.url(pair.primary_port, pair.standby_port)
+    conn = await db.connect(url)
+    try:
+        await conn.execute("CREATE TABLE marks (n int); INSERT INTO marks VALUES (1)")
+    finally:
+        await conn.close()
+    pair.primary.proc.kill()  # the primary dies; the HA manager promotes the standby
+    await pair.primary.proc.wait()
+    promoted = subprocess.run(
+        [postgres.bin("pg_ctl"), "promote", "-w", "-t", "60", "-D", str(folder / "pg-standby")],
+        capture_output=True, text=True, **postgres.run_as(),
+    )  # fmt: skip
+    assert promoted.returncode == 0, promoted.stderr
+    conn = await db.connect(url)
+    try:
+        assert await _server_of(conn) == (pair.standby_port, False)
+        # Synchronously replicated: what the old primary acknowledged is there.
+        assert await conn.fetchval("SELECT count(*) FROM marks") == 1
+        # The promoted server waits for no standby of its own: a write succeeds at once.
+        await asyncio.wait_for(conn.execute("INSERT INTO marks VALUES (2)"), timeout=10)
+        assert await conn.fetchval("SELECT count(*) FROM marks") == 2
+    finally:
+        await conn.close()
+
+
+async def test_the_replication_check_warns_about_an_asynchronous_standby(
+    folder: Path, pairs: list[Pair]
+) -> None:
+    sync = await _sync_pair(folder / "sync", pairs)
+    conn = await db.connect(sync.url(sync.standby_port, sync.primary_port))
+    try:
+        said = await replication.check(conn)
+    finally:
+        await conn.close()
+    assert said.warning is None, said
+    assert said.synchronous_standby_names == postgres.STANDBY_NAME
+    assert said.standbys == [replication.Standby(postgres.STANDBY_NAME, "streaming", "sync")]
+
+    lax = await _start_pair(folder / "async", synchronous=False)
+    pairs.append(lax)
+
+    async def streaming() -> replication.Replication | None:
+        pool = await db.pool(postgres.url(lax.primary_port, DATABASE), size=1)
+        try:
+            said = await replication.check(pool)  # a pool answers as well as a session
+        finally:
+            await pool.close()
+        return said if said.standbys and said.standbys[0].state == "streaming" else None
+
+    said = await await_until(streaming, within=60, what="the asynchronous standby streaming")
+    assert said.standbys[0].sync_state == "async"
+    assert said.warning and "without synchronous replication" in said.warning, said
+    assert postgres.STANDBY_NAME in said.warning
+
+    # Connected to a standby itself: said too.
+    conn = await asyncpg.connect(postgres.url(lax.standby_port, DATABASE))
+    try:
+        said = await replication.check(conn)
+    finally:
+        await conn.close()
+    assert said.in_recovery and said.warning and "read-only standby" in said.warning
