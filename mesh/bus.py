@@ -198,8 +198,9 @@ async def connect(
 
 def _tls(url: str, ca: str | None, held: credentials.Creds | None) -> dict[str, Any]:
     """nats-py's TLS options: a context trusting the mesh's CA alone, when one is known."""
-    cafile = ca or (None if held is not None and held.ca else config.ca())
-    cadata = held.ca if held is not None and not ca else None
+    # Given (--ca, MESH_CA) first, so a changed CA can be named over the one a file carries.
+    cafile = ca or config.ca()
+    cadata = held.ca if held is not None and cafile is None else None
     if cafile is None and cadata is None:
         if any(s.startswith("tls://") for s in config.servers(url)):
             raise Unreachable(

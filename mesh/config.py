@@ -18,7 +18,8 @@ def servers(url: str) -> list[str]:
 
 def ca(flag: str | None = None) -> str | None:
     """The mesh's CA certificate file: the flag, MESH_CA, or `ca.pem` among the files the host
-    wrote for this process. (A credentials file that carries the CA is used before these.)"""
+    wrote for this process (a module can give its process the CA as a file of that name).
+    Without any, the CA a credentials file carries is used."""
     given = flag or os.environ.get("MESH_CA")
     if given:
         return given

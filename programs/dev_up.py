@@ -157,7 +157,7 @@ class DevMesh:
             name = f"n{i + 1}"
             folder = self.mesh.server(name)
             cert, key = folder / "server.pem", folder / "server.key"
-            if not cert.exists() or not key.exists():
+            if not key.exists() or not tls.current(cert, self.mesh.ca):  # new, or the CA changed
                 tls.issue_server(self.mesh.tls, cert, key, name=name,
                                  hosts=["127.0.0.1", "localhost"])  # fmt: skip
             conf = natsd.write_config(

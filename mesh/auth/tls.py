@@ -17,6 +17,7 @@ import ssl
 from pathlib import Path
 
 from cryptography import x509
+from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
@@ -24,7 +25,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from mesh.errors import MeshError
 
 CA_DAYS = 3650
-SERVER_DAYS = 825  # what browsers accept at most; rotation is documented (docs/operations.md)
+SERVER_DAYS = 825  # what browsers accept at most; rotation: `mesh cert rotate` (docs/security.md)
 
 
 class TlsError(MeshError):
@@ -63,13 +64,6 @@ def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
         serialization.PrivateFormat.PKCS8,
         serialization.NoEncryption(),
     )
-
-
-_CA_USAGE = x509.KeyUsage(
-    digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,
-    key_encipherment=False, data_encipherment=False, key_agreement=False, encipher_only=False,
-    decipher_only=False,
-)  # fmt: skip
 
 
 _CA_USAGE = x509.KeyUsage(
@@ -156,6 +150,25 @@ def issue_server(
     )
     _write_private(key_path, _key_pem(key))
     _write_public(cert_path, cert.public_bytes(serialization.Encoding.PEM))
+
+
+def issued_by(cert: x509.Certificate, ca: x509.Certificate) -> bool:
+    """Whether `ca` signed `cert` (a server certificate left from before the CA changed: no)."""
+    try:
+        cert.verify_directly_issued_by(ca)
+    except (InvalidSignature, ValueError, TypeError):
+        return False
+    return True
+
+
+def current(cert_path: Path, ca_path: Path) -> bool:
+    """The certificate in `cert_path` exists and was signed by the CA in `ca_path`."""
+    try:
+        cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
+        ca = x509.load_pem_x509_certificate(ca_path.read_bytes())
+    except (OSError, ValueError):
+        return False
+    return issued_by(cert, ca)
 
 
 def serial(cert_path: Path) -> int:

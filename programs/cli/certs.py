@@ -22,7 +22,6 @@ from typing import Any
 import anyio
 import msgspec
 from cryptography import x509
-from cryptography.exceptions import InvalidSignature
 from cryptography.x509.oid import NameOID
 
 from mesh.auth import server, tls
@@ -151,14 +150,6 @@ def _hosts(cert: x509.Certificate) -> list[str]:
     return hosts
 
 
-def _issued_by(cert: x509.Certificate, ca: x509.Certificate) -> bool:
-    try:
-        cert.verify_directly_issued_by(ca)
-    except (InvalidSignature, ValueError, TypeError):
-        return False
-    return True
-
-
 def _ca_info(folder: MeshDir) -> tuple[CaInfo, x509.Certificate]:
     ca = _load(folder.ca, "the mesh's CA")
     info = CaInfo(subject=ca.subject.rfc4514_string(), serial=_hex(ca.serial_number),
@@ -223,7 +214,7 @@ async def cmd_cert_show(args: argparse.Namespace) -> None:
         shown.append(ServerCert(
             name=name, subject=_common_name(cert, name), hosts=_hosts(cert),
             serial=_hex(cert.serial_number), not_after=_when(cert),
-            issued_by_ca=_issued_by(cert, ca), running=running,
+            issued_by_ca=tls.issued_by(cert, ca), running=running,
             presented=_hex(now) if now is not None else None, cert=str(cert_path),
         ))  # fmt: skip
     if args.json:
