@@ -538,6 +538,7 @@ class _Added(msgspec.Struct):
     creds: str
     command: str
     reloaded: bool
+    servers: str | None = None
 
 
 async def test_machine_add_issues_a_working_host_and_remove_revokes_it(
@@ -550,7 +551,8 @@ async def test_machine_add_issues_a_working_host_and_remove_revokes_it(
     assert added.name == "node-9" and added.reloaded
     assert stat.S_IMODE(os.stat(added.creds).st_mode) == 0o600
     argv = shlex.split(added.command)
-    assert argv[:3] == ["mesh", "host", "run"] and secured.url in argv
+    assert argv[:3] == ["mesh", "host", "run"] and "--nats-url" not in argv
+    assert added.servers == secured.url  # the one file names the server: the command need not
     again = one_line_error(cli(secured, None, "machine", "add", "node-9", "--dir", folder))
     assert "already has credentials" in again
 
@@ -558,7 +560,7 @@ async def test_machine_add_issues_a_working_host_and_remove_revokes_it(
     procs.start(
         "node-9",
         [*MESH, *argv[1:], "--root", str(tmp_path / "hosts" / "node-9")],
-        env={"MESH_NATS_URL": "nats://127.0.0.1:1"},  # the command names the URL itself
+        env={"MESH_CREDS": ""},  # nothing but the command and its file
     )
 
     async def state(up: bool):

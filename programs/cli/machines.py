@@ -15,6 +15,7 @@ from typing import Any
 import msgspec
 
 from mesh import config
+from mesh.auth import creds as credentials
 from mesh.auth import registry, server
 from mesh.meshdir import DEFAULT_DIR, MeshDir
 from mesh.model import LabelReply, LabelRequest
@@ -32,6 +33,8 @@ class Added(msgspec.Struct):
     reloaded: bool  # the running server admits it now (else: at its next start)
     tier: int | None = None  # as the controller holds it, when --tier/--label/--builder asked
     labels: dict[str, str] | None = None
+    ca: bool = False  # the file carries the mesh's CA (the host trusts the servers by it)
+    servers: str | None = None  # the NATS URL(s) the file carries, comma-separated
 
 
 class Removed(msgspec.Struct):
@@ -156,13 +159,21 @@ async def cmd_machine_add(args: argparse.Namespace) -> None:
         path = users.issue("host", name, builder=args.builder)
         users.save()
     reloaded = _reload(folder)
-    argv = ["mesh", "host", "run", "--name", name, "--creds", str(path), "--nats-url", url]
+    held = credentials.read(path)
+    argv = ["mesh", "host", "run", "--name", name, "--creds", str(path)]
+    if not held.servers:  # the file names no servers: the command must
+        argv += ["--nats-url", url]
     added = Added(name=name, creds=str(path), command=shlex.join(argv), reloaded=reloaded,
-                  tier=placed[0], labels=placed[1])  # fmt: skip
+                  tier=placed[0], labels=placed[1], ca=held.ca is not None,
+                  servers=held.servers)  # fmt: skip
     if args.json:
         print_json(added)
         return
     print(f"machine {name}: credentials in {path} (mode 0600; copy it to the machine, secretly)")
+    carried = [what for what, has in (("the mesh's CA", added.ca),
+               (f"the NATS URL(s) {held.servers}", held.servers)) if has]  # fmt: skip
+    if carried:
+        print(f"that one file carries {' and '.join(carried)}: the host needs nothing else")
     if added.labels is not None:
         tier_text = f"tier {added.tier}" if added.tier is not None else "its tier"
         print(f"{tier_text}, labels {_labels_text(added.labels)}: held by the controller")
