@@ -80,7 +80,7 @@ def say(line: str) -> None:
 class DevMesh:
     def __init__(
         self, *, folder: Path, hosts: int, port: int | None, detached: bool = False,
-        nats: int = 1,
+        nats: int = 1, store_standby: bool = False,
     ) -> None:  # fmt: skip
         self.detached = detached  # `mesh init`: the servers and the host outlive the command
         self.dir = folder.resolve()
@@ -89,6 +89,7 @@ class DevMesh:
         self.hosts = hosts
         self.port = port
         self.nats = nats  # nats-servers in the cluster
+        self.store_standby = store_standby  # PostgreSQL with a synchronous streaming standby
         self.children: list[Child] = []
         self.nats_url = ""
         self.database_url = ""
@@ -182,16 +183,39 @@ class DevMesh:
             say(f"nats-server {name} up on {url} (JetStream in {folder / 'js'}, pid {child.pid})")
 
     async def start_postgres(self) -> None:
+        """PostgreSQL in DIR/pg; with --store-standby, the primary there and a synchronous
+        streaming standby in DIR/pg-standby (copied from it the first time), and the URL lists
+        both, the pieces keeping only a session that lands on the primary."""
         data = self.dir / "pg"
         if not (data / "PG_VERSION").exists():
             say(f"initialising PostgreSQL in {data}")
         child, self.database_url = await postgres.start(
             data, log=self.dir / "logs" / "postgres.log", database=DATABASE,
-            detached=self.detached,
+            detached=self.detached, settings=postgres.PRIMARY if self.store_standby else (),
         )  # fmt: skip
         self.children.append(child)
         where = self.database_url.rsplit("@", 1)[-1].rsplit("/", 1)[0]
-        say(f"postgres up on {where} (data in {data}, pid {child.pid})")
+        if not self.store_standby:
+            say(f"postgres up on {where} (data in {data}, pid {child.pid})")
+            return
+        say(f"postgres primary up on {where} (data in {data}, pid {child.pid})")
+        primary_port = int(where.rsplit(":", 1)[1])
+        standby_data = self.dir / "pg-standby"
+        if not (standby_data / "PG_VERSION").exists():
+            say(f"copying the primary into {standby_data} (pg_basebackup)")
+        try:
+            standby, port = await postgres.start_standby(
+                standby_data, primary_port=primary_port, detached=self.detached,
+                log=self.dir / "logs" / "postgres-standby.log",
+            )  # fmt: skip
+            self.children.append(standby)
+            await postgres.wait_synchronous(
+                primary_port, deadline=60, alive=lambda: standby.running
+            )
+        except postgres.PostgresFailed as e:
+            raise DevError(f"the store's standby: {e}") from None
+        say(f"postgres standby up on 127.0.0.1:{port} (data in {standby_data}, pid {standby.pid})")
+        self.database_url = postgres.multi_host_url([primary_port, port], DATABASE)
 
     async def start_controllers(self) -> None:
         for i in (1, 2):
@@ -326,7 +350,7 @@ class DevMesh:
         groups: list[tuple[Callable[[Child], bool], int]] = [
             (lambda c: c.name.startswith("node-"), signal.SIGTERM),
             (lambda c: c.name.startswith("ctl-"), signal.SIGTERM),
-            (lambda c: c.name == "postgres", signal.SIGINT),  # fast shutdown
+            (lambda c: c.name.startswith("postgres"), signal.SIGINT),  # and its standby
             (lambda c: c.name.startswith("nats-"), signal.SIGTERM),
         ]
         for belongs, sig in groups:
@@ -391,14 +415,16 @@ def check_nats(nats: int) -> None:
         raise DevError(f"--nats: {nats} is out of range (1 to {MAX_NATS} servers)")
 
 
-async def up(*, folder: Path, hosts: int, port: int | None, nats: int = 1) -> None:
+async def up(
+    *, folder: Path, hosts: int, port: int | None, nats: int = 1, store_standby: bool = False
+) -> None:
     if hosts < 0 or hosts > 64:
         raise DevError(f"--hosts: {hosts} is out of range (0 to 64)")
     check_nats(nats)
     folder.mkdir(parents=True, exist_ok=True)
     lock = DirLock(folder)
     lock.acquire()
-    mesh = DevMesh(folder=folder, hosts=hosts, port=port, nats=nats)
+    mesh = DevMesh(folder=folder, hosts=hosts, port=port, nats=nats, store_standby=store_standby)
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(stop_on_signals, tg.cancel_scope)

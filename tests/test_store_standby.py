@@ -5,17 +5,24 @@ after a promotion), the replication check's warning, and `mesh dev up --store-st
 Real processes throughout; every one is stopped at teardown, even when a test fails."""
 
 import asyncio
+import json
+import os
+import queue
+import re
+import shlex
 import shutil
 import signal
 import subprocess
 import tempfile
+import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import asyncpg
 import pytest
-from helpers import await_until
+from helpers import MESH, await_until, mesh_cli, wait_until
 
 from mesh.embedded import postgres
 from mesh.embedded.children import Child
@@ -214,3 +221,104 @@ async def test_the_replication_check_warns_about_an_asynchronous_standby(
     finally:
         await conn.close()
     assert said.in_recovery and said.warning and "read-only standby" in said.warning
+
+
+# --- mesh dev up --store-standby ----------------------------------------------------------------
+
+
+class DevUp:
+    """`mesh dev up --store-standby` in the background, its lines read as they come."""
+
+    def __init__(self, folder: Path) -> None:
+        argv = [*MESH, "dev", "up", "--store-standby", "--hosts", "1", "--port", "0"]
+        self.proc = subprocess.Popen(
+            [*argv, "--dir", str(folder)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True,
+        )  # fmt: skip
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.seen: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line.rstrip("\n"))
+
+    def wait_for(self, prefix: str, within: float) -> str:
+        deadline = time.monotonic() + within
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                line = self.lines.get(timeout=left)
+            except queue.Empty:
+                break
+            self.seen.append(line)
+            if line.startswith(prefix):
+                return line
+        pytest.fail(
+            f"no line starting {prefix!r} within {within:g}s; saw:\n" + "\n".join(self.seen)
+        )
+
+    def pids(self) -> list[int]:
+        return [int(m) for line in self.seen for m in re.findall(r"pid (\d+)", line)]
+
+    def kill(self) -> None:
+        for pid in [self.proc.pid, *self.pids()]:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        self.proc.wait(timeout=20)
+
+
+def _env_file(folder: Path) -> dict[str, str]:
+    exported = {}
+    for line in (folder / "env").read_text().splitlines():
+        name, _, value = line.removeprefix("export ").partition("=")
+        exported[name] = shlex.split(value)[0]
+    return exported
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def _postgres_line(dev: DevUp, role: str, data: Path) -> tuple[int, int]:
+    line = dev.wait_for(f"postgres {role} up on ", within=120)
+    m = re.fullmatch(rf"postgres {role} up on 127\.0\.0\.1:(\d+) \(data in (.+), pid (\d+)\)", line)
+    assert m and m.group(2) == str(data), line
+    return int(m.group(1)), int(m.group(3))
+
+
+def test_dev_up_with_a_store_standby(folder: Path) -> None:
+    dir = folder / "dev"
+    for run in (1, 2):  # the second on the same folder: the standby comes back
+        dev = DevUp(dir)
+        try:
+            primary, primary_pid = _postgres_line(dev, "primary", dir.resolve() / "pg")
+            standby, standby_pid = _postgres_line(dev, "standby", dir.resolve() / "pg-standby")
+            url = dev.wait_for("ready ", within=120).split()[1]
+            copied = any(line.startswith("copying the primary") for line in dev.seen)
+            assert copied == (run == 1), dev.seen
+            assert not any(line.startswith("postgres up on") for line in dev.seen)
+            env = _env_file(dir)
+            assert env["MESH_DATABASE_URL"] == (
+                f"postgresql://postgres@127.0.0.1:{primary},127.0.0.1:{standby}/mesh"
+                "?target_session_attrs=read-write"
+            )
+            done = mesh_cli("--json", "status", nats_url=url, creds=env["MESH_CREDS"])
+            assert done.returncode == 0, done.stderr
+            assert json.loads(done.stdout)["seat"] is not None
+            dev.proc.send_signal(signal.SIGTERM)
+            dev.wait_for("stopped", within=90)
+            assert dev.proc.wait(timeout=30) == 0
+            wait_until(
+                lambda p=primary_pid, s=standby_pid: _gone(p) and _gone(s),
+                within=30, what="both PostgreSQL servers stopped",
+            )  # fmt: skip
+        finally:
+            dev.kill()

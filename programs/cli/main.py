@@ -65,6 +65,9 @@ def parser() -> argparse.ArgumentParser:
     dev_up.add_argument(
         "--nats", type=int, default=1, metavar="N", help="nats-servers in one cluster (1)"
     )
+    dev_up.add_argument(
+        "--store-standby", action="store_true", help="PostgreSQL with a synchronous standby"
+    )
     devcreds.add_parser(dev_verbs, common)
     machines.add_dev_parser(dev_verbs, common)
 
@@ -146,7 +149,10 @@ async def cmd_nodes(args: argparse.Namespace) -> None:
 async def cmd_dev_up(args: argparse.Namespace) -> None:
     from programs.dev_up import up
 
-    await up(folder=args.dir, hosts=args.hosts, port=args.port, nats=args.nats)
+    await up(
+        folder=args.dir, hosts=args.hosts, port=args.port, nats=args.nats,
+        store_standby=args.store_standby,
+    )  # fmt: skip
 
 
 async def cmd_init(args: argparse.Namespace) -> None:
