@@ -340,7 +340,8 @@ class DevMesh:
             await anyio.sleep(1)
             self.children.remove(child)
             child = await self._start_controller(child.name)
-        if child.name.startswith("nats-") or child.name == "postgres":
+        # With a standby, the primary lost is the HA manager's to handle (`pg_ctl promote`).
+        if child.name.startswith("nats-") or (child.name == "postgres" and not self.store_standby):
             say(f"{'NATS' if child.name.startswith('nats-') else child.name} is gone: "
                 "stopping the mesh")  # fmt: skip
             self.lost = f"{child.name} exited ({how}); see {child.log}"

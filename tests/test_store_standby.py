@@ -168,11 +168,7 @@ async def test_after_a_promotion_the_same_url_reaches_the_new_primary(
         await conn.close()
     pair.primary.proc.kill()  # the primary dies; the HA manager promotes the standby
     await pair.primary.proc.wait()
-    promoted = subprocess.run(
-        [postgres.bin("pg_ctl"), "promote", "-w", "-t", "60", "-D", str(folder / "pg-standby")],
-        capture_output=True, text=True, **postgres.run_as(),
-    )  # fmt: skip
-    assert promoted.returncode == 0, promoted.stderr
+    _promote(folder / "pg-standby")
     conn = await db.connect(url)
     try:
         assert await _server_of(conn) == (pair.standby_port, False)
@@ -287,6 +283,21 @@ def _gone(pid: int) -> bool:
     return False
 
 
+def _promote(data: Path) -> None:
+    """What an HA manager does (docs/operations.md, A store standby)."""
+    done = subprocess.run(
+        [postgres.bin("pg_ctl"), "promote", "-w", "-t", "60", "-D", str(data)],
+        capture_output=True, text=True, **postgres.run_as(),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+
+
+def _epoch(url: str, creds: str) -> int:
+    done = mesh_cli("--json", "status", nats_url=url, creds=creds, timeout=20)
+    seat = json.loads(done.stdout).get("seat") if done.returncode == 0 else None
+    return seat["epoch"] if seat else 0
+
+
 def _postgres_line(dev: DevUp, role: str, data: Path) -> tuple[int, int]:
     line = dev.wait_for(f"postgres {role} up on ", within=120)
     m = re.fullmatch(rf"postgres {role} up on 127\.0\.0\.1:(\d+) \(data in (.+), pid (\d+)\)", line)
@@ -312,7 +323,14 @@ def test_dev_up_with_a_store_standby(folder: Path) -> None:
             )
             done = mesh_cli("--json", "status", nats_url=url, creds=env["MESH_CREDS"])
             assert done.returncode == 0, done.stderr
-            assert json.loads(done.stdout)["seat"] is not None
+            epoch = json.loads(done.stdout)["seat"]["epoch"]
+            if run == 2:  # the primary dies, the standby is promoted: the mesh answers on
+                os.kill(primary_pid, signal.SIGKILL)
+                _promote(dir / "pg-standby")
+                wait_until(
+                    lambda u=url, c=env["MESH_CREDS"], e=epoch: _epoch(u, c) > e,
+                    within=60, what="a holder on the promoted standby",
+                )  # fmt: skip
             dev.proc.send_signal(signal.SIGTERM)
             dev.wait_for("stopped", within=90)
             assert dev.proc.wait(timeout=30) == 0
