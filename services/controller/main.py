@@ -30,7 +30,7 @@ from nats.js.kv import KeyValue
 from mesh import blobs, bus, subjects, wire
 from mesh.errors import MeshError
 from mesh.model import Handover, SeatAnnounce, SeatInfo
-from mesh.store import db, events, seats
+from mesh.store import db, events, replication, seats
 from mesh.store.migrate import migrate
 from services.controller import epochs, handover, readiness
 from services.controller.changes import Changes
@@ -287,6 +287,10 @@ class Hold:
                                 bus_epoch=bus_epoch, epoch=row.epoch)  # fmt: skip
         await epochs.claim(self.seat_kv, seen=on_bus, epoch=row.epoch, holder=me.instance,
                            pid=me.pid)  # fmt: skip
+        said = await replication.check(lock.conn)
+        if said.warning is not None:  # HA needs synchronous replication (docs/operations.md)
+            log.warning("controller %s: %s", me.instance, said.warning)
+            self.warnings.append(said.warning)
         self.ready.set("holding", row.epoch)
         previous = before.holder if before else None
         let_go = self.released.take(previous) if previous else None
