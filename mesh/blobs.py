@@ -16,7 +16,11 @@ from typing import TypeVar
 
 import anyio
 from nats.aio.client import Client
-from nats.errors import NoRespondersError
+from nats.errors import (
+    ConnectionReconnectingError,
+    NoRespondersError,
+    StaleConnectionError,
+)
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import ObjectStoreConfig
 from nats.js.errors import (
@@ -76,13 +80,13 @@ async def ensure(nc: Client, *, within: float = 60.0) -> tuple[KeyValue, ObjectS
 
     JetStream may not answer for a while (a cluster electing its leader after a restart, the
     server we are connected to just lost): asked again until `within` seconds have passed."""
-    return await _patiently(lambda: _ensure(nc), within=within)
+    return await patiently(lambda: _ensure(nc), within=within)
 
 
 async def ensure_seat(nc: Client, *, within: float = 60.0) -> KeyValue:
     """The bucket where the seat's holder records its epoch, opened (or created) as `ensure`
     opens the others."""
-    return await _patiently(lambda: _ensure_seat(nc), within=within)
+    return await patiently(lambda: _ensure_seat(nc), within=within)
 
 
 async def _ensure_seat(nc: Client) -> KeyValue:
@@ -95,17 +99,26 @@ async def _ensure_seat(nc: Client) -> KeyValue:
     return kv
 
 
-async def _patiently(attempt: Callable[[], Awaitable[T]], *, within: float) -> T:
+# What a server lost, a cluster electing a leader or a connection moving to another server look
+# like to a JetStream request; worth asking again.
+_NOT_ANSWERING = (
+    NatsTimeout, ServiceUnavailableError, NoRespondersError, ConnectionReconnectingError,
+    StaleConnectionError,
+)  # fmt: skip
+
+
+async def patiently(attempt: Callable[[], Awaitable[T]], *, within: float) -> T:
+    """`attempt()`, asked again while JetStream does not answer (timeouts, no responders,
+    503s), until `within` seconds have passed; then BlobsUnavailable."""
     deadline = time.monotonic() + within
     told = False
     while True:
         try:
             return await attempt()
-        except (NatsTimeout, ServiceUnavailableError, NoRespondersError) as e:
+        except _NOT_ANSWERING as e:
             if time.monotonic() > deadline:
                 raise BlobsUnavailable(
-                    f"JetStream did not answer for {within:g}s ({type(e).__name__}): "
-                    "cannot open the mesh's buckets"
+                    f"JetStream did not answer for {within:g}s ({type(e).__name__})"
                 ) from None
             if not told:
                 log.info("JetStream is not answering yet (%s); asking again", type(e).__name__)

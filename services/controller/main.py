@@ -48,6 +48,7 @@ from services.controller.views import Views
 log = logging.getLogger("mesh.controller")
 
 BUS_GRACE = 3.0  # a holder cut off from NATS this long steps down (docs/design.md, the seat)
+ROUND_TRIP_EVERY = 1.0  # how often the holder checks that NATS answers
 
 
 class BusLost(MeshError):
@@ -317,13 +318,20 @@ class Hold:
         self.reports = await reports.subscribe(nc)
         await nc.flush()
         await nc.publish(subjects.seat("held"), wire.encode(held))
-        self.link.on_up = holder.fleet.forgive  # beats lost while we were away are not theirs
+
+        def back_on_nats() -> None:
+            holder.fleet.forgive()  # beats lost while we were away are not theirs
+            # ...and reports may have been lost too: `held` again asks every host for them.
+            background.start_soon(_attempt, "announce held again",
+                                  nc.publish(subjects.seat("held"), wire.encode(held)))  # fmt: skip
+
+        self.link.on_up = back_on_nats
         background.start_soon(self.lock.watch)
         assert self.seat_kv is not None
         background.start_soon(lambda: epochs.watch(self.seat_kv, epoch=held.epoch))
         background.start_soon(holder.fleet.watch)
         background.start_soon(holder.publisher.keep_published)
-        background.start_soon(_step_down_without_bus, self.link)
+        background.start_soon(_step_down_without_bus, self.link, nc)
 
     async def _hand_over(self, *, held: SeatAnnounce, plans: anyio.CancelScope) -> None:
         nc = self.nc
@@ -377,9 +385,29 @@ async def _plan_work(
         await planner.run()
 
 
-async def _step_down_without_bus(link: bus.Link) -> None:
-    await link.down_for(BUS_GRACE)
-    raise BusLost(f"lost NATS for more than {BUS_GRACE:g}s: gave up the seat")
+async def _step_down_without_bus(link: bus.Link, nc: Client) -> None:
+    """Raise BusLost once NATS has been gone for BUS_GRACE: as nats-py reports it (a closed
+    connection), or as our own round trips find it (a silent link: nats-py notices by its pings
+    only after 10-15 s, and over TLS its close waits out the SSL shutdown on top)."""
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(_round_trips, nc)
+        await link.down_for(BUS_GRACE)
+        raise BusLost(f"lost NATS for more than {BUS_GRACE:g}s: gave up the seat")
+
+
+async def _round_trips(nc: Client) -> None:
+    answered = time.monotonic()
+    while True:
+        await anyio.sleep(ROUND_TRIP_EVERY)
+        try:
+            with anyio.fail_after(BUS_GRACE):
+                await nc.flush(timeout=BUS_GRACE)  # a PING the server must answer
+            answered = time.monotonic()
+        except Exception:  # timeouts, a connection closed or reconnecting: all say "no answer"
+            if time.monotonic() - answered > BUS_GRACE:
+                raise BusLost(
+                    f"NATS did not answer for more than {BUS_GRACE:g}s: gave up the seat"
+                ) from None
 
 
 async def _attempt(what: str, step: Awaitable[object], *, within: float = 3.0) -> None:

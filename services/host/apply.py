@@ -23,7 +23,7 @@ from nats.aio.client import Client
 from mesh import blobs, bus, subjects, wire
 from mesh.lifetime import first_of
 from mesh.model import Applied, SecretReply, SecretRequest
-from mesh.modules.compose import Declaration, DProcess
+from mesh.modules.compose import DBundle, Declaration, DProcess
 from mesh.modules.gate import duration
 from services.host import accounts, bundles, containers, files, watch
 from services.host.processes import credentials, kill_group
@@ -42,6 +42,7 @@ class Envelope(msgspec.Struct):
 
 RETRY_FIRST = 5.0
 RETRY_MAX = 60.0
+BUS_PATIENCE = 30.0  # how long a step waits out a bus or JetStream that does not answer
 
 
 class _Latest:
@@ -126,6 +127,7 @@ class Applier:
         self._first = True  # after a (re)start, apply once even an applied digest: adopt
         self._newer = anyio.Event()  # set when a newer declaration waits behind this apply
         self._applying: str | None = None  # the digest being applied now
+        self._last_report: Applied | None = None  # sent again when it may have been lost
         self._nc = nc
         self._root = root
         self._state = root / "state" / "applied.json"
@@ -240,7 +242,20 @@ class Applier:
             name=self.name, digest=env.digest, epoch=env.epoch, ok=ok, step=step, error=error,
             processes=self.supervisor.states(),
         )  # fmt: skip
+        if step != "fence":  # a refused stale value says nothing of what the machine has
+            self._last_report = applied
         await self._nc.publish(subjects.event(self.name, "applied"), wire.encode(applied))
+
+    async def report_again(self) -> None:
+        """The last `applied` report again, with the processes as they are now: a core NATS
+        publish is lost when a nats-server dies under the host or under the holder, and a
+        plan's step would wait for it until its deadline. Sent when the host's connection
+        comes back and when the holder says `held` again (after its own reconnect)."""
+        last = self._last_report
+        if last is None:
+            return
+        again = msgspec.structs.replace(last, processes=self.supervisor.states())
+        await self._nc.publish(subjects.event(self.name, "applied"), wire.encode(again))
 
     async def _apply(self, decl: Declaration) -> None:
         ids: dict[str, accounts.Identity] = {}
@@ -249,10 +264,13 @@ class Applier:
                 ids[name] = await anyio.to_thread.run_sync(accounts.ensure, name, account)
             except Exception as e:
                 raise StepFailed(f"account {name}", str(e)) from None
-        obs = await blobs.store(self._nc)
         for key, bundle in sorted(decl.bundles.items()):
             try:
-                await bundles.ensure(obs, self._root, key, bundle)
+                # A JetStream that does not answer for a while (a server of the cluster lost,
+                # a leader being elected) is waited out, not taken for a failed step.
+                await blobs.patiently(
+                    lambda b=bundle, k=key: self._bundle(k, b), within=BUS_PATIENCE
+                )
             except Exception as e:
                 raise StepFailed(f"bundle {key}", str(e)) from None
         for proc, p in sorted(decl.processes.items()):
@@ -396,13 +414,16 @@ class Applier:
                 f"prepare {launch.name}", f"exit code {process.returncode}: {' | '.join(tail)}"
             )
 
+    async def _bundle(self, key: str, bundle: DBundle) -> None:
+        await bundles.ensure(await blobs.store(self._nc), self._root, key, bundle)
+
     async def _secret(self, name: str | None) -> bytes:
         assert name is not None
         data = await bus.request(
             self._nc,
             subjects.ctl_host(self.name, "secret"),
             wire.encode(SecretRequest(name=name)),
-            deadline=time.monotonic() + 10,
+            deadline=time.monotonic() + BUS_PATIENCE,  # retried while the seat or a server moves
         )
         reply = wire.decode_reply(data, SecretReply)
         return base64.b64decode(reply.value)

@@ -89,7 +89,8 @@ async def run(
         beat_interval=beat_interval,
         pid=os.getpid(),
     )
-    nc = await bus.connect(nats_url, name=f"mesh-host {name}", creds=creds)
+    link = bus.Link()
+    nc = await bus.connect(nats_url, name=f"mesh-host {name}", creds=creds, link=link)
     served: Server | None = None
     try:
         async with anyio.create_task_group() as tg:
@@ -124,6 +125,13 @@ async def run(
             await report_processes()
             tg.start_soon(_beat, nc, name, beat_interval)
             tg.start_soon(applier.watch)
+
+            async def report_again() -> None:
+                await applier.report_again()
+                await report_processes()
+
+            # Reports published while a server died under us may be lost: say them again.
+            link.on_up = lambda: tg.start_soon(report_again)
             async for msg in held.messages:
                 try:
                     announce = wire.decode(msg.data, SeatAnnounce)
@@ -135,6 +143,10 @@ async def run(
                         at_least=announce.epoch,
                     )  # fmt: skip
                     await report_processes()
+                elif announce.epoch == status.epoch:
+                    # Our holder, back on NATS after an outage of its own: what we reported
+                    # meanwhile may not have reached it.
+                    await report_again()
     finally:
         with anyio.CancelScope(shield=True):
             if served is not None:
