@@ -252,13 +252,25 @@ async def waiting_in(nc, plan_id: int, machine: str) -> dict:
     return await await_until(applying, within=60, what=f"{machine}'s step applying")
 
 
+async def kv_value(nc, key: str, within: float = 30) -> bytes:
+    """A key's value, asked again while JetStream re-elects after the servers' restarts."""
+
+    async def get():
+        try:
+            kv = await nc.jetstream().key_value("mesh-declarations")
+            return (await kv.get(key)).value
+        except nats.errors.TimeoutError:
+            return None
+
+    return await await_until(get, within=within, what=f"{key} in mesh-declarations")
+
+
 async def assert_declarations_newest(nc, plan: dict) -> None:
     """Every host's key is in the bucket, with the plan's declaration and the newest epoch."""
     taken = await status(nc)
     assert taken is not None
-    kv = await nc.jetstream().key_value("mesh-declarations")
     for step in plan["steps"]:
-        entry = json.loads((await kv.get(step["machine"])).value)
+        entry = json.loads(await kv_value(nc, step["machine"]))
         assert entry["digest"] == step["after"], (step, entry)
         assert entry["epoch"] == taken["seat"]["epoch"], (step["machine"], entry["epoch"])
     await assert_kv_epochs_rise(nc)
