@@ -35,7 +35,12 @@ controller. The script never fails on a timing.
 
     .venv/bin/python bench/rollout.py [--machines 1000] [--split 1,9,90] [--plans 3]
                                       [--beat-interval 1] [--idle 3] [--profile]
-                                      [--deadline 600]
+                                      [--deadline 600] [--nats 1] [--tls]
+
+`--nats N` (N > 1) runs the nats-servers as one cluster, always TLS (`--tls`: one server with
+TLS), as bench/verbs.py does: the controller connects to server n1, the simulated hosts to n2.
+The controller makes its buckets with min(3, N) replicas (mesh.blobs.ensure); the script prints
+the replicas, leader and peers of both streams.
 
 `--profile` runs the controller under cProfile (`python -m cProfile -o FILE -m mesh controller
 run`; it writes the profile when it stops, kept as $TMPDIR/mesh-bench-controller.prof) and
@@ -75,12 +80,13 @@ from verbs import (  # bench/verbs.py: the same pieces, started the same way
     BenchError,
     Guard,
     Pieces,
+    cpu_of,
     cpu_seconds,
     machine_busy_seconds,
 )
 
 from mesh import bus, wire
-from mesh.blobs import DECLARATIONS
+from mesh.blobs import BUNDLES, DECLARATIONS
 from mesh.embedded.children import Child
 from mesh.model import (
     Applied,
@@ -132,6 +138,7 @@ class Sims:
         self.nc = nc
         self.tiers = tiers  # name -> tier
         self.interval = interval
+        self.registered: set[str] = set()  # the ones that beat
         self.received: dict[str, float] = {}  # name -> wall time its newest value arrived
         self.applied: dict[str, str] = {}  # name -> digest it reported applied
         self.values = 0
@@ -155,13 +162,17 @@ class Sims:
                 reply = wire.decode_reply(data, RegisterReply)
                 if reply.tier != tier:
                     raise BenchError(f"{name} registered in tier {reply.tier}, not {tier}")
+                self.registered.add(name)
 
         async with asyncio.TaskGroup() as tg:
             for _ in range(min(in_flight, len(self.tiers))):
                 tg.create_task(worker())
 
     async def beat(self) -> None:
-        """Every machine beats once per interval; the beats are spread over ten slices of it."""
+        """Every registered machine beats once per interval; the beats are spread over ten
+        slices of it. Started before the registrations, so that the first machines registered
+        do not miss beats while the rest register (which takes more than three intervals on a
+        busy machine, and the controller then takes them for down)."""
         names = sorted(self.tiers)
         slices = 10
         seq = 0
@@ -170,6 +181,8 @@ class Sims:
             start = time.monotonic()
             for k in range(slices):
                 for name in names[k::slices]:
+                    if name not in self.registered:
+                        continue
                     beat = Beat(name=name, seq=seq, interval=self.interval)
                     await self.nc.publish(f"mesh.host.{name}.beat", wire.encode(beat))
                 wake = start + (k + 1) * self.interval / slices
@@ -259,14 +272,14 @@ class Sampler:
     """CPU seconds of the measured processes, sampled against wall time, so the CPU of any
     interval (a plan's start to its finish, by the controller's clock) can be read off."""
 
-    def __init__(self, pids: dict[str, int], trees: dict[str, int]) -> None:
-        self.pids = pids  # name -> pid (that process alone)
+    def __init__(self, pids: dict[str, list[int]], trees: dict[str, int]) -> None:
+        self.pids = pids  # name -> pids (those processes alone, summed)
         self.trees = trees  # name -> pid (it and its children)
         self.times: list[float] = []
         self.samples: list[dict[str, float]] = []
 
     def sample(self) -> None:
-        now = {name: cpu_seconds(pid) for name, pid in self.pids.items()}
+        now = {name: cpu_of(pids) for name, pids in self.pids.items()}
         now.update({name: tree_cpu(pid) for name, pid in self.trees.items()})
         now["sims"] = time.process_time()
         now["machine"] = machine_busy_seconds()
@@ -351,10 +364,12 @@ def write_module(folder: Path, version: int) -> Path:
     return folder
 
 
-async def push(folder: Path, nats_url: str, logs: Path) -> int:
+async def push(folder: Path, nats_url: str, logs: Path, ca: str | None) -> int:
     """`mesh push DIR --json` (without --wait: the script follows the plan itself)."""
     argv = [sys.executable, "-P", "-m", "mesh", "push", str(folder), "--json",
             "--nats-url", nats_url, "--timeout", str(REQUEST_TIMEOUT)]  # fmt: skip
+    if ca:
+        argv += ["--ca", ca]
     proc = await asyncio.create_subprocess_exec(
         *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
     )
@@ -430,6 +445,7 @@ def figures(
 class Results:
     machines: int
     tiers: dict[int, int]
+    streams: list[str]  # each bucket's stream: replicas, leader, peers
     idle: dict[str, float]  # cores, with the fleet beating and no plan
     plans: list[PlanFigures]
     profile: Path | None
@@ -457,23 +473,47 @@ async def start_controller(pieces: Pieces, nc: Client, profile: Path | None) -> 
     raise BenchError(f"the controller did not take the seat within 60s; see {child.log}")
 
 
+async def streams(nc: Client) -> list[str]:
+    """The controller's two buckets as JetStream holds them: replicas, leader and peers."""
+    lines = []
+    for stream in (f"KV_{DECLARATIONS}", f"OBJ_{BUNDLES}"):
+        info = await nc.jsm().stream_info(stream)
+        where = "a lone server"
+        if info.cluster is not None and info.cluster.name:
+            peers = [
+                f"{p.name}{'' if p.current else ' (not current)'}"
+                for p in info.cluster.replicas or []
+            ]
+            where = f"leader {info.cluster.leader}, peers {', '.join(peers) or 'none'}"
+        storage = getattr(info.config.storage, "value", info.config.storage) or "?"
+        lines.append(
+            f"{stream}: {info.config.num_replicas or 1} replica(s), {storage} storage, {where}"
+        )
+    return lines
+
+
 async def bench(args: argparse.Namespace, pieces: Pieces) -> Results:
     tiers = spread(args.machines, args.split)
     counts = {t: sum(1 for v in tiers.values() if v == t) for t in range(3)}
-    say("starting nats-server…")
-    natsd = await pieces.nats()
-    say(f"  nats-server on {pieces.nats_url} (pid {natsd.pid})")
+    say(f"starting {pieces.describe()}…")
+    servers = await pieces.nats()
+    for child, url in zip(servers, pieces.urls, strict=True):
+        say(f"  {child.name} on {url} (pid {child.pid})")
     say("starting PostgreSQL…")
     pg = await pieces.postgres()
     say(f"  postgres pid {pg.pid}")
 
-    nc = await bus.connect(pieces.nats_url, name="bench sims", reconnect=False)
+    nc = await pieces.connect("bench sims")
+    say(f"  the controller on {pieces.server_url}, the simulated hosts on {pieces.client_url}")
     tasks: list[asyncio.Task[None]] = []
     profile = pieces.folder / "controller.prof" if args.profile else None
     try:
         say("starting the controller" + (" under cProfile…" if profile else "…"))
         ctl = await start_controller(pieces, nc, profile)
         say(f"  controller pid {ctl.pid} holds the seat")
+        buckets = await streams(nc)
+        for line in buckets:
+            say(f"  {line}")
         sims = Sims(nc, tiers, args.beat_interval)
         await sims.watch()
         say(
@@ -481,10 +521,13 @@ async def bench(args: argparse.Namespace, pieces: Pieces) -> Results:
             f"(tier 0: {counts[0]}, tier 1: {counts[1]}, tier 2: {counts[2]})…"
         )
         t0 = time.perf_counter()
+        tasks.append(asyncio.create_task(sims.beat()))
         await sims.register(pieces.guard)
         say(f"  registered in {time.perf_counter() - t0:.2f} s")
-        tasks.append(asyncio.create_task(sims.beat()))
-        sampler = Sampler({"controller": ctl.pid, "nats-server": natsd.pid}, {"postgres": pg.pid})
+        sampler = Sampler(
+            {"controller": [ctl.pid], "nats-server": [s.pid for s in servers]},
+            {"postgres": pg.pid},
+        )
         tasks.append(asyncio.create_task(sampler.run()))
         status = await ask(nc, "status", None, StatusReply)
         say(f"  status: {status.nodes.total} machines, {status.nodes.up} up")
@@ -501,7 +544,7 @@ async def bench(args: argparse.Namespace, pieces: Pieces) -> Results:
             write_module(module, version)
             say(f"pushing {MODULE} version {version}…")
             p0 = time.time()
-            plan_id = await push(module, pieces.nats_url, pieces.folder / "logs")
+            plan_id = await push(module, pieces.nats_url, pieces.folder / "logs", pieces.ca)
             say(f"  plan {plan_id}; following it…")
             plan = await follow(nc, plan_id, pieces.guard)
             p1 = time.time()
@@ -513,7 +556,7 @@ async def bench(args: argparse.Namespace, pieces: Pieces) -> Results:
                 raise BenchError(f"plan {plan_id} ended {plan.state}: {plan.failure}")
             results.append(f)
             await asyncio.sleep(args.pause)
-        return Results(args.machines, counts, idle, results, profile)
+        return Results(args.machines, counts, buckets, idle, results, profile)
     finally:
         for task in tasks:
             task.cancel()
@@ -523,6 +566,10 @@ async def bench(args: argparse.Namespace, pieces: Pieces) -> Results:
 
 def report(r: Results, args: argparse.Namespace) -> None:
     say("")
+    kind = f"a cluster of {args.nats}, TLS" if args.nats > 1 else "one"
+    say(f"nats-servers: {kind}{', TLS' if args.nats == 1 and args.tls else ''}; buckets:")
+    for line in r.streams:
+        say(f"  {line}")
     say(
         f"machines: {r.machines} simulated (tier 0: {r.tiers[0]}, tier 1: {r.tiers[1]}, "
         f"tier 2: {r.tiers[2]}), beating every {args.beat_interval:g} s; "
@@ -606,6 +653,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", action="store_true", help="run the controller under cProfile")
     p.add_argument("--top", type=int, default=25, help="functions shown with --profile (25)")
     p.add_argument("--deadline", type=float, default=600, help="seconds for the whole run")
+    p.add_argument(
+        "--nats", type=int, default=1, metavar="N", help="nats-servers; above 1 a TLS cluster (1)"
+    )
+    p.add_argument("--tls", action="store_true", help="TLS on a lone nats-server too")
     return p
 
 
@@ -623,7 +674,7 @@ async def run(args: argparse.Namespace) -> Results:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, interrupt)
     with tempfile.TemporaryDirectory(prefix="mesh-bench-") as tmp:
-        pieces = Pieces(Path(tmp), guard)
+        pieces = Pieces(Path(tmp), guard, servers=args.nats, tls=args.tls)
         try:
             async with asyncio.timeout(args.deadline):
                 results = await bench(args, pieces)
@@ -659,6 +710,8 @@ def main() -> None:
         sys.exit("--machines must be between 1 and 100000")
     if args.plans < 1 or args.beat_interval <= 0 or args.idle <= 0:
         sys.exit("--plans, --beat-interval and --idle must be positive")
+    if not 1 <= args.nats <= 5:
+        sys.exit("--nats must be between 1 and 5")
     os.environ.pop("MESH_CREDS", None)  # the bench's nats-server has no authorization block
     try:
         results = asyncio.run(run(args))

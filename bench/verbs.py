@@ -1,6 +1,7 @@
 """Benchmark: the controller's `status` verb against a raw nats-py echo responder.
 
-What it measures, in one run, on one nats-server:
+What it measures, in one run, on one nats-server (or a cluster of `--nats N`, always TLS;
+`--tls` makes one server TLS too):
 
 1. the baseline: a bare nats-py subscription (queue group `bench-echo`) on `bench.echo` that
    answers every request with a small fixed JSON body, in a process of its own;
@@ -26,10 +27,15 @@ never fails on a timing (timings are not asserted anywhere, see docs/performance
 
     .venv/bin/python bench/verbs.py [--requests 5000] [--concurrent-requests 80000]
                                     [--concurrency 64] [--rounds 8] [--machines 0]
-                                    [--warmup 500] [--deadline 600]
+                                    [--warmup 500] [--deadline 600] [--nats 1] [--tls]
 
 Everything lives in a temporary folder; every child runs in its own session and is stopped in
 a `finally`, so nothing is left running when the script ends or fails.
+
+With `--nats N` (N > 1) the servers form one cluster (TLS on client connections and routes, a
+CA and certificates made in the temporary folder with mesh.auth.tls, as `mesh dev up --nats N`
+does). The placement is fixed, so runs compare: the controller and the echo responder connect to
+server n1, this client to n2, so every request and its reply cross a route, for both subjects.
 """
 
 from __future__ import annotations
@@ -51,8 +57,11 @@ import nats.errors
 from nats.aio.client import Client
 from nats.aio.client import __version__ as nats_py_version
 from nats.aio.msg import Msg
+from nats.js.api import StorageType, StreamConfig
+from nats.js.errors import APIError
 
 from mesh import bus, wire
+from mesh.auth import tls as mesh_tls
 from mesh.embedded import natsd, ports, postgres
 from mesh.embedded.children import Child, spawn
 from mesh.model import Facts, Register, RegisterReply, StatusReply
@@ -81,9 +90,11 @@ class BenchError(Exception):
 # --- the echo responder (its own process: `python bench/verbs.py --echo-server URL`) ---------
 
 
-async def echo_server(url: str) -> None:
-    """Answer every request on ECHO_SUBJECT with ECHO_BODY until SIGTERM/SIGINT."""
-    nc = await nats.connect(url, name="bench echo")
+async def echo_server(url: str, ca: str | None) -> None:
+    """Answer every request on ECHO_SUBJECT with ECHO_BODY until SIGTERM/SIGINT. With `ca`, over
+    TLS trusting that CA alone (what mesh.bus.connect does)."""
+    context = mesh_tls.client_context(cafile=ca) if ca else None
+    nc = await nats.connect(url, name="bench echo", tls=context)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -110,6 +121,11 @@ def cpu_seconds(pid: int) -> float:
     fields = text[text.rindex(")") + 2 :].split()  # after "pid (comm) "
     utime, stime = int(fields[11]), int(fields[12])  # fields 14 and 15 of the whole line
     return (utime + stime) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_of(pids: list[int]) -> float:
+    """CPU seconds of several processes together (the nats-servers of a cluster)."""
+    return sum(cpu_seconds(pid) for pid in pids)
 
 
 def machine_busy_seconds() -> float:
@@ -154,15 +170,15 @@ class Result:
 
 
 class Cpu:
-    """CPU seconds of the responder, nats-server, this client and the whole machine over one
-    phase."""
+    """CPU seconds of the responder, the nats-server(s), this client and the whole machine over
+    one phase."""
 
-    def __init__(self, pids: dict[str, int]) -> None:
+    def __init__(self, pids: dict[str, list[int]]) -> None:
         self._pids = pids
         self._start: dict[str, float] = {}
 
     def _read(self) -> dict[str, float]:
-        now = {name: cpu_seconds(pid) for name, pid in self._pids.items()}
+        now = {name: cpu_of(pids) for name, pids in self._pids.items()}
         now["client"] = time.process_time()
         now["machine"] = machine_busy_seconds()
         return now
@@ -286,33 +302,119 @@ def _last_lines(child: Child) -> str:
 
 
 class Pieces:
-    """The child processes of one benchmark run, stopped in reverse order."""
+    """The child processes of one benchmark run, stopped in reverse order.
 
-    def __init__(self, folder: Path, guard: Guard) -> None:
+    `servers` nats-servers: one, or a cluster (always TLS); `tls` makes a lone server TLS too.
+    The controller (and the echo responder) connect to the first server, the bench's own
+    client to the second (`client_url`), so with a cluster every request crosses a route."""
+
+    def __init__(self, folder: Path, guard: Guard, *, servers: int = 1, tls: bool = False):
         self.folder = folder
         self.guard = guard
+        self.servers = servers
+        self.tls = tls or servers > 1
         self.children: list[Child] = []
-        self.nats_url = ""
+        self.urls: list[str] = []  # one per server, n1 first
+        self.nats_url = ""  # every server, comma-separated
+        self.ca: str | None = None  # the CA's certificate, with TLS
         self.database_url = ""
+
+    @property
+    def server_url(self) -> str:
+        """Where the controller and the echo responder connect: n1."""
+        return self.urls[0]
+
+    @property
+    def client_url(self) -> str:
+        """Where the bench's own client connects: n2 (n1 when alone)."""
+        return self.urls[min(1, len(self.urls) - 1)]
+
+    def describe(self) -> str:
+        kind = f"a cluster of {self.servers}" if self.servers > 1 else "one"
+        return f"{kind} nats-server{'s' if self.servers > 1 else ''}, " + (
+            "TLS" if self.tls else "plaintext"
+        )
+
+    async def connect(self, name: str, url: str | None = None) -> Client:
+        return await bus.connect(url or self.client_url, name=name, reconnect=False, ca=self.ca)
 
     async def _start(self, name: str, argv: list[str], **kwargs: object) -> Child:
         env = dict(os.environ)
         env["PYTHONUNBUFFERED"] = "1"
-        if self.nats_url:
-            env["MESH_NATS_URL"] = self.nats_url
+        if self.urls:
+            env["MESH_NATS_URL"] = self.server_url
+        if self.ca:
+            env["MESH_CA"] = self.ca
         if self.database_url:
             env["MESH_DATABASE_URL"] = self.database_url
         child = await spawn(name, argv, log=self.folder / "logs" / f"{name}.log", env=env, **kwargs)
         self.children.append(child)
         return child
 
-    async def nats(self) -> Child:
-        port = ports.free_port()
-        conf = natsd.write_config(self.folder / "nats", port=port, name="bench")
-        child = await self._start("nats-server", natsd.argv(conf))
-        await _until("nats-server", child, lambda: _port_open(port), within=20, guard=self.guard)
-        self.nats_url = f"nats://127.0.0.1:{port}"
-        return child
+    async def nats(self) -> list[Child]:
+        """The nats-server(s), made as `mesh dev up` makes them (programs/dev_up.py start_nats):
+        with TLS, a CA and a certificate per server; with several, one cluster with TLS routes."""
+        client = [ports.free_port() for _ in range(self.servers)]
+        cluster = [ports.free_port() for _ in range(self.servers)] if self.servers > 1 else []
+        scheme = "tls" if self.tls else "nats"
+        if self.tls:
+            self.ca = str(mesh_tls.ensure_ca(self.folder / "ca", name="bench"))
+        children = []
+        for i, port in enumerate(client):
+            name = f"n{i + 1}" if cluster else "bench"
+            folder = self.folder / "nats" / name
+            server_tls = None
+            if self.ca:
+                cert, key = folder / "server.pem", folder / "server.key"
+                mesh_tls.issue_server(self.folder / "ca", cert, key, name=name,
+                                      hosts=["127.0.0.1", "localhost"])  # fmt: skip
+                server_tls = natsd.Tls(cert=cert, key=key, ca=Path(self.ca))
+            conf = natsd.write_config(
+                folder, port=port, name=name, tls=server_tls,
+                cluster=natsd.Cluster(port=cluster[i], routes=[f"127.0.0.1:{p}" for p in cluster])
+                if cluster else None,
+            )  # fmt: skip
+            child_name = f"nats-{name}" if cluster else "nats-server"
+            children.append(await self._start(child_name, natsd.argv(conf)))
+            self.urls.append(f"{scheme}://127.0.0.1:{port}")
+        for child, port in zip(children, client, strict=True):
+            await _until(child.name, child, lambda p=port: _port_open(p), within=20,
+                         guard=self.guard)  # fmt: skip
+        self.nats_url = ",".join(self.urls)
+        if cluster:
+            await self._cluster_formed(children)
+        return children
+
+    async def _cluster_formed(self, children: list[Child]) -> None:
+        """Until JetStream can place a stream on min(3, servers) of them: then the controller's
+        buckets get all their replicas (mesh.blobs.ensure settles for fewer while the routes
+        are still forming)."""
+        replicas = min(3, self.servers)
+        nc = await self.connect("bench probe", self.server_url)
+        try:
+            deadline = time.monotonic() + 30
+            while True:
+                self.guard.check()
+                for child in children:
+                    if not child.running:
+                        raise BenchError(f"{child.name} exited; {_last_lines(child)}")
+                try:
+                    jsm = nc.jsm()
+                    await jsm.add_stream(
+                        StreamConfig(name="bench-probe", subjects=["bench.probe"],
+                                     num_replicas=replicas, storage=StorageType.MEMORY)
+                    )  # fmt: skip
+                    await jsm.delete_stream("bench-probe")
+                    return
+                except (APIError, nats.errors.Error) as e:
+                    if time.monotonic() > deadline:
+                        raise BenchError(
+                            f"the cluster could not place a stream on {replicas} servers "
+                            f"within 30 s: {type(e).__name__}: {e}"
+                        ) from None
+                await asyncio.sleep(0.2)
+        finally:
+            await nc.close()
 
     async def postgres(self) -> Child:
         data = self.folder / "pg"
@@ -340,7 +442,9 @@ class Pieces:
         return child
 
     async def echo(self, nc: Client) -> Child:
-        argv = [sys.executable, str(Path(__file__).resolve()), "--echo-server", self.nats_url]
+        argv = [sys.executable, str(Path(__file__).resolve()), "--echo-server", self.server_url]
+        if self.ca:
+            argv += ["--echo-ca", self.ca]
         child = await self._start("echo", argv)
 
         async def answers() -> bool:
@@ -354,7 +458,7 @@ class Pieces:
         return child
 
     async def stop(self) -> None:
-        for child in reversed(self.children):  # controller/echo, postgres, nats-server
+        for child in reversed(self.children):  # controller/echo, postgres, nats-server(s)
             sig = signal.SIGINT if child.name == "postgres" else signal.SIGTERM
             await child.stop(sig=sig, timeout=10)
 
@@ -384,14 +488,17 @@ async def register_machines(nc: Client, n: int, guard: Guard) -> None:
 
 
 async def bench(args: argparse.Namespace, pieces: Pieces) -> dict[tuple[str, str], list[Result]]:
-    say("starting nats-server…")
-    natsd_child = await pieces.nats()
-    say(f"  nats-server on {pieces.nats_url} (pid {natsd_child.pid})")
+    say(f"starting {pieces.describe()}…")
+    servers = await pieces.nats()
+    for child, url in zip(servers, pieces.urls, strict=True):
+        say(f"  {child.name} on {url} (pid {child.pid})")
     say("starting PostgreSQL…")
     pg = await pieces.postgres()
     say(f"  postgres pid {pg.pid}")
 
-    nc = await bus.connect(pieces.nats_url, name="bench client", reconnect=False)
+    nc = await pieces.connect("bench client")
+    say(f"  the controller and the echo responder on {pieces.server_url}, "
+        f"this client on {pieces.client_url}")  # fmt: skip
     try:
         say("starting the controller…")
         ctl = await pieces.controller(nc)
@@ -414,7 +521,7 @@ async def bench(args: argparse.Namespace, pieces: Pieces) -> dict[tuple[str, str
                 await nc.request(subject, b"{}", timeout=REQUEST_TIMEOUT)
 
         async def measure(mode: str, subject: str, child: Child, n: int) -> Result:
-            cpu = Cpu({"responder": child.pid, "nats-server": natsd_child.pid})
+            cpu = Cpu({"responder": [child.pid], "nats-server": [s.pid for s in servers]})
             if mode == "sequential":
                 return await run_requests(nc, subject, b"{}", n, 1, cpu, pieces.guard)
             return await run_requests(nc, subject, b"{}", n, args.concurrency, cpu, pieces.guard)
@@ -441,12 +548,18 @@ async def bench(args: argparse.Namespace, pieces: Pieces) -> dict[tuple[str, str
         await nc.close()
 
 
+def pieces_text(args: argparse.Namespace) -> str:
+    if args.nats > 1:
+        return f"nats: a cluster of {args.nats} servers, TLS, the client and responders apart"
+    return "nats: one server, " + ("TLS" if args.tls else "plaintext")
+
+
 def report(rounds: dict[tuple[str, str], list[Result]], args: argparse.Namespace) -> None:
     by = {key: merge(parts) for key, parts in rounds.items()}
     results = [by[subject, mode] for mode in MODES for subject in (ECHO_SUBJECT, STATUS_SUBJECT)]
     say("")
     say(
-        f"machines registered: {args.machines}; "
+        f"{pieces_text(args)}; machines registered: {args.machines}; "
         f"machine: {os.cpu_count()} cores, Python {platform.python_version()}, "
         f"nats-py {nats_py_version}, load average {os.getloadavg()[0]:.2f}; "
         f"reply bodies: echo {by[ECHO_SUBJECT, 'sequential'].reply_bytes} B, "
@@ -508,7 +621,12 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--warmup", type=int, default=500, help="unmeasured requests per subject")
     p.add_argument("--deadline", type=float, default=600, help="seconds for the whole run")
+    p.add_argument(
+        "--nats", type=int, default=1, metavar="N", help="nats-servers; above 1 a TLS cluster (1)"
+    )
+    p.add_argument("--tls", action="store_true", help="TLS on a lone nats-server too")
     p.add_argument("--echo-server", metavar="URL", help=argparse.SUPPRESS)  # the child's mode
+    p.add_argument("--echo-ca", metavar="FILE", help=argparse.SUPPRESS)
     return p
 
 
@@ -527,7 +645,7 @@ async def run(args: argparse.Namespace) -> dict[tuple[str, str], list[Result]]:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, interrupt)
     with tempfile.TemporaryDirectory(prefix="mesh-bench-") as tmp:
-        pieces = Pieces(Path(tmp), guard)
+        pieces = Pieces(Path(tmp), guard, servers=args.nats, tls=args.tls)
         try:
             async with asyncio.timeout(args.deadline):
                 return await bench(args, pieces)
@@ -548,7 +666,7 @@ async def run(args: argparse.Namespace) -> dict[tuple[str, str], list[Result]]:
 def main() -> None:
     args = parser().parse_args()
     if args.echo_server:
-        asyncio.run(echo_server(args.echo_server))
+        asyncio.run(echo_server(args.echo_server, args.echo_ca))
         return
     for flag in ("requests", "concurrent_requests", "concurrency"):
         if getattr(args, flag) < 1:
@@ -557,6 +675,8 @@ def main() -> None:
         sys.exit("--rounds must be between 1 and the smaller request count")
     if not 0 <= args.machines <= 100_000:
         sys.exit("--machines must be between 0 and 100000")
+    if not 1 <= args.nats <= 5:
+        sys.exit("--nats must be between 1 and 5")
     try:
         results = asyncio.run(run(args))
     except BenchError as e:
