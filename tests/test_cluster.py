@@ -286,12 +286,6 @@ def test_three_servers_answer_over_tls_with_three_replicas(mesh_dir: Path, meshe
     dev.stop()
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="a host's apply does not ride out a JetStream leader election: a bundle fetch or a "
-    "read that times out fails the step at once (services/host/apply.py:253-257, "
-    "'nats: timeout') and the plan is reverted",
-)
 @pytest.mark.parametrize("victim", ["n1", "n2", "n3"])
 def test_losing_any_one_server_while_a_plan_rolls(mesh_dir: Path, meshes, victim: str) -> None:
     dev = DevUp(mesh_dir, nats=3)
