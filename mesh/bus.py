@@ -87,6 +87,21 @@ class Link:
         self.up = True
         self.on_up: Callable[[], None] | None = None
         self._changed = anyio.Event()
+        self.answered_at = time.monotonic()  # the server's last answer to our round trips
+
+    async def round_trips(self, nc: Client, *, every: float, within: float) -> None:
+        """Forever: every `every` seconds a PING the server must answer within `within`;
+        `answered_at` is when it last did. A silent link shows here within seconds, where
+        nats-py's own pings take 10-15 s (and over TLS its close then waits out the SSL
+        shutdown before it reports the disconnection)."""
+        while True:
+            await anyio.sleep(every)
+            try:
+                with anyio.fail_after(within):
+                    await nc.flush(timeout=within)
+            except Exception:  # timeouts, closed or reconnecting: all say "no answer"
+                continue
+            self.answered_at = time.monotonic()
 
     def _kick(self) -> None:
         self._changed.set()

@@ -257,9 +257,16 @@ def _key(args: argparse.Namespace) -> tuple[str, ...]:
 
 
 def _leaf(e: BaseException) -> BaseException:
-    """The one exception inside nested single-member groups (anyio wraps task failures)."""
+    """The one exception inside nested groups (anyio wraps task failures). Where several tasks
+    failed with errors we name (a holder woken from a pause finds both its store session and
+    NATS gone), one MeshError says them all."""
     while isinstance(e, BaseExceptionGroup) and len(e.exceptions) == 1:
         e = e.exceptions[0]
+    if isinstance(e, BaseExceptionGroup):
+        leaves = [_leaf(x) for x in e.exceptions]
+        if all(isinstance(x, MeshError) for x in leaves):
+            return MeshError("; ".join(dict.fromkeys(str(x) for x in leaves)))
+        return next((x for x in leaves if not isinstance(x, MeshError)), e)
     return e
 
 

@@ -43,8 +43,13 @@ class Fleet:
         epoch: int,
         down_after: int = 3,
         open_bus: Callable[[], bool] = lambda: False,
+        bus_answered: Callable[[], float] = time.monotonic,
     ) -> None:
         self._pool = pool
+        # When NATS last answered the holder's own round trips: a machine is judged down only
+        # once the bus has answered since its beat was due, or a holder cut off from NATS
+        # would mark the whole fleet down before stepping down.
+        self._bus_answered = bus_answered
         self._epoch = epoch
         self._down_after = down_after
         self._open_bus = open_bus  # asked at each registration: a server reload may add auth
@@ -266,9 +271,10 @@ class Fleet:
                 log.info("this controller stalled for %.1fs: heartbeat clocks restart", now - tick)
                 self.forgive()
             tick = now
+            answered = self._bus_answered()
             for m in list(self.machines.values()):
-                silent = now - self._beat_at.get(m.name, now)
-                if m.up and silent > self._down_after * m.beat_interval:
+                due = self._beat_at.get(m.name, now) + self._down_after * m.beat_interval
+                if m.up and due < now and due < answered:
                     await self._transition(m.name, up=False, at=datetime.now(UTC))
             if now - flushed >= FLUSH_EVERY:
                 await self.flush()

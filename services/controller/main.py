@@ -217,9 +217,10 @@ class Hold:
 
     async def run(self) -> None:
         row, taken = await self._take()
+        self.link.answered_at = time.monotonic()  # the round trips start with the hold
         fleet = Fleet(
             pool=self.pool, epoch=row.epoch, down_after=self.down_after,
-            open_bus=lambda: open_bus(self.nc),
+            open_bus=lambda: open_bus(self.nc), bus_answered=lambda: self.link.answered_at,
         )  # fmt: skip
         await fleet.load()
         kv, obs = await blobs.ensure(self.nc)
@@ -387,27 +388,19 @@ async def _plan_work(
 
 async def _step_down_without_bus(link: bus.Link, nc: Client) -> None:
     """Raise BusLost once NATS has been gone for BUS_GRACE: as nats-py reports it (a closed
-    connection), or as our own round trips find it (a silent link: nats-py notices by its pings
-    only after 10-15 s, and over TLS its close waits out the SSL shutdown on top)."""
+    connection), or as our own round trips find it (a silent link)."""
     async with anyio.create_task_group() as tg:
-        tg.start_soon(_round_trips, nc)
+        tg.start_soon(lambda: link.round_trips(nc, every=ROUND_TRIP_EVERY, within=BUS_GRACE))
+        tg.start_soon(_unanswered, link)
         await link.down_for(BUS_GRACE)
         raise BusLost(f"lost NATS for more than {BUS_GRACE:g}s: gave up the seat")
 
 
-async def _round_trips(nc: Client) -> None:
-    answered = time.monotonic()
+async def _unanswered(link: bus.Link) -> None:
     while True:
         await anyio.sleep(ROUND_TRIP_EVERY)
-        try:
-            with anyio.fail_after(BUS_GRACE):
-                await nc.flush(timeout=BUS_GRACE)  # a PING the server must answer
-            answered = time.monotonic()
-        except Exception:  # timeouts, a connection closed or reconnecting: all say "no answer"
-            if time.monotonic() - answered > BUS_GRACE:
-                raise BusLost(
-                    f"NATS did not answer for more than {BUS_GRACE:g}s: gave up the seat"
-                ) from None
+        if time.monotonic() - link.answered_at > BUS_GRACE + ROUND_TRIP_EVERY:
+            raise BusLost(f"NATS did not answer for more than {BUS_GRACE:g}s: gave up the seat")
 
 
 async def _attempt(what: str, step: Awaitable[object], *, within: float = 3.0) -> None:
