@@ -1,10 +1,13 @@
 """The JetStream side of the truth's copies: the object store `mesh-bundles` (module sources,
 bundles and build logs, content-addressed) and the KV bucket `mesh-declarations`.
 
-Everything here can be rebuilt from PostgreSQL; the controller creates both at takeover, with
-as many replicas as the NATS cluster allows up to 3 (NATS's guidance for what must survive the
-loss of a server): one on a lone server, 2 on two, 3 on three or more. On a mesh whose cluster
-has grown, the next takeover raises the replicas of both (JetStream copies the data over).
+The declarations can be rebuilt from PostgreSQL (a new holder republishes them); bundles and
+module sources live only here, which is why they are replicated. The controller creates both
+at takeover, with as many replicas as the NATS cluster allows up to 3 (NATS's guidance for what
+must survive the loss of a server): one on a lone server, 2 on two, 3 on three or more. On a
+cluster that has grown (2 servers to 3, 3 to 5), the next takeover raises the replicas of both
+and JetStream copies the data over. A lone server's JetStream does not join a cluster: grown
+from one server, the buckets start empty (docs/operations.md).
 """
 
 import base64

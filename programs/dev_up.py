@@ -153,6 +153,12 @@ class DevMesh:
         route to each other over TLS too."""
         client = self._client_ports()
         cluster = [ports.free_port() for _ in range(self.nats)] if self.nats > 1 else []
+        if self.nats > 1 and self.mesh.servers() == ["n1"]:
+            say(
+                "this folder held one nats-server: its JetStream does not join a cluster, so "
+                "the buckets start empty (declarations are republished from the store; push "
+                "modules again for their bundles, see docs/operations.md)"
+            )
         servers = []
         for i in range(self.nats):
             name = f"n{i + 1}"

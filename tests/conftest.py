@@ -267,7 +267,8 @@ async def host(nc, start_controller, start_host):
 # --- the fast subset ----------------------------------------------------------------------------
 
 REAL_SERVICES = {"procs", "nats_server", "pg_admin_url", "database_url"}
-WHOLE_MESHES = {"test_dev_up", "test_init"}  # start `mesh dev up` / `mesh init` themselves
+# Modules that start whole meshes themselves (`mesh dev up`, `mesh init`, namespaces).
+WHOLE_MESHES = {"test_dev_up", "test_init", "test_cluster", "test_network"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
