@@ -88,20 +88,35 @@ class Link:
         self.on_up: Callable[[], None] | None = None
         self._changed = anyio.Event()
         self.answered_at = time.monotonic()  # the server's last answer to our round trips
+        self.silent = False  # the round trips found no answer for longer than they allow
 
     async def round_trips(self, nc: Client, *, every: float, within: float) -> None:
         """Forever: every `every` seconds a PING the server must answer within `within`;
-        `answered_at` is when it last did. A silent link shows here within seconds, where
-        nats-py's own pings take 10-15 s (and over TLS its close then waits out the SSL
-        shutdown before it reports the disconnection)."""
+        `answered_at` is when it last did, and `silent` says it has not for `within` + `every`
+        (kept once the round trips stop: what they last found). A silent link shows here
+        within seconds, where nats-py's own pings take 10-15 s (and over TLS its close then
+        waits out the SSL shutdown before it reports the disconnection)."""
+        self.answered_at, self.silent = time.monotonic(), False
         while True:
             await anyio.sleep(every)
             try:
                 with anyio.fail_after(within):
                     await nc.flush(timeout=within)
+                self.answered_at = time.monotonic()
             except Exception:  # timeouts, closed or reconnecting: all say "no answer"
-                continue
-            self.answered_at = time.monotonic()
+                pass
+            self.silent = time.monotonic() - self.answered_at > within + every
+            self._kick()
+
+    def answers(self, nc: Client) -> bool:
+        """NATS is there to hear us: connected, and not silent to our round trips (draining
+        on a silent link would only time out)."""
+        return nc.is_connected and not self.silent
+
+    async def silent_for(self) -> None:
+        """Return once the round trips find the server silent."""
+        while not self.silent:
+            await self._changed.wait()
 
     def _kick(self) -> None:
         self._changed.set()
@@ -293,10 +308,11 @@ async def _respond(msg: Msg, body: bytes) -> None:
         log.warning("could not reply on %s: %s: %s", msg.subject, type(e).__name__, e)
 
 
-async def close(nc: Client) -> None:
-    """Drain when connected (in-flight replies go out); otherwise just close. Never raises."""
+async def close(nc: Client, *, drain: bool = True) -> None:
+    """Drain when connected (in-flight replies go out) and `drain`; otherwise just close.
+    Never raises."""
     try:
-        if nc.is_connected:
+        if nc.is_connected and drain:
             await nc.drain()
         elif not nc.is_closed:
             await nc.close()

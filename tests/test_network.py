@@ -62,10 +62,11 @@ HOSTS = ["node-1", "node-2", "node-3"]
 MEMBERS = [*NATS, "pg", *CONTROLLERS, *HOSTS, "client"]
 CLIENT_PORT, ROUTE_PORT, MONITOR_PORT, PG_PORT = 4222, 6222, 8222, 5432
 BEAT = 0.5  # the hosts' beat: down after 3 missed, 1.5 s
-# A holder cut off from NATS by a silent link: nats-py notices by its pings (every 5 s, two
-# outstanding: 10 to 15 s), then the 3 s grace of docs/architecture.md ("The seat").
+# A holder cut off from NATS by a silent link: its own round trips (every 1 s, each allowed
+# 3 s) find it silent, then it steps down (docs/design.md, the seat): about 5-8 s here. The
+# bound leaves room for a loaded CI machine; nats-py's own pings alone took 46 s over TLS.
 STEP_DOWN_PROMISED = 20.0
-STEP_DOWN_AT_MOST = 90.0  # what the test tolerates before failing outright
+STEP_DOWN_AT_MOST = 90.0  # how long the test waits for the exit at all
 
 
 @pytest.fixture
@@ -325,8 +326,9 @@ async def test_the_nats_server_of_the_holder_killed_during_a_plan(netmesh, tmp_p
         print(f"killed {killed}; {verbs.answered} status answered, the slowest in "
               f"{verbs.worst:.2f}s")  # fmt: skip
         assert verbs.failures == [], verbs.failures[:5]
-        if plan["state"] == "reverted":
-            await lost_applied_report(m, plan)
+        # A host's `applied` report lost with the dying server is said again (the host on its
+        # reconnect, or when the holder says `held` again after its own): no step waits out
+        # its deadline for it.
         assert plan["state"] == "done", plan
         assert steps(plan) == {h: "done" for h in HOSTS}
         assert_tier_order(plan)
@@ -334,23 +336,6 @@ async def test_the_nats_server_of_the_holder_killed_during_a_plan(netmesh, tmp_p
         await assert_declarations_newest(nc, plan)
     finally:
         await nc.close()
-
-
-async def lost_applied_report(m: NetMesh, plan: dict) -> None:
-    """A known product bug, made an xfail when it is exactly that: the host applied the step's
-    declaration (its log says so) but the holder never heard its `applied` report, a core NATS
-    publish lost while a nats-server died under the holder or the host; nothing sends it again,
-    so the step waits out its deadline and the plan is reverted."""
-    for step in plan["steps"]:
-        if "did not apply" not in (step["error"] or ""):
-            continue
-        log = (m.dir / f"{step['machine']}.log").read_text()
-        if f"applied {step['after'][:19]}" in log:
-            pytest.xfail(
-                f"{step['machine']} applied {step['after'][:19]} but the plan says: "
-                f"{step['error']} (its `applied` report was lost in the nats-server failover: "
-                "services/host/apply.py publishes it once, nothing asks for it again)"
-            )
 
 
 # --- b: a host's link cut ---------------------------------------------------------------------
@@ -474,13 +459,7 @@ async def test_the_holder_cut_off_from_nats_only_steps_down(netmesh, tmp_path) -
         await assert_declarations_newest(nc, plan)
     finally:
         await nc.close()
-    if gave_up > STEP_DOWN_PROMISED:
-        pytest.xfail(
-            f"{holder} gave up the seat {gave_up:.1f}s after losing NATS, not within "
-            f"{STEP_DOWN_PROMISED:g}s: over TLS, nats-py reports the disconnection only after "
-            "the TLS transport's close times out (asyncio's 30 s SSL shutdown timeout), so "
-            "bus.Link's 3 s grace starts late"
-        )
+    assert gave_up <= STEP_DOWN_PROMISED, f"{holder} gave up the seat only after {gave_up:.1f}s"
 
 
 # --- d: clients the servers refuse ------------------------------------------------------------

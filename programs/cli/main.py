@@ -9,6 +9,7 @@ import argparse
 import logging
 import os
 import sys
+from asyncio import CancelledError
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -263,7 +264,10 @@ def _leaf(e: BaseException) -> BaseException:
     while isinstance(e, BaseExceptionGroup) and len(e.exceptions) == 1:
         e = e.exceptions[0]
     if isinstance(e, BaseExceptionGroup):
-        leaves = [_leaf(x) for x in e.exceptions]
+        # Cancellations are what the first failure did to the other tasks, not a cause.
+        leaves = [x for x in map(_leaf, e.exceptions) if not isinstance(x, CancelledError)]
+        if len(leaves) == 1:
+            return leaves[0]
         if all(isinstance(x, MeshError) for x in leaves):
             return MeshError("; ".join(dict.fromkeys(str(x) for x in leaves)))
         return next((x for x in leaves if not isinstance(x, MeshError)), e)

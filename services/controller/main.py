@@ -154,7 +154,7 @@ async def run(
         with anyio.CancelScope(shield=True):
             await lock.release()
             if nc is not None:
-                await _attempt("close NATS", bus.close(nc))
+                await _attempt("close NATS", bus.close(nc, drain=link.answers(nc)))
             await _attempt("close the store pool", pool.close())
 
 
@@ -338,21 +338,22 @@ class Hold:
         nc = self.nc
         self.ready.set("handing-over", held.epoch)
         # The handover (docs/design.md, the seat): a standby joins the verb group first.
-        successor = await handover.announce(nc, held) if nc.is_connected else None
+        successor = await handover.announce(nc, held) if self.link.answers(self.nc) else None
         log.info("controller %s hands over the seat%s", self.me.instance,
                  f" to {successor}" if successor else " (no standby answered)")  # fmt: skip
         plans.cancel()  # every plan write is a fenced transaction: the next holder goes on
-        await self.verbs.stop(drain=nc.is_connected)
+        await self.verbs.stop(drain=self.link.answers(self.nc))
 
     async def _release(self, *, fleet: Fleet, held: SeatAnnounce) -> None:
         nc, lock = self.nc, self.lock
         # Each step on its own deadline: a store or bus that is gone must not keep the lock.
+        answers = self.link.answers(self.nc)
         with anyio.CancelScope(shield=True):
-            if not nc.is_connected:
+            if not answers:
                 await lock.release()  # nobody can hear us: let the standby have the seat now
-            await self.verbs.stop(drain=nc.is_connected)
+            await self.verbs.stop(drain=answers)
             for sub in self.reports:
-                await _attempt("stop", sub.drain() if nc.is_connected else sub.unsubscribe())
+                await _attempt("stop", sub.drain() if answers else sub.unsubscribe())
             await _attempt("flush heartbeats", fleet.flush())
             await _attempt(
                 "record release",
@@ -362,7 +363,7 @@ class Hold:
             # Said before the lock goes, so the standby that gets it has heard it: its takeover
             # is known to be a handover, and the gap is measured from here.
             gone = msgspec.structs.replace(held, at=datetime.now(UTC))
-            if nc.is_connected:
+            if answers:
                 await _attempt("announce release", _publish_flushed(
                     nc, subjects.seat("released"), wire.encode(gone)))  # fmt: skip
             await lock.release()
@@ -397,10 +398,10 @@ async def _step_down_without_bus(link: bus.Link, nc: Client) -> None:
 
 
 async def _unanswered(link: bus.Link) -> None:
-    while True:
-        await anyio.sleep(ROUND_TRIP_EVERY)
-        if time.monotonic() - link.answered_at > BUS_GRACE + ROUND_TRIP_EVERY:
-            raise BusLost(f"NATS did not answer for more than {BUS_GRACE:g}s: gave up the seat")
+    await link.silent_for()
+    raise BusLost(
+        f"lost NATS for more than {BUS_GRACE:g}s (our round trips had no answer): gave up the seat"
+    )
 
 
 async def _attempt(what: str, step: Awaitable[object], *, within: float = 3.0) -> None:
