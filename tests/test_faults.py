@@ -545,7 +545,10 @@ async def test_the_mesh_recovers_from_restarts_of_postgres_and_nats_during_a_pla
         old = controllers[before["seat"]["holder"]]
         code = await await_until(lambda: _exited(old), within=15, what="the old holder to stop")
         assert code == (1,)
-        assert "the seat's store session failed" in old.log_path.read_text()
+        log = old.log_path.read_text()
+        # Its own ping finds the session gone, or the bus shows the new holder's higher epoch
+        # first (services/controller/epochs.py): either way it stops.
+        assert "the seat's store session failed" in log or "above ours" in log, log[-2000:]
         controllers["ctl-2"] = controller("ctl-2")  # what its supervisor would do
         (roots / "node-2" / "ready").write_text("")
         await await_until(lambda: waiting_in("node-3"), within=30, what="tier 2 applying")
