@@ -1,12 +1,17 @@
-"""Small helpers shared by tests: verb calls over a real NATS connection."""
+"""Small helpers shared by tests: verb calls over a real NATS connection, `mesh dev up` run
+as a user runs it."""
 
 import asyncio
 import json
 import os
 import pwd
+import queue
+import re
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -108,3 +113,98 @@ def one_line_error(done: subprocess.CompletedProcess) -> str:
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1, done.stderr
     return lines[0]
+
+
+class DevUp:
+    """`mesh dev up` (`--hosts N --dir FOLDER --port 0`, then `extra`) in its own session, its
+    lines read as they come, as a user sees them."""
+
+    def __init__(self, folder: Path, *extra: str, hosts: int = 3) -> None:
+        self.folder = folder
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.seen: list[str] = []
+        self.proc = subprocess.Popen(
+            [*MESH, "dev", "up", "--hosts", str(hosts), "--dir", str(folder), "--port", "0",
+             *extra],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, start_new_session=True,
+        )  # fmt: skip
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line.rstrip("\n"))
+
+    def match(self, pattern: str, within: float) -> re.Match:
+        """The next line matching `pattern` (from its start), within `within` seconds."""
+        deadline = time.monotonic() + within
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                line = self.lines.get(timeout=left)
+            except queue.Empty:
+                break
+            self.seen.append(line)
+            found = re.match(pattern, line)
+            if found:
+                return found
+        pytest.fail(
+            f"no line matching {pattern!r} within {within:g}s; saw:\n" + "\n".join(self.seen)
+        )
+
+    def wait_for(self, prefix: str, within: float) -> str:
+        """The next line starting with `prefix`."""
+        return self.match(re.escape(prefix), within).string
+
+    def ready(self, within: float = 120) -> str:
+        """The URL(s) of its `ready` line."""
+        return self.match(r"ready (\S+)$", within).group(1)
+
+    def pids(self) -> list[int]:
+        """Every pid its lines named so far ("… pid 123)")."""
+        return [int(m) for line in self.seen for m in re.findall(r"pid (\d+)", line)]
+
+    def drain(self) -> None:
+        while True:
+            try:
+                self.seen.append(self.lines.get_nowait())
+            except queue.Empty:
+                return
+
+    def stop(self, within: float = 90) -> None:
+        """SIGTERM, as a user stops it: it stops every piece and exits 0."""
+        self.proc.send_signal(signal.SIGTERM)
+        code = self.proc.wait(timeout=within)
+        assert code == 0, "\n".join(self.seen)
+
+    def kill(self) -> None:
+        """Whatever is left, even when a test failed: SIGTERM first, then its process group,
+        then every pid its lines or its servers' pid files name that still runs from FOLDER."""
+        if self.proc.poll() is None:
+            try:
+                self.proc.send_signal(signal.SIGTERM)
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=10)
+        self.drain()
+        pids = self.pids()
+        for pid_file in self.folder.glob("nats/n*/nats.pid"):
+            try:
+                pids.append(int(pid_file.read_text().strip()))
+            except (OSError, ValueError):
+                pass
+        for pid in pids:
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+                ours = str(self.folder).encode() in cmdline or Path(
+                    f"/proc/{pid}/cwd"
+                ).resolve().is_relative_to(self.folder.resolve())
+                if ours:
+                    os.kill(pid, signal.SIGKILL)
+            except (OSError, ValueError):
+                pass

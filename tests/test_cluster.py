@@ -17,7 +17,6 @@ SIGKILL to its process group and to every pid it printed or its servers wrote.
 import asyncio
 import json
 import os
-import queue
 import re
 import shlex
 import shutil
@@ -30,12 +29,12 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import helpers
 import pytest
 from helpers import MESH
 from nats.js.errors import KeyDeletedError, KeyNotFoundError
 
 from mesh import blobs, bus
-from mesh.meshdir import MeshDir
 
 pytestmark = pytest.mark.slow  # whole meshes, a minute or more each
 
@@ -43,46 +42,11 @@ STREAMS = (f"KV_{blobs.DECLARATIONS}", f"OBJ_{blobs.BUNDLES}")
 HELLO = Path(__file__).resolve().parent.parent / "docs" / "examples" / "hello"
 
 
-class DevUp:
-    """One `mesh dev up --nats N` in the foreground, its lines read as they come."""
+class DevUp(helpers.DevUp):
+    """One `mesh dev up --nats N`."""
 
     def __init__(self, folder: Path, *, nats: int, hosts: int = 3) -> None:
-        self.folder = folder
-        self.lines: queue.Queue[str] = queue.Queue()
-        self.seen: list[str] = []
-        self.proc = subprocess.Popen(
-            [*MESH, "dev", "up", "--nats", str(nats), "--hosts", str(hosts),
-             "--dir", str(folder), "--port", "0"],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )  # fmt: skip
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.put(line.rstrip("\n"))
-
-    def wait_for(self, pattern: str, within: float) -> re.Match:
-        deadline = time.monotonic() + within
-        while time.monotonic() < deadline:
-            try:
-                line = self.lines.get(timeout=max(0.01, deadline - time.monotonic()))
-            except queue.Empty:
-                break
-            self.seen.append(line)
-            found = re.match(pattern, line)
-            if found:
-                return found
-        pytest.fail(
-            f"no line matching {pattern!r} within {within:g}s; saw:\n" + "\n".join(self.seen)
-        )
-
-    def ready(self) -> str:
-        return self.wait_for(r"ready (\S+)$", within=120).group(1)
+        super().__init__(folder, "--nats", str(nats), hosts=hosts)
 
     def server_pids(self) -> dict[str, int]:
         """nats-server name -> pid, from `mesh dev up`'s own lines."""
@@ -92,50 +56,6 @@ class DevUp:
             if m:
                 found[m.group(1)] = int(m.group(2))
         return found
-
-    def stop(self) -> None:
-        """SIGTERM, as a user stops it; it stops every piece and exits 0."""
-        self.proc.send_signal(signal.SIGTERM)
-        code = self.proc.wait(timeout=90)
-        assert code == 0, "\n".join(self.seen)
-
-    def kill(self) -> None:
-        """Whatever is left, by process group and by every pid known: the fallback."""
-        if self.proc.poll() is None:
-            try:
-                self.proc.send_signal(signal.SIGTERM)
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait(timeout=10)
-        self.drain()
-        pids = [int(p) for line in self.seen for p in re.findall(r"pid (\d+)", line)]
-        for pid_file in MeshDir(self.folder).pid_files():
-            try:
-                pids.append(int(pid_file.read_text().strip()))
-            except (OSError, ValueError):
-                pass
-        for pid in pids:
-            try:
-                if str(self.folder) in Path(f"/proc/{pid}/cmdline").read_bytes().decode(
-                    errors="replace"
-                ).replace("\0", " ") or Path(f"/proc/{pid}/cwd").resolve().is_relative_to(
-                    self.folder
-                ):
-                    os.kill(pid, signal.SIGKILL)
-            except (OSError, ValueError):
-                pass
-
-    def drain(self) -> None:
-        while True:
-            try:
-                self.seen.append(self.lines.get_nowait())
-            except queue.Empty:
-                return
 
 
 @pytest.fixture
@@ -318,7 +238,7 @@ def test_losing_any_one_server_while_a_plan_rolls(mesh_dir: Path, meshes, victim
             if assign.poll() is None:
                 assign.kill()
                 assign.wait()
-        dev.wait_for(rf"nats-{victim} exited \(killed by SIGKILL\)", within=30)
+        dev.match(rf"nats-{victim} exited \(killed by SIGKILL\)", within=30)
         assert assign.returncode == 0, out
         assert f"plan {plan['id']} done" in out, out
     finally:

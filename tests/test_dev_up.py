@@ -5,57 +5,13 @@ credentials are refused."""
 
 import json
 import os
-import queue
 import re
 import shlex
 import signal
 import subprocess
-import threading
-import time
 from pathlib import Path
 
-import pytest
-from helpers import MESH, mesh_cli
-
-
-class DevUp:
-    def __init__(self, folder: Path) -> None:
-        self.lines: queue.Queue[str] = queue.Queue()
-        self.proc = subprocess.Popen(
-            [*MESH, "dev", "up", "--hosts", "3", "--dir", str(folder), "--port", "0"],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
-        self.seen: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.put(line.rstrip("\n"))
-
-    def wait_for(self, prefix: str, within: float) -> str:
-        deadline = time.monotonic() + within
-        while time.monotonic() < deadline:
-            try:
-                line = self.lines.get(timeout=max(0.01, deadline - time.monotonic()))
-            except queue.Empty:
-                break
-            self.seen.append(line)
-            if line.startswith(prefix):
-                return line
-        pytest.fail(
-            f"no line starting {prefix!r} within {within:g}s; saw:\n" + "\n".join(self.seen)
-        )
-
-    def kill(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait(timeout=10)
+from helpers import MESH, DevUp, mesh_cli
 
 
 def _running_under(folder: Path) -> list[str]:

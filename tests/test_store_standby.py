@@ -7,22 +7,19 @@ Real processes throughout; every one is stopped at teardown, even when a test fa
 import asyncio
 import json
 import os
-import queue
 import re
 import shlex
 import shutil
 import signal
 import subprocess
 import tempfile
-import threading
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import asyncpg
 import pytest
-from helpers import MESH, await_until, mesh_cli, wait_until
+from helpers import DevUp, await_until, mesh_cli, wait_until
 
 from mesh.embedded import postgres
 from mesh.embedded.children import Child
@@ -222,51 +219,6 @@ async def test_the_replication_check_warns_about_an_asynchronous_standby(
 # --- mesh dev up --store-standby ----------------------------------------------------------------
 
 
-class DevUp:
-    """`mesh dev up --store-standby` in the background, its lines read as they come."""
-
-    def __init__(self, folder: Path) -> None:
-        argv = [*MESH, "dev", "up", "--store-standby", "--hosts", "1", "--port", "0"]
-        self.proc = subprocess.Popen(
-            [*argv, "--dir", str(folder)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            start_new_session=True,
-        )  # fmt: skip
-        self.lines: queue.Queue[str] = queue.Queue()
-        self.seen: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.put(line.rstrip("\n"))
-
-    def wait_for(self, prefix: str, within: float) -> str:
-        deadline = time.monotonic() + within
-        while (left := deadline - time.monotonic()) > 0:
-            try:
-                line = self.lines.get(timeout=left)
-            except queue.Empty:
-                break
-            self.seen.append(line)
-            if line.startswith(prefix):
-                return line
-        pytest.fail(
-            f"no line starting {prefix!r} within {within:g}s; saw:\n" + "\n".join(self.seen)
-        )
-
-    def pids(self) -> list[int]:
-        return [int(m) for line in self.seen for m in re.findall(r"pid (\d+)", line)]
-
-    def kill(self) -> None:
-        for pid in [self.proc.pid, *self.pids()]:
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        self.proc.wait(timeout=20)
-
-
 def _env_file(folder: Path) -> dict[str, str]:
     exported = {}
     for line in (folder / "env").read_text().splitlines():
@@ -308,7 +260,7 @@ def _postgres_line(dev: DevUp, role: str, data: Path) -> tuple[int, int]:
 def test_dev_up_with_a_store_standby(folder: Path) -> None:
     dir = folder / "dev"
     for run in (1, 2):  # the second on the same folder: the standby comes back
-        dev = DevUp(dir)
+        dev = DevUp(dir, "--store-standby", hosts=1)
         try:
             primary, primary_pid = _postgres_line(dev, "primary", dir.resolve() / "pg")
             standby, standby_pid = _postgres_line(dev, "standby", dir.resolve() / "pg-standby")
