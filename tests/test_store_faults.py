@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import tempfile
 import time
 from collections import defaultdict
@@ -26,6 +27,8 @@ from pathlib import Path
 
 import anyio
 import asyncpg
+import nats
+import netns
 import pytest
 from helpers import MESH, await_until
 from test_faults import (
@@ -45,7 +48,7 @@ from test_faults import (
 from test_plans import assert_tier_order, mesh, module, ok
 from test_store_standby import DATABASE, Pair, _promote, _start_pair
 
-from mesh.embedded import postgres
+from mesh.embedded import natsd, postgres
 from mesh.embedded.children import spawn
 from mesh.embedded.ports import free_port
 
@@ -381,3 +384,320 @@ async def assert_declarations_of(nc, epoch: int) -> None:
     kv = await nc.jetstream().key_value("mesh-declarations")
     for machine in HOSTS:
         assert json.loads((await kv.get(machine)).value)["epoch"] == epoch, machine
+
+
+# --- 3: partitions --------------------------------------------------------------------------------
+#
+# Every piece in a network namespace of its own (tests/netns.py): the nats-server, the primary
+# (pg1) and its synchronous standby (pg2), the two controllers, the three hosts, and the test's
+# own clients ("client"). PostgreSQL listens on its switch address only; the controllers' URL
+# names both servers, so after a promotion the same URL reaches the new primary.
+
+NET = ["nats", "pg1", "pg2", "ctl-0", "ctl-1", *HOSTS, "client"]
+NATS_PORT, PG_PORT = 4222, 5432
+BEAT = 0.5
+STEP_DOWN_AT_MOST = 30.0  # a holder cut off from the store steps down within this (pings: ~4 s)
+
+
+@pytest.fixture
+def net():
+    why = netns.unavailable()
+    if why:
+        pytest.skip(why)
+    with netns.network(NET) as network:
+        yield network
+
+
+class StoreNet:
+    def __init__(self, net: netns.Network, procs, tmp_path: Path, folder: Path) -> None:
+        self.net, self.procs, self.dir, self.folder = net, procs, tmp_path, folder
+        self.url = f"nats://{net.address('nats')}:{NATS_PORT}"
+        self.pg = {name: net.address(name) for name in ("pg1", "pg2")}
+        servers = ",".join(f"{address}:{PG_PORT}" for address in self.pg.values())
+        self.database_url = (
+            f"postgresql://{postgres.PG_USER}@{servers}/{DATABASE}?target_session_attrs=read-write"
+        )
+        self.servers: dict[str, object] = {}
+        self.controllers: dict[str, object] = {}
+
+    def direct(self, member: str, database: str = DATABASE) -> str:
+        return f"postgresql://{postgres.PG_USER}@{self.pg[member]}:{PG_PORT}/{database}"
+
+    def env(self) -> dict[str, str]:
+        return {"MESH_NATS_URL": self.url, "MESH_DATABASE_URL": self.database_url,
+                "PYTHONUNBUFFERED": "1"}  # fmt: skip
+
+    async def start_nats(self) -> None:
+        conf = natsd.write_config(self.dir / "bus", port=NATS_PORT, host=self.net.address("nats"))
+        proc = self.procs.start("nats-server", self.net.argv("nats", natsd.argv(conf)))
+
+        async def listening():
+            assert proc.poll() is None, (self.dir / "nats-server.log").read_text()
+            try:
+                conn = await nats.connect(self.url, allow_reconnect=False, connect_timeout=1)
+            except Exception:
+                return False
+            await conn.close()
+            return True
+
+        await await_until(listening, within=30, what="nats-server to listen")
+
+    def _postgres(self, member: str, data: Path, settings: tuple[str, ...]) -> None:
+        argv = [*postgres.argv(data, port=PG_PORT, settings=settings), "-c",
+                f"listen_addresses={self.pg[member]}"]  # fmt: skip
+        with self.net.inside(member):  # forked in there, then drops to its account
+            self.servers[member] = self.procs.start(
+                f"postgres-{member}", argv, cwd=data, **postgres.run_as()
+            )
+
+    async def _ready(self, member: str) -> None:
+        proc = self.servers[member]
+
+        async def ready():
+            assert proc.poll() is None, (self.dir / f"postgres-{member}.log").read_text()[-3000:]
+            try:
+                conn = await asyncpg.connect(self.direct(member, "postgres"), timeout=2)
+            except (OSError, asyncpg.PostgresError, TimeoutError):
+                return False
+            await conn.close()
+            return True
+
+        await await_until(ready, within=60, what=f"PostgreSQL on {member}")
+
+    async def start_store(self) -> None:
+        """pg1 a primary with pg2 its synchronous standby, copied with pg_basebackup."""
+        primary, standby = self.folder / "pg1", self.folder / "pg2"
+        await anyio.to_thread.run_sync(postgres.init, primary)
+        with open(primary / "pg_hba.conf", "a") as hba:
+            hba.write(f"host all all {self.net.subnet} trust\n")
+            hba.write(f"host replication {postgres.REPLICATION_USER} {self.net.subnet} trust\n")
+        self._postgres("pg1", primary, postgres.PRIMARY)
+        await self._ready("pg1")
+        conn = await asyncpg.connect(self.direct("pg1", "postgres"),
+                                     server_settings={"synchronous_commit": "local"})  # fmt: skip
+        try:
+            await conn.execute(f'CREATE DATABASE "{DATABASE}"')
+            await conn.execute(f'CREATE ROLE "{postgres.REPLICATION_USER}" WITH REPLICATION LOGIN')
+        finally:
+            await conn.close()
+        postgres.init_folder(standby)
+        with self.net.inside("pg2"):
+            done = subprocess.run(
+                [postgres.bin("pg_basebackup"), "-D", str(standby), "-h", self.pg["pg1"],
+                 "-p", str(PG_PORT), "-U", postgres.REPLICATION_USER, "-R", "-X", "stream",
+                 "-c", "fast", "--no-password"],
+                capture_output=True, text=True, cwd=standby, **postgres.run_as(),
+            )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        conninfo = (f"host={self.pg['pg1']} port={PG_PORT} user={postgres.REPLICATION_USER} "
+                    f"application_name={postgres.STANDBY_NAME}")  # fmt: skip
+        self._postgres("pg2", standby, (f"primary_conninfo={conninfo}", "hot_standby=on"))
+        await self._ready("pg2")
+
+        async def synchronous():
+            rows = await query(self.direct("pg1"), "SELECT 1 FROM pg_stat_replication"
+                               " WHERE state = 'streaming' AND sync_state = 'sync'")  # fmt: skip
+            return bool(rows)
+
+        await await_until(synchronous, within=60, what="pg2 streaming synchronously")
+
+    async def promote(self) -> None:
+        await promote(self.folder / "pg2")
+
+    def start_controller(self, instance: str, member: str | None = None):
+        argv = self.net.argv(member or instance,
+                             [*MESH, "controller", "run", "--instance", instance])  # fmt: skip
+        self.controllers[instance] = self.procs.start(instance, argv, env=self.env())
+        return self.controllers[instance]
+
+    def start_host(self, name: str, *extra: str):
+        argv = self.net.argv(name, [
+            *MESH, "host", "run", "--name", name, "--root", str(self.dir / "hosts" / name),
+            "--beat", str(BEAT), *extra,
+        ])  # fmt: skip
+        return self.procs.start(name, argv, env=self.env())
+
+
+@pytest.fixture
+async def storenet(net, procs, tmp_path, store_folder, monkeypatch):
+    """The test thread sits in the client namespace throughout: its sockets go over the switch."""
+    monkeypatch.delenv("MESH_CA", raising=False)
+    monkeypatch.delenv("MESH_CREDS", raising=False)
+    with net.inside("client"):
+        m = StoreNet(net, procs, tmp_path, store_folder)
+        try:
+            await m.start_nats()
+            await m.start_store()
+            nc = await nats.connect(m.url, reconnect_time_wait=0.1, max_reconnect_attempts=-1)
+            try:
+                m.nc = nc
+                await fleet(nc, m.start_controller, m.start_host, tmp_path, hosts=len(HOSTS))
+                await install_audit(m.direct("pg1"))
+                yield m
+            finally:
+                await nc.close()
+        finally:
+            procs.kill_all()  # before the namespaces go
+
+
+async def rolling_tier_1(m: StoreNet, tmp_path: Path) -> tuple[int, dict, Applied]:
+    """A three-tier plan pushed, tier 0 done, tier 1 applying; the seat as it is then."""
+    applied = await Applied().start(m.nc)
+    source = module(tmp_path / "m", marker="ready", deadline="120s")
+    plan_id = ok(mesh(m.url, "push", str(source), "--json"))["plan"]
+    (tmp_path / "hosts" / "node-1" / "ready").write_text("")
+    await waiting_in(m.nc, plan_id, "node-2")
+    before = await status(m.nc)
+    assert before is not None
+    return plan_id, before, applied
+
+
+async def finish(m: StoreNet, tmp_path: Path, plan_id: int, verbs: Verbs) -> dict:
+    for name in ("node-2", "node-3"):
+        (tmp_path / "hosts" / name / "ready").write_text("")
+    plan = await finished(m.nc, plan_id)
+    await answers_after(verbs)
+    return plan
+
+
+async def assert_finished_well(m: StoreNet, plan: dict, applied: Applied, store: str) -> None:
+    assert plan["state"] == "done", plan
+    assert steps(plan) == {h: "done" for h in HOSTS}
+    assert_tier_order(plan)
+    await assert_one_epoch_at_a_time(m.direct(store))
+    await assert_kv_epochs_rise(m.nc)
+    applied.assert_one_declaration_per_epoch()
+    applied.assert_epochs_rise()
+    now = await status(m.nc)
+    assert now is not None
+    await assert_declarations_of(m.nc, now["seat"]["epoch"])
+
+
+async def stepped_down(m: StoreNet, holder: str, within: float = 120) -> tuple[int]:
+    return await await_until(lambda: _exited(m.controllers[holder]), within=within,
+                             what=f"{holder} to step down")  # fmt: skip
+
+
+async def test_the_holder_cut_off_from_the_store_only(storenet, tmp_path) -> None:
+    """(a) Tier 1 waits: the holder's namespace loses its routes to both PostgreSQL servers,
+    keeping NATS. Its lock's pings fail: it steps down within its bound; the standby, which
+    still reaches the store, takes the seat when the server ends the old session; the
+    plan finishes once the holder is back (restarted by its supervisor)."""
+    m = storenet
+    plan_id, before, applied = await rolling_tier_1(m, tmp_path)
+    holder, epoch = before["seat"]["holder"], before["seat"]["epoch"]
+    standby = next(c for c in ("ctl-0", "ctl-1") if c != holder)
+    stores = list(m.pg.values())
+    verbs, stop = Verbs(), anyio.Event()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(verbs.run, m.nc, stop)
+        m.net.block(holder, stores)
+        blocked = time.monotonic()
+        try:
+            code = await stepped_down(m, holder)
+            gave_up = time.monotonic() - blocked
+            after = await holder_above(m.nc, epoch)
+            took = time.monotonic() - blocked
+        finally:
+            m.net.unblock(holder, stores)
+        m.start_controller(holder)  # its supervisor starts it again: it stands by
+        plan = await finish(m, tmp_path, plan_id, verbs)
+        stop.set()
+
+    print(f"{holder} gave up {gave_up:.1f}s after losing the store; {after['seat']['holder']} "
+          f"held {took:.1f}s after; {verbs.answered} status answered, the slowest in "
+          f"{verbs.worst:.2f}s")  # fmt: skip
+    log = (tmp_path / f"{holder}.log").read_text()
+    assert code == (1,), log[-3000:]
+    assert "the seat's store session failed" in log, log[-3000:]
+    assert gave_up < STEP_DOWN_AT_MOST, gave_up
+    assert after["seat"]["holder"] == standby
+    assert verbs.failures == [], verbs.failures[:5]
+    await assert_finished_well(m, plan, applied, "pg1")
+
+
+async def test_the_holder_cut_off_from_nats_and_the_store(storenet, tmp_path) -> None:
+    """(b) Tier 1 waits: the holder's link is cut at the switch (NATS and both PostgreSQL
+    servers gone at once). It steps down (whichever it notices first); the standby takes the
+    seat once the server ends the old session; the link comes back, the plan finishes."""
+    m = storenet
+    plan_id, before, applied = await rolling_tier_1(m, tmp_path)
+    holder, epoch = before["seat"]["holder"], before["seat"]["epoch"]
+    standby = next(c for c in ("ctl-0", "ctl-1") if c != holder)
+    verbs, stop = Verbs(), anyio.Event()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(verbs.run, m.nc, stop)
+        m.net.cut(holder)
+        cut = time.monotonic()
+        try:
+            after = await holder_above(m.nc, epoch)
+            took = time.monotonic() - cut
+            code = await stepped_down(m, holder)
+            gave_up = time.monotonic() - cut
+        finally:
+            m.net.restore(holder)
+        m.start_controller(holder)
+        plan = await finish(m, tmp_path, plan_id, verbs)
+        stop.set()
+
+    print(f"{after['seat']['holder']} held {took:.1f}s after the cut; {holder} gave up "
+          f"{gave_up:.1f}s after; {verbs.answered} status answered, the slowest in "
+          f"{verbs.worst:.2f}s")  # fmt: skip
+    log = (tmp_path / f"{holder}.log").read_text()
+    assert code == (1,), log[-3000:]
+    assert "the seat's store session failed" in log or "lost NATS" in log, log[-3000:]
+    assert gave_up < STEP_DOWN_AT_MOST, gave_up
+    assert after["seat"]["holder"] == standby
+    # The cut holder stays in the verb group until nats-server's pings drop it: requests it
+    # gets time out and are asked again (bus.request), all within their deadline.
+    assert verbs.failures == [], verbs.failures[:5]
+    await assert_finished_well(m, plan, applied, "pg1")
+
+
+async def test_a_split_store_the_bus_epoch_decides(storenet, tmp_path) -> None:
+    """(c) Tier 1 waits: the standby controller loses its route to the primary (pg1) only, and
+    pg2 is promoted while pg1 runs on, still the old holder's store (two primaries). The standby
+    lands on pg2, where nobody holds the lock, and takes an epoch above the bus's; the old
+    holder, whose lock on pg1 is fine, sees the higher epoch on the bus and steps down. Hosts
+    never apply the old holder's declarations after the new one's. The fault heals as an HA
+    manager heals it (pg1 fenced: stopped), the route comes back, the plan finishes on pg2.
+
+    (pg1's commits wait for its synchronous standby, which is gone: the old holder could not
+    commit a plan write there anyway; the bus's epoch and the hosts' fence are what stop it.)"""
+    m = storenet
+    plan_id, before, applied = await rolling_tier_1(m, tmp_path)
+    holder, epoch = before["seat"]["holder"], before["seat"]["epoch"]
+    standby = next(c for c in ("ctl-0", "ctl-1") if c != holder)
+    verbs, stop = Verbs(), anyio.Event()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(verbs.run, m.nc, stop)
+        m.net.block(standby, [m.pg["pg1"]])
+        split = time.monotonic()
+        try:
+            await m.promote()
+            after = await holder_above(m.nc, epoch, within=90)
+            took = time.monotonic() - split
+            code = await stepped_down(m, holder, within=30)
+            gave_up = time.monotonic() - split
+            assert m.servers["pg1"].poll() is None, "pg1 ran on through the split"
+            # The heal: pg1 is fenced (an HA manager stops it), the route is back.
+            m.servers["pg1"].send_signal(signal.SIGINT)
+            m.servers["pg1"].wait(timeout=30)
+        finally:
+            m.net.unblock(standby, [m.pg["pg1"]])
+        m.start_controller(holder)  # its supervisor starts it again: it lands on pg2
+        plan = await finish(m, tmp_path, plan_id, verbs)
+        stop.set()
+
+    print(f"{after['seat']['holder']} held epoch {after['seat']['epoch']} on pg2 {took:.1f}s "
+          f"after the split; {holder} gave up {gave_up:.1f}s after; {verbs.answered} status "
+          f"answered, the slowest in {verbs.worst:.2f}s")  # fmt: skip
+    log = (tmp_path / f"{holder}.log").read_text()
+    assert code == (1,), log[-3000:]
+    assert f"{standby} holds epoch {after['seat']['epoch']} on the bus, above ours ({epoch})" in (
+        log
+    ), log[-3000:]
+    assert after["seat"]["holder"] == standby
+    assert verbs.failures == [], verbs.failures[:5]
+    # The old holder's epoch never reached a host after the new holder's (assert_epochs_rise).
+    await assert_finished_well(m, plan, applied, "pg2")
