@@ -54,6 +54,7 @@ import re
 import shutil
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -62,6 +63,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
+import asyncpg
 import msgspec
 import nats
 import nats.errors
@@ -247,6 +249,15 @@ class Run:
     exit_after: float | None = None  # sigterm: the old holder's exit, after the event
     exit_code: int | None = None
     notes: list[str] = field(default_factory=list)
+    promote_at: float | None = None  # failover: perf_counter when `pg_ctl promote` was run
+
+    @property
+    def from_promote(self) -> float | None:
+        """failover: from `pg_ctl promote` to the first answer from the new holder."""
+        first = self.first_new
+        if first is None or self.promote_at is None:
+            return None
+        return first.ended - self.promote_at
 
     @property
     def answered(self) -> list[Request]:
@@ -419,7 +430,7 @@ class Pieces:
 
     async def stop(self) -> None:
         for child in reversed(self.children):  # controllers, postgres, nats-server
-            sig = signal.SIGINT if child.name == "postgres" else signal.SIGTERM
+            sig = signal.SIGINT if child.name.startswith("postgres") else signal.SIGTERM
             await child.stop(sig=sig, timeout=15)
 
 
@@ -610,6 +621,373 @@ async def bench(args: argparse.Namespace, pieces: Pieces) -> list[Run]:
         await ctl.close()
 
 
+# --- --store-standby: the store as a primary and a synchronous standby ---------------------
+
+FAILOVER = "failover"
+STATUS_IN_FLIGHT = 64  # --store-standby's rate: status requests outstanding at once
+LABEL_IN_FLIGHT = 8  # and label requests (a slow verb: the controller takes 16 at a time)
+LABEL_SUBJECT = "mesh.ctl.label"
+
+
+class _Reply(msgspec.Struct):
+    error: dict | None = None
+
+
+def _port_of(url: str) -> int:
+    return int(url.rsplit(":", 1)[1].split("/")[0])
+
+
+class StorePair:
+    """PostgreSQL as a primary and a synchronous standby (mesh.embedded.postgres), on two ports
+    that stay the same so that one multi-host URL serves every round: after a failover the
+    promoted server is the primary, and a fresh standby copied from it takes the dead one's
+    port (the two swap roles each round, as under an HA manager)."""
+
+    def __init__(self, pieces: Pieces) -> None:
+        self.pieces = pieces
+        self.primary: Child | None = None
+        self.standby: Child | None = None
+        self.standby_data = Path()
+        self.primary_port = 0
+        self.standby_port = 0
+        self._copies = 0
+
+    async def start(self) -> None:
+        folder = self.pieces.folder
+        try:
+            self.primary, url = await postgres.start(
+                folder / "pg-0", log=folder / "logs" / "postgres-0.log", database="mesh",
+                settings=postgres.PRIMARY,
+            )  # fmt: skip
+        except postgres.PostgresFailed as e:
+            raise BenchError(str(e)) from None
+        self.pieces.children.append(self.primary)
+        self.primary_port, self.standby_port = _port_of(url), ports.free_port()
+        self.pieces.database_url = postgres.multi_host_url(
+            [self.primary_port, self.standby_port], "mesh"
+        )
+        await self.new_standby()
+
+    async def new_standby(self) -> None:
+        """Copy the primary into a fresh folder (pg_basebackup), stream from it on
+        standby_port, then make the primary wait for it (synchronous_standby_names, with ALTER
+        SYSTEM: the copy was taken before, so a promoted copy waits for no standby of its own)
+        and wait until it is `sync`."""
+        self._copies += 1
+        n, folder, primary_port = self._copies, self.pieces.folder, self.primary_port
+        data = folder / f"pg-{n}"
+        try:
+            await asyncio.to_thread(postgres.base_backup, data, primary_port=primary_port)
+            settings = postgres.standby_settings(primary_port=primary_port)
+            child = await spawn(
+                "postgres-standby", postgres.argv(data, port=self.standby_port, settings=settings),
+                log=folder / "logs" / f"postgres-{n}.log", cwd=data, **postgres.run_as(),
+            )  # fmt: skip
+            self.pieces.children.append(child)
+            self.standby, self.standby_data = child, data
+            await postgres.wait_ready(self.standby_port, deadline=60, alive=lambda: child.running)
+            conn = await asyncpg.connect(postgres.url(primary_port), timeout=5)
+            try:
+                await conn.execute(
+                    f"ALTER SYSTEM SET synchronous_standby_names = '{postgres.STANDBY_NAME}'"
+                )
+                await conn.execute("SELECT pg_reload_conf()")
+            finally:
+                await conn.close()
+            await postgres.wait_synchronous(primary_port, deadline=60, alive=lambda: child.running)
+        except (postgres.PostgresFailed, OSError, asyncpg.PostgresError) as e:
+            raise BenchError(f"standby {data.name}: {e}") from None
+
+    def promote(self) -> None:
+        """What an HA manager does once the primary is gone (docs/operations.md)."""
+        done = subprocess.run(
+            [postgres.bin("pg_ctl"), "promote", "-w", "-t", "60", "-D", str(self.standby_data)],
+            capture_output=True, text=True, **postgres.run_as(),
+        )  # fmt: skip
+        if done.returncode != 0:
+            raise BenchError(f"pg_ctl promote failed: {done.stderr.strip()}")
+
+    def swap(self) -> None:
+        """After a failover: the promoted standby is the primary, the dead one's port is free."""
+        assert self.standby is not None
+        self.primary, self.standby = self.standby, None
+        self.primary_port, self.standby_port = self.standby_port, self.primary_port
+
+
+async def failover(b: Bench, pair: StorePair, index: int) -> Run:
+    """One round: status at --rate; SIGKILL to the primary's whole process group (the server
+    and every backend, as a crash); `pg_ctl promote` of the standby once the server is gone;
+    on until the new holder answers and --after more. Then a fresh standby and a fresh
+    standing-by controller for the next round."""
+    args = b.args
+    old, epoch, standby = await b.seated()
+    assert pair.primary is not None
+    primary = pair.primary
+    load = Load(b.load_nc, args.rate, args.timeout)
+    load.new_epoch_above = epoch
+    b.seat_events.clear()
+    busy, stalled = machine_busy_seconds(), cpu_stall_seconds()
+    loading = asyncio.create_task(load.run())
+    notes: list[str] = []
+    try:
+        await asyncio.sleep(args.before)
+        event_at, event_wall = time.perf_counter(), time.time()
+        primary.stopping = True
+        os.killpg(primary.pid, signal.SIGKILL)
+        await primary.proc.wait()
+        promote_at = time.perf_counter()
+        await asyncio.to_thread(pair.promote)
+        promoted = time.perf_counter()
+        notes.append(
+            f"primary gone +{ms(promote_at - event_at)} ms; pg_ctl promote returned "
+            f"+{ms(promoted - event_at)} ms"
+        )
+        try:
+            await asyncio.wait_for(load.new_holder.wait(), timeout=60)
+        except TimeoutError:
+            raise BenchError("failover: no answer from a new holder within 60 s") from None
+        await asyncio.sleep(args.after)
+    finally:
+        load.stop()
+        await loading
+    seconds = load.stopped - load.started
+    stalled_now = cpu_stall_seconds()
+    new = load.first_new.holder if load.first_new else "?"
+    run = Run(
+        scenario=FAILOVER, index=index, old=old, new=new, epoch_before=epoch,
+        event_at=event_at, event_wall=event_wall, requests=load.requests,
+        seat_events=list(b.seat_events),
+        busy_cores=(machine_busy_seconds() - busy) / seconds,
+        cpu_wait=None if stalled is None or stalled_now is None
+        else (stalled_now - stalled) / seconds,
+        notes=notes, promote_at=promote_at,
+    )  # fmt: skip
+    run.notes.append(
+        f"first answer from the new holder +{ms(run.from_promote)} ms after the promote"
+    )
+    stale = [r for r in run.answered if r.epoch <= epoch and r.ended > event_at]
+    if stale:  # the old holder answers from memory until its lock session's ping fails
+        last = max(r.ended for r in stale) - event_at
+        after_new = sum(run.first_new is not None and r.ended > run.first_new.ended for r in stale)
+        run.notes.append(
+            f"the old holder answered {len(stale)} after the kill, the last at +{ms(last)} ms "
+            f"({after_new} of them after the new holder's first)"
+        )
+    if new != standby:
+        run.notes.append(f"the new holder is {new}, not the standby {standby}")
+    if args.log_ms:
+        for name in (old, new):
+            if name in b.pieces.controllers:
+                run.log_events += from_log(b.pieces.controllers[name], event_wall)
+    # The old holder's lock session died with the server: it steps down and exits (SeatLost).
+    child = b.pieces.controllers[old]
+    try:
+        run.exit_code = await asyncio.wait_for(child.proc.wait(), timeout=30)
+    except TimeoutError:
+        run.notes.append(f"{old} still runs 30 s after the primary's loss (left standing by)")
+    else:
+        run.notes.append(f"{old} exited with code {run.exit_code}; a fresh controller stands by")
+        child.stopping = True
+        await b.pieces.controller()
+    pair.swap()
+    await pair.new_standby()
+    return run
+
+
+@dataclass
+class Rate:
+    store: str  # "single" or "sync"
+    verb: str
+    answered: int
+    failed: int
+    seconds: float
+    cpu_wait: float | None
+
+    @property
+    def per_second(self) -> float:
+        return self.answered / self.seconds
+
+
+async def closed_loop(
+    nc: Client, subject: str, body: Callable[[int], bytes], *, in_flight: int, seconds: float
+) -> tuple[int, int, float]:
+    """`in_flight` requests outstanding for `seconds`: (answered, failed, seconds taken)."""
+    answered = failed = 0
+    numbers = itertools.count()
+    started = time.perf_counter()
+    deadline = started + seconds
+
+    async def worker() -> None:
+        nonlocal answered, failed
+        while time.perf_counter() < deadline:
+            try:
+                msg = await nc.request(subject, body(next(numbers)), timeout=10)
+                ok = msgspec.json.decode(msg.data, type=_Reply).error is None
+            except (nats.errors.Error, msgspec.DecodeError):
+                ok = False
+            answered += ok
+            failed += not ok
+
+    async with asyncio.TaskGroup() as tg:
+        for _ in range(in_flight):
+            tg.create_task(worker())
+    return answered, failed, time.perf_counter() - started
+
+
+def _label(i: int) -> bytes:
+    return msgspec.json.encode({"machine": "bench-1", "set": {"bench": f"v{i}"}})
+
+
+async def rates(args: argparse.Namespace, meshes: dict[str, Client]) -> list[Rate]:
+    """status (64 in flight) and label (8 in flight) against each mesh's holder in turn, in
+    --rate-rounds rounds that alternate which store goes first."""
+    found: list[Rate] = []
+    say(f"{'round':>5} {'store':<6} {'status/s':>9} {'label/s':>8} {'failed':>6} {'cpu wait':>8}")
+    for i in range(1, args.rate_rounds + 1):
+        order = list(meshes) if i % 2 else list(reversed(meshes))
+        for store in order:
+            nc = meshes[store]
+            got = []
+            for verb, subject, body, in_flight in (
+                ("status", STATUS_SUBJECT, lambda _: b"{}", STATUS_IN_FLIGHT),
+                ("label", LABEL_SUBJECT, _label, LABEL_IN_FLIGHT),
+            ):
+                stalled = cpu_stall_seconds()
+                answered, failed, seconds = await closed_loop(
+                    nc, subject, body, in_flight=in_flight, seconds=args.rate_seconds
+                )
+                now = cpu_stall_seconds()
+                wait = None if stalled is None or now is None else (now - stalled) / seconds
+                got.append(Rate(store, verb, answered, failed, seconds, wait))
+            found += got
+            status_rate, label_rate = got
+            waits = [r.cpu_wait for r in got if r.cpu_wait is not None]
+            say(
+                f"{i:>5} {store:<6} {status_rate.per_second:>9.0f} {label_rate.per_second:>8.0f} "
+                f"{status_rate.failed + label_rate.failed:>6} "
+                f"{f'{max(waits):.0%}' if waits else '-':>8}"
+            )
+    return found
+
+
+async def bench_store_standby(
+    args: argparse.Namespace, single: Pieces, paired: Pieces
+) -> tuple[list[Run], list[Rate]]:
+    say("single server: nats-server, PostgreSQL, one controller…")
+    await single.nats()
+    await single.postgres()
+    say("with a standby: nats-server, PostgreSQL primary + synchronous standby…")
+    await paired.nats()
+    pair = StorePair(paired)
+    await pair.start()
+    say(f"  {paired.database_url}")
+    ncs = {
+        name: await nats.connect(p.nats_url, name=f"bench {name}", allow_reconnect=False)
+        for name, p in (("single", single), ("ctl", paired), ("load", paired))
+    }
+    try:
+        await single.controller()
+        b = Bench(args, paired, ncs["ctl"], ncs["load"])
+        await b.listen()
+
+        async def holds(nc: Client) -> bool:
+            s = await status(nc)
+            return s is not None and s.seat is not None
+
+        await until("the single store's holder", lambda: holds(ncs["single"]), within=60,
+                    pieces=single)  # fmt: skip
+        await paired.controller()
+        await until("a holder on the pair", lambda: holds(ncs["ctl"]), within=60, pieces=paired)
+        await paired.controller()
+        holder, epoch, standby = await b.seated()
+        say(f"  {holder} holds the seat (epoch {epoch}), {standby} stands by")
+        say()
+        say(f"rates: {args.rate_rounds} rounds of {args.rate_seconds:g} s per verb and store")
+        found = await rates(args, {"single": ncs["single"], "sync": ncs["ctl"]})
+        say()
+        say(f"failover: {args.runs} rounds, status at {args.rate:g}/s")
+        say(HEADER)
+        say("-" * len(HEADER))
+        runs: list[Run] = []
+        for i in range(1, args.runs + 1):
+            r = await failover(b, pair, i)
+            runs.append(r)
+            say(row(r))
+            say(describe(r))
+        return runs, found
+    finally:
+        for nc in ncs.values():
+            await nc.close()
+
+
+def percentiles(values: list[float]) -> str:
+    """p50 / p90 / max, in ms."""
+    if not values:
+        return "-"
+    ordered = sorted(values)
+
+    def at(q: float) -> float:
+        return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered)) - 1))]
+
+    return f"{ms(at(0.5))} / {ms(at(0.9))} / {ms(ordered[-1])}"
+
+
+def summary_store_standby(runs: list[Run], found: list[Rate], args: argparse.Namespace) -> None:
+    say()
+    say(
+        f"machine: {os.cpu_count()} cores, Python {platform.python_version()}, nats-py "
+        f"{nats_py_version}, load average {os.getloadavg()[0]:.2f}"
+    )
+    say()
+    say("rates (all rounds; share = with a synchronous standby / single server):")
+    for verb in ("status", "label"):
+        by = {
+            store: [r for r in found if r.verb == verb and r.store == store]
+            for store in ("single", "sync")
+        }
+        total = {s: sum(r.answered for r in v) / sum(r.seconds for r in v) for s, v in by.items()}
+        shares = [
+            b.per_second / a.per_second for a, b in zip(by["single"], by["sync"], strict=True)
+        ]
+        say(
+            f"  {verb:<6} single {total['single']:.0f}/s, sync {total['sync']:.0f}/s: "
+            f"{total['sync'] / total['single']:.0%} (rounds {min(shares):.0%} .. "
+            f"{max(shares):.0%}); failed {sum(r.failed for r in found if r.verb == verb)}"
+        )
+    if runs:
+        sent = sum(len(r.requests) for r in runs)
+        bad = sum(r.count("error", "no responders", "timeout") for r in runs)
+        say(f"failover ({len(runs)} rounds, p50 / p90 / max, ms; {sent} sent, {bad} not answered):")
+        kill = [r.switch for r in runs if r.switch is not None]
+        promote = [r.from_promote for r in runs if r.from_promote is not None]
+        say(f"  first answer from the new holder after the kill    {percentiles(kill)}")
+        say(f"  first answer from the new holder after the promote {percentiles(promote)}")
+        say(f"  longest gap with no answer                         "
+            f"{percentiles([r.longest_gap[0] for r in runs])}")  # fmt: skip
+
+
+async def run_store_standby(args: argparse.Namespace) -> tuple[list[Run], list[Rate]]:
+    folder = Path(tempfile.mkdtemp(prefix="mesh-bench-handover-"))
+    folder.chmod(0o755)  # the servers run as their own account (as root) under it
+    single, paired = Pieces(folder / "single"), Pieces(folder / "standby")
+    single.log_ms = paired.log_ms = args.log_ms
+    try:
+        async with asyncio.timeout(args.deadline):
+            return await bench_store_standby(args, single, paired)
+    except (nats.errors.Error, wire.RemoteError) as e:
+        raise BenchError(f"a request failed: {type(e).__name__}: {e}") from None
+    except TimeoutError:
+        raise BenchError(f"the run took longer than --deadline {args.deadline:g}s") from None
+    finally:
+        say("stopping…")
+        await paired.stop()
+        await single.stop()
+        if args.keep:
+            say(f"logs kept in {folder}/*/logs")
+        else:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
 # --- the summary ---------------------------------------------------------------------------
 
 
@@ -675,6 +1053,19 @@ def parser() -> argparse.ArgumentParser:
         default=",".join(SCENARIOS),
         help="comma-separated, in order (handover,sigterm,sigkill)",
     )
+    p.add_argument(
+        "--store-standby",
+        action="store_true",
+        help="PostgreSQL as a primary and a synchronous standby (the multi-host URL): the "
+        "status and label rates beside a single server's, then --runs failovers (the primary "
+        "killed, the standby promoted) instead of the scenarios",
+    )
+    p.add_argument(
+        "--rate-rounds", type=int, default=4, help="--store-standby: rounds of rates (4)"
+    )
+    p.add_argument(
+        "--rate-seconds", type=float, default=3.0, help="--store-standby: seconds per rate (3)"
+    )
     p.add_argument("--deadline", type=float, default=900, help="seconds for the whole run")
     p.add_argument("--keep", action="store_true", help="keep the folder with the logs")
     p.add_argument(
@@ -713,6 +1104,15 @@ def main() -> None:
         sys.exit(f"--scenarios: a comma-separated list of {', '.join(SCENARIOS)}")
     if args.rate <= 0 or args.runs < 1 or args.timeout <= 0:
         sys.exit("--rate, --runs and --timeout must be positive")
+    if args.store_standby:
+        try:
+            runs, found = asyncio.run(run_store_standby(args))
+        except BenchError as e:
+            sys.exit(f"bench failed: {e}")
+        except KeyboardInterrupt:
+            sys.exit(130)
+        summary_store_standby(runs, found, args)
+        return
     try:
         runs = asyncio.run(run(args))
     except BenchError as e:
