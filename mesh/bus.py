@@ -187,13 +187,17 @@ async def connect(
             return
         await _quiet(e)
 
+    servers = config.servers(url)
     options: dict[str, Any] = {
-        "servers": config.servers(url),
+        "servers": servers,
         "name": name,
         "error_cb": on_error,
         "connect_timeout": 2,
-        "allow_reconnect": reconnect,
-        "max_reconnect_attempts": -1 if reconnect else 1,
+        # A one-shot client of a cluster moves to another server when its own goes (a
+        # `mesh assign --wait` must ride over the loss of one), but gives up within seconds
+        # when none answers; a one-shot client of a lone server fails at once.
+        "allow_reconnect": reconnect or len(servers) > 1,
+        "max_reconnect_attempts": -1 if reconnect else 2,
         "reconnect_time_wait": 0.25,
         "ping_interval": 5,
         "max_outstanding_pings": 2,

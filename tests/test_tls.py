@@ -11,7 +11,9 @@ import os
 import signal
 import socket
 import stat
+import struct
 import subprocess
+import threading
 from pathlib import Path
 
 import anyio
@@ -270,3 +272,57 @@ async def _until(predicate, *, what: str, within: float = 15) -> None:
         return bool(predicate())
 
     await await_until(holds, within=within, what=what)
+
+
+async def test_a_one_shot_client_of_a_cluster_connects_past_a_dead_server(tmp_path, procs) -> None:
+    """A command's connection (reconnect=False) is given every server of a cluster: one dead
+    server, whichever the client tries first, is passed over (nats-py alone gives up at the
+    first failure of a client that may not reconnect); with none alive it fails in one line."""
+    ca_folder = tmp_path / "tls"
+    ca = tls.ensure_ca(ca_folder)
+    client = [ports.free_port() for _ in range(3)]
+    routes = [ports.free_port() for _ in range(3)]
+    servers = []
+    for i in range(3):
+        folder = tmp_path / f"n{i + 1}"
+        cert, key = folder / "server.pem", folder / "server.key"
+        tls.issue_server(ca_folder, cert, key, name=f"n{i + 1}", hosts=["127.0.0.1"])
+        conf = natsd.write_config(
+            folder, port=client[i], name=f"n{i + 1}", tls=natsd.Tls(cert=cert, key=key, ca=ca),
+            cluster=natsd.Cluster(port=routes[i], routes=[f"127.0.0.1:{p}" for p in routes]),
+        )  # fmt: skip
+        servers.append(procs.start(f"nats-n{i + 1}", natsd.argv(conf)))
+    for port in client:
+        wait_until(lambda p=port: _listening(p), within=10, what=f"nats-server on {port}")
+    url = ",".join(f"tls://127.0.0.1:{p}" for p in client)
+    servers[0].kill()
+    servers[0].wait(timeout=10)
+    # In its place, what a server dying under a connection looks like: the TCP connection is
+    # accepted, then reset.
+    resetting = socket.create_server(("127.0.0.1", client[0]))
+    resetting.settimeout(0.2)
+    stop = threading.Event()
+
+    def reset_every_connection() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = resetting.accept()
+            except TimeoutError:
+                continue
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            conn.close()
+
+    threading.Thread(target=reset_every_connection, daemon=True).start()
+    try:
+        for _ in range(12):  # the pool's order is random: each server comes first some time
+            nc = await bus.connect(url, name="one-shot", reconnect=False, ca=str(ca))
+            assert nc.connected_url is not None and nc.connected_url.port != client[0]
+            await nc.close()
+    finally:
+        stop.set()
+        resetting.close()
+    for s in servers[1:]:
+        s.kill()
+        s.wait(timeout=10)
+    with pytest.raises(bus.Unreachable, match="cannot reach NATS"):
+        await bus.connect(url, name="one-shot", reconnect=False, ca=str(ca))
