@@ -39,6 +39,22 @@ fails on a timing (see docs/performance.md).
                                        [--after 2] [--scenarios handover,sigterm,sigkill]
                                        [--log-ms] [--keep] [--deadline 900]
 
+With `--store-standby` the scenarios are replaced by the store's own failover (issue 14): two
+meshes side by side, each with its own nats-server: one on a single PostgreSQL with one
+controller, one on a primary and a synchronous standby (mesh.embedded.postgres, as `mesh dev up
+--store-standby` makes them) behind the multi-host URL, with two controllers. First
+`--rate-rounds` rounds, alternating which mesh goes first, of `status` (64 in flight, closed
+loop) and `label` (a writing verb: one commit each, 8 in flight) for `--rate-seconds` each: the
+rates with synchronous replication as a share of the single server's. Then `--runs` failover
+rounds at `--rate` status/s: SIGKILL to the primary's process group (the server and its
+backends, as a crash), `pg_ctl promote` of the standby as soon as the server is gone, on until
+the new holder answers; the first answer is timed from the kill and from the promote. After
+each round a fresh standby is copied from the new primary onto the dead one's port (the URL
+never changes) and a fresh controller replaces the old holder, which exits (SeatLost).
+
+    .venv/bin/python bench/handover.py --store-standby [--runs 10] [--rate-rounds 4]
+                                       [--rate-seconds 3] [--rate 500]
+
 Everything lives in a temporary folder (`--keep` keeps it, with the controllers' logs); every
 child runs in its own session and is stopped in a `finally`.
 """
