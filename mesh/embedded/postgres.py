@@ -263,7 +263,9 @@ def standby_settings(*, primary_port: int, name: str = STANDBY_NAME) -> tuple[st
     """On the standby's command line: the primary's port changes from one start to the next,
     so the connection pg_basebackup wrote is overridden with today's."""
     conninfo = f"host=127.0.0.1 port={primary_port} user={REPLICATION_USER} application_name={name}"
-    return (f"primary_conninfo={conninfo}", "hot_standby=on")
+    # A promotion that comes just after the stream broke waits out the retry interval (5 s by
+    # default) before it ends recovery: keep that short.
+    return (f"primary_conninfo={conninfo}", "hot_standby=on", "wal_retrieve_retry_interval=200ms")
 
 
 async def start_standby(

@@ -77,19 +77,33 @@ class SeatLock:
                 backoff = min(backoff * 2, RECONNECT_MAX)
 
     async def watch(self) -> None:
-        """Return never; raise SeatLost as soon as the lock's session stops answering."""
+        """Return never; raise SeatLost as soon as the lock's session stops answering, or at
+        once when its connection ends (a server that died closes it): from that moment the
+        seat is not `fresh`, so no verb is answered with a seat that may be someone else's."""
         assert self.conn is not None
-        try:
+        with anyio.CancelScope() as ended:
+
+            def on_end(_conn: object) -> None:
+                self._confirmed = float("-inf")
+                ended.cancel()
+
+            self.conn.add_termination_listener(on_end)
+            try:
+                await self._ping()
+            except Exception as e:  # any failure: a session closed by the server while we
+                # were paused fails the next query with asyncpg's InternalClientError
+                raise SeatLost(f"the seat's store session failed: {e or type(e).__name__}") from e
+        raise SeatLost("the seat's store session failed: its connection ended")
+
+    async def _ping(self) -> None:
+        assert self.conn is not None
+        with anyio.fail_after(PING_DEADLINE):
+            await self.conn.execute(f"SET idle_session_timeout = {int(IDLE_LIMIT * 1000)}")
+        while True:
+            await anyio.sleep(PING_EVERY)
             with anyio.fail_after(PING_DEADLINE):
-                await self.conn.execute(f"SET idle_session_timeout = {int(IDLE_LIMIT * 1000)}")
-            while True:
-                await anyio.sleep(PING_EVERY)
-                with anyio.fail_after(PING_DEADLINE):
-                    await self.conn.fetchval("SELECT 1")
-                self._confirmed = time.monotonic()
-        except Exception as e:  # any failure: a session closed by the server while we were
-            # paused fails the next query with asyncpg's InternalClientError, not a PostgresError
-            raise SeatLost(f"the seat's store session failed: {e or type(e).__name__}") from e
+                await self.conn.fetchval("SELECT 1")
+            self._confirmed = time.monotonic()
 
     def fresh(self) -> bool:
         """The session answered within FRESH_FOR: the seat is still ours. False in a holder
