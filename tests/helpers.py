@@ -21,6 +21,7 @@ import pytest
 from nats.aio.client import Client
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
+from nats.js.errors import NoKeysError
 
 MESH = [sys.executable, "-P", "-m", "mesh"]
 
@@ -113,6 +114,20 @@ def one_line_error(done: subprocess.CompletedProcess) -> str:
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1, done.stderr
     return lines[0]
+
+
+async def kv_keys(kv, *, within: float = 30) -> list[str]:
+    """The keys of a KV bucket. nats-py's `keys()` lists them through a watcher that now and
+    then, on a loaded machine or right after a fault, reports none (NoKeysError) or times out:
+    asked again until `within`; still none at the deadline fails the test."""
+
+    async def listed():
+        try:
+            return await kv.keys()
+        except (NoKeysError, NatsTimeout):
+            return None
+
+    return await await_until(listed, within=within, what=f"the keys of {kv._name}")
 
 
 class DevUp:

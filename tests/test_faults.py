@@ -25,8 +25,7 @@ import asyncpg
 import msgspec
 import nats
 import pytest
-from helpers import MESH, ask, await_until
-from nats.js.errors import NoKeysError
+from helpers import MESH, ask, await_until, kv_keys
 from test_plans import assert_tier_order, mesh, module, ok
 
 from mesh import bus, wire
@@ -117,16 +116,7 @@ async def assert_one_epoch_at_a_time(database_url: str) -> set[int]:
 async def assert_kv_epochs_rise(nc) -> None:
     """In the declarations bucket's history, no key's epoch ever goes back."""
     kv = await nc.jetstream().key_value("mesh-declarations")
-
-    async def keys():
-        # Right after a fault the stream's leader may be moving: an empty or timed-out listing
-        # is asked again; one still empty at the deadline fails the test.
-        try:
-            return await kv.keys()
-        except (NoKeysError, nats.errors.TimeoutError):
-            return None
-
-    for key in await await_until(keys, within=30, what="the declarations' keys"):
+    for key in await kv_keys(kv):
         epochs = [json.loads(e.value)["epoch"] for e in await kv.history(key) if e.value]
         assert epochs == sorted(epochs), f"{key}: declarations published with epochs {epochs}"
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import asyncpg
 import pytest
-from helpers import MESH, ask, await_until, ok, one_line_error
+from helpers import MESH, ask, await_until, kv_keys, ok, one_line_error
 
 EXAMPLE = Path(__file__).parent.parent / "docs" / "examples" / "hello"
 SECRET = "s3cr3t-VALUE-7f1c"
@@ -43,7 +43,7 @@ async def fleet(nc, start_controller, start_host):
 async def declarations(nc) -> dict[str, dict]:
     kv = await nc.jetstream().key_value("mesh-declarations")
     found = {}
-    for key in await kv.keys():
+    for key in await kv_keys(kv):
         found[key] = json.loads((await kv.get(key)).value)
     return found
 
