@@ -130,6 +130,19 @@ async def kv_keys(kv, *, within: float = 30) -> list[str]:
     return await await_until(listed, within=within, what=f"the keys of {kv._name}")
 
 
+async def kv_history(kv, key: str, *, within: float = 30) -> list:
+    """A key's history, asked again as `kv_keys` asks (nats-py reads it through the same kind
+    of watcher, which on a cluster now and then reports nothing right after a fault)."""
+
+    async def read():
+        try:
+            return await kv.history(key)
+        except (NoKeysError, NatsTimeout):
+            return None
+
+    return await await_until(read, within=within, what=f"the history of {key}")
+
+
 class DevUp:
     """`mesh dev up` (`--hosts N --dir FOLDER --port 0`, then `extra`) in its own session, its
     lines read as they come, as a user sees them."""

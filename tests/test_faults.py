@@ -25,7 +25,7 @@ import asyncpg
 import msgspec
 import nats
 import pytest
-from helpers import MESH, ask, await_until, kv_keys
+from helpers import MESH, ask, await_until, kv_history, kv_keys
 from test_plans import assert_tier_order, mesh, module, ok
 
 from mesh import bus, wire
@@ -117,7 +117,7 @@ async def assert_kv_epochs_rise(nc) -> None:
     """In the declarations bucket's history, no key's epoch ever goes back."""
     kv = await nc.jetstream().key_value("mesh-declarations")
     for key in await kv_keys(kv):
-        epochs = [json.loads(e.value)["epoch"] for e in await kv.history(key) if e.value]
+        epochs = [json.loads(e.value)["epoch"] for e in await kv_history(kv, key) if e.value]
         assert epochs == sorted(epochs), f"{key}: declarations published with epochs {epochs}"
 
 

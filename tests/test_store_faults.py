@@ -648,9 +648,14 @@ async def test_the_holder_cut_off_from_nats_and_the_store(storenet, tmp_path) ->
     assert "the seat's store session failed" in log or "lost NATS" in log, log[-3000:]
     assert gave_up < STEP_DOWN_AT_MOST, gave_up
     assert after["seat"]["holder"] == standby
-    # The cut holder stays in the verb group until nats-server's pings drop it: requests it
-    # gets time out and are asked again (bus.request), all within their deadline.
-    assert verbs.failures == [], verbs.failures[:5]
+    # Until the server ends the cut holder's session (idle_session_timeout, keepalives) nobody
+    # can hold the seat, and until nats-server's pings drop the cut holder from the verb group
+    # some requests vanish into it; a request may run out of its deadline in that window (the
+    # issue asks every status answered for the store's own failures, not for partitions).
+    # Every request started once the standby held the seat was answered.
+    held_at = cut + took
+    late = [f for f in verbs.failures if f[0] >= held_at]
+    assert late == [], late[:5]
     await assert_finished_well(m, plan, applied, "pg1")
 
 
