@@ -57,6 +57,12 @@ class MeshDir:
         """The folder of nats-server `name` (n1, n2, ...)."""
         return self.nats / name
 
+    def server_cert(self, name: str) -> Path:
+        return self.server(name) / "server.pem"
+
+    def server_key(self, name: str) -> Path:
+        return self.server(name) / "server.key"
+
     def servers(self) -> list[str]:
         """The names of the nats-servers this folder has configured, in order."""
         found = [p.parent.name for p in self.nats.glob("n*/nats.conf")]

@@ -163,7 +163,7 @@ class DevMesh:
         for i in range(self.nats):
             name = f"n{i + 1}"
             folder = self.mesh.server(name)
-            cert, key = folder / "server.pem", folder / "server.key"
+            cert, key = self.mesh.server_cert(name), self.mesh.server_key(name)
             if not key.exists() or not tls.current(cert, self.mesh.ca):  # new, or the CA changed
                 tls.issue_server(self.mesh.tls, cert, key, name=name,
                                  hosts=["127.0.0.1", "localhost"])  # fmt: skip

@@ -168,6 +168,22 @@ async def promote(data: Path) -> None:
 # --- 1: the primary killed, the synchronous standby promoted --------------------------------------
 
 
+async def rolling(
+    nc, nats_url: str, tmp_path: Path, *, deadline: str
+) -> tuple[int, dict, dict, Applied]:
+    """A three-tier plan pushed (its steps wait for tmp_path/hosts/NAME/ready), tier 0 let
+    through, tier 1 applying: the plan's id, the plan and the status then, and the hosts'
+    `applied` reports recorded from before the push."""
+    applied = await Applied().start(nc)
+    source = module(tmp_path / "m", marker="ready", deadline=deadline)
+    plan_id = ok(mesh(nats_url, "push", str(source), "--json"))["plan"]
+    (tmp_path / "hosts" / "node-1" / "ready").write_text("")
+    plan = await waiting_in(nc, plan_id, "node-2")
+    before = await status(nc)
+    assert before is not None
+    return plan_id, plan, before, applied
+
+
 async def test_the_primary_killed_and_the_standby_promoted_during_a_plan(
     nc, nats_url, procs, start_host, tmp_path, store_folder, pairs
 ) -> None:
@@ -182,14 +198,8 @@ async def test_the_primary_killed_and_the_standby_promoted_during_a_plan(
     start = controllers_on(procs, nats_url, pair.url(pair.primary_port, pair.standby_port))
     controllers = await fleet(nc, start, start_host, tmp_path, hosts=len(HOSTS))
     await install_audit(direct(pair.primary_port))
-    applied = await Applied().start(nc)
     roots = tmp_path / "hosts"
-    source = module(tmp_path / "m", marker="ready", deadline="90s")
-    plan_id = ok(mesh(nats_url, "push", str(source), "--json"))["plan"]
-    (roots / "node-1" / "ready").write_text("")
-    before_plan = await waiting_in(nc, plan_id, "node-2")
-    before = await status(nc)
-    assert before is not None
+    plan_id, before_plan, before, applied = await rolling(nc, nats_url, tmp_path, deadline="90s")
     holder, epoch = before["seat"]["holder"], before["seat"]["epoch"]
     assert (await bus_epoch(nc))["epoch"] == epoch
 
@@ -308,14 +318,9 @@ async def test_a_promoted_asynchronous_standby_without_the_last_takeover(
     start = controllers_on(procs, nats_url, pair.url(pair.primary_port, pair.standby_port))
     controllers = await fleet(nc, start, start_host, tmp_path, hosts=len(HOSTS))
     await install_audit(direct(pair.primary_port))
-    applied = await Applied().start(nc)
     roots = tmp_path / "hosts"
-    source = module(tmp_path / "m", marker="ready", deadline="90s")
-    plan_id = ok(mesh(nats_url, "push", str(source), "--json"))["plan"]
-    (roots / "node-1" / "ready").write_text("")
-    await waiting_in(nc, plan_id, "node-2")
-    first = await status(nc)
-    assert first is not None and first["seat"]["holder"] == "ctl-0"
+    plan_id, _, first, applied = await rolling(nc, nats_url, tmp_path, deadline="90s")
+    assert first["seat"]["holder"] == "ctl-0"
     epoch = first["seat"]["epoch"]
     assert any("without synchronous replication" in w for w in first["seat"]["warnings"]), first
     await caught_up(pair)
@@ -542,13 +547,7 @@ async def storenet(net, procs, tmp_path, store_folder, monkeypatch):
 
 async def rolling_tier_1(m: StoreNet, tmp_path: Path) -> tuple[int, dict, Applied]:
     """A three-tier plan pushed, tier 0 done, tier 1 applying; the seat as it is then."""
-    applied = await Applied().start(m.nc)
-    source = module(tmp_path / "m", marker="ready", deadline="120s")
-    plan_id = ok(mesh(m.url, "push", str(source), "--json"))["plan"]
-    (tmp_path / "hosts" / "node-1" / "ready").write_text("")
-    await waiting_in(m.nc, plan_id, "node-2")
-    before = await status(m.nc)
-    assert before is not None
+    plan_id, _, before, applied = await rolling(m.nc, m.url, tmp_path, deadline="120s")
     return plan_id, before, applied
 
 

@@ -116,17 +116,13 @@ def _client_keepalives(conn: asyncpg.Connection) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
 
 
-async def _pool_connect(url: str, **kwargs: Any) -> asyncpg.Connection:
-    return await _open(url, **kwargs)
-
-
 async def pool(url: str, *, size: int = 4, timeout: float = 5.0) -> asyncpg.Pool:
     """Every connection of the pool, including those it opens again after a failover, is
     opened as `connect` opens one: the servers in order, the primary only if so asked."""
     try:
         return await asyncpg.create_pool(
             url, min_size=1, max_size=size, timeout=timeout, server_settings=KEEPALIVES,
-            connect=_pool_connect,
+            connect=_open,
         )  # fmt: skip
     except _NEXT as e:
         raise StoreUnreachable(f"cannot reach PostgreSQL at {_where(url)}: {_why(e)}") from None

@@ -98,7 +98,7 @@ def add_parsers(verbs: Any, common: argparse.ArgumentParser) -> None:
 
 def _folder(args: argparse.Namespace) -> MeshDir:
     """The mesh folder, which must hold a CA and at least one nats-server."""
-    given = args.dir or os.environ.get("MESH_DIR") or DEFAULT_DIR
+    given = args.dir or DEFAULT_DIR  # DEFAULT_DIR is MESH_DIR when set
     folder = MeshDir(Path(given))
     make = f"`mesh dev up --dir {given}` (or `mesh init`) makes a mesh there"
     if not folder.root.is_dir():
@@ -197,8 +197,7 @@ def presented(host: str, port: int, ca: Path, *, timeout: float = 2.0) -> int | 
 
 
 def _server_paths(folder: MeshDir, name: str) -> tuple[Path, Path, Path]:
-    base = folder.server(name)
-    return base / "server.pem", base / "server.key", base / "nats.conf"
+    return folder.server_cert(name), folder.server_key(name), folder.server(name) / "nats.conf"
 
 
 async def cmd_cert_show(args: argparse.Namespace) -> None:
