@@ -430,6 +430,8 @@ class BuildRequest(Request):
     argv: list[str]
     output: str  # relative to `path`
     timeout: float
+    # command: run argv in the source; mesh: the builder's own recipe for the mesh's code
+    kind: Literal["command", "mesh"] = "command"
 
 
 class BuildReply(msgspec.Struct):

@@ -28,12 +28,19 @@ from nats.aio.client import Client
 from mesh import bus, subjects, wire
 from mesh.auth import registry, tls
 from mesh.embedded import natsd, ports, postgres
-from mesh.embedded.children import Child, remove_containers, spawn, stop_supervised
+from mesh.embedded.children import (
+    Child,
+    remove_containers,
+    spawn,
+    stop_supervised,
+    successor_of,
+)
 from mesh.errors import MeshError
 from mesh.lifetime import stop_on_signals
 from mesh.meshdir import MeshDir
 from mesh.model import NodesReply, StatusReply
 from programs.placement import place_new
+from services.host import successor
 
 READY_WITHIN = 90.0
 DATABASE = "mesh"
@@ -301,6 +308,11 @@ class DevMesh:
             late = [n for n in wanted if not await _registered(nc, n, status.seat.epoch)]
         return "hosts " + ", ".join(late) if late else None
 
+    def _successor(self, child: Child) -> Child | None:
+        if not child.name.startswith("node-"):
+            return None
+        return successor_of(child, successor.pid_file(self.dir / "hosts" / child.name))
+
     def _nats_left(self) -> int:
         return sum(1 for c in self.children if c.name.startswith("nats-") and c.running)
 
@@ -334,6 +346,11 @@ class DevMesh:
             code = await child.proc.wait()
             if child.stopping:
                 return
+            heir = self._successor(child) if code == 0 else None
+            if heir is not None:  # a host agent that handed itself over to its new version
+                say(f"host {child.name} handed over to its new agent (pid {heir.pid})")
+                self.children[self.children.index(child)] = child = heir
+                continue
             how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
             say(f"{child.name} exited ({how}); its log: {child.log}")
             if child.name.startswith("nats-") and self._nats_left():

@@ -22,7 +22,7 @@ import pytest
 from helpers import MESH, ask, await_until, wait_until
 
 from mesh.embedded import natsd, ports, postgres
-from mesh.embedded.children import remove_containers, stop_supervised
+from mesh.embedded.children import remove_containers, stop_agents, stop_supervised
 
 
 def _port_open(port: int) -> bool:
@@ -114,6 +114,7 @@ class Procs:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 pass
+        stop_agents(self.folder / "hosts")  # an agent's new version is nobody's child
         stop_supervised(self.folder / "hosts")  # what the test's hosts started, hosts gone
         remove_containers(self.folder / "hosts")
 

@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tarfile
 import time
 from pathlib import Path
@@ -25,8 +26,6 @@ from nats.aio.client import Client
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 from test_plans import assert_tier_order
-
-from services.host import installed
 
 ROOT = Path(__file__).parent.parent
 CONTAINER = "mesh-controller"
@@ -66,7 +65,10 @@ def _inspect(name: str) -> dict | None:
 def container_controller(rootfs_image, nats_url, database_url):
     """The controller as the seed found it: a container, as user 65534, on the host network."""
     subprocess.run(["docker", "rm", "-f", CONTAINER], capture_output=True, timeout=60)
-    paths = installed.paths()
+    # The mesh installed here, mounted read-only where it lies (the seed's "mounts standing in
+    # for files"): this checkout, then this Python's site-packages.
+    site = [sysconfig.get_paths()[k] for k in ("purelib", "platlib")]
+    paths = list(dict.fromkeys([str(ROOT), *site]))
     mounts = [arg for p in ["/usr", *paths] for arg in ("-v", f"{p}:{p}:ro")]
     python = f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}"
     done = subprocess.run(

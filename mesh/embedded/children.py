@@ -92,6 +92,57 @@ async def spawn(
     return Child(name, proc, log)
 
 
+class NotOurs:
+    """A process that is not our child, watched through a pidfd: a host agent's new version,
+    started by the agent it replaced (services/host/successor.py), then left to init. Enough of
+    asyncio's Process for Child: pid, returncode (unknown: 0 once gone), wait, send_signal."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+        self._fd = os.pidfd_open(pid)
+
+    async def wait(self) -> int:
+        if self.returncode is None:
+            await anyio.wait_readable(self._fd)  # readable once the process has ended
+            os.close(self._fd)
+            self.returncode = 0
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        os.kill(self.pid, sig)
+
+
+def successor_of(child: Child, pid_file: Path) -> Child | None:
+    """The agent that took over from `child` (which has exited), by the pid it wrote, if one
+    is alive."""
+    try:
+        pid = int(pid_file.read_text().strip())
+        return None if pid == child.pid else Child(child.name, NotOurs(pid), child.log)  # type: ignore[arg-type]
+    except (OSError, ValueError):
+        return None
+
+
+def stop_agents(hosts_root: Path) -> list[int]:
+    """Kill the host agents that run from the roots under `hosts_root` (each root's agent.pid,
+    checked against the agent's command line): an agent's new version is nobody's child."""
+    killed = []
+    for pid_file in sorted(hosts_root.glob("*/agent.pid")):
+        try:
+            pid = int(pid_file.read_text().strip())
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        if str(pid_file.parent).encode() not in argv:
+            continue  # the pid was reused, or it is not an agent of this root
+        try:
+            os.killpg(pid, signal.SIGKILL)
+            killed.append(pid)
+        except (ProcessLookupError, PermissionError):
+            pass
+    return killed
+
+
 def stop_supervised(hosts_root: Path) -> list[int]:
     """Kill the process groups the hosts under `hosts_root` supervise (their
     state/processes.json: pid and kernel start time). Hosts leave their processes running when

@@ -14,7 +14,8 @@ import tarfile
 from pathlib import Path
 
 SKIP = {".git", "__pycache__", ".mesh"}
-MAX_ARCHIVE = 64 * 2**20  # bytes of the archive itself: a module's source or one bundle
+MAX_ARCHIVE = 128 * 2**20  # bytes of the archive itself: a module's source or one bundle (a mesh
+# bundle, the mesh and the packages it needs, is about 50 MiB)
 MAX_ENTRIES = 50_000  # files, folders and symlinks in one archive
 MAX_UNPACKED = MAX_ARCHIVE  # bytes of all its files together, once unpacked
 
@@ -76,16 +77,26 @@ def _info(
     return info
 
 
-def pack(root: Path) -> bytes:
-    """Pack the file or folder `root` canonically; a file becomes one entry under its name."""
+def pack(root: Path, *, extra: dict[str, Path] | None = None) -> bytes:
+    """Pack the file or folder `root` canonically; a file becomes one entry under its name.
+    `extra` adds folders or files found elsewhere, each under its name in the archive (the
+    mesh's own code beside a module that is part of it: mesh.modules.meshsource)."""
     root = Path(root)
     out = io.BytesIO()
     with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        if root.is_file() and not root.is_symlink():
+        if root.is_file() and not root.is_symlink() and not extra:
             _add_file(tar, root, root.name)
         else:
-            for rel in _walk(root):
-                path = root / rel
+            where = {rel: root / rel for rel in _walk(root)}
+            for name, folder in (extra or {}).items():
+                parts = name.split("/")
+                for i in range(1, len(parts)):
+                    where.setdefault("/".join(parts[:i]), Path(folder).parent)
+                where[name] = Path(folder)
+                if Path(folder).is_dir() and not Path(folder).is_symlink():
+                    where |= {f"{name}/{rel}": Path(folder) / rel for rel in _walk(folder)}
+            for rel in sorted(where):
+                path = where[rel]
                 st = path.lstat()
                 if stat.S_ISLNK(st.st_mode):
                     target = os.readlink(path)

@@ -99,11 +99,12 @@ def digest(decl: Declaration) -> str:
 def bundle_key(kind: str, digest: str | None, path: str | None) -> str:
     if kind == "system":
         return f"system:{path or ''}"
-    if kind == "mesh":
-        return "mesh:installed"
     if not digest:
         raise ValueError(f"a {kind} bundle without a digest (not packed or built yet)")
     return f"{kind}:{digest}"  # the same bytes as `files` and as `python` are two bundles
+
+
+MACHINE_WORD = b"${machine}"  # in a process's or container's words: the machine's name
 
 
 class Piece(msgspec.Struct):
@@ -111,6 +112,7 @@ class Piece(msgspec.Struct):
 
     value: Any
     raw: msgspec.Raw  # compared for equality byte by byte, inserted into encodings as is
+    per_machine: bool = False  # says ${machine}: made again for each machine (_for_machine)
 
 
 class Prepared(msgspec.Struct):
@@ -126,7 +128,8 @@ class Prepared(msgspec.Struct):
 
 
 def _piece(value: Any) -> Piece:
-    return Piece(value=value, raw=msgspec.Raw(_encoder.encode(value)))
+    raw = _encoder.encode(value)
+    return Piece(value=value, raw=msgspec.Raw(raw), per_machine=MACHINE_WORD in raw)
 
 
 def prepare(mv: ModuleVersion, secrets: dict[str, int] | None = None) -> Prepared:
@@ -215,7 +218,7 @@ def merge(machine: str, prepared: list[Prepared]) -> Merged:
                     f"{kind} {name} is declared by modules {mine[name].value.module} "
                     f"and {mod.name} (on {machine})"
                 )
-            mine.update(theirs)
+            mine.update(_for_machine(machine, theirs))
         for port, process in mod.ports.items():
             other = port_from.setdefault(port, (mod.name, process))
             if other[0] != mod.name:
@@ -223,6 +226,21 @@ def merge(machine: str, prepared: list[Prepared]) -> Merged:
                     f"port {port} is checked by process {other[1]} of module {other[0]} "
                     f"and process {process} of module {mod.name} (on {machine})"
                 )
+    return out
+
+
+def _for_machine(machine: str, pieces: dict[str, Piece]) -> dict[str, Piece]:
+    """`${machine}` replaced by the machine's name wherever a process or container says it
+    (command, env, files' text, prepare, checks). A name is [a-z0-9-]: safe inside the JSON
+    strings of the piece's canonical bytes. Pieces without the word are shared untouched."""
+    if not any(p.per_machine for p in pieces.values()):
+        return pieces
+    out = dict(pieces)
+    for name, p in pieces.items():
+        if p.per_machine:
+            raw = memoryview(p.raw).tobytes().replace(MACHINE_WORD, machine.encode())
+            value = msgspec.json.decode(raw, type=type(p.value))
+            out[name] = Piece(value=value, raw=msgspec.Raw(raw))
     return out
 
 

@@ -245,10 +245,14 @@ def check(m: Manifest) -> None:
                 raise Refused(
                     mod, f, f"a {b.kind} bundle is already on the machine: no source/build"
                 )
-            if b.path and b.kind == "mesh":
-                raise Refused(mod, f"{f}.path", "a mesh bundle is wherever mesh is installed")
             if b.path:
                 _absolute(mod, f"{f}.path", b.path)
+        elif b.kind == "mesh":
+            if b.source or b.build or b.output or b.path:
+                raise Refused(
+                    mod, f, "a mesh bundle is the mesh's own code, built from the source the "
+                    "module lies in: no source, build, output or path",
+                )  # fmt: skip
         elif not b.source:
             raise Refused(mod, f"{f}.source", f"a {b.kind} bundle needs a source folder or file")
         if b.source:
@@ -302,6 +306,29 @@ def check(m: Manifest) -> None:
             _name(mod, "assign.machines", machine)
 
 
+AGENT = "mesh-host"  # the host agent itself (services/host/module.toml): see _agent
+AGENT_COMMAND = ["./mesh", "host", "run"]
+
+
+def _agent(mod: str, f: str, p: Process, m: Manifest) -> None:
+    """The process named mesh-host is the host agent itself: the running agent hands itself over
+    to it (services/host/successor.py) rather than supervising it. It runs from a mesh bundle,
+    as root, with the arguments the agent was started with (a machine's own name, credentials
+    and NATS address never travel in a declaration), and nothing else a process may have."""
+    if p.bundle is None or p.bundle not in m.bundle or m.bundle[p.bundle].kind != "mesh":
+        raise Refused(mod, f"{f}.bundle", "the host agent (mesh-host) runs from a mesh bundle")
+    if p.command != AGENT_COMMAND:
+        raise Refused(
+            mod, f"{f}.command", f"the host agent's command is {AGENT_COMMAND} (it adds the "
+            "arguments it was started with), not {p.command}",
+        )  # fmt: skip
+    if not p.root or p.account is not None:
+        raise Refused(mod, f"{f}.root", "the host agent runs as root: set root = true")
+    extras = [k for k in ("env", "files", "prepare", "check", "replaces") if getattr(p, k)]
+    if extras:
+        raise Refused(mod, f"{f}.{extras[0]}", "the host agent takes no " + extras[0])
+
+
 def _process(mod: str, name: str, p: Process, m: Manifest, ports: dict[int, str]) -> None:
     f = f"process.{name}"
     _name(mod, f, name)
@@ -315,6 +342,8 @@ def _process(mod: str, name: str, p: Process, m: Manifest, ports: dict[int, str]
     if p.bundle not in m.bundle:
         known = ", ".join(sorted(m.bundle)) or "none declared"
         raise Refused(mod, f"{f}.bundle", f"unknown bundle {p.bundle!r} (known: {known})")
+    if name == AGENT:
+        _agent(mod, f, p, m)
     if p.account is None and not p.root:
         raise Refused(
             mod, f"{f}.account", "processes never run as root unless said: name an account"

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import msgspec
 
-from mesh.modules import archive, gate
+from mesh.modules import archive, gate, meshsource
 from mesh.modules.manifest import Manifest
 
 
@@ -30,13 +30,28 @@ def load(folder: Path) -> LocalModule:
         raise gate.Refused("?", str(toml), why) from None
     manifest = gate.parse(text, origin=str(toml))
     try:
-        source = archive.pack(folder)
+        source = archive.pack(folder, extra=_mesh_source(manifest, folder))
     except archive.ArchiveRefused as e:
         raise gate.Refused(manifest.module.name, "source", str(e)) from None
     check_sources(manifest, source)
     return LocalModule(
         manifest_text=text, manifest=manifest, source=source, version=archive.digest(source)
     )
+
+
+def _mesh_source(manifest: Manifest, folder: Path) -> dict[str, Path] | None:
+    """The mesh's own code, for a module with a `mesh` bundle: packed beside the module."""
+    wants = [name for name, b in manifest.bundle.items() if b.kind == "mesh"]
+    if not wants:
+        return None
+    project = meshsource.project_of(folder)
+    if project is None:
+        raise gate.Refused(
+            manifest.module.name, f"bundle.{wants[0]}.kind",
+            f"a mesh bundle is the mesh's own code, but {folder} is not inside the mesh's "
+            f"source (no {', '.join(meshsource.PACKAGES)} packages above it)",
+        )  # fmt: skip
+    return meshsource.parts(project)
 
 
 def check_sources(manifest: Manifest, source: bytes) -> None:

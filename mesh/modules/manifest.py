@@ -9,9 +9,9 @@ from typing import Literal
 import msgspec
 
 BundleKind = Literal["binary", "files", "python", "system", "mesh"]
-# Bundles already on the machine: nothing is packed, built or fetched for them. `mesh` is the
-# mesh installed there, as `./mesh` (how the mesh runs its own services as processes).
-ON_THE_MACHINE = ("system", "mesh")
+# Bundles already on the machine: nothing is packed, built or fetched for them. (`mesh` is the
+# mesh's own code, built from the source the module lies in: mesh.modules.meshsource.)
+ON_THE_MACHINE = ("system",)
 Restart = Literal["always", "on-failure", "never"]
 Update = Literal["start-first", "stop-first"]
 

@@ -122,6 +122,8 @@ def parser() -> argparse.ArgumentParser:
     host_run.add_argument(
         "--beat", type=float, default=1.0, metavar="S", help="heartbeat interval in seconds (1)"
     )
+    # Given by an agent to the new version of itself it starts (services/host/successor.py).
+    host_run.add_argument("--successor-fd", type=int, default=None, help=argparse.SUPPRESS)
     modules.add_parsers(verbs, common)
     hosts.add_parsers(verbs, common)
     machines.add_parsers(verbs, common)
@@ -216,6 +218,7 @@ async def cmd_controller_run(args: argparse.Namespace) -> None:
 
 
 async def cmd_host_run(args: argparse.Namespace) -> None:
+    from services.host import successor
     from services.host.main import run
 
     check_name(args.name, field="--name")
@@ -231,6 +234,8 @@ async def cmd_host_run(args: argparse.Namespace) -> None:
         root=args.root,
         beat_interval=args.beat,
         creds=config.creds(getattr(args, "creds", None)),
+        relaunch=successor.relaunch_args(sys.argv[1:]),
+        successor_fd=args.successor_fd,
     )
 
 

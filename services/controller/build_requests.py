@@ -26,10 +26,14 @@ from services.controller.fleet import Fleet
 log = logging.getLogger(__name__)
 
 
+MESH_RECIPE = ["mesh", 1]  # how a builder makes a mesh bundle (services/host/meshbuild.py)
+
+
 def build_key(*, tree: str, bundle: Bundle) -> str:
     """The digest of what a build sees (its source folder's archive) and what it runs."""
-    assert bundle.build is not None
-    recipe = json.dumps([tree, bundle.build, bundle.output], separators=(",", ":"))
+    what = MESH_RECIPE if bundle.kind == "mesh" else [bundle.build, bundle.output]
+    assert what[0] is not None
+    recipe = json.dumps([tree, *what], separators=(",", ":"))
     return "sha256:" + hashlib.sha256(recipe.encode()).hexdigest()
 
 
@@ -65,7 +69,8 @@ async def build(
     source: str,
 ) -> str:
     """Build on a builder host and return the bundle's digest; raise BadRequest on failure."""
-    assert bundle.source is not None and bundle.build is not None and bundle.output is not None
+    mesh = bundle.kind == "mesh"  # the builder's own recipe, no argv (meshbuild.py)
+    assert mesh or (bundle.build is not None and bundle.output is not None)
     on = builder(fleet)
     timeout = gate.duration(bundle.timeout)
     await builds.start_build(pool, key=key, module=module, bundle=name, source=source, builder=on)
@@ -76,9 +81,10 @@ async def build(
         bundle=name,
         source=source,
         path=".",  # the source is the bundle's folder already
-        argv=bundle.build,
-        output=bundle.output,
+        argv=[] if mesh else (bundle.build or []),
+        output="." if mesh else (bundle.output or "."),
         timeout=timeout,
+        kind="mesh" if mesh else "command",
     )
     try:
         msg = await nc.request(subjects.host(on, "build"), wire.encode(req), timeout=timeout + 30)

@@ -38,7 +38,7 @@ from mesh.model import (
     PushRequest,
     SecretSetRequest,
 )
-from mesh.modules import archive, gate, load
+from mesh.modules import archive, gate, load, meshsource
 from mesh.modules.manifest import ON_THE_MACHINE, Assign, Bundle, Manifest
 from mesh.store import modules, plans, seats, secrets
 from services.controller import build_requests
@@ -98,16 +98,18 @@ async def pack_bundles(
     for name, b in sorted(manifest.bundle.items()):
         if b.kind in ON_THE_MACHINE:
             continue
-        assert b.source is not None  # the gate made sure
+        # A mesh bundle's source is the mesh's own code, packed beside the module at push.
+        path = meshsource.FOLDER if b.kind == "mesh" else b.source
+        assert path is not None  # the gate made sure
         try:
             # A build sees only its source folder, so its key covers exactly that.
-            tree = await anyio.to_thread.run_sync(load.source_tree, data, b.source)
+            tree = await anyio.to_thread.run_sync(load.source_tree, data, path)
         except archive.ArchiveRefused as e:
             raise wire.BadRequest(
                 f"module {manifest.module.name}: bundle.{name}.source: {e}", code="refused"
             ) from None
         tree_digest = archive.digest(tree) if dry else await blobs.put(obs, tree)
-        if b.build is None:
+        if b.build is None and b.kind != "mesh":
             digests[name] = tree_digest
             continue
         key = build_requests.build_key(tree=tree_digest, bundle=b)

@@ -14,6 +14,7 @@ import logging
 import os
 import subprocess
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import anyio
@@ -22,10 +23,10 @@ from nats.aio.client import Client
 
 from mesh import blobs, bus, subjects, wire
 from mesh.lifetime import first_of
-from mesh.model import Applied, SecretReply, SecretRequest
+from mesh.model import Applied, ProcessState, SecretReply, SecretRequest
 from mesh.modules.compose import DBundle, Declaration, DProcess
-from mesh.modules.gate import duration
-from services.host import accounts, bundles, containers, files, watch
+from mesh.modules.gate import AGENT, duration
+from services.host import accounts, bundles, containers, files, successor, watch
 from services.host.processes import credentials, kill_group
 from services.host.supervisor import Launch, Supervisor, spec_digest
 
@@ -117,9 +118,13 @@ class StepFailed(Exception):
 
 class Applier:
     def __init__(
-        self, *, name: str, nc: Client, root: Path, supervisor: Supervisor, nats_url: str = ""
-    ) -> None:
+        self, *, name: str, nc: Client, root: Path, supervisor: Supervisor, nats_url: str = "",
+        hand_over: Callable[[str, Path], Awaitable[None]] | None = None,
+    ) -> None:  # fmt: skip
         self._nats_url = nats_url  # told to processes, as MESH_NATS_URL: where the mesh is
+        # Starts the new agent from a bundle (key, folder) and hands the machine to it (main.py);
+        # raises successor.Failed when the new agent does not take over.
+        self._hand_over = hand_over
         self.name = name
         self.supervisor = supervisor
         self.engine = containers.Engine(host=name, root=str(root))
@@ -284,7 +289,9 @@ class Applier:
                     raise StepFailed(f"file {proc}/{rel}", str(e)) from None
         await self._containers(decl)
         launches = {
-            name: self._launch(name, p, decl, ids) for name, p in sorted(decl.processes.items())
+            name: self._launch(name, p, decl, ids)
+            for name, p in sorted(decl.processes.items())
+            if name != AGENT  # the agent itself: handed over to, never supervised (_agent)
         }
         for name, launch in launches.items():
             running = self.supervisor.running.get(name)
@@ -295,6 +302,33 @@ class Applier:
         if problems:
             raise StepFailed("processes", "; ".join(problems))
         await self._replace(decl)
+        await self._agent(decl)
+
+    async def _agent(self, decl: Declaration) -> None:
+        """The last step: the agent itself (mesh-host). Running the declared bundle, it reports
+        itself running and healthy; otherwise it hands the machine to a new agent from that
+        bundle (services/host/successor.py), which applies this declaration again and reports
+        it. This agent then exits; if the new one fails to start, this one runs on."""
+        p = decl.processes.get(AGENT)
+        if p is None or p.bundle == successor.own_key():
+            if p is not None:
+                successor.forget_failure(self._root)
+            self.supervisor.agent = (
+                None if p is None
+                else ProcessState(name=AGENT, state="running", healthy=True, pid=os.getpid())
+            )  # fmt: skip
+            return
+        self.supervisor.agent = None
+        failed = successor.failure(self._root, p.bundle)
+        if failed is not None:
+            raise StepFailed("agent", f"{failed} (not tried again until another version)")
+        if self._hand_over is None:
+            raise StepFailed("agent", "this agent cannot hand itself over")
+        try:
+            await self._hand_over(p.bundle, bundles.folder(self._root, p.bundle))
+        except successor.Failed as e:
+            successor.record_failure(self._root, p.bundle, str(e))
+            raise StepFailed("agent", str(e)) from None
 
     async def _containers(self, decl: Declaration) -> None:
         """Declared containers running as declared; ours that are not declared (and that no
@@ -352,8 +386,6 @@ class Applier:
         bundle = decl.bundles[p.bundle]
         if bundle.kind == "system":
             cwd = Path(bundle.path or "/")
-        elif bundle.kind == "mesh":
-            cwd = bundles.folder(self._root, p.bundle)
         else:
             cwd = bundles.folder(self._root, p.bundle)
         files_folder = self._root / "processes" / name / "files"

@@ -24,6 +24,7 @@ from nats.aio.client import Client
 from mesh import blobs, osaccounts
 from mesh.model import BuildReply, BuildRequest
 from mesh.modules import archive
+from services.host import meshbuild
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +102,8 @@ async def _build(nc: Client, req: BuildRequest, *, root: Path) -> BuildReply:
         source = await blobs.get(obs, req.source)
         await anyio.to_thread.run_sync(archive.unpack, source, scratch)
         workdir = _inside(scratch, req.path)
+        if req.kind == "mesh":
+            return await _build_mesh(obs, req, workdir, log_name)
         credentials = _credentials()
         if credentials:
             os.chmod(folder, 0o711)
@@ -127,6 +130,26 @@ async def _build(nc: Client, req: BuildRequest, *, root: Path) -> BuildReply:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
         output.unlink(missing_ok=True)
+
+
+async def _build_mesh(obs: Any, req: BuildRequest, source: Path, log_name: str) -> BuildReply:
+    """The mesh's own code and what it needs, made here by meshbuild (no argv, no account)."""
+    made = source.parent / (source.name + ".bundle")
+    log.info("building %s/%s: the mesh's code from its source", req.module, req.bundle)
+    try:
+        lines = await anyio.to_thread.run_sync(meshbuild.make, source, made)
+        packed = await anyio.to_thread.run_sync(archive.pack, made)
+    except meshbuild.MeshBuildFailed as e:
+        await blobs.put_named(obs, log_name, str(e).encode())
+        return BuildReply(ok=False, digest=None, tail=str(e), log=log_name, error=str(e))
+    finally:
+        await anyio.to_thread.run_sync(lambda: shutil.rmtree(made, ignore_errors=True))
+    lines.append(f"bundle: {len(packed) // 1024} KiB packed")
+    text = "\n".join(lines)
+    await blobs.put_named(obs, log_name, text.encode())
+    digest = await blobs.put(obs, packed)
+    log.info("built %s/%s: %s (%d KiB)", req.module, req.bundle, digest, len(packed) // 1024)
+    return BuildReply(ok=True, digest=digest, tail=_tail(text), log=log_name)
 
 
 async def _run(

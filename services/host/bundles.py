@@ -16,7 +16,6 @@ from nats.js.object_store import ObjectStore
 from mesh import blobs
 from mesh.modules import archive
 from mesh.modules.compose import DBundle
-from services.host import installed
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +43,6 @@ def _unpack(data: bytes, scratch: Path, final: Path) -> None:
 
 async def ensure(obs: ObjectStore, root: Path, key: str, bundle: DBundle) -> Path | None:
     """The bundle's folder, fetched if absent; None for a `system` bundle (already here)."""
-    if bundle.kind == "mesh":
-        return await anyio.to_thread.run_sync(installed.ensure, folder(root, key))
     if bundle.kind == "system" or bundle.digest is None:
         return None
     final = folder(root, key)

@@ -28,7 +28,7 @@ from mesh.model import (
 )
 from mesh.paths import open_path_to
 from mesh.serving import Server
-from services.host import containers, verbs
+from services.host import containers, successor, verbs
 from services.host.apply import Applier
 from services.host.facts import gather
 from services.host.supervisor import Supervisor
@@ -54,7 +54,12 @@ async def run(
     root: Path | None = None,
     beat_interval: float = 1.0,
     creds: str | None = None,
+    relaunch: list[str] | None = None,
+    successor_fd: int | None = None,
 ) -> None:
+    """`relaunch`: the arguments this agent was started with, given to a new version of it.
+    `successor_fd`: this agent is that new version; the old one waits on this socket
+    (services/host/successor.py)."""
     root = (root or Path("/")).resolve()
     if root != Path("/"):
         root.mkdir(parents=True, exist_ok=True)
@@ -91,7 +96,17 @@ async def run(
     )
     link = bus.Link()
     nc = await bus.connect(nats_url, name=f"mesh-host {name}", creds=creds, link=link)
+    heir = successor.Successor(successor_fd) if successor_fd is not None else None
+    if heir is not None:
+        try:  # connected: say so, and wait until the old agent has let go of the machine
+            await heir.ready_then_wait()
+        except successor.Failed:
+            await bus.close(nc)
+            raise
+        log.info("host %s: the old agent let go: taking the machine over", name)
+    successor.pid_file(state).write_text(f"{os.getpid()}\n")
     served: Server | None = None
+    handing: list[successor.Started] = []  # the new agent, once it said it is ready
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(stop_on_signals, tg.cancel_scope)
@@ -104,9 +119,18 @@ async def run(
                 nc=nc, root=state, changed=lambda: tg.start_soon(report_processes)
             )
             tg.start_soon(supervisor.run)
+
+            async def hand_over(key: str, bundle: Path) -> None:
+                """Start the new agent; once it is ready, stop everything here (below, after
+                the task group) and let it go on. Raises successor.Failed, changing nothing."""
+                handing.append(await successor.start(key, bundle, relaunch or []))
+                tg.cancel_scope.cancel()
+                await anyio.sleep_forever()  # cancelled: the apply ends here, nothing saved
+
             applier = Applier(
-                name=name, nc=nc, root=state, supervisor=supervisor, nats_url=nats_url
-            )
+                name=name, nc=nc, root=state, supervisor=supervisor, nats_url=nats_url,
+                hand_over=hand_over if relaunch is not None else None,
+            )  # fmt: skip
 
             def current_status() -> HostStatus:
                 status.applied, status.applied_epoch = applier.digest, applier.epoch
@@ -123,6 +147,8 @@ async def run(
             held = await nc.subscribe(subjects.seat("held"))
             await _register(nc, lambda: replace(registration, applied=applier.digest), status)
             await report_processes()
+            if heir is not None:
+                heir.running()  # registered, serving, adopted: the old agent may go
             tg.start_soon(_beat, nc, name, beat_interval)
             tg.start_soon(applier.watch)
 
@@ -154,6 +180,8 @@ async def run(
                     await served.stop(drain=nc.is_connected)
             with anyio.move_on_after(3):
                 await bus.close(nc)
+    if handing:
+        await successor.commit(handing[0], state)
 
 
 async def _register(

@@ -187,6 +187,9 @@ class Supervisor:
         self._one_change = anyio.Lock()  # reconcile and restart, one at a time
         self._candidates: dict[str, Supervised] = {}  # start-first new versions on trial
         self._left = self._load()  # instances a previous host left running
+        # The agent itself, when its declaration names it (mesh-host) and it runs that bundle:
+        # reported among the processes, supervised by nobody here (services/host/successor.py).
+        self.agent: ProcessState | None = None
 
     def _load(self) -> dict[str, Instance]:
         try:
@@ -225,7 +228,8 @@ class Supervisor:
             msgspec.structs.replace(s.report(), trial=True)
             for _, s in sorted(self._candidates.items())
         ]
-        return [s.report() for _, s in sorted(self.running.items())] + trials
+        agent = [self.agent] if self.agent is not None else []
+        return [s.report() for _, s in sorted(self.running.items())] + trials + agent
 
     async def run(self) -> None:
         """Own the processes' tasks until cancelled (the host stopping leaves them running)."""
