@@ -21,6 +21,9 @@ LabelKey = Annotated[
 ]
 Labels = Annotated[dict[LabelKey, Word], msgspec.Meta(max_length=64)]
 Interval = Annotated[float, msgspec.Meta(gt=0, le=3600)]
+# Which mesh a process runs (mesh/version.py): `sha256:<hex>` (a mesh bundle) or `installed`;
+# "" from a process that does not say.
+Version = Annotated[str, msgspec.Meta(max_length=80, pattern=r"^[^\x00-\x1f\x7f]*\Z")]
 
 # The words a plan's life is told in. Literals, so msgspec refuses any other word on decode and a
 # type checker sees a typo; on the wire they are the same plain strings.
@@ -71,6 +74,7 @@ class SeatInfo(msgspec.Struct):
     # What the holder found wrong with the store at takeover: its epoch below the bus's (it
     # lost writes in a failover), a standby without synchronous replication.
     warnings: list[str] = []
+    version: str = ""  # the holder's running mesh (mesh/version.py)
 
 
 class Standby(msgspec.Struct):
@@ -78,6 +82,7 @@ class Standby(msgspec.Struct):
     pid: int
     host: str
     since: datetime
+    version: str = ""  # the standby's running mesh, as it announced it
 
 
 class NodeCounts(msgspec.Struct):
@@ -167,6 +172,7 @@ class Node(msgspec.Struct):
     digest_wanted: str | None = None
     digest_applied: str | None = None
     apply_error: str | None = None  # why the last apply of digest_wanted stopped, if it did
+    version: str | None = None  # the host agent's running mesh; None: it never said
 
 
 class NodesReply(msgspec.Struct):
@@ -186,6 +192,7 @@ class Register(Request):
     beat_interval: Interval
     pid: int
     applied: str | None = None  # the digest of the declaration it has applied, if any
+    version: Version = ""  # the host agent's running mesh (mesh/version.py)
 
 
 class RegisterReply(msgspec.Struct):
@@ -213,6 +220,7 @@ class SeatAnnounce(msgspec.Struct, forbid_unknown_fields=True):
     since: datetime
     epoch: int = 0
     at: datetime | None = None  # `released`: when the holder let go (the new holder's gap)
+    version: Version = ""  # the announcing controller's running mesh (mesh/version.py)
 
 
 # --- errors -----------------------------------------------------------------------------------

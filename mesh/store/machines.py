@@ -18,6 +18,7 @@ class MachineRow(msgspec.Struct):
     up: bool
     last_seen: datetime | None
     beat_interval: float
+    version: str | None = None  # the host agent's running mesh; None: it never said
 
 
 def _row(r: asyncpg.Record) -> MachineRow:
@@ -30,12 +31,14 @@ def _row(r: asyncpg.Record) -> MachineRow:
         up=r["up"],
         last_seen=r["last_seen"],
         beat_interval=r["beat_interval"],
+        version=r["version"],
     )
 
 
 async def all_machines(conn: asyncpg.Connection | asyncpg.Pool) -> list[MachineRow]:
     rows = await conn.fetch(
-        "SELECT name, tier, labels, facts, up, last_seen, beat_interval FROM machines ORDER BY name"
+        "SELECT name, tier, labels, facts, up, last_seen, beat_interval, version FROM machines"
+        " ORDER BY name"
     )
     return [_row(r) for r in rows]
 
@@ -46,6 +49,7 @@ async def register(
     name: str,
     facts: Facts,
     beat_interval: float,
+    version: str = "",
     claimed_tier: int | None = None,
     claimed_labels: dict[str, str] | None = None,
 ) -> MachineRow:
@@ -53,29 +57,32 @@ async def register(
     and labels decide what a machine gets, so they are the operator's. A machine's first
     registration takes its placement (`mesh machine add --tier --label`, `mesh tier`, `mesh
     label` before it registered), else `claimed_tier` / `claimed_labels` (the host's own word,
-    passed only on a mesh without authentication), else tier 2 and no labels."""
+    passed only on a mesh without authentication), else tier 2 and no labels. `version` is
+    the agent's running mesh; "" (an agent that does not say) is kept as unknown."""
     r = await conn.fetchrow(
         """
         WITH placed AS (DELETE FROM placements WHERE name = $1 RETURNING tier, labels)
-        INSERT INTO machines (name, tier, labels, facts, up, last_seen, beat_interval)
+        INSERT INTO machines (name, tier, labels, facts, up, last_seen, beat_interval, version)
         VALUES (
             $1,
             coalesce((SELECT tier FROM placed), $2, 2),
             coalesce((SELECT labels FROM placed), $3::jsonb, '{}'::jsonb),
-            $4::jsonb, true, now(), $5
+            $4::jsonb, true, now(), $5, nullif($6, '')
         )
         ON CONFLICT (name) DO UPDATE SET
             facts = excluded.facts,
             up = true,
             last_seen = now(),
-            beat_interval = excluded.beat_interval
-        RETURNING name, tier, labels, facts, up, last_seen, beat_interval
+            beat_interval = excluded.beat_interval,
+            version = excluded.version
+        RETURNING name, tier, labels, facts, up, last_seen, beat_interval, version
         """,
         name,
         claimed_tier,
         json.dumps(claimed_labels, sort_keys=True) if claimed_labels is not None else None,
         msgspec.json.encode(facts).decode(),
         beat_interval,
+        version,
     )
     assert r is not None
     return _row(r)

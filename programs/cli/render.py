@@ -7,6 +7,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from mesh import version
 from mesh.model import (
     ChangeReply,
     DiffReply,
@@ -34,14 +35,22 @@ def _bytes(n: int) -> str:
     return f"{n / 2**30:.1f}G" if n else "?"
 
 
+def _version(v: str | None) -> str:
+    """A process's running mesh for a table; `?` when it did not say (an older mesh)."""
+    return escape(version.short(v)) if v else "?"
+
+
 def status(console: Console, s: StatusReply) -> None:
     seat = (
-        f"held by {s.seat.holder} (pid {s.seat.pid} on {s.seat.host}), epoch {s.seat.epoch}, "
-        f"since {_ago(s.seat.since)}"
+        f"held by {s.seat.holder} (pid {s.seat.pid} on {s.seat.host}, mesh "
+        f"{_version(s.seat.version)}), epoch {s.seat.epoch}, since {_ago(s.seat.since)}"
         if s.seat
         else "no holder"
     )
-    standbys = ", ".join(f"{b.instance} (pid {b.pid})" for b in s.standbys) or "none"
+    standbys = (
+        ", ".join(f"{b.instance} (pid {b.pid}, mesh {_version(b.version)})" for b in s.standbys)
+        or "none"
+    )
     table = Table.grid(padding=(0, 2))
     table.add_row("[bold]seat[/]", f"mesh-controller {seat}")
     table.add_row("[bold]standbys[/]", standbys)
@@ -70,7 +79,8 @@ def nodes(console: Console, r: NodesReply) -> None:
         console.print("no machines have registered yet")
         return
     table = Table(box=None, header_style="bold")
-    for column in ("NAME", "TIER", "STATE", "LAST SEEN", "LABELS", "SYSTEM", "PROCESSES"):
+    columns = ("NAME", "TIER", "STATE", "VERSION", "LAST SEEN", "LABELS", "SYSTEM", "PROCESSES")
+    for column in columns:
         table.add_column(column)
     for n in r.nodes:
         system = (
@@ -91,7 +101,10 @@ def nodes(console: Console, r: NodesReply) -> None:
         if n.digest_wanted and n.digest_applied != n.digest_wanted and n.up:
             procs += f" (stopped at {n.apply_error})" if n.apply_error else " (applying)"
         state = "[green]up[/]" if n.up else "[red]down[/]"
-        table.add_row(n.name, str(n.tier), state, _ago(n.last_seen), labels, system, procs)
+        table.add_row(
+            n.name, str(n.tier), state, _version(n.version), _ago(n.last_seen), labels, system,
+            procs,
+        )  # fmt: skip
     console.print(table)
 
 

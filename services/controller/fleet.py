@@ -144,6 +144,7 @@ class Fleet:
                 name=req.name,
                 facts=req.facts,
                 beat_interval=req.beat_interval,
+                version=req.version,
                 claimed_tier=req.tier if trusted else None,
                 claimed_labels=req.labels if trusted else None,
             )
@@ -303,6 +304,7 @@ class Fleet:
                 digest_wanted=wanted.get(m.name),
                 digest_applied=self.applied.get(m.name),
                 apply_error=self.apply_errors.get(m.name),
+                version=m.version,
             )
             for m in sorted(self.machines.values(), key=lambda m: (m.tier, m.name))
         ]

@@ -27,7 +27,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.kv import KeyValue
 
-from mesh import blobs, bus, subjects, wire
+from mesh import blobs, bus, subjects, version, wire
 from mesh.errors import MeshError
 from mesh.model import Handover, SeatAnnounce, SeatInfo
 from mesh.store import db, events, replication, seats
@@ -110,7 +110,9 @@ async def run(
                     released.heard(announce.instance)
 
         await nc.subscribe(subjects.SEAT_EVENTS, cb=on_seat_event)
-        me = SeatAnnounce(instance=instance, pid=pid, host=host, since=started)
+        me = SeatAnnounce(
+            instance=instance, pid=pid, host=host, since=started, version=version.running()
+        )
         # Start-up leaves tens of thousands of objects that live as long as the process; a full
         # collection walks them all (25 ms of CPU on a small VM) and the first one tends to fall
         # in this controller's first takeover. Collect now and keep them out of later ones.
@@ -243,7 +245,8 @@ class Hold:
                     assert row.since is not None
                     holder = Holder(
                         seat=SeatInfo(holder=self.me.instance, pid=self.me.pid, host=self.me.host,
-                                      epoch=row.epoch, since=row.since, warnings=self.warnings),
+                                      epoch=row.epoch, since=row.since, warnings=self.warnings,
+                                      version=self.me.version),
                         fleet=fleet, standbys=self.standbys, changes=changes, views=views,
                         publisher=publisher, planner=planner,
                         tasks=serving, handover=taken, stop=self.stop.handover,

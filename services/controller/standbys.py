@@ -25,7 +25,7 @@ class Standbys:
         for instance in [i for i, (_, t) in self._seen.items() if now - t > FORGET_AFTER]:
             del self._seen[instance]
         return [
-            Standby(instance=a.instance, pid=a.pid, host=a.host, since=a.since)
+            Standby(instance=a.instance, pid=a.pid, host=a.host, since=a.since, version=a.version)
             for a, _ in sorted(self._seen.values(), key=lambda s: s[0].instance)
         ]
 

@@ -16,7 +16,7 @@ import anyio
 from msgspec.structs import replace
 from nats.aio.client import Client
 
-from mesh import bus, subjects, wire
+from mesh import bus, subjects, version, wire
 from mesh.errors import MeshError
 from mesh.lifetime import stop_on_signals
 from mesh.model import (
@@ -77,6 +77,7 @@ async def run(
         registered=False,
         epoch=0,
         started=datetime.now(UTC),
+        version=version.running(),
     )
     engine = await containers.probe()
     if engine:
@@ -93,6 +94,7 @@ async def run(
         facts=gather(container_engine=engine),
         beat_interval=beat_interval,
         pid=os.getpid(),
+        version=status.version,
     )
     link = bus.Link()
     nc = await bus.connect(nats_url, name=f"mesh-host {name}", creds=creds, link=link)

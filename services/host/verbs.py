@@ -43,6 +43,7 @@ class HostStatus(msgspec.Struct):
     applied: str | None = None  # digest of the declaration applied
     applied_epoch: int = 0
     processes: list[ProcessState] = []
+    version: str = ""  # this agent's running mesh (mesh/version.py)
 
 
 class Host(msgspec.Struct):
