@@ -54,6 +54,13 @@ class Request(msgspec.Struct, forbid_unknown_fields=True):
     """Base of every request body: unknown fields are refused."""
 
 
+class Peer(msgspec.Struct):
+    """Base of what the mesh's own pieces (hosts, controllers) send each other. During an
+    upgrade of the mesh (docs/operations.md) an old and a new version talk: an older reader
+    skips the fields a newer writer added, so a field may be added (with a default) but never
+    renamed or given another type. Types and sizes stay strict."""
+
+
 # --- operator verbs ---------------------------------------------------------------------------
 
 
@@ -136,7 +143,7 @@ class HandoverReply(msgspec.Struct):
     message: str
 
 
-class Facts(msgspec.Struct, forbid_unknown_fields=True):
+class Facts(Peer):
     os: Word
     arch: Word
     cpus: int
@@ -182,7 +189,7 @@ class NodesReply(msgspec.Struct):
 # --- what a host says -------------------------------------------------------------------------
 
 
-class Register(Request):
+class Register(Peer):
     name: Name
     # The host's own wish, taken only at its first registration on a mesh without
     # authentication; otherwise the operator's placement decides (mesh.store.machines.register).
@@ -202,7 +209,7 @@ class RegisterReply(msgspec.Struct):
     labels: dict[str, str] = {}  # the operator's, whatever the registration asked for
 
 
-class Beat(msgspec.Struct, forbid_unknown_fields=True):
+class Beat(Peer):
     name: Name
     seq: int
     interval: Interval
@@ -211,7 +218,7 @@ class Beat(msgspec.Struct, forbid_unknown_fields=True):
 # --- the seat ---------------------------------------------------------------------------------
 
 
-class SeatAnnounce(msgspec.Struct, forbid_unknown_fields=True):
+class SeatAnnounce(Peer):
     """Published on mesh.seat.mesh-controller.{held,standby,released}."""
 
     instance: str
@@ -429,7 +436,7 @@ class BuildLogsReply(msgspec.Struct):
 # --- builds (controller -> builder host) -------------------------------------------------------
 
 
-class BuildRequest(Request):
+class BuildRequest(Peer):
     key: str
     module: Name
     bundle: Name
@@ -453,7 +460,7 @@ class BuildReply(msgspec.Struct):
 # --- applying declarations (host -> controller) -------------------------------------------------
 
 
-class SecretRequest(Request):
+class SecretRequest(Peer):
     name: Name
 
 
@@ -463,7 +470,7 @@ class SecretReply(msgspec.Struct):
     value: str  # base64; only ever sent to a host whose declaration names the secret
 
 
-class Applied(msgspec.Struct, forbid_unknown_fields=True):
+class Applied(Peer):
     """Published on mesh.event.<name>.applied after each apply, good or not."""
 
     name: Name
@@ -501,7 +508,7 @@ class RestartReply(msgspec.Struct):
     restarted: bool
 
 
-class ProcessesEvent(msgspec.Struct, forbid_unknown_fields=True):
+class ProcessesEvent(Peer):
     """Published on mesh.event.<name>.processes when a process changes state."""
 
     name: Name

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 from nats.aio.client import Client
 from nats.errors import NoRespondersError
@@ -236,3 +237,33 @@ class DevUp:
                     os.kill(pid, signal.SIGKILL)
             except (OSError, ValueError):
                 pass
+
+
+class StatusEvery10ms:
+    """`status` every 10 ms, each sent once with a 5 s timeout; what was not answered."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+        self.unanswered: list[str] = []
+        self.holders: list[tuple[str, int]] = []
+
+    async def run(self, nc: Client, stop: anyio.Event) -> None:
+        async def one() -> None:
+            try:
+                msg = await nc.request("mesh.ctl.status", b"{}", timeout=5)
+            except (NoRespondersError, NatsTimeout) as e:
+                self.unanswered.append(f"{type(e).__name__} at {time.strftime('%H:%M:%S')}")
+                return
+            reply = json.loads(msg.data)
+            if "error" in reply:
+                self.unanswered.append(str(reply["error"]))
+                return
+            seat = (reply["seat"]["holder"], reply["seat"]["epoch"])
+            if not self.holders or self.holders[-1] != seat:
+                self.holders.append(seat)
+
+        async with anyio.create_task_group() as tg:
+            while not stop.is_set():
+                self.sent += 1
+                tg.start_soon(one)
+                await anyio.sleep(0.01)  # ok: the client's sending rate, not synchronisation

@@ -16,15 +16,11 @@ import subprocess
 import sys
 import sysconfig
 import tarfile
-import time
 from pathlib import Path
 
 import anyio
 import pytest
-from helpers import MESH, account_of, ask, await_until, engine_answers
-from nats.aio.client import Client
-from nats.errors import NoRespondersError
-from nats.errors import TimeoutError as NatsTimeout
+from helpers import MESH, StatusEvery10ms, account_of, ask, await_until, engine_answers
 from test_plans import assert_tier_order
 
 ROOT = Path(__file__).parent.parent
@@ -83,36 +79,6 @@ def container_controller(rootfs_image, nats_url, database_url):
     logs = subprocess.run(["docker", "logs", CONTAINER], capture_output=True, text=True)
     print("container controller's log:\n" + logs.stderr[-4000:])
     subprocess.run(["docker", "rm", "-f", CONTAINER], capture_output=True, timeout=60)
-
-
-class StatusEvery10ms:
-    """`status` every 10 ms, each sent once with a 5 s timeout; what was not answered."""
-
-    def __init__(self) -> None:
-        self.sent = 0
-        self.unanswered: list[str] = []
-        self.holders: list[tuple[str, int]] = []
-
-    async def run(self, nc: Client, stop: anyio.Event) -> None:
-        async def one() -> None:
-            try:
-                msg = await nc.request("mesh.ctl.status", b"{}", timeout=5)
-            except (NoRespondersError, NatsTimeout) as e:
-                self.unanswered.append(f"{type(e).__name__} at {time.strftime('%H:%M:%S')}")
-                return
-            reply = json.loads(msg.data)
-            if "error" in reply:
-                self.unanswered.append(str(reply["error"]))
-                return
-            seat = (reply["seat"]["holder"], reply["seat"]["epoch"])
-            if not self.holders or self.holders[-1] != seat:
-                self.holders.append(seat)
-
-        async with anyio.create_task_group() as tg:
-            while not stop.is_set():
-                self.sent += 1
-                tg.start_soon(one)
-                await anyio.sleep(0.01)  # ok: the client's sending rate, not synchronisation
 
 
 def _mesh(nats_url: str, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess:

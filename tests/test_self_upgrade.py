@@ -1,0 +1,226 @@
+"""The mesh deploys itself: its own code as a bundle, host agents and controllers upgraded
+through plans (docs/operations.md, "Upgrading the mesh").
+
+Versions of the mesh are copies of this checkout's packages with a marker that differs, so each
+is a new bundle, built by the builder host from the pushed source. Real hosts, a real NATS and
+PostgreSQL, real processes; as root, real accounts.
+"""
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import anyio
+import pytest
+from helpers import MESH, StatusEvery10ms, ask, await_until
+from test_plans import assert_tier_order
+
+from mesh.modules.meshsource import PACKAGES, PROJECT_FILE
+
+ROOT = Path(__file__).parent.parent
+NODES = ("node-1", "node-2", "node-3")
+
+SLEEPER = """\
+[module]
+name = "sleeper"
+[bundle.bin]
+kind = "system"
+path = "/usr/bin"
+[account.mesh-test-sleeper]
+[process.sleeper]
+bundle = "bin"
+command = ["sleep", "100000"]
+account = "mesh-test-sleeper"
+[assign]
+tiers = [0, 1, 2]
+"""
+
+
+def version(folder: Path, marker: str, *, broken_agent: bool = False) -> Path:
+    """A copy of this checkout's mesh, marked; `broken_agent`: its host agent exits at start."""
+    for package in PACKAGES:
+        shutil.copytree(
+            ROOT / package, folder / package, ignore=shutil.ignore_patterns("__pycache__")
+        )
+    shutil.copy(ROOT / PROJECT_FILE, folder / PROJECT_FILE)
+    with open(folder / "mesh" / "version.py", "a") as f:
+        f.write(f"\nMARKER = {marker!r}  # a test's version of the mesh\n")
+    if broken_agent:
+        main = folder / "services" / "host" / "main.py"
+        text = main.read_text()
+        start = '    root = (root or Path("/")).resolve()\n'
+        assert start in text
+        broken = "    raise SystemExit(3)  # a broken version\n"
+        main.write_text(text.replace(start, broken + start))
+    return folder
+
+
+def mesh(nats_url: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*MESH, *args, "--nats-url", nats_url, "--timeout", "120"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+
+
+def ok(done: subprocess.CompletedProcess) -> dict:
+    assert done.returncode == 0, done.stderr + done.stdout
+    return json.loads(done.stdout)
+
+
+async def processes(nc) -> dict[str, dict[str, int]]:
+    """Machine -> process -> pid."""
+    nodes = (await ask(nc, "mesh.ctl.nodes"))["nodes"]
+    return {n["name"]: {p["name"]: p["pid"] for p in n["processes"]} for n in nodes}
+
+
+async def versions(nc) -> dict[str, str | None]:
+    nodes = (await ask(nc, "mesh.ctl.nodes"))["nodes"]
+    return {n["name"]: n.get("version") for n in nodes}
+
+
+@pytest.fixture
+async def fleet(nc, nats_url, start_controller, start_host, tmp_path):
+    """Two controllers, node-1..3 in tiers 0, 1, 2 (node-1 builds), each running `sleeper`."""
+    start_controller("ctl-a")
+    start_controller("ctl-b")
+    start_host("node-1", "--tier", "0", "--label", "builder=true")
+    start_host("node-2", "--tier", "1")
+    start_host("node-3", "--tier", "2")
+
+    async def up():
+        s = await ask(nc, "mesh.ctl.status")
+        return s if s and s["nodes"]["up"] == 3 and s["standbys"] else None
+
+    await await_until(up, within=60, what="three hosts up and a standby")
+    module = tmp_path / "sleeper"
+    module.mkdir()
+    (module / "module.toml").write_text(SLEEPER)
+    assert ok(mesh(nats_url, "push", str(module), "--wait", "--json"))["outcome"]["state"] == "done"
+    return tmp_path
+
+
+async def test_host_agents_upgrade_through_tiers_keeping_every_process(fleet, nc, nats_url) -> None:
+    before = await processes(nc)
+    sleepers = {m: before[m]["sleeper"] for m in NODES}
+    assert all(sleepers.values())
+
+    client = StatusEvery10ms()
+    stop = anyio.Event()
+    plans = []
+    last_agents: dict[str, int | None] = {}
+    last_versions: dict[str, str | None] = {}
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(client.run, nc, stop)
+        for marker in ("v1", "v2"):
+            source = version(fleet / marker, marker)
+            host_module = str(source / "services" / "host")
+            pushed = await anyio.to_thread.run_sync(
+                lambda m=host_module: mesh(nats_url, "push", m, "--wait", "--json")
+            )
+            plans.append(ok(pushed)["outcome"])
+            after = await processes(nc)
+            agents = {m: after[m].get("mesh-host") for m in NODES}
+            now = await versions(nc)
+            # Every agent is the new one: a new pid, running the new bundle's digest.
+            assert all(agents.values()), after
+            assert len(set(now.values())) == 1 and next(iter(now.values())).startswith("sha256:")
+            if last_agents:  # v2: new agents again, another version
+                assert all(agents[m] != last_agents[m] for m in NODES), (agents, last_agents)
+                assert now != last_versions
+            last_agents, last_versions = agents, now
+            # Every supervised process kept its pid.
+            assert {m: after[m]["sleeper"] for m in NODES} == sleepers
+        stop.set()
+
+    for plan in plans:
+        assert plan["state"] == "done", plan
+        assert [(s["machine"], s["tier"], s["state"]) for s in plan["steps"]] == [
+            ("node-1", 0, "done"), ("node-2", 1, "done"), ("node-3", 2, "done"),
+        ]  # fmt: skip
+        assert_tier_order(plan)
+    assert client.sent > 100
+    assert client.unanswered == [], client.unanswered[:5]
+
+    # v3's agent exits at start: tier 0 fails, the v2 agent runs on, the plan reverts, tiers 1
+    # and 2 are never touched.
+    broken = version(fleet / "v3", "v3", broken_agent=True)
+    failed = await anyio.to_thread.run_sync(
+        lambda: mesh(nats_url, "push", str(broken / "services" / "host"), "--wait")
+    )
+    assert failed.returncode == 1, failed.stdout
+    assert "Traceback" not in failed.stderr
+    assert "exited with code 3" in failed.stderr, failed.stderr
+    plan = ok(mesh(nats_url, "plan", "--json"))["plans"][0]
+    plan = ok(mesh(nats_url, "plan", str(plan["id"]), "--json"))
+    assert plan["state"] == "reverted", plan
+    steps = {s["machine"]: s for s in plan["steps"]}
+    assert steps["node-1"]["state"] == "failed" and "agent" in steps["node-1"]["error"]
+    assert steps["node-2"]["state"] == steps["node-3"]["state"] == "pending"
+    assert steps["node-2"]["started"] is None and steps["node-3"]["started"] is None
+
+    async def v2_back():
+        found = await processes(nc)
+        healthy = (await ask(nc, "mesh.ctl.nodes"))["nodes"]
+        return (
+            {m: found[m].get("mesh-host") for m in NODES} == last_agents
+            and await versions(nc) == last_versions
+            and all(p["healthy"] for n in healthy for p in n["processes"])
+        )
+
+    await await_until(v2_back, within=60, what="the v2 agents running and healthy")
+    assert {m: (await processes(nc))[m]["sleeper"] for m in NODES} == sleepers
+
+
+async def test_the_controller_upgrades_through_a_plan_with_nothing_unanswered(
+    nc, nats_url, database_url, start_controller, start_host, tmp_path
+) -> None:
+    first = start_controller("ctl-a")
+    start_host("node-1", "--tier", "0", "--label", "builder=true", "--label", "role=control")
+    start_host("node-2", "--tier", "1", "--label", "role=control")
+
+    async def up():
+        s = await ask(nc, "mesh.ctl.status")
+        return s if s and s["nodes"]["up"] == 2 else None
+
+    await await_until(up, within=60, what="two hosts up")
+    for name, value in (("mesh-database-url", database_url), ("mesh-controller-creds", "")):
+        done = subprocess.run(
+            [*MESH, "secret", "set", name, "--nats-url", nats_url],
+            input=value, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+
+    v1 = version(tmp_path / "v1", "v1")
+    plan = ok(mesh(nats_url, "push", str(v1 / "services" / "controller"), "--wait", "--json"))
+    assert plan["outcome"]["state"] == "done", plan
+    first.terminate()  # the installed controller hands the seat to a v1 process and leaves
+
+    async def v1_holds():
+        s = await ask(nc, "mesh.ctl.status")
+        ok_ = s and s["seat"] and s["seat"]["holder"] != "ctl-a" and s["standbys"]
+        return s if ok_ and s["seat"].get("version", "").startswith("sha256:") else None
+
+    held = await await_until(v1_holds, within=60, what="a v1 controller process holding")
+    v1_version = held["seat"]["version"]
+
+    client = StatusEvery10ms()
+    stop = anyio.Event()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(client.run, nc, stop)
+        v2 = version(tmp_path / "v2", "v2")
+        pushed = await anyio.to_thread.run_sync(
+            lambda: mesh(nats_url, "push", str(v2 / "services" / "controller"), "--wait", "--json")
+        )
+        stop.set()
+    plan = ok(pushed)["outcome"]
+    assert plan["state"] == "done", plan
+    assert [(s["machine"], s["tier"], s["state"]) for s in plan["steps"]] == [
+        ("node-1", 0, "done"), ("node-2", 1, "done"),
+    ]  # fmt: skip
+    assert client.sent > 100
+    assert client.unanswered == [], client.unanswered[:5]
+
+    s = await ask(nc, "mesh.ctl.status")
+    assert s["seat"]["version"].startswith("sha256:") and s["seat"]["version"] != v1_version
+    assert all(b["version"] == s["seat"]["version"] for b in s["standbys"]), s
