@@ -24,7 +24,10 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.errors import NoKeysError
 
+from mesh.modules.meshsource import PACKAGES, PROJECT_FILE
+
 MESH = [sys.executable, "-P", "-m", "mesh"]
+CHECKOUT = Path(__file__).parent.parent
 
 
 async def ask(nc: Client, subject: str, body: bytes | dict = b"{}", timeout: float = 2) -> Any:
@@ -267,3 +270,22 @@ class StatusEvery10ms:
                 self.sent += 1
                 tg.start_soon(one)
                 await anyio.sleep(0.01)  # ok: the client's sending rate, not synchronisation
+
+
+def mesh_copy(folder: Path, marker: str, *, broken_agent: bool = False) -> Path:
+    """A copy of this checkout's mesh, marked; `broken_agent`: its host agent exits at start."""
+    for package in PACKAGES:
+        shutil.copytree(
+            CHECKOUT / package, folder / package, ignore=shutil.ignore_patterns("__pycache__")
+        )
+    shutil.copy(CHECKOUT / PROJECT_FILE, folder / PROJECT_FILE)
+    with open(folder / "mesh" / "version.py", "a") as f:
+        f.write(f"\nMARKER = {marker!r}  # a test's version of the mesh\n")
+    if broken_agent:
+        main = folder / "services" / "host" / "main.py"
+        text = main.read_text()
+        start = '    root = (root or Path("/")).resolve()\n'
+        assert start in text
+        broken = "    raise SystemExit(3)  # a broken version\n"
+        main.write_text(text.replace(start, broken + start))
+    return folder

@@ -7,18 +7,13 @@ PostgreSQL, real processes; as root, real accounts.
 """
 
 import json
-import shutil
 import subprocess
-from pathlib import Path
 
 import anyio
 import pytest
-from helpers import MESH, StatusEvery10ms, ask, await_until
+from helpers import MESH, StatusEvery10ms, ask, await_until, mesh_copy
 from test_plans import assert_tier_order
 
-from mesh.modules.meshsource import PACKAGES, PROJECT_FILE
-
-ROOT = Path(__file__).parent.parent
 NODES = ("node-1", "node-2", "node-3")
 
 SLEEPER = """\
@@ -35,25 +30,6 @@ account = "mesh-test-sleeper"
 [assign]
 tiers = [0, 1, 2]
 """
-
-
-def version(folder: Path, marker: str, *, broken_agent: bool = False) -> Path:
-    """A copy of this checkout's mesh, marked; `broken_agent`: its host agent exits at start."""
-    for package in PACKAGES:
-        shutil.copytree(
-            ROOT / package, folder / package, ignore=shutil.ignore_patterns("__pycache__")
-        )
-    shutil.copy(ROOT / PROJECT_FILE, folder / PROJECT_FILE)
-    with open(folder / "mesh" / "version.py", "a") as f:
-        f.write(f"\nMARKER = {marker!r}  # a test's version of the mesh\n")
-    if broken_agent:
-        main = folder / "services" / "host" / "main.py"
-        text = main.read_text()
-        start = '    root = (root or Path("/")).resolve()\n'
-        assert start in text
-        broken = "    raise SystemExit(3)  # a broken version\n"
-        main.write_text(text.replace(start, broken + start))
-    return folder
 
 
 def mesh(nats_url: str, *args: str) -> subprocess.CompletedProcess:
@@ -113,7 +89,7 @@ async def test_host_agents_upgrade_through_tiers_keeping_every_process(fleet, nc
     async with anyio.create_task_group() as tg:
         tg.start_soon(client.run, nc, stop)
         for marker in ("v1", "v2"):
-            source = version(fleet / marker, marker)
+            source = mesh_copy(fleet / marker, marker)
             host_module = str(source / "services" / "host")
             pushed = await anyio.to_thread.run_sync(
                 lambda m=host_module: mesh(nats_url, "push", m, "--wait", "--json")
@@ -144,7 +120,7 @@ async def test_host_agents_upgrade_through_tiers_keeping_every_process(fleet, nc
 
     # v3's agent exits at start: tier 0 fails, the v2 agent runs on, the plan reverts, tiers 1
     # and 2 are never touched.
-    broken = version(fleet / "v3", "v3", broken_agent=True)
+    broken = mesh_copy(fleet / "v3", "v3", broken_agent=True)
     failed = await anyio.to_thread.run_sync(
         lambda: mesh(nats_url, "push", str(broken / "services" / "host"), "--wait")
     )
@@ -191,7 +167,7 @@ async def test_the_controller_upgrades_through_a_plan_with_nothing_unanswered(
         )  # fmt: skip
         assert done.returncode == 0, done.stderr
 
-    v1 = version(tmp_path / "v1", "v1")
+    v1 = mesh_copy(tmp_path / "v1", "v1")
     plan = ok(mesh(nats_url, "push", str(v1 / "services" / "controller"), "--wait", "--json"))
     assert plan["outcome"]["state"] == "done", plan
     first.terminate()  # the installed controller hands the seat to a v1 process and leaves
@@ -208,7 +184,7 @@ async def test_the_controller_upgrades_through_a_plan_with_nothing_unanswered(
     stop = anyio.Event()
     async with anyio.create_task_group() as tg:
         tg.start_soon(client.run, nc, stop)
-        v2 = version(tmp_path / "v2", "v2")
+        v2 = mesh_copy(tmp_path / "v2", "v2")
         pushed = await anyio.to_thread.run_sync(
             lambda: mesh(nats_url, "push", str(v2 / "services" / "controller"), "--wait", "--json")
         )

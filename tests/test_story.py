@@ -11,7 +11,6 @@ every one must be answered.
 import io
 import json
 import os
-import shutil
 import subprocess
 import sys
 import sysconfig
@@ -20,7 +19,15 @@ from pathlib import Path
 
 import anyio
 import pytest
-from helpers import MESH, StatusEvery10ms, account_of, ask, await_until, engine_answers
+from helpers import (
+    MESH,
+    StatusEvery10ms,
+    account_of,
+    ask,
+    await_until,
+    engine_answers,
+    mesh_copy,
+)
 from test_plans import assert_tier_order
 
 ROOT = Path(__file__).parent.parent
@@ -105,8 +112,10 @@ async def test_the_controller_moves_from_a_container_to_a_process(
 
     await await_until(hosts_up, within=60, what="three hosts up")
     # The control machines, named by the operator: services/controller is assigned by label.
+    # node-1 builds bundles (the controller's is the mesh's own code, built from this checkout).
     for tier in range(3):
-        done = _mesh(nats_url, "label", f"node-{tier + 1}", "role=control")
+        builder = ["builder=true"] if tier == 0 else []
+        done = _mesh(nats_url, "label", f"node-{tier + 1}", "role=control", *builder)
         assert done.returncode == 0, done.stderr
     for name, value in (("mesh-database-url", database_url), ("mesh-controller-creds", "")):
         done = _mesh(nats_url, "secret", "set", name, stdin=value)
@@ -124,16 +133,8 @@ async def test_the_controller_moves_from_a_container_to_a_process(
         assert pushed.returncode == 0, pushed.stderr + pushed.stdout
         plan = json.loads(pushed.stdout)["outcome"]
 
-        # 2. An upgrade, process to process: a new controller version, start-first.
-        upgrade = tmp_path / "controller-v2"
-        shutil.copytree(ROOT / "services" / "controller", upgrade)
-        manifest = upgrade / "module.toml"
-        manifest.write_text(
-            manifest.read_text().replace(
-                'command = ["./mesh", "controller", "run"]',
-                'command = ["./mesh", "controller", "run"]\nenv = { MESH_BUILD = "2" }',
-            )
-        )
+        # 2. An upgrade, process to process: a new version of the mesh's code, start-first.
+        upgrade = mesh_copy(tmp_path / "v2", "v2") / "services" / "controller"
         upgraded = await anyio.to_thread.run_sync(
             lambda: _mesh(nats_url, "push", str(upgrade), "--wait", "--json")
         )
