@@ -89,6 +89,7 @@ class Link:
         self._changed = anyio.Event()
         self.answered_at = time.monotonic()  # the server's last answer to our round trips
         self.silent = False  # the round trips found no answer for longer than they allow
+        self.nc: Client | None = None  # set by connect: its own close is not a lost link
 
     async def round_trips(self, nc: Client, *, every: float, within: float) -> None:
         """Forever: every `every` seconds a PING the server must answer within `within`;
@@ -123,7 +124,8 @@ class Link:
         self._changed = anyio.Event()
 
     async def disconnected(self) -> None:
-        if self.up:
+        closing = self.nc is not None and (self.nc.is_closed or self.nc.is_draining)
+        if self.up and not closing:  # nats-py says "disconnected" on our own close too
             log.info("lost the NATS connection; reconnecting")
         self.up = False
         self._kick()
@@ -210,10 +212,11 @@ async def connect(
             options["nkeys_seed_str"] = held.seed
         options["inbox_prefix"] = held.inbox
     options.update(_tls(url, ca, held))
+    nc = Client()
     if link:
+        link.nc = nc
         options["disconnected_cb"] = link.disconnected
         options["reconnected_cb"] = link.reconnected
-    nc = Client()
     try:
         await nc.connect(**options)
     except (NoServersError, OSError, NatsTimeout) as e:

@@ -93,7 +93,7 @@ def nodes(console: Console, r: NodesReply) -> None:
         procs = (
             ", ".join(
                 f"{p.name}{' (new version)' if p.trial else ''} {p.state}"
-                f"{' healthy' if p.healthy else ''}"
+                f"{' healthy' if p.healthy else ''}{f' pid {p.pid}' if p.pid else ''}"
                 for p in n.processes
             )
             or "-"
