@@ -184,3 +184,22 @@ def test_a_check_written_with_or_without_its_defaults_gives_one_digest() -> None
 def test_a_bundle_without_its_digest_cannot_be_composed() -> None:
     with pytest.raises(ValueError, match="without a digest"):
         compose("n", [module("a", ACCOUNT + process("x"), bundles={})])
+
+
+def test_the_machine_s_name_is_substituted_where_a_process_says_machine() -> None:
+    body = (
+        '[bundle.a]\nkind = "files"\nsource = "src"\n[account.app]\n'
+        '[process.a]\nbundle = "a"\ncommand = ["./a", "--name", "${machine}"]\naccount = "app"\n'
+        'env = { WHO = "I am ${machine}" }\nfiles = { "f" = { text = "${machine}\\n" } }\n'
+        '[process.b]\nbundle = "a"\ncommand = ["./b", "$machine"]\naccount = "app"\n'
+    )
+    mv = module("m", body)
+    one, two = compose("node-1", [mv]), compose("node-2", [mv])
+    assert one.processes["a"].command == ["./a", "--name", "node-1"]
+    assert one.processes["a"].env == {"WHO": "I am node-1"}
+    assert one.processes["a"].files["f"].text == "node-1\n"
+    assert two.processes["a"].command == ["./a", "--name", "node-2"]
+    assert one.processes["b"].command == ["./b", "$machine"]  # only ${machine} is a word
+    # The canonical bytes are the substituted ones, whichever way they were made.
+    merged = merge("node-1", [prepare(mv)])
+    assert encode(merged)[0] == canonical(one)

@@ -196,3 +196,63 @@ def test_replaces_without_a_check_is_refused() -> None:
     assert "\n" not in line
     with_check = parse(GOOD + 'replaces = "old-hello"\n')
     assert with_check.process["hello"].replaces == "old-hello"
+
+
+AGENT = """
+[module]
+name = "agent"
+[bundle.mesh]
+kind = "mesh"
+[process.mesh-host]
+bundle = "mesh"
+command = ["./mesh", "host", "run"]
+root = true
+"""
+
+
+def test_the_host_agent_s_own_module_passes() -> None:
+    assert parse(AGENT).process["mesh-host"].command == ["./mesh", "host", "run"]
+
+
+@pytest.mark.parametrize(
+    ("change", "field", "says"),
+    [
+        (('command = ["./mesh", "host", "run"]', 'command = ["./mesh", "host", "run", "--x"]'),
+         "process.mesh-host.command", "adds the arguments it was started with"),
+        (("root = true", 'root = false\naccount = "a"\n[account.a]'),
+         "process.mesh-host.root", "runs as root"),
+        (('kind = "mesh"', 'kind = "files"\nsource = "."'),
+         "process.mesh-host.bundle", "from a mesh bundle"),
+        (("root = true", 'root = true\nenv = { A = "b" }'),
+         "process.mesh-host.env", "takes no env"),
+        (('kind = "mesh"', 'kind = "mesh"\nsource = "src"'), "bundle.mesh", "the mesh's own code"),
+    ],
+)  # fmt: skip
+def test_the_host_agent_and_mesh_bundles_are_checked(
+    change: tuple[str, str], field: str, says: str
+) -> None:
+    line = refused(AGENT.replace(*change))
+    assert line.startswith(f"module agent: {field}:"), line
+    assert says in line, line
+
+
+def test_a_mesh_bundle_outside_the_mesh_s_source_is_refused_at_push(tmp_path: Path) -> None:
+    from mesh.modules.load import load
+
+    (tmp_path / "module.toml").write_text(AGENT)
+    with pytest.raises(Refused) as e:
+        load(tmp_path)
+    assert str(e.value).startswith("module agent: bundle.mesh.kind:")
+    assert "not inside the mesh's source" in str(e.value)
+
+
+def test_a_module_inside_the_mesh_s_source_carries_the_mesh_s_code() -> None:
+    from mesh.modules import archive
+    from mesh.modules.load import load
+
+    root = Path(__file__).parent.parent
+    entries = archive.members(load(root / "services" / "host").source)
+    assert "module.toml" in entries
+    for name in ("mesh/version.py", "services/host/successor.py", "programs/cli/main.py"):
+        assert f"mesh-source/{name}" in entries
+    assert not any("__pycache__" in name for name in entries)
