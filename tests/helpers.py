@@ -272,8 +272,9 @@ class StatusEvery10ms:
                 await anyio.sleep(0.01)  # ok: the client's sending rate, not synchronisation
 
 
-def mesh_copy(folder: Path, marker: str, *, broken_agent: bool = False) -> Path:
-    """A copy of this checkout's mesh, marked; `broken_agent`: its host agent exits at start."""
+def mesh_copy(folder: Path, marker: str, *, broken_agent: str = "") -> Path:
+    """A copy of this checkout's mesh, marked. `broken_agent`: its host agent exits 3 at start
+    ("at start"), or exits 4 as soon as the old agent has let go ("after go")."""
     for package in PACKAGES:
         shutil.copytree(
             CHECKOUT / package, folder / package, ignore=shutil.ignore_patterns("__pycache__")
@@ -284,8 +285,13 @@ def mesh_copy(folder: Path, marker: str, *, broken_agent: bool = False) -> Path:
     if broken_agent:
         main = folder / "services" / "host" / "main.py"
         text = main.read_text()
-        start = '    root = (root or Path("/")).resolve()\n'
-        assert start in text
-        broken = "    raise SystemExit(3)  # a broken version\n"
-        main.write_text(text.replace(start, broken + start))
+        let_go = "the old agent let go: taking the machine over"
+        where, code = {
+            "at start": ('    root = (root or Path("/")).resolve()\n', 3),
+            "after go": (f'        log.info("host %s: {let_go}", name)\n', 4),
+        }[broken_agent]
+        assert where in text, where
+        indent = where[: len(where) - len(where.lstrip())]
+        broken = f"{indent}raise SystemExit({code})  # broken\n"
+        main.write_text(text.replace(where, broken + where))
     return folder

@@ -118,34 +118,40 @@ async def test_host_agents_upgrade_through_tiers_keeping_every_process(fleet, nc
     assert client.sent > 100
     assert client.unanswered == [], client.unanswered[:5]
 
-    # v3's agent exits at start: tier 0 fails, the v2 agent runs on, the plan reverts, tiers 1
-    # and 2 are never touched.
-    broken = mesh_copy(fleet / "v3", "v3", broken_agent=True)
-    failed = await anyio.to_thread.run_sync(
-        lambda: mesh(nats_url, "push", str(broken / "services" / "host"), "--wait")
-    )
-    assert failed.returncode == 1, failed.stdout
-    assert "Traceback" not in failed.stderr
-    assert "exited with code 3" in failed.stderr, failed.stderr
-    plan = ok(mesh(nats_url, "plan", "--json"))["plans"][0]
-    plan = ok(mesh(nats_url, "plan", str(plan["id"]), "--json"))
-    assert plan["state"] == "reverted", plan
-    steps = {s["machine"]: s for s in plan["steps"]}
-    assert steps["node-1"]["state"] == "failed" and "agent" in steps["node-1"]["error"]
-    assert steps["node-2"]["state"] == steps["node-3"]["state"] == "pending"
-    assert steps["node-2"]["started"] is None and steps["node-3"]["started"] is None
-
-    async def v2_back():
-        found = await processes(nc)
-        healthy = (await ask(nc, "mesh.ctl.nodes"))["nodes"]
-        return (
-            {m: found[m].get("mesh-host") for m in NODES} == last_agents
-            and await versions(nc) == last_versions
-            and all(p["healthy"] for n in healthy for p in n["processes"])
+    # v3's agent exits at start; v4's once the old agent has let go (the old one then runs
+    # itself again, the same pid, and takes the machine back). Either way tier 0 fails, the v2
+    # agent runs on, the plan reverts, tiers 1 and 2 are never touched.
+    broken_versions = [
+        ("v3", "at start", "exited with code 3"),
+        ("v4", "after go", "exited with code 4 after it was handed"),
+    ]
+    for marker, how, says in broken_versions:
+        broken = mesh_copy(fleet / marker, marker, broken_agent=how)
+        failed = await anyio.to_thread.run_sync(
+            lambda b=broken: mesh(nats_url, "push", str(b / "services" / "host"), "--wait")
         )
+        assert failed.returncode == 1, failed.stdout
+        assert "Traceback" not in failed.stderr
+        assert says in failed.stderr, failed.stderr
+        plan = ok(mesh(nats_url, "plan", "--json"))["plans"][0]
+        plan = ok(mesh(nats_url, "plan", str(plan["id"]), "--json"))
+        assert plan["state"] == "reverted", plan
+        steps = {s["machine"]: s for s in plan["steps"]}
+        assert steps["node-1"]["state"] == "failed" and "agent" in steps["node-1"]["error"]
+        assert steps["node-2"]["state"] == steps["node-3"]["state"] == "pending"
+        assert steps["node-2"]["started"] is None and steps["node-3"]["started"] is None
 
-    await await_until(v2_back, within=60, what="the v2 agents running and healthy")
-    assert {m: (await processes(nc))[m]["sleeper"] for m in NODES} == sleepers
+        async def v2_back():
+            found = await processes(nc)
+            healthy = (await ask(nc, "mesh.ctl.nodes"))["nodes"]
+            return (
+                {m: found[m].get("mesh-host") for m in NODES} == last_agents
+                and await versions(nc) == last_versions
+                and all(p["healthy"] for n in healthy for p in n["processes"])
+            )
+
+        await await_until(v2_back, within=60, what=f"the v2 agents back after {marker}")
+        assert {m: (await processes(nc))[m]["sleeper"] for m in NODES} == sleepers
 
 
 async def test_the_controller_upgrades_through_a_plan_with_nothing_unanswered(

@@ -144,10 +144,13 @@ class Started:
         self.sock.close()
 
 
-def _exit_of(proc: subprocess.Popen) -> str:
-    code = proc.poll()
-    if code is None:
-        return "did not say it was ready"
+def _exit_of(proc: subprocess.Popen, *, waited: str, within: float) -> str:
+    """What became of the new agent, which closed its end or said nothing for `within` s: its
+    exit (given a moment to end, once its socket closed), or the word it never said."""
+    try:
+        code = proc.wait(timeout=2)
+    except subprocess.TimeoutExpired:
+        return f"did not say it was {waited} within {within:g}s"
     if code < 0:
         return f"was killed by {signal.Signals(-code).name}"
     return f"exited with code {code}"
@@ -174,11 +177,10 @@ async def start(key: str, bundle: Path, args: list[str]) -> Started:
     started = Started(key, proc, mine, bundle)
     said = await _line(mine, START_WITHIN)
     if said != b"ready":
-        await anyio.to_thread.run_sync(proc.poll)
-        why = _exit_of(proc)
+        why = await anyio.to_thread.run_sync(
+            lambda: _exit_of(proc, waited="ready", within=START_WITHIN)
+        )
         started.kill()
-        if why == "did not say it was ready":
-            why = f"did not say it was ready within {START_WITHIN:g}s"
         raise Failed(f"the new agent ({bundle.name}, pid {proc.pid}) {why}; its output is in "
                      "this host's log; this agent runs on")  # fmt: skip
     return started
@@ -192,14 +194,16 @@ async def commit(started: Started, root: Path) -> None:
         log.info("handed this machine over to the new agent (pid %d, %s)", pid, started.key)
         started.sock.close()
         return
-    why = f"the new agent ({started.bundle.name}, pid {pid}) {_exit_of(started.proc)} " \
-          "after it was handed the machine; the old agent took it back"  # fmt: skip
+    what = _exit_of(started.proc, waited="running", within=RUNNING_WITHIN)
+    why = f"the new agent ({started.bundle.name}, pid {pid}) {what} after it was handed the " \
+          "machine; the old agent took it back"  # fmt: skip
     started.kill()
     record_failure(root, started.key, why)
     log.error("%s: running again from the start", why)
     for handler in logging.getLogger().handlers:
         handler.flush()
-    os.execv(sys.executable, sys.orig_argv)
+    # The same interpreter, flags and arguments, less a successor's socket (long closed).
+    os.execv(sys.executable, relaunch_args(sys.orig_argv))
 
 
 class Successor:
