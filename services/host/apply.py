@@ -232,7 +232,9 @@ class Applier:
         self.epoch, self.digest = env.epoch, env.digest
         self.holder = env.holder or self.holder
         self._save()
-        bundles.collect(self._root, set(env.declaration.bundles), self._unused, time.time())
+        # Never the bundle this agent runs from, declared or not (an agent taken off mesh-host).
+        keep = {*env.declaration.bundles, successor.own_key()}
+        bundles.collect(self._root, keep, self._unused, time.time())
         log.info(
             "host %s applied %s (epoch %d) in %.2fs",
             self.name, env.digest[:19], env.epoch, time.monotonic() - started,
