@@ -12,6 +12,7 @@ from one server, the buckets start empty (docs/operations.md).
 
 import base64
 import hashlib
+import io
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -235,12 +236,15 @@ async def get(obs: ObjectStore, d: str, *, limit: int = archive.MAX_ARCHIVE) -> 
             raise BlobCorrupt(f"{d}: the stored object is a link, not a blob")
         if (info.size or 0) > limit:
             raise BlobTooLarge(f"{d} is {info.size} bytes, at most {limit}")
-        result = await obs.get(_object_name(d))
+        # Into a buffer: without one, nats-py appends each chunk to an immutable bytes, copying
+        # everything received so far every time (5 s instead of 1 s for 50 MiB; nats.py #703).
+        buffer = io.BytesIO()
+        await obs.get(_object_name(d), writeinto=buffer)
     except (ObjectNotFoundError, NotFoundError):
         raise BlobMissing(f"{d} is not in {BUNDLES}") from None
     except (DigestMismatchError, BadObjectMetaError) as e:
         raise BlobCorrupt(f"{d}: the stored object is damaged ({type(e).__name__})") from None
-    data = result.data or b""
+    data = buffer.getvalue()
     if digest(data) != d:
         raise BlobCorrupt(f"{d}: the stored bytes have digest {digest(data)}")
     return data

@@ -203,6 +203,16 @@ async def test_a_blob_larger_than_the_reader_takes_is_refused_before_reading(nc)
         await blobs.get(store, digest, limit=999)
 
 
+async def test_a_blob_whose_bytes_are_not_its_digest_is_refused(nc) -> None:
+    """Stored under another blob's name (a substituted bundle): the object is whole by its own
+    checksum, but its bytes are not the digest it is fetched by."""
+    _, store = await blobs.ensure(nc)
+    wanted = blobs.digest(b"the real bundle")
+    await store.put(wanted.replace(":", "-"), b"something else")
+    with pytest.raises(blobs.BlobCorrupt, match="the stored bytes have digest"):
+        await blobs.get(store, wanted)
+
+
 # --- through a real controller -------------------------------------------------------------
 
 
