@@ -135,11 +135,7 @@ def stop_agents(hosts_root: Path) -> list[int]:
             continue
         if str(pid_file.parent).encode() not in argv:
             continue  # the pid was reused, or it is not an agent of this root
-        try:
-            os.killpg(pid, signal.SIGKILL)
-            killed.append(pid)
-        except (ProcessLookupError, PermissionError):
-            pass
+        _kill_group(pid, killed)
     return killed
 
 
@@ -163,12 +159,16 @@ def stop_supervised(hosts_root: Path) -> list[int]:
                 continue
             if int(stat[stat.rindex(")") + 2 :].split()[19]) != started:
                 continue  # the pid was reused: not ours
-            try:
-                os.killpg(pid, signal.SIGKILL)
-                killed.append(pid)
-            except (ProcessLookupError, PermissionError):
-                pass
+            _kill_group(pid, killed)
     return killed
+
+
+def _kill_group(pid: int, killed: list[int]) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+        killed.append(pid)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def remove_containers(hosts_root: Path) -> list[str]:
