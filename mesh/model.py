@@ -487,10 +487,14 @@ class Applied(Peer):
 # --- host verbs (mesh.host.<name>.<verb>) --------------------------------------------------------
 
 
-class LogsRequest(Request):
+class LogsRequest(Request, omit_defaults=True):
+    # omit_defaults: a plain read stays what a host of an older version understands
     process: Name
     offset: Annotated[int, msgspec.Meta(ge=0)] | None = None  # None: the last `max` bytes
     max: Annotated[int, msgspec.Meta(ge=1, le=512 * 1024)] = 64 * 1024
+    # Seconds the host may hold the request while there is nothing new (`mesh logs -f`): it
+    # answers the moment output comes, so a follower asks once per chunk, not per interval.
+    wait: Annotated[float, msgspec.Meta(ge=0, le=60)] = 0.0
 
 
 class LogsReply(msgspec.Struct):

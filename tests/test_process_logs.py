@@ -1,13 +1,16 @@
 """A process's log rotates by size while the process runs: output.log and at most KEEP older
 files, each at most LIMIT bytes, cut after whole lines; `mesh logs` shows the latest output and
-`mesh logs -f` reads on across rotations, losing and repeating nothing."""
+`mesh logs -f` reads on across rotations, losing and repeating nothing, and streams: its request
+waits at the host until there is new output, so it asks once per chunk, not once per interval."""
 
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import anyio
 import pytest
 from helpers import MESH, ask, await_until, ok
 from test_modules import run
@@ -26,7 +29,7 @@ print("fast done", flush=True)
 go = os.path.join(os.environ["MESH_FILES"], "go")
 while not os.path.exists(go):
     time.sleep(0.05)  # ok: the process under test polls for the test's signal
-for i in range(150):  # paced: `mesh logs -f` (every 0.5 s) keeps up across the rotations
+for i in range(150):  # paced: `mesh logs -f` keeps up across the rotations
     print(f"slow {i:04d} " + "y" * 89, flush=True)
     time.sleep(0.02)  # ok: the process under test writes at its own pace
 print("slow done", flush=True)
@@ -88,22 +91,22 @@ async def small_logs_host(monkeypatch, nc, start_controller, start_host):
     await await_until(up, within=30, what="node-1 up")
 
 
-def _module(folder: Path) -> Path:
+def _module(folder: Path, name: str = "chatty", script: str = CHATTY) -> Path:
     (folder / "src").mkdir(parents=True)
-    (folder / "src" / "chatty.py").write_text(CHATTY)
+    (folder / "src" / f"{name}.py").write_text(script)
     (folder / "module.toml").write_text(
-        '[module]\nname = "chatty"\n'
-        '[bundle.chatty]\nkind = "files"\nsource = "src"\n'
-        "[account.chatty]\n"
-        '[process.chatty]\nbundle = "chatty"\naccount = "chatty"\n'
-        'command = ["python3", "chatty.py"]\n'
+        f'[module]\nname = "{name}"\n'
+        f'[bundle.{name}]\nkind = "files"\nsource = "src"\n'
+        f"[account.{name}]\n"
+        f'[process.{name}]\nbundle = "{name}"\naccount = "{name}"\n'
+        f'command = ["python3", "{name}.py"]\n'
         '[assign]\nmachines = ["node-1"]\n'
     )
     return folder
 
 
-def _logs(nats_url: str) -> str:
-    return ok(subprocess.run([*MESH, "logs", "node-1", "chatty", "--nats-url", nats_url],
+def _logs(nats_url: str, process: str = "chatty") -> str:
+    return ok(subprocess.run([*MESH, "logs", "node-1", process, "--nats-url", nats_url],
                              capture_output=True, text=True, timeout=30))  # fmt: skip
 
 
@@ -156,6 +159,75 @@ async def test_a_running_process_log_rotates_and_mesh_logs_follows(
     assert all(size <= LIMIT for size in sizes.values()) and len(sizes) == KEEP + 1
     again = await running()
     assert again["pid"] == first["pid"]  # rotated while it ran: never restarted for it
+
+
+TICKER = """\
+import os, sys, time
+print("waiting", flush=True)
+go = os.path.join(os.environ["MESH_FILES"], "go")
+while not os.path.exists(go):
+    time.sleep(0.05)  # ok: the process under test polls for the test's signal
+for i in range(120):  # 12,000 bytes: the log rotates under the follower (LIMIT 4096)
+    print(f"tick {i:04d} " + "t" * 89, flush=True)
+    time.sleep(0.01)  # ok: it writes at its own pace
+print("ticks done", flush=True)
+time.sleep(3600)  # ok: then it is quiet, and keeps running
+"""
+IDLE = 3.0  # seconds of a quiet log in which a poller (every 0.5 s) would have asked 6 times
+
+
+async def test_mesh_logs_follow_streams_new_lines_in_order_and_asks_nothing_while_idle(
+    small_logs_host, nc, nats_url, tmp_path
+) -> None:
+    ok(run(nats_url, "push", str(_module(tmp_path / "m", "ticker", TICKER))))
+    folder = tmp_path / "hosts" / "node-1" / "processes" / "ticker"
+    await await_until(
+        lambda: _async("waiting" in _logs(nats_url, "ticker")), within=60, what="ticker waiting"
+    )
+    asked = [0]  # requests seen on the host's logs subject
+    idle_from = [0]  # how many there were when the log went quiet
+    idle: list[anyio.Event] = []  # set by a request past the one a stream has waiting
+
+    async def on_request(_msg) -> None:
+        asked[0] += 1
+        if idle and asked[0] > idle_from[0] + 1:
+            idle[0].set()
+
+    counted = await nc.subscribe("mesh.host.node-1.logs", cb=on_request)
+    await nc.flush()
+    out, err = tmp_path / "follow.out", tmp_path / "follow.err"
+    follow = subprocess.Popen(
+        [*MESH, "logs", "node-1", "ticker", "-f", "--nats-url", nats_url],
+        stdout=open(out, "wb"), stderr=open(err, "wb"), start_new_session=True,
+    )  # fmt: skip
+    try:
+        await await_until(lambda: _async("waiting" in _read(out)), within=30, what="-f started")
+        (folder / "files" / "go").touch()  # every tick is written after -f started
+        await await_until(
+            lambda: _async("ticks done" in _read(out)), within=60, what="-f to show every tick"
+        )
+        shown = _read(out)
+        ticks = re.findall(r"^tick (\d{4}) t+$", shown, flags=re.M)
+        assert ticks == [f"{i:04d}" for i in range(120)]  # in order, across rotations, once each
+        assert shown.count("waiting") == 1 and shown.count("ticks done") == 1
+        assert len(_files(folder / "logs")) > 1  # it did rotate under the follower
+
+        # Quiet now: a poller asks every interval; a stream's one request waits at the host.
+        idle_from[0] = asked[0]
+        idle.append(anyio.Event())
+        with anyio.move_on_after(IDLE):  # a deadline for something that must not happen
+            await idle[0].wait()
+        assert asked[0] - idle_from[0] <= 1, f"{asked[0] - idle_from[0]} requests in {IDLE:g}s"
+        assert follow.poll() is None  # still following
+
+        follow.send_signal(signal.SIGINT)  # Ctrl-C
+        await await_until(lambda: _async(follow.poll() is not None), within=10, what="-f to end")
+        assert follow.returncode == 130 and "Traceback" not in _read(err), _read(err)
+    finally:
+        await counted.unsubscribe()
+        if follow.poll() is None:
+            os.killpg(follow.pid, 9)
+            follow.wait(timeout=10)
 
 
 def _read(path: Path) -> str:

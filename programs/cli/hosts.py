@@ -5,14 +5,14 @@ import sys
 import time
 from typing import Any
 
-import anyio
-
 from mesh import bus, subjects, wire
 from mesh.model import LogsReply, LogsRequest
 from mesh.names import check_name
 from programs.cli.client import CliError, connected, where
 
-FOLLOW_EVERY = 0.5
+# How long a follower's request may wait at the host for new output: the host answers the
+# moment there is some, so `-f` asks once per chunk of output, and once per this while idle.
+FOLLOW_WAIT = 20.0
 
 
 def add_parsers(verbs: Any, common: argparse.ArgumentParser) -> None:
@@ -25,7 +25,10 @@ def add_parsers(verbs: Any, common: argparse.ArgumentParser) -> None:
 async def _read(nc: Any, machine: str, req: LogsRequest, timeout: float) -> LogsReply:
     subject = subjects.host(machine, "logs")
     try:
-        data = await bus.request(nc, subject, wire.encode(req), deadline=time.monotonic() + timeout)
+        data = await bus.request(
+            nc, subject, wire.encode(req), deadline=time.monotonic() + timeout + req.wait,
+            attempt_timeout=1.0 + req.wait,
+        )  # fmt: skip
     except bus.NoAnswer:
         raise CliError(
             f"host {machine} did not answer on {subject}; is it up? (`mesh nodes`)"
@@ -45,11 +48,11 @@ async def cmd_logs(args: argparse.Namespace) -> None:
         reply = await _read(nc, args.machine, LogsRequest(process=args.process), timeout)
         sys.stdout.write(reply.data)
         sys.stdout.flush()
-        while args.follow:
-            await anyio.sleep(FOLLOW_EVERY)
+        while args.follow:  # from the offset the last reply ended at: nothing lost or repeated
             reply = await _read(
-                nc, args.machine, LogsRequest(process=args.process, offset=reply.offset), timeout
-            )
+                nc, args.machine,
+                LogsRequest(process=args.process, offset=reply.offset, wait=FOLLOW_WAIT), timeout,
+            )  # fmt: skip
             sys.stdout.write(reply.data)
             sys.stdout.flush()
 

@@ -4,10 +4,12 @@ status (this host: registration, applied declaration, processes), logs (a proces
 an offset, for `mesh logs [-f]`), restart (one process), build (for the controller, on a
 builder)."""
 
+import time
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 
+import anyio
 import msgspec
 from anyio.abc import TaskGroup
 from nats.aio.client import Client
@@ -23,7 +25,7 @@ from mesh.model import (
     RestartRequest,
     StatusRequest,
 )
-from mesh.serving import Endpoint, Server, Verb
+from mesh.serving import Bound, Endpoint, Server, Verb
 from services.host import builder, logwriter
 from services.host.supervisor import Supervisor
 
@@ -56,6 +58,9 @@ class Host(msgspec.Struct):
     status: Callable[[], HostStatus]
 
 
+LOOK_EVERY = 0.1  # seconds between looks at a followed log, on this machine
+
+
 def _log_file(h: Host, process: str) -> Path:
     return h.root / "processes" / process / "logs" / "output.log"
 
@@ -70,6 +75,12 @@ async def logs(h: Host, req: LogsRequest) -> LogsReply:
         raise wire.BadRequest(f"no process {req.process} on {h.name}", code="not_found")
     # Offsets count the whole output, across the rotated files (logwriter.py).
     offset, data = logwriter.read(path, req.offset, req.max)
+    # A follower's request waits here for new output: the file is this machine's, so looking
+    # at it often costs nothing on the bus; the reply goes the moment there is something.
+    deadline = time.monotonic() + req.wait
+    while not data and time.monotonic() < deadline:
+        await anyio.sleep(LOOK_EVERY)
+        offset, data = logwriter.read(path, offset, req.max)
     return LogsReply(process=req.process, offset=offset, data=data.decode(errors="replace"))
 
 
@@ -87,7 +98,9 @@ _SMALL = 4 * 1024  # bytes of body: these carry a name or two
 
 VERBS: dict[str, Verb] = {
     "status": Verb(StatusRequest, HostStatus, status, limit=_SMALL),
-    "logs": Verb(LogsRequest, LogsReply, logs, limit=_SMALL),
+    # Each in its own task: followers wait in theirs (LogsRequest.wait) without holding up
+    # anyone else's read.
+    "logs": Verb(LogsRequest, LogsReply, logs, limit=_SMALL, bound=Bound("log reads", 64)),
     "restart": Verb(RestartRequest, RestartReply, restart, limit=_SMALL),
     # argv, paths and a key from a manifest of at most 256 KiB (the controller's push limit)
     "build": Verb(BuildRequest, BuildReply, build, limit=640 * 1024),
