@@ -269,14 +269,16 @@ async def _discard(nc: Client) -> None:
 
 async def answer(
     msg: Msg, serve: Callable[[], Awaitable[object]], *, service: str = "controller"
-) -> None:
+) -> str | None:
     """Reply to a request with what `serve` returns, or with an error reply: a BadRequest's
     code and message, `internal` for anything else (logged under a short id the reply names;
     the exception's text stays in `service`'s log), `too_large` for a reply the NATS server
     would not take. A publish gets no reply. Never raises but for cancellation: a reply that
-    cannot be sent is logged, since one caller's request must not take a service down."""
+    cannot be sent is logged, since one caller's request must not take a service down.
+    Returns the outcome, `ok` or the error reply's code (None for a publish), for counting."""
     if not msg.reply:
-        return
+        return None
+    outcome = "ok"
     try:
         body = wire.encode(await serve())
     except anyio.get_cancelled_exc_class():
@@ -287,10 +289,12 @@ async def answer(
                                            "answered; try again"))  # fmt: skip
         raise
     except wire.BadRequest as e:
+        outcome = e.code
         body = wire.error(e.code, str(e))
     except Exception:
         ref = secrets.token_hex(4)
         log.exception("request on %s failed: internal error %s", msg.subject, ref)
+        outcome = "internal"
         body = wire.error("internal", f"internal error {ref}; see the {service}'s log")
     # nats-py refuses (MaxPayloadError) a payload past the server's max_payload; refused here
     # first, the caller hears why instead of waiting out its timeout.
@@ -299,12 +303,14 @@ async def answer(
         verb = msg.subject.rsplit(".", 1)[-1]
         log.warning("reply to %s is %d bytes, more than the NATS server takes (%d): answered "
                     "too_large", msg.subject, len(body), limit)  # fmt: skip
+        outcome = "too_large"
         body = wire.error(
             "too_large",
             f"the reply to {verb[:64]} is too large: {len(body)} bytes, more than the NATS "
             f"server takes ({limit}); ask for less",
         )
     await _respond(msg, body)
+    return outcome
 
 
 async def _respond(msg: Msg, body: bytes) -> None:

@@ -10,6 +10,8 @@ handler, answer through `mesh.bus.answer`, which never raises) and drains them o
 The shape is nats-py's `nats.micro` (an endpoint has a name, a subject, a queue group and a
 handler), so registering these as a micro service is a small step; but micro stops its endpoints
 by unsubscribing, which drops requests in flight, and a handover must drain (docs/design.md).
+So the service protocol is answered beside this (mesh/discovery.py), from the `Stats` every
+answer is counted in here: the one place verbs are counted, for discovery and for metrics.
 """
 
 import logging
@@ -59,6 +61,44 @@ def _as_is(served: Any, subject: str) -> Any:
     return served
 
 
+UNKNOWN = "(unknown)"  # the verb of a request for a name no table holds: counted, not named
+
+
+@dataclass
+class VerbStats:
+    """One verb's answers, as a micro endpoint's stats count them."""
+
+    requests: int = 0
+    errors: int = 0  # answered with an error reply (any code, `busy` included)
+    processing_ns: int = 0  # from the request arriving to its reply
+    last_error: str = ""  # the last error reply's code
+
+
+@dataclass
+class Stats:
+    """Every verb's answers over the service's life (across a controller's holds), keyed by
+    endpoint and verb; `observe(verb, outcome, seconds)` is called for each (metrics)."""
+
+    observe: Callable[[str, str, float], None] | None = None
+    verbs: dict[tuple[str, str], VerbStats] = field(default_factory=dict)
+
+    def record(self, endpoint: str, verb: str, outcome: str | None, started_ns: int) -> None:
+        if outcome is None:  # a publish: nobody asked, nothing answered
+            return
+        took = time.perf_counter_ns() - started_ns
+        stats = self.verbs.setdefault((endpoint, verb), VerbStats())
+        stats.requests += 1
+        stats.processing_ns += took
+        if outcome != "ok":
+            stats.errors += 1
+            stats.last_error = outcome
+        if self.observe is not None:
+            self.observe(verb, outcome, took / 1e9)
+
+    def of(self, endpoint: str, verb: str) -> VerbStats:
+        return self.verbs.get((endpoint, verb)) or VerbStats()
+
+
 @dataclass(frozen=True)
 class Endpoint:
     """One subscription: `verbs` keyed by the subject's last token. `caller(served, subject)`
@@ -86,6 +126,7 @@ class Server:
     nc: Client
     endpoints: Sequence[Endpoint]
     service: str  # "controller", "host": named in `internal` and `unavailable` replies
+    stats: Stats = field(default_factory=Stats)  # given by the service: it outlives a Server
     since: float | None = None  # when the subscriptions were flushed (time.monotonic)
     _subs: list[Subscription] = field(default_factory=list)
     _served: Any = None
@@ -125,9 +166,15 @@ class Server:
 
     async def answer(self, endpoint: Endpoint, msg: Msg) -> None:
         """Route one request of `endpoint` and answer it (now, or from a bounded verb's task)."""
+        started = time.perf_counter_ns()
         name = subjects.last(msg.subject)
         verb = endpoint.verbs.get(name)
         served = self._served
+        counted = name if verb is not None else UNKNOWN
+
+        async def answer(serve: Callable[[], Awaitable[Any]]) -> None:
+            outcome = await bus.answer(msg, serve, service=self.service)
+            self.stats.record(endpoint.name, counted, outcome, started)
 
         async def serve() -> Any:
             caller = endpoint.caller(served, msg.subject)
@@ -139,7 +186,7 @@ class Server:
             return await verb.handler(caller, wire.decode(msg.data, verb.request, limit=verb.limit))
 
         if verb is None or verb.bound is None or self._tasks is None:
-            await bus.answer(msg, serve, service=self.service)
+            await answer(serve)
             return
         bound = verb.bound
         limiter = self._limiters.setdefault(bound, anyio.CapacityLimiter(bound.in_flight))
@@ -167,24 +214,24 @@ class Server:
 
             log.warning("busy: refused %s on %s (%d %s in flight)", name[:64], msg.subject,
                         bound.in_flight, bound.what)  # fmt: skip
-            await bus.answer(msg, busy, service=self.service)
+            await answer(busy)
             return
         try:
-            self._tasks.start_soon(self._answer_then_release, limiter, slot, msg, serve)
+            self._tasks.start_soon(self._answer_then_release, limiter, slot, answer, serve)
             return
         except RuntimeError:  # stopping: the task group is closed; answer here instead
             limiter.release_on_behalf_of(slot)
-        await bus.answer(msg, serve, service=self.service)
+        await answer(serve)
 
     async def _answer_then_release(
         self,
         limiter: anyio.CapacityLimiter,
         slot: object,
-        msg: Msg,
+        answer: Callable[[Callable[[], Awaitable[Any]]], Awaitable[None]],
         serve: Callable[[], Awaitable[Any]],
     ) -> None:
         try:
-            await bus.answer(msg, serve, service=self.service)
+            await answer(serve)
         finally:
             limiter.release_on_behalf_of(slot)
 

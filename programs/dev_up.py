@@ -25,7 +25,7 @@ import anyio.to_thread
 import msgspec
 from nats.aio.client import Client
 
-from mesh import bus, subjects, wire
+from mesh import bus, metrics, subjects, wire
 from mesh.auth import registry, tls
 from mesh.embedded import natsd, ports, postgres
 from mesh.embedded.children import (
@@ -101,6 +101,7 @@ class DevMesh:
         self.nats_url = ""
         self.database_url = ""
         self.lost: str | None = None  # a server that died under us
+        self.metrics: dict[str, metrics.Listen] = {}  # piece -> its --metrics, kept on restarts
 
     def _mesh_argv(self, *args: str) -> list[str]:
         return [sys.executable, "-P", "-m", "mesh", *args]  # -P: not the cwd's `mesh`
@@ -234,12 +235,28 @@ class DevMesh:
         for i in (1, 2):
             await self._start_controller(f"ctl-{i}")
 
+    def _metrics_on(self, name: str) -> list[str]:
+        """`--metrics` for a controller or host: a free loopback port, the same one when the
+        piece is started again."""
+        on = self.metrics.setdefault(name, (metrics.DEFAULT_ADDR, ports.free_port()))
+        return ["--metrics", f"{on[0]}:{on[1]}"]
+
+    def _metrics_url(self, name: str) -> str:
+        return metrics.url(self.metrics[name])
+
+    def write_metrics(self) -> Path:
+        """DIR/metrics: each piece's metrics URL, one `piece URL` line each."""
+        path = self.dir / "metrics"
+        path.write_text("".join(f"{name} {self._metrics_url(name)}\n" for name in self.metrics))
+        return path
+
     async def _start_controller(self, name: str) -> Child:
         argv = self._mesh_argv(
-            "controller", "run", "--instance", name, "--creds", str(self.creds["ctl"])
-        )
+            "controller", "run", "--instance", name, "--creds", str(self.creds["ctl"]),
+            *self._metrics_on(name),
+        )  # fmt: skip
         child = await self._start(name, argv)
-        say(f"controller {name} started (pid {child.pid})")
+        say(f"controller {name} started (pid {child.pid}, metrics {self._metrics_url(name)})")
         return child
 
     async def place_hosts(self) -> None:
@@ -262,9 +279,10 @@ class DevMesh:
             argv = self._mesh_argv(
                 "host", "run", "--name", name,
                 "--root", str(self.dir / "hosts" / name), "--creds", str(self.creds[name]),
+                *self._metrics_on(name),
             )  # fmt: skip
             child = await self._start(name, argv)
-            say(f"host {name} started (pid {child.pid})")
+            say(f"host {name} started (pid {child.pid}, metrics {self._metrics_url(name)})")
 
     async def wait_ready(self) -> None:
         """Until the seat has a holder and a standby and every host is registered and up."""
@@ -460,6 +478,7 @@ async def up(
             await mesh.start_hosts()
             await mesh.wait_ready()
             env = mesh.write_env()
+            say(f"metrics of every controller and host: {mesh.write_metrics()}")
             say(f"ready {mesh.nats_url}")
             say(f"in another terminal: source {env}; mesh status; mesh nodes")
             await mesh.watch()

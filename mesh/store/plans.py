@@ -187,6 +187,12 @@ async def oldest_open(conn: asyncpg.Connection | asyncpg.Pool) -> int | None:
     )
 
 
+async def counts(conn: asyncpg.Connection | asyncpg.Pool) -> dict[str, int]:
+    """How many plans are in each state (the controller's metrics)."""
+    rows = await conn.fetch("SELECT state, count(*) AS n FROM plans GROUP BY state")
+    return {r["state"]: r["n"] for r in rows}
+
+
 async def expected(conn: asyncpg.Connection, machines: list[str]) -> dict[str, str]:
     """machine -> the digest it will have once the plans already recorded finish: the newest
     open plan's target where one exists, else its stored declaration."""

@@ -4,6 +4,7 @@ import argparse
 import sys
 from typing import Any
 
+from mesh import metrics
 from mesh.names import InvalidName, check_name
 
 
@@ -30,6 +31,17 @@ def tier(text: str) -> int:
     if not 0 <= tier <= 9:
         raise argparse.ArgumentTypeError(f"{tier} is out of range (0 to 9)")
     return tier
+
+
+def listen(text: str) -> metrics.Listen:
+    """`--metrics ADDR:PORT` or `PORT` (127.0.0.1:PORT)."""
+    try:
+        return metrics.parse_listen(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+METRICS_HELP = "serve Prometheus metrics on http://ADDR:PORT/metrics (PORT: on 127.0.0.1); off"
 
 
 class Parser(argparse.ArgumentParser):

@@ -21,7 +21,7 @@ from mesh.errors import MeshError
 from mesh.model import HandoverReply, NodesReply, StatusReply
 from mesh.names import check_name
 from programs.cli import certs, devcreds, hosts, machines, modules, render
-from programs.cli.args import Parser, label, tier
+from programs.cli.args import METRICS_HELP, Parser, label, listen, tier
 from programs.cli.client import CliError, verb
 from programs.cli.output import console, print_json
 
@@ -94,6 +94,7 @@ def parser() -> argparse.ArgumentParser:
     ctl_run.add_argument(
         "--down-after", type=int, default=3, metavar="N", help="missed beats before down (3)"
     )
+    ctl_run.add_argument("--metrics", type=listen, metavar="ADDR:PORT", help=METRICS_HELP)
 
     ready = ctl_verbs.add_parser(
         "ready", parents=[common], help="exit 0 if this machine's controller holds or stands by"
@@ -122,6 +123,7 @@ def parser() -> argparse.ArgumentParser:
     host_run.add_argument(
         "--beat", type=float, default=1.0, metavar="S", help="heartbeat interval in seconds (1)"
     )
+    host_run.add_argument("--metrics", type=listen, metavar="ADDR:PORT", help=METRICS_HELP)
     # Given by an agent to the new version of itself it starts (services/host/successor.py).
     host_run.add_argument("--successor-fd", type=int, default=None, help=argparse.SUPPRESS)
     modules.add_parsers(verbs, common)
@@ -214,6 +216,7 @@ async def cmd_controller_run(args: argparse.Namespace) -> None:
         instance=args.instance,
         creds=config.creds(getattr(args, "creds", None)),
         down_after=args.down_after,
+        metrics_on=args.metrics,
     )
 
 
@@ -236,6 +239,7 @@ async def cmd_host_run(args: argparse.Namespace) -> None:
         creds=config.creds(getattr(args, "creds", None)),
         relaunch=successor.relaunch_args(sys.argv[1:]),
         successor_fd=args.successor_fd,
+        metrics_on=args.metrics,
     )
 
 

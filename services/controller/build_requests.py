@@ -21,6 +21,7 @@ from mesh.model import BuildReply, BuildRequest
 from mesh.modules import gate
 from mesh.modules.manifest import Bundle
 from mesh.store import builds
+from services.controller import metrics
 from services.controller.fleet import Fleet
 
 log = logging.getLogger(__name__)
@@ -90,6 +91,7 @@ async def build(
         msg = await nc.request(subjects.host(on, "build"), wire.encode(req), timeout=timeout + 30)
         reply = msgspec.json.decode(msg.data, type=BuildReply)
     except (NoRespondersError, NatsTimeout, msgspec.DecodeError) as e:
+        metrics.BUILDS.labels("no_answer").inc()
         await builds.finish_build(pool, key=key, ok=False, digest=None, tail="", log_object=None)
         raise wire.BadRequest(
             f"the build of {module}/{name} on {on} got no answer ({type(e).__name__})",
@@ -101,6 +103,7 @@ async def build(
     await builds.finish_build(
         pool, key=key, ok=reply.ok, digest=reply.digest, tail=reply.tail, log_object=reply.log
     )
+    metrics.BUILDS.labels("built" if reply.ok and reply.digest else "failed").inc()
     if not reply.ok or reply.digest is None:
         log.info("build of %s/%s on %s failed: %s", module, name, on, reply.error)
         raise wire.BadRequest(

@@ -26,7 +26,7 @@ from nats.aio.msg import Msg
 from mesh import bus, subjects, wire
 from mesh.lifetime import first_of
 from mesh.model import SeatAnnounce
-from mesh.serving import Endpoint, Server
+from mesh.serving import Endpoint, Server, Stats
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +40,12 @@ class VerbSubscriptions:
     """The `mesh-controller` queue-group subscriptions to controller verbs and host requests.
     Until `serve(...)` is called, a message waits (in its own task) for it."""
 
-    def __init__(self, *, nc: Client, tasks: TaskGroup, endpoints: Sequence[Endpoint]) -> None:
+    def __init__(
+        self, *, nc: Client, tasks: TaskGroup, endpoints: Sequence[Endpoint], stats: Stats
+    ) -> None:
         self._nc = nc
         self._tasks = tasks
-        self._server = Server(nc=nc, endpoints=endpoints, service="controller")
+        self._server = Server(nc=nc, endpoints=endpoints, service="controller", stats=stats)
         self._holder: Any = None
         self._fresh: Callable[[], bool] = lambda: True
         self._ready = anyio.Event()

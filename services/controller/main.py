@@ -28,11 +28,13 @@ from nats.aio.subscription import Subscription
 from nats.js.kv import KeyValue
 
 from mesh import blobs, bus, subjects, version, wire
+from mesh import metrics as served_metrics
 from mesh.errors import MeshError
 from mesh.model import Handover, SeatAnnounce, SeatInfo
+from mesh.serving import Stats
 from mesh.store import db, events, replication, seats
 from mesh.store.migrate import migrate
-from services.controller import epochs, handover, readiness
+from services.controller import epochs, handover, metrics, readiness
 from services.controller.changes import Changes
 from services.controller.fleet import Fleet, open_bus
 from services.controller.handover import VerbSubscriptions
@@ -75,6 +77,7 @@ async def run(
     instance: str | None = None,
     creds: str | None = None,
     down_after: int = 3,
+    metrics_on: served_metrics.Listen | None = None,
 ) -> None:
     host = socket.gethostname()
     pid = os.getpid()
@@ -120,13 +123,18 @@ async def run(
         gc.freeze()
 
         ready = Readiness(readiness.default_file())
+        stats = Stats(observe=metrics.VERB_ANSWERED)  # every hold's verbs, counted together
         async with anyio.create_task_group() as tg:
+            if metrics_on is not None:
+                await tg.start(
+                    served_metrics.serve, metrics.REGISTRY, metrics_on, f"controller {instance}"
+                )
             tg.start_soon(ready.keep_writing)
             holding: list[Stop] = []  # the current hold's Stop, while this controller holds
             signalled = anyio.Event()
             tg.start_soon(_signals, tg.cancel_scope, holding, signalled)
             while True:
-                verbs = VerbSubscriptions(nc=nc, tasks=tg, endpoints=ENDPOINTS)
+                verbs = VerbSubscriptions(nc=nc, tasks=tg, endpoints=ENDPOINTS, stats=stats)
                 if not await lock.try_acquire():
                     log.info("controller %s standing by for the seat %s", instance, subjects.SEAT)
                     ready.set("standby")
@@ -307,6 +315,7 @@ class Hold:
             self.pool, "seat.taken", epoch=row.epoch, holder=me.instance, pid=me.pid,
             previous=previous, planned=taken.planned, gap_ms=taken.gap_ms,
         )  # fmt: skip
+        metrics.took_seat(row.epoch, planned=taken.planned, previous=previous)
         how = f" (handed over by {previous} after {taken.gap_ms} ms)" if taken.planned else ""
         log.info("controller %s holds the seat %s, epoch %d%s", me.instance, subjects.SEAT,
                  row.epoch, how)  # fmt: skip
@@ -335,6 +344,7 @@ class Hold:
         background.start_soon(lambda: epochs.watch(self.seat_kv, epoch=held.epoch))
         background.start_soon(holder.fleet.watch)
         background.start_soon(holder.publisher.keep_published)
+        background.start_soon(metrics.HELD.holding, holder.fleet, self.pool)
         background.start_soon(_step_down_without_bus, self.link, nc)
 
     async def _hand_over(self, *, held: SeatAnnounce, plans: anyio.CancelScope) -> None:
@@ -370,6 +380,7 @@ class Hold:
                 await _attempt("announce release", _publish_flushed(
                     nc, subjects.seat("released"), wire.encode(gone)))  # fmt: skip
             await lock.release()
+            metrics.left_seat()
             log.info("controller %s released the seat, epoch %d", self.me.instance, held.epoch)
 
 

@@ -28,7 +28,7 @@ from mesh import wire
 from mesh.model import PlanState, PlanSummary
 from mesh.modules.compose import Declaration
 from mesh.store import declarations, events, modules, plans, seats
-from services.controller import rollout
+from services.controller import metrics, rollout
 from services.controller.fleet import Fleet
 from services.controller.publishing import Publisher
 
@@ -180,9 +180,11 @@ class Planner:
                 # the plan sees both or neither, so it never rolls on past a failure.
                 stop = {"phase": "revert"} if p.settings.auto_revert else {}
                 await self._write(p, verdict.changed, error=verdict.failure, **stop)
+                _count_finished(verdict.changed)
                 return verdict.failure
             if verdict.changed:
                 await self._write(p, verdict.changed)
+                _count_finished(verdict.changed)
         log.info("plan %d: tier %d done", p.id, tier)
         return None
 
@@ -266,3 +268,12 @@ class Planner:
             done=sum(s.state in ("done", "skipped") for s in p.steps), tier=self._tier,
             phase=p.phase, failure=p.error,
         )  # fmt: skip
+
+
+def _count_finished(steps: list[plans.Step]) -> None:
+    """Each step that has just ended, in the plan step histogram (once: a step that ended is
+    not judged again)."""
+    for s in steps:
+        if s.state in ("done", "failed") and s.started and s.finished:
+            took = (s.finished - s.started).total_seconds()
+            metrics.PLAN_STEP_SECONDS.labels(s.state).observe(max(0.0, took))

@@ -21,6 +21,7 @@ from mesh.modules.compose import Conflict, ModuleVersion, Prepared, encode, merg
 from mesh.modules.manifest import Manifest
 from mesh.store import declarations, modules, plans, seats, secrets
 from mesh.store.modules import StoredVersion
+from services.controller import metrics
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +117,7 @@ class Publisher:
                                 machine, e)  # fmt: skip
                     return
             self.wanted[machine] = d
+            metrics.DECLARATIONS_PUBLISHED.inc()
 
         async with anyio.create_task_group() as tg:
             for machine, (d, body) in sorted(bodies.items()):

@@ -26,7 +26,7 @@ from mesh.lifetime import first_of
 from mesh.model import Applied, ProcessState, SecretReply, SecretRequest
 from mesh.modules.compose import DBundle, Declaration, DProcess
 from mesh.modules.gate import AGENT, duration
-from services.host import accounts, bundles, containers, files, successor, watch
+from services.host import accounts, bundles, containers, files, metrics, successor, watch
 from services.host.processes import credentials, kill_group
 from services.host.supervisor import Launch, Supervisor, spec_digest
 
@@ -210,6 +210,7 @@ class Applier:
         if env.digest == self.digest and not self._first:
             self.epoch, self.holder = env.epoch, env.holder or self.holder
             self._save()
+            metrics.applied(self.digest, self.epoch)
             return True
         started = time.monotonic()
         self._applying = env.digest
@@ -217,10 +218,12 @@ class Applier:
             await self._apply(env.declaration)
         except StepFailed as e:
             log.warning("host %s: apply of %s stopped at %s", self.name, env.digest[:19], e)
+            _count_failure(metrics.step_of(e.step), started)
             await self._report(env, ok=False, step=e.step, error=e.error)
             return False
         except Exception as e:  # a step that failed in a way we did not name: still a report
             log.exception("host %s: apply of %s failed", self.name, env.digest[:19])
+            _count_failure("apply", started)
             await self._report(env, ok=False, step="apply", error=f"{type(e).__name__}: {e}")
             return False
         finally:
@@ -235,10 +238,11 @@ class Applier:
         # Never the bundle this agent runs from, declared or not (an agent taken off mesh-host).
         keep = {*env.declaration.bundles, successor.own_key()}
         bundles.collect(self._root, keep, self._unused, time.time())
-        log.info(
-            "host %s applied %s (epoch %d) in %.2fs",
-            self.name, env.digest[:19], env.epoch, time.monotonic() - started,
-        )  # fmt: skip
+        took = time.monotonic() - started
+        metrics.APPLY_SECONDS.labels("ok").observe(took)
+        metrics.applied(env.digest, env.epoch)
+        log.info("host %s applied %s (epoch %d) in %.2fs", self.name, env.digest[:19], env.epoch,
+                 took)  # fmt: skip
         await self._report(env, ok=True)
         return True
 
@@ -461,3 +465,8 @@ class Applier:
         )
         reply = wire.decode_reply(data, SecretReply)
         return base64.b64decode(reply.value)
+
+
+def _count_failure(step: str, started: float) -> None:
+    metrics.APPLY_FAILURES.labels(step).inc()
+    metrics.APPLY_SECONDS.labels("failed").observe(time.monotonic() - started)

@@ -16,6 +16,7 @@ from nats.js.object_store import ObjectStore
 from mesh import blobs
 from mesh.modules import archive
 from mesh.modules.compose import DBundle
+from services.host import metrics
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,13 @@ async def ensure(obs: ObjectStore, root: Path, key: str, bundle: DBundle) -> Pat
     if final.is_dir():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
-    data = await blobs.get(obs, bundle.digest)  # verified against its digest
+    try:
+        data = await blobs.get(obs, bundle.digest)  # verified against its digest
+    except Exception:
+        metrics.BUNDLE_FETCHES.labels("failed").inc()
+        raise
+    metrics.BUNDLE_FETCHES.labels("ok").inc()
+    metrics.BUNDLE_BYTES.inc(len(data))
     scratch = Path(tempfile.mkdtemp(prefix=".unpacking-", dir=final.parent))
     try:
         await anyio.to_thread.run_sync(_unpack, data, scratch, final)

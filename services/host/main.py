@@ -17,6 +17,7 @@ from msgspec.structs import replace
 from nats.aio.client import Client
 
 from mesh import bus, subjects, version, wire
+from mesh import metrics as served_metrics
 from mesh.errors import MeshError
 from mesh.lifetime import stop_on_signals
 from mesh.model import (
@@ -27,8 +28,8 @@ from mesh.model import (
     SeatAnnounce,
 )
 from mesh.paths import open_path_to
-from mesh.serving import Server
-from services.host import containers, successor, verbs
+from mesh.serving import Server, Stats
+from services.host import containers, metrics, successor, verbs
 from services.host.apply import Applier
 from services.host.facts import gather
 from services.host.supervisor import Supervisor
@@ -56,6 +57,7 @@ async def run(
     creds: str | None = None,
     relaunch: list[str] | None = None,
     successor_fd: int | None = None,
+    metrics_on: served_metrics.Listen | None = None,
 ) -> None:
     """`relaunch`: the arguments this agent was started with, given to a new version of it.
     `successor_fd`: this agent is that new version; the old one waits on this socket
@@ -112,6 +114,8 @@ async def run(
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(stop_on_signals, tg.cancel_scope)
+            if metrics_on is not None:
+                await tg.start(served_metrics.serve, metrics.REGISTRY, metrics_on, f"host {name}")
 
             async def report_processes() -> None:
                 event = ProcessesEvent(name=name, processes=supervisor.states())
@@ -133,6 +137,9 @@ async def run(
                 name=name, nc=nc, root=state, supervisor=supervisor, nats_url=nats_url,
                 hand_over=hand_over if relaunch is not None else None,
             )  # fmt: skip
+            metrics.PROCESSES.states = supervisor.states
+            if applier.digest:  # what the last agent applied, adopted
+                metrics.applied(applier.digest, applier.epoch)
 
             def current_status() -> HostStatus:
                 status.applied, status.applied_epoch = applier.digest, applier.epoch
@@ -144,6 +151,7 @@ async def run(
                     name=name, root=state, nc=nc, supervisor=supervisor, status=current_status
                 ),
                 tasks=tg,
+                stats=Stats(observe=metrics.VERB_ANSWERED),
             )
             # Subscribed before registering, so a takeover during registration is not missed.
             held = await nc.subscribe(subjects.seat("held"))

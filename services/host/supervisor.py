@@ -25,7 +25,7 @@ from mesh.lifetime import first_of
 from mesh.model import ProcessState
 from mesh.modules.compose import DProcess, canonical_process
 from mesh.modules.gate import duration
-from services.host import checks, processes
+from services.host import checks, metrics, processes
 from services.host.processes import Instance
 
 log = logging.getLogger(__name__)
@@ -125,6 +125,7 @@ class Supervised:
                 if time.monotonic() - up_since > STEADY_AFTER:
                     backoff = 1.0
                 self.restarts += 1
+                metrics.RESTARTS.labels(self.launch.name).inc()
                 log.info("process %s %s; restarting in %gs", self.launch.name, how, backoff)
                 self._set("backoff", healthy=False, error=how)
                 await self._back_off(backoff)
@@ -157,6 +158,7 @@ class Supervised:
                 session=self.instance.pid if self.instance else None,
             )  # fmt: skip
             passes = passes + 1 if ok else 0
+            metrics.CHECKS.labels(self.launch.name, "pass" if ok else "fail").inc()
             if ok and passes >= check.passes and not self.healthy:
                 log.info("process %s is healthy (%d passes)", self.launch.name, passes)
                 self._set("running", healthy=True)

@@ -25,7 +25,7 @@ from mesh.model import (
     RestartRequest,
     StatusRequest,
 )
-from mesh.serving import Bound, Endpoint, Server, Verb
+from mesh.serving import Bound, Endpoint, Server, Stats, Verb
 from services.host import builder, logwriter
 from services.host.supervisor import Supervisor
 
@@ -107,8 +107,9 @@ VERBS: dict[str, Verb] = {
 }
 
 
-async def serve(h: Host, *, tasks: TaskGroup) -> Server:
-    """Subscribe to this host's verbs; the caller stops (drains) the returned Server."""
+async def serve(h: Host, *, tasks: TaskGroup, stats: Stats) -> Server:
+    """Subscribe to this host's verbs, counted in `stats`; the caller stops (drains) the
+    returned Server."""
     # One subscription per verb: a long build does not hold up status or logs.
     server = Server(
         nc=h.nc,
@@ -117,6 +118,7 @@ async def serve(h: Host, *, tasks: TaskGroup) -> Server:
             for name, verb in VERBS.items()
         ],
         service="host",
+        stats=stats,
     )
     server.serve(h, tasks=tasks)
     await server.subscribe()
