@@ -7,6 +7,12 @@ any machine (tier 0, the builder, `role=control`: where services/controller runs
 starts, `services/controller` is pushed and its plan runs, the host starts the controller
 process from its module, and `mesh-init` hands the seat over to it and exits. The servers and
 the host outlive the command; DIR/mesh.json lists them. Never a container.
+
+Then systemd units for the servers and the host (programs/units.py), in DIR/units: where systemd
+is the service manager and we are root, they are installed, enabled and started in place of the
+processes started here (each stopped, then its unit started with the same argv), so they come
+back after a reboot; otherwise, or with `--print-units`, they are printed and nothing is
+installed.
 """
 
 import json
@@ -15,7 +21,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -25,14 +31,18 @@ import anyio.to_thread
 import services.controller
 from mesh import bus, subjects, wire
 from mesh.auth import registry
+from mesh.embedded import postgres
 from mesh.embedded.children import Child, spawn, stop_supervised
 from mesh.model import StatusReply
 from mesh.names import check_name
 from mesh.store import db
 from mesh.store.migrate import migrate
 from programs.cli.client import CliError
-from programs.dev_up import DevError, DevMesh, DirLock, check_nats, say
+from programs.dev_up import DevError, DevMesh, DirLock, _nats_answers, check_nats, say
 from programs.placement import place
+from programs.units import Unit, UnitError, main_pid, of_mesh, shown, systemctl, systemd_runs
+from programs.units import install as install_units
+from programs.units import write as write_units
 
 INIT_INSTANCE = "mesh-init"
 WITHIN = 180.0
@@ -42,7 +52,9 @@ def default_dir() -> Path:
     return Path("/var/lib/mesh") if os.geteuid() == 0 else Path.home() / ".mesh"
 
 
-async def init(*, folder: Path, name: str, port: int | None, nats: int = 1) -> None:
+async def init(
+    *, folder: Path, name: str, port: int | None, nats: int = 1, print_units: bool = False
+) -> None:
     check_name(name, field="--name")
     check_nats(nats)
     folder.mkdir(parents=True, exist_ok=True)
@@ -124,15 +136,25 @@ async def init(*, folder: Path, name: str, port: int | None, nats: int = 1) -> N
     env = mesh.write_env()
     pids = {c.name: c.pid for c in mesh.children}
     servers = [c for c in mesh.children if c.name.startswith("nats-")]
-    record.write_text(json.dumps({
-        "name": name, "made": datetime.now(UTC).isoformat(), "nats_url": mesh.nats_url,
-        "database_url": mesh.database_url, "pids": pids, "host_root": str(mesh.dir / "host"),
-    }, indent=2) + "\n")  # fmt: skip
+
+    def save() -> None:
+        record.write_text(json.dumps({
+            "name": name, "made": datetime.now(UTC).isoformat(), "nats_url": mesh.nats_url,
+            "database_url": mesh.database_url, "pids": pids, "host_root": str(mesh.dir / "host"),
+        }, indent=2) + "\n")  # fmt: skip
+
+    save()
+    units = of_mesh(mesh.children, host=name, folder=mesh.dir)
+    written = write_units(units, mesh.dir / "units")
+    managed = systemd_runs() and os.geteuid() == 0 and not print_units
+    if managed:
+        pids.update(await _to_systemd(mesh, units))
+        save()
     seat = status.seat
     say(f"the controller runs as a process: {seat.holder} (pid {seat.pid}), epoch {seat.epoch}")
     print(
         f"\nmade a mesh in {mesh.dir}:\n"
-        f"  nats-server   {mesh.nats_url} (pid {', '.join(str(c.pid) for c in servers)}), "
+        f"  nats-server   {mesh.nats_url} (pid {', '.join(str(pids[c.name]) for c in servers)}), "
         f"TLS with the mesh's CA ({mesh.mesh.ca}), every connection authenticated; "
         f"credentials in {mesh.mesh.creds}\n"
         f"  PostgreSQL    pid {pids['postgres']}, data in {mesh.dir / 'pg'}\n"
@@ -140,10 +162,70 @@ async def init(*, folder: Path, name: str, port: int | None, nats: int = 1) -> N
         f"  controller    a process the host runs from services/controller (pid {seat.pid})\n"
         f"use it:          source {env}; mesh status\n"
         f"add a machine:   mesh machine add NAME --dir {mesh.dir}   (prints its join command)\n"
-        f"stop it:         kill {' '.join(str(p) for p in pids.values())} "
-        f"(the host leaves the controller running: kill it too)\n",
+        + (
+            f"systemd runs the servers and the host (enabled: they start at every boot): "
+            f"{' '.join(u.name for u in units)}\n"
+            f"stop it:         systemctl disable --now {' '.join(u.name for u in units)} "
+            "(the host leaves the controller running: kill it too)\n"
+            if managed
+            else f"stop it:         kill {' '.join(str(p) for p in pids.values())} "
+            "(the host leaves the controller running: kill it too)\n"
+        ),
         flush=True,
     )
+    if not managed:
+        print(f"systemd units for them, in {mesh.dir / 'units'} ({_why_printed(print_units)}):\n")
+        print(shown(units, written), flush=True)
+
+
+def _why_printed(asked: bool) -> str:
+    if asked:
+        return "--print-units: not installed"
+    if not systemd_runs():
+        return "systemd is not this machine's service manager: not installed"
+    return (
+        "not installed: that takes root; as root, copy them into /etc/systemd/system and "
+        "`systemctl enable` them, and they start at the next boot"
+    )
+
+
+async def _to_systemd(mesh: DevMesh, units: list[Unit]) -> dict[str, int]:
+    """Hand each piece to its unit, one at a time: the units installed and enabled, then our
+    process stopped and its unit started with the same argv (the host's unit is ready once its
+    agent registered). Returns each piece's new pid."""
+    try:
+        await anyio.to_thread.run_sync(install_units, units)
+    except UnitError as e:
+        raise DevError(f"installing the units: {e}; the mesh runs as started") from None
+    children = {c.name: c for c in mesh.children}
+    urls, admin = mesh.nats_url.split(","), str(mesh.creds["admin"])
+    pids = {}
+    for unit in units:
+        child = children[unit.piece]
+        await child.stop(sig=signal.SIGINT if unit.kill_signal == "SIGINT" else signal.SIGTERM)
+        try:
+            await anyio.to_thread.run_sync(systemctl, "start", unit.name)
+        except UnitError as e:
+            raise DevError(f"{unit.piece} is stopped and its unit did not start: {e}; "
+                           f"`journalctl -u {unit.name}` says why") from None  # fmt: skip
+        if unit.piece.startswith("nats-"):
+            url = urls[int(unit.piece.removeprefix("nats-n")) - 1]
+            await _ready(f"nats-server on {url}", lambda u=url: _nats_answers(u, admin))
+        elif unit.piece == "postgres":
+            port = int(mesh.database_url.rsplit("@", 1)[-1].split("/")[0].rsplit(":", 1)[1])
+            await postgres.wait_ready(port, deadline=WITHIN, alive=lambda: True)
+        pids[unit.piece] = await anyio.to_thread.run_sync(main_pid, unit.name)
+        say(f"{unit.piece} runs under systemd: {unit.name} (pid {pids[unit.piece]})")
+    return pids
+
+
+async def _ready(what: str, probe: Callable[[], Awaitable[bool]]) -> None:
+    deadline = time.monotonic() + WITHIN
+    while time.monotonic() < deadline:
+        if await probe():
+            return
+        await anyio.sleep(0.2)
+    raise DevError(f"not ready within {WITHIN:g}s: {what}")
 
 
 def _mesh(env: dict[str, str], *args: str, stdin: str | None = None) -> None:

@@ -30,6 +30,11 @@ class Child:
         self.proc = proc
         self.log = log
         self.stopping = False
+        # How it was started, for a service manager to start it the same way (programs/units.py)
+        self.argv: list[str] = []
+        self.env: dict[str, str] | None = None  # None: ours
+        self.cwd: Path | None = None
+        self.user: str | None = None  # the account it was dropped to, if any
 
     @property
     def pid(self) -> int:
@@ -89,7 +94,10 @@ async def spawn(
             cwd=cwd,
             **credentials,
         )
-    return Child(name, proc, log)
+    child = Child(name, proc, log)
+    child.argv, child.cwd, child.user = list(argv), cwd, credentials.get("user")
+    child.env = dict(env) if env is not None else None
+    return child
 
 
 class NotOurs:

@@ -24,6 +24,7 @@ from programs.cli.args import Parser, label, tier
 from programs.cli.client import CliError, connected, verb, where
 from programs.cli.output import console, print_json
 from programs.placement import place, place_new
+from programs.units import host_unit, render
 
 
 class Added(msgspec.Struct):
@@ -35,6 +36,8 @@ class Added(msgspec.Struct):
     labels: dict[str, str] | None = None
     ca: bool = False  # the file carries the mesh's CA (the host trusts the servers by it)
     servers: str | None = None  # the NATS URL(s) the file carries, comma-separated
+    unit_name: str = ""  # a systemd unit that runs the same command, at every boot
+    unit: str = ""  # its text
 
 
 class Removed(msgspec.Struct):
@@ -163,9 +166,10 @@ async def cmd_machine_add(args: argparse.Namespace) -> None:
     argv = ["mesh", "host", "run", "--name", name, "--creds", str(path)]
     if not held.servers:  # the file names no servers: the command must
         argv += ["--nats-url", url]
+    unit = host_unit(name, argv)
     added = Added(name=name, creds=str(path), command=shlex.join(argv), reloaded=reloaded,
                   tier=placed[0], labels=placed[1], ca=held.ca is not None,
-                  servers=held.servers)  # fmt: skip
+                  servers=held.servers, unit_name=unit.name, unit=render(unit))  # fmt: skip
     if args.json:
         print_json(added)
         return
@@ -183,6 +187,11 @@ async def cmd_machine_add(args: argparse.Namespace) -> None:
         else f"no nats-server is running for {folder.root}: it admits {name} once started"
     )
     print(f"start the host with:\n  {added.command}")
+    print(
+        f"or have systemd run it, at every boot (as root: this in /etc/systemd/system/"
+        f"{added.unit_name}, then `systemctl enable --now {added.unit_name}`):\n\n{added.unit}",
+        end="",
+    )
 
 
 def _labels_text(labels: dict[str, str]) -> str:

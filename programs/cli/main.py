@@ -20,7 +20,7 @@ from mesh import config
 from mesh.errors import MeshError
 from mesh.model import HandoverReply, NodesReply, StatusReply
 from mesh.names import check_name
-from programs.cli import certs, devcreds, hosts, machines, modules, render
+from programs.cli import certs, devcreds, hosts, machines, modules, render, webconsole
 from programs.cli.args import METRICS_HELP, Parser, label, listen, tier
 from programs.cli.client import CliError, verb
 from programs.cli.output import console, print_json
@@ -82,6 +82,10 @@ def parser() -> argparse.ArgumentParser:
     new.add_argument(
         "--nats", type=int, default=1, metavar="N", help="nats-servers in one cluster (1)"
     )
+    new.add_argument(
+        "--print-units", action="store_true",
+        help="print the systemd units, never install them (they are printed without systemd)",
+    )  # fmt: skip
 
     ctl = verbs.add_parser("controller", parents=[common], help="the controller service")
     ctl_verbs = ctl.add_subparsers(
@@ -130,6 +134,7 @@ def parser() -> argparse.ArgumentParser:
     hosts.add_parsers(verbs, common)
     machines.add_parsers(verbs, common)
     certs.add_parsers(verbs, common)
+    webconsole.add_parsers(verbs, common)
     return top
 
 
@@ -166,7 +171,8 @@ async def cmd_init(args: argparse.Namespace) -> None:
     from programs.init import default_dir, init
 
     name = args.name or socket.gethostname().split(".")[0]
-    await init(folder=args.dir or default_dir(), name=name, port=args.port, nats=args.nats)
+    await init(folder=args.dir or default_dir(), name=name, port=args.port, nats=args.nats,
+               print_units=args.print_units)  # fmt: skip
 
 
 async def cmd_controller_ready(args: argparse.Namespace) -> None:
@@ -258,6 +264,7 @@ COMMANDS: dict[tuple[str, ...], Callable[[argparse.Namespace], Any]] = {
     **machines.COMMANDS,
     **devcreds.COMMANDS,
     **certs.COMMANDS,
+    **webconsole.COMMANDS,
 }
 
 

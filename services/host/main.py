@@ -159,6 +159,8 @@ async def run(
             await report_processes()
             if heir is not None:
                 heir.running()  # registered, serving, adopted: the old agent may go
+            else:
+                successor.notify_manager()  # under systemd: started (programs/units.py)
             tg.start_soon(_beat, nc, name, beat_interval)
             tg.start_soon(applier.watch)
 

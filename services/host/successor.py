@@ -220,11 +220,12 @@ class Successor:
     def running(self) -> None:
         _send(self.sock, b"running")
         self.sock.close()
-        _notify_manager()
+        notify_manager()
 
 
-def _notify_manager() -> None:
-    """Under systemd (Type=notify, NotifyAccess=all): this process is now the service's main."""
+def notify_manager() -> None:
+    """Under systemd (Type=notify, NotifyAccess=all): this process is the service's main one,
+    and ready (an agent's first start says so once registered; a new version once it runs)."""
     where = os.environ.get("NOTIFY_SOCKET")
     if not where:
         return
