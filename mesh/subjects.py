@@ -8,6 +8,7 @@ CTL_HOST_VERBS = "mesh.ctl.host.*.*"  # what a host asks: mesh.ctl.host.<name>.<
 HOST_BEATS = "mesh.host.*.beat"
 EVENTS = "mesh.event.*.*"  # what hosts report: mesh.event.<name>.<kind>
 SEAT_EVENTS = f"mesh.seat.{SEAT}.*"
+PLANS = "mesh.plan.*"  # the holder's plan progress: mesh.plan.<id>
 
 
 def ctl(verb: str) -> str:
@@ -29,6 +30,11 @@ def event(name: str, kind: str) -> str:
 
 def seat(event: str) -> str:
     return f"mesh.seat.{SEAT}.{event}"
+
+
+def plan(plan_id: int | str) -> str:
+    """A plan's progress (its summary at every step or tier change), or `*` in permissions."""
+    return f"mesh.plan.{plan_id}"
 
 
 def last(subject: str) -> str:

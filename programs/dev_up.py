@@ -284,6 +284,19 @@ class DevMesh:
             child = await self._start(name, argv)
             say(f"host {name} started (pid {child.pid}, metrics {self._metrics_url(name)})")
 
+    async def start_console(self) -> None:
+        """`mesh console` on a free loopback port with the viewer's credentials: it shows what
+        a viewer may read and changes nothing."""
+        port = ports.free_port()
+        argv = self._mesh_argv(
+            "console", "--listen", f"127.0.0.1:{port}", "--creds", str(self.creds["viewer"])
+        )
+        child = await self._start("console", argv)
+        url = f"http://127.0.0.1:{port}/"
+        # It listens once it hears the bus: a port that answers is a page that shows the fleet.
+        await _wait(f"the console on {url}", child, lambda: _listening(port), within=30)
+        say(f"console {url} (read-only: the viewer's credentials, pid {child.pid})")
+
     async def wait_ready(self) -> None:
         """Until the seat has a holder and a standby and every host is registered and up."""
         nc = await bus.connect(
@@ -390,7 +403,7 @@ class DevMesh:
 
     async def stop(self) -> None:
         groups: list[tuple[Callable[[Child], bool], int]] = [
-            (lambda c: c.name.startswith("node-"), signal.SIGTERM),
+            (lambda c: c.name.startswith("node-") or c.name == "console", signal.SIGTERM),
             (lambda c: c.name.startswith("ctl-"), signal.SIGTERM),
             (lambda c: c.name.startswith("postgres"), signal.SIGINT),  # and its standby
             (lambda c: c.name.startswith("nats-"), signal.SIGTERM),
@@ -428,6 +441,15 @@ async def _registered(nc: Client, name: str, epoch: int) -> bool:
     except (bus.NoAnswer, msgspec.DecodeError):
         return False
     return host.registered and host.epoch >= epoch
+
+
+async def _listening(port: int) -> bool:
+    try:
+        stream = await anyio.connect_tcp("127.0.0.1", port)
+    except OSError:
+        return False
+    await stream.aclose()
+    return True
 
 
 async def _nats_answers(url: str, creds: str) -> bool:
@@ -477,6 +499,7 @@ async def up(
             await mesh.place_hosts()
             await mesh.start_hosts()
             await mesh.wait_ready()
+            await mesh.start_console()
             env = mesh.write_env()
             say(f"metrics of every controller and host: {mesh.write_metrics()}")
             say(f"ready {mesh.nats_url}")

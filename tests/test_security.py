@@ -28,7 +28,7 @@ from mesh import blobs, bus
 from mesh.auth import creds as credentials
 from mesh.auth import registry
 from mesh.auth.keys import new_user
-from mesh.auth.policy import READ_VERBS
+from mesh.auth.policy import OPERATOR_WATCH, READ_VERBS
 from mesh.embedded import natsd, ports
 from mesh.meshdir import MeshDir
 from programs.placement import place
@@ -213,6 +213,10 @@ async def test_a_viewer_may_only_read_and_an_admin_may_call_every_verb(secured, 
     assert not await viewer.publish_refused("mesh.host.node-1.logs")
     assert await viewer.publish_refused("mesh.host.node-1.restart")
     assert not await admin.publish_refused("mesh.host.node-1.restart")
+    # Both hear what the console shows: beats, hosts' reports, the seat, plans' progress.
+    for who in (viewer, admin):
+        for subject in OPERATOR_WATCH:
+            assert not await who.subscribe_refused(subject), subject
     # Nobody reads other identities' replies or the fleet's traffic.
     for who in (viewer, admin):
         assert await who.subscribe_refused("_INBOX.>")

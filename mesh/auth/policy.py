@@ -28,6 +28,14 @@ ROLES: tuple[Role, ...] = ("admin", "viewer")
 READ_VERBS = frozenset({"status", "nodes", "plan", "plans", "modules", "declaration", "build-logs"})
 HOST_READ_VERBS = ("status", "logs")  # mesh.host.<name>.<verb> an operator may ask
 HOST_ADMIN_VERBS = ("restart",)
+# What an operator may hear (the console's live view): hosts' beats and reports, the seat's
+# announcements, plans' progress. All of it is in what the read verbs answer anyway.
+OPERATOR_WATCH = (
+    subjects.HOST_BEATS,
+    subjects.EVENTS,
+    subjects.SEAT_EVENTS,
+    subjects.PLANS,
+)
 # What a host may ask of the controller's operator verbs: the controller module's own health
 # check (`check = { nats = "mesh.ctl.status" }`), which the host runs.
 HOST_CHECK_VERBS = ("status",)
@@ -113,6 +121,7 @@ def _controller(user: User) -> Permissions:
     return Permissions(
         publish=[
             subjects.seat(">"),
+            subjects.plan("*"),  # plans' progress (services/controller/planner.py)
             subjects.host("*", "build"),
             f"{_API}.>",
             f"{KV_SUBJECTS}.>",
@@ -136,7 +145,7 @@ def _operator(user: User) -> Permissions:
         *(subjects.host("*", v) for v in HOST_READ_VERBS),
     ]
     if user.role == "viewer":
-        return Permissions(publish=reads, subscribe=[f"{inbox(user)}.>"])
+        return Permissions(publish=reads, subscribe=[f"{inbox(user)}.>", *OPERATOR_WATCH])
     return Permissions(
         publish=[
             subjects.ctl("*"),  # every verb, present and future
@@ -152,7 +161,7 @@ def _operator(user: User) -> Permissions:
             f"{_API}.STREAM.MSG.GET.{KV_STREAM}",
             f"{_API}.DIRECT.GET.{KV_STREAM}.>",
         ],
-        subscribe=[f"{inbox(user)}.>"],
+        subscribe=[f"{inbox(user)}.>", *OPERATOR_WATCH],
     )
 
 

@@ -247,7 +247,8 @@ class Hold:
                 views = Views(
                     pool=self.pool, obs=obs, fleet=fleet, manifests=manifests, publisher=publisher
                 )
-                planner = Planner(pool=self.pool, publisher=publisher, fleet=fleet, epoch=row.epoch)
+                planner = Planner(pool=self.pool, publisher=publisher, fleet=fleet, epoch=row.epoch,
+                                  nc=self.nc)  # fmt: skip
                 # Slow verbs run in `serving`, answered before we go.
                 async with anyio.create_task_group() as serving:
                     assert row.since is not None

@@ -23,8 +23,9 @@ from datetime import UTC, datetime
 import anyio
 import asyncpg
 import msgspec
+from nats.aio.client import Client
 
-from mesh import wire
+from mesh import subjects, wire
 from mesh.model import PlanState, PlanSummary
 from mesh.modules.compose import Declaration
 from mesh.store import declarations, events, modules, plans, seats
@@ -44,9 +45,11 @@ LOOK_EVERY = 1.0  # the longest the planner waits without judging deadlines
 
 class Planner:
     def __init__(
-        self, *, pool: asyncpg.Pool, publisher: Publisher, fleet: Fleet, epoch: int
-    ) -> None:
+        self, *, pool: asyncpg.Pool, publisher: Publisher, fleet: Fleet, epoch: int,
+        nc: Client | None = None,
+    ) -> None:  # fmt: skip
         self._pool = pool
+        self._nc = nc  # where progress is told (mesh.plan.<id>); None: nowhere
         self._publisher = publisher
         self._fleet = fleet
         self._epoch = epoch
@@ -64,7 +67,7 @@ class Planner:
         while True:
             plan_id = await plans.oldest_open(self._pool)
             if plan_id is None:
-                self._show(None)
+                await self._show(None)
                 with anyio.move_on_after(IDLE_CHECK):
                     await self._wake.wait()
                 self._wake = anyio.Event()
@@ -77,7 +80,8 @@ class Planner:
     # --- one plan ------------------------------------------------------------------------------
 
     async def _run(self, p: plans.Plan) -> None:
-        self._show(p)
+        self._tier = None  # not the last plan's
+        await self._show(p)
         if p.state == "pending":
             try:
                 await self._start(p)
@@ -104,7 +108,7 @@ class Planner:
                 return
             log.info("plan %d stopped: %s; reverting", p.id, failure)
             p.phase, p.error = "revert", failure
-            self._show(p)
+            await self._show(p)
         for tier in rollout.revert_order(p.steps):
             await self._revert_tier(p, tier)
         await self._finish(p, "reverted", p.error)
@@ -126,7 +130,7 @@ class Planner:
         tiers = rollout.tiers(p.steps)
         log.info("plan %d (%s %s): %d machine(s) in tier(s) %s", p.id, p.trigger, p.subject,
                  len(p.steps), ", ".join(map(str, tiers)))  # fmt: skip
-        self._show(p)
+        await self._show(p)
 
     async def _finish(self, p: plans.Plan, state: PlanState, error: str | None) -> None:
         now = datetime.now(UTC)
@@ -143,7 +147,7 @@ class Planner:
             log.info("plan %d %s after %.1fs: %s", p.id, state, took, error)
         else:
             log.info("plan %d %s in %.1fs", p.id, state, took)
-        self._show(None)
+        await self._show(p)  # its end told; no longer `current`
 
     # --- rolling forward -------------------------------------------------------------------------
 
@@ -158,7 +162,7 @@ class Planner:
             await self._send(p, resumed, "after")
             rollout.await_(t, resumed, now=time.monotonic())
         log.info("plan %d: tier %d: %d machine(s)", p.id, tier, len(t.steps))
-        self._show(p)
+        await self._show(p)
         look: set[str] = {s.machine for s in resumed}
         while not t.finished:
             batch = rollout.next_batch(t)
@@ -205,7 +209,7 @@ class Planner:
             await declarations.write_declarations(conn, bodies, epoch=self._epoch)
             await plans.set_steps(conn, p.id, steps, epoch=self._epoch)
         await self._publisher.publish(bodies)
-        self._show(p)
+        await self._show(p)
 
     async def _write(self, p: plans.Plan, steps: list[plans.Step], **plan: str) -> None:
         """Steps (and, given, the plan's own fields) in one fenced transaction."""
@@ -214,7 +218,7 @@ class Planner:
             await plans.set_steps(conn, p.id, steps, epoch=self._epoch)
             if plan:
                 await plans.set_plan(conn, p.id, **plan)
-        self._show(p)
+        await self._show(p)
 
     # --- reverting -----------------------------------------------------------------------------
 
@@ -258,16 +262,25 @@ class Planner:
 
     # --- what status shows -----------------------------------------------------------------------
 
-    def _show(self, p: plans.Plan | None) -> None:
-        if p is None or p.state not in plans.OPEN:
+    async def _show(self, p: plans.Plan | None) -> None:
+        """What `status` shows, and the same summary told on mesh.plan.<id>: every step or
+        tier change passes here, so a watcher (the console) hears each one."""
+        if p is None:
             self.current = None
             return
-        self.current = PlanSummary(
+        summary = PlanSummary(
             id=p.id, state=p.state, trigger=p.trigger, subject=p.subject, by=p.by,
             created=p.created, finished=p.finished, machines=len(p.steps),
             done=sum(s.state in ("done", "skipped") for s in p.steps), tier=self._tier,
             phase=p.phase, failure=p.error,
         )  # fmt: skip
+        self.current = summary if p.state in plans.OPEN else None
+        if self._nc is None:
+            return
+        try:
+            await self._nc.publish(subjects.plan(p.id), wire.encode(summary))
+        except Exception as e:  # told, not stored: a lost one costs a watcher a refresh
+            log.debug("plan %d: progress not told: %s: %s", p.id, type(e).__name__, e)
 
 
 def _count_finished(steps: list[plans.Step]) -> None:

@@ -1,0 +1,430 @@
+"""`mesh console`: a read-only web page of the fleet, live (docs/operations.md, "What operators
+see: the console").
+
+What the page shows comes from the controller's read verbs (status, nodes, modules, plans, plan),
+asked at start and again whenever the bus says something changed; the store is never polled.
+The bus: hosts' reports (mesh.event.<name>.*) and beats, the seat's announcements, plans'
+progress (mesh.plan.<id>). The server keeps each verb's last answer and sends every new one to
+the open pages as a server-sent event; a burst of events is one refresh. A machine's page reads
+a process's log from its host (`logs`, as `mesh logs` does). Nothing here changes the fleet:
+viewer credentials are enough.
+"""
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import anyio
+import msgspec
+import nats.errors
+from aiohttp import web
+from anyio.abc import TaskStatus
+from anyio.streams.memory import MemoryObjectSendStream
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from mesh import bus, subjects, wire
+from mesh.errors import MeshError
+from mesh.lifetime import stop_on_signals
+from mesh.model import (
+    Beat,
+    LogsReply,
+    LogsRequest,
+    ModulesReply,
+    NodesReply,
+    PlanReply,
+    PlanRequest,
+    PlansReply,
+    PlansRequest,
+    PlanSummary,
+    SeatAnnounce,
+    StatusReply,
+)
+from mesh.names import InvalidName, check_name
+from programs.cli.client import CliError, ask
+
+log = logging.getLogger("mesh.console")
+T = TypeVar("T")
+
+STATIC = Path(__file__).parent / "static"
+LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
+ASK_WITHIN = 5.0  # seconds a verb is tried (the command line's --timeout default)
+PLANS_LISTED = 20
+LOG_TAIL = 64 * 1024  # bytes of a process's log a page shows (what `mesh logs` shows first)
+SILENT_BEATS = 3  # beats missed before the controller is asked again (its --down-after default)
+STANDBY_SILENT = 3.5  # a standby unheard this long is gone (the holder's FORGET_AFTER)
+ASKS_PER_SILENCE = 15  # once a second, then the console waits for the bus to say more
+PAGE_QUEUE = 256  # events a page may lag behind; past that it is dropped and reconnects
+KEEPALIVE = 15.0  # a comment line on an idle stream, so proxies and browsers keep it open
+SECTIONS = ("status", "nodes", "modules", "plans")
+
+
+class ConsoleError(MeshError):
+    """The console cannot start (where it listens, the bus)."""
+
+
+def parse_listen(text: str) -> tuple[str, int]:
+    """`HOST:PORT` (`[V6]:PORT`); port 0 takes any free one. ValueError says what is wrong."""
+    host, sep, port = text.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"{text!r} is not HOST:PORT (a port 0 to 65535)")
+    return host, int(port)
+
+
+def page_url(host: str, port: int) -> str:
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}/"
+
+
+def _frame(event: str, data: Any) -> bytes:
+    """One server-sent event: msgspec's JSON has no newline, so one `data:` line holds it."""
+    return b"event: " + event.encode() + b"\ndata: " + msgspec.json.encode(data) + b"\n\n"
+
+
+class Console:
+    def __init__(self, nc: Client, *, url: str, listen_host: str) -> None:
+        self.nc = nc
+        self.url = url  # the bus, as errors name it
+        self._loopback = listen_host in LOOPBACK
+        self._pages: set[MemoryObjectSendStream[bytes]] = set()
+        self._frames: dict[str, bytes] = {}  # section -> its last answer, as a page gets it
+        self._problems: dict[str, str] = {}  # section -> why its last refresh failed
+        self._dirty: set[str] = set()
+        self._plans_dirty: set[int] = set()
+        self._wake = anyio.Event()
+        self._latest_plan: tuple[int, bytes] | None = None  # a new page's plan to show
+        # What the bus says, to know when an answer is out of date.
+        self._up: dict[str, bool] = {}  # machine -> up, as `nodes` last said
+        self._standbys: set[str] = set()  # as `status` last said
+        self._beats: dict[str, tuple[float, float]] = {}  # machine -> (heard at, interval)
+        self._standby_heard: dict[str, float] = {}
+        self._asked: dict[str, int] = {}  # a silent machine or standby -> asks since
+        self._started = time.monotonic()
+
+    # --- what the bus says -------------------------------------------------------------------
+
+    async def subscribe(self) -> None:
+        await self.nc.subscribe(subjects.EVENTS, cb=self._on_report)
+        await self.nc.subscribe(subjects.HOST_BEATS, cb=self._on_beat)
+        await self.nc.subscribe(subjects.SEAT_EVENTS, cb=self._on_seat)
+        await self.nc.subscribe(subjects.PLANS, cb=self._on_plan)
+        await self.nc.flush()
+
+    async def _on_report(self, msg: Msg) -> None:
+        # applied or processes: the machine's processes, digests or apply error changed
+        self.mark("nodes", "status")
+
+    async def _on_beat(self, msg: Msg) -> None:
+        try:
+            beat = wire.decode(msg.data, Beat)
+        except wire.BadRequest:
+            return  # noise
+        if msg.subject != subjects.host(beat.name, "beat"):
+            return  # a machine speaks only for itself
+        self._beats[beat.name] = (time.monotonic(), beat.interval)
+        self._asked.pop(beat.name, None)
+        self.send("beat", {"name": beat.name, "interval": beat.interval})
+        if "nodes" in self._frames and not self._up.get(beat.name, False):
+            self.mark("nodes", "status")  # back up, or new: the controller says so soon
+
+    async def _on_seat(self, msg: Msg) -> None:
+        if subjects.last(msg.subject) != "standby":
+            self.mark("status", "nodes")  # held, released, handover
+            return
+        try:
+            who = wire.decode(msg.data, SeatAnnounce)
+        except wire.BadRequest:
+            return
+        self._standby_heard[who.instance] = time.monotonic()
+        self._asked.pop(f"standby {who.instance}", None)
+        if "status" in self._frames and who.instance not in self._standbys:
+            self.mark("status")
+
+    async def _on_plan(self, msg: Msg) -> None:
+        try:
+            summary = wire.decode(msg.data, PlanSummary)
+        except wire.BadRequest:
+            return
+        self.send("progress", summary)  # the page's plan list moves at once
+        self._plans_dirty.add(summary.id)
+        # a plan starting or ending changes assignments (modules) and the seat's summary
+        self.mark("plans", "status", *(() if summary.state == "rolling" else ("modules",)))
+
+    async def watch_silence(self) -> None:
+        """Once a second: a machine whose beats stopped, or a standby that went quiet, while
+        the last answer still shows it there: ask again (the controller judges, a little after
+        the console notices), at most ASKS_PER_SILENCE times."""
+        while True:
+            await anyio.sleep(1)
+            now = time.monotonic()
+            for name, (at, interval) in self._beats.items():
+                if self._up.get(name) and now - at > SILENT_BEATS * interval + 0.5:
+                    self._ask_again(name, "nodes", "status")
+            for instance in self._standbys:
+                heard = self._standby_heard.get(instance, self._started)
+                if now - heard > STANDBY_SILENT:
+                    self._ask_again(f"standby {instance}", "status")
+
+    def _ask_again(self, key: str, *sections: str) -> None:
+        asks = self._asked.get(key, 0)
+        if asks < ASKS_PER_SILENCE:
+            self._asked[key] = asks + 1
+            self.mark(*sections)
+
+    # --- asking the controller ---------------------------------------------------------------
+
+    def mark(self, *sections: str) -> None:
+        self._dirty.update(sections)
+        self._wake.set()
+
+    async def refreshing(self) -> None:
+        """Ask what changed, one verb at a time: events that come meanwhile are one more round."""
+        self.mark(*SECTIONS)
+        while True:
+            await self._wake.wait()
+            self._wake = anyio.Event()
+            sections, self._dirty = self._dirty, set()
+            plan_ids, self._plans_dirty = self._plans_dirty, set()
+            for section in SECTIONS:
+                if section in sections:
+                    await self._refresh(section)
+            for plan_id in sorted(plan_ids):
+                await self._refresh_plan(plan_id)
+
+    async def verb(self, name: str, reply: type[T], body: Any = None) -> T:
+        return await ask(
+            self.nc, url=self.url, verb=name, reply=reply, timeout=ASK_WITHIN,
+            body=wire.encode(body) if body is not None else b"{}",
+        )  # fmt: skip
+
+    async def _refresh(self, section: str) -> None:
+        try:
+            if section == "status":
+                status = await self.verb("status", StatusReply)
+                self._standbys = {s.instance for s in status.standbys}
+                answer: Any = status
+            elif section == "nodes":
+                nodes = await self.verb("nodes", NodesReply)
+                self._up = {n.name: n.up for n in nodes.nodes}
+                answer = nodes
+            elif section == "modules":
+                answer = await self.verb("modules", ModulesReply)
+            else:
+                plans = await self.verb("plans", PlansReply, PlansRequest(limit=PLANS_LISTED))
+                if plans.plans and self._latest_plan is None:
+                    self._plans_dirty.add(plans.plans[0].id)  # the first page shows it
+                    self._wake.set()
+                answer = plans
+        except (CliError, nats.errors.Error) as e:  # the bus going: said on the page, asked again
+            self._problem(section, str(e) or type(e).__name__)
+            return
+        self._frames[section] = _frame(section, answer)
+        self._broadcast(self._frames[section])
+        self._problem(section, None)
+
+    async def _refresh_plan(self, plan_id: int) -> None:
+        try:
+            plan = await self.verb("plan", PlanReply, PlanRequest(id=plan_id))
+        except (CliError, nats.errors.Error) as e:
+            self._problem("plan", str(e) or type(e).__name__)
+            return
+        frame = _frame("plan", plan)
+        if self._latest_plan is None or plan_id >= self._latest_plan[0]:
+            self._latest_plan = (plan_id, frame)
+        self._broadcast(frame)
+        self._problem("plan", None)
+
+    def _problem(self, section: str, message: str | None) -> None:
+        if message is None:
+            if self._problems.pop(section, None) is not None:
+                log.info("%s: answered again", section)
+                self.send("problem", {"section": section, "message": None})
+            return
+        if self._problems.get(section) != message:  # once, not at every event while it lasts
+            log.info("%s: could not read it: %s", section, message)
+        self._problems[section] = message
+        self.send("problem", {"section": section, "message": message})
+
+    # --- the pages ---------------------------------------------------------------------------
+
+    def send(self, event: str, data: Any) -> None:
+        self._broadcast(_frame(event, data))
+
+    def _broadcast(self, frame: bytes) -> None:
+        for page in list(self._pages):
+            try:
+                page.send_nowait(frame)
+            except anyio.WouldBlock:  # a page that does not keep up starts again (it reconnects)
+                page.close()
+                self._pages.discard(page)
+            except anyio.BrokenResourceError:
+                self._pages.discard(page)
+
+    def close_pages(self) -> None:
+        for page in self._pages:
+            page.close()
+        self._pages.clear()
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._guard], client_max_size=4096)
+        app.router.add_get("/", self._index)
+        app.router.add_get("/events", self._events)
+        app.router.add_get("/api/plan/{id}", self._plan)
+        app.router.add_get("/api/logs/{machine}/{process}", self._logs)
+        app.router.add_static("/static/", STATIC, follow_symlinks=False)
+        return app
+
+    @web.middleware
+    async def _guard(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        # On loopback, only pages this machine's browser opened by that name: another site's
+        # page whose name resolves to 127.0.0.1 (DNS rebinding) is refused.
+        if self._loopback and request.url.host not in LOOPBACK:
+            return web.Response(status=403, text=f"unexpected Host: {request.host[:100]}\n")
+        if request.method not in ("GET", "HEAD"):
+            return web.Response(status=405, text="the console only reads\n")
+        response = await handler(request)
+        if response.prepared:  # the event stream: its headers are gone already (set there)
+            return response
+        # Nothing but the page's own files runs, whatever a machine's name or a log says.
+        response.headers["Content-Security-Policy"] = (
+            "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self'; "
+            "object-src 'none'; base-uri 'none'; frame-ancestors 'none'; form-action 'none'"
+        )
+        response.headers["X-Content-Type-Options"] = "nosniff"
+        response.headers["Referrer-Policy"] = "no-referrer"
+        return response
+
+    async def _index(self, request: web.Request) -> web.StreamResponse:
+        return web.FileResponse(STATIC / "index.html")
+
+    async def _events(self, request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                     "X-Content-Type-Options": "nosniff"}
+        )  # fmt: skip
+        await response.prepare(request)
+        send, receive = anyio.create_memory_object_stream[bytes](PAGE_QUEUE)
+        self._pages.add(send)  # first: what changes while the state below goes out follows it
+        log.info("a page opened (%d open)", len(self._pages))
+        try:
+            frames = [self._frames[s] for s in SECTIONS if s in self._frames]
+            if self._latest_plan is not None:
+                frames.append(self._latest_plan[1])
+            frames += [_frame("problem", {"section": s, "message": m})
+                       for s, m in self._problems.items()]  # fmt: skip
+            await response.write(b"".join(frames) + b"event: ready\ndata: {}\n\n")
+            async with receive:
+                while True:
+                    frame = b": keepalive\n\n"
+                    with anyio.move_on_after(KEEPALIVE):
+                        frame = await receive.receive()
+                    await response.write(frame)
+        except (anyio.EndOfStream, ConnectionResetError, anyio.ClosedResourceError):
+            pass  # the page went, or the console stops
+        finally:
+            self._pages.discard(send)
+            send.close()
+            log.info("a page closed (%d open)", len(self._pages))
+        return response
+
+    async def _plan(self, request: web.Request) -> web.StreamResponse:
+        text = request.match_info["id"]
+        if not text.isdigit() or not 1 <= int(text) < 2**63:
+            return _error(400, f"plan id: {text[:40]!r} is not a plan number")
+        try:
+            plan = await self.verb("plan", PlanReply, PlanRequest(id=int(text)))
+        except CliError as e:
+            return _error(404 if "does not exist" in str(e) else 502, str(e))
+        return _json(plan)
+
+    async def _logs(self, request: web.Request) -> web.StreamResponse:
+        machine, process = request.match_info["machine"], request.match_info["process"]
+        try:
+            check_name(machine, field="machine")
+            check_name(process, field="process")
+        except InvalidName as e:
+            return _error(400, str(e))
+        subject = subjects.host(machine, "logs")
+        body = wire.encode(LogsRequest(process=process, max=LOG_TAIL))
+        try:
+            data = await bus.request(self.nc, subject, body, deadline=time.monotonic() + ASK_WITHIN)
+            return _json(wire.decode_reply(data, LogsReply))
+        except bus.NoAnswer:
+            return _error(504, f"host {machine} did not answer on {subject}; is it up?")
+        except wire.RemoteError as e:
+            return _error(404 if e.code == "not_found" else 502, f"logs: {e}")
+
+
+def _json(data: Any) -> web.Response:
+    return web.Response(body=msgspec.json.encode(data), content_type="application/json")
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.Response(
+        status=status, body=msgspec.json.encode({"error": message}),
+        content_type="application/json",
+    )  # fmt: skip
+
+
+async def run(
+    *, url: str, creds: str | None, listen: tuple[str, int],
+    task_status: TaskStatus[str] = anyio.TASK_STATUS_IGNORED,
+) -> None:  # fmt: skip
+    """Serve the console until SIGTERM/SIGINT (or cancelled); `task_status` gets its URL."""
+    host, port = listen
+    refused: list[str] = []
+    shown: list[Console] = []
+
+    def denied(what: str) -> None:  # a subscription or request these credentials may not make
+        refused.append(what)
+        log.warning("NATS refused to let %s %s", creds or "(no credentials)", what)
+        for console in shown:
+            console.send("problem", {"section": "bus", "message": f"NATS refused to {what}"})
+
+    try:
+        nc = await bus.connect(
+            url, name="mesh console", creds=creds, reconnect=True, link=(link := bus.Link()),
+            denied=denied,
+        )  # fmt: skip
+    except (bus.Unreachable, bus.Unauthorized) as e:
+        raise ConsoleError(str(e)) from None
+    console = Console(nc, url=url, listen_host=host)
+    shown.append(console)
+
+    def back() -> None:  # events were missed while the bus was gone: ask everything again
+        console.mark(*SECTIONS)
+
+    link.on_up = back
+    runner = web.AppRunner(console.app(), access_log=None, shutdown_timeout=1.0)
+    try:
+        await console.subscribe()
+        if refused:
+            raise ConsoleError(
+                f"NATS refused to let the credentials {creds or '(none)'} {refused[0]}: "
+                "the console needs a viewer's (or an admin's)"
+            )
+        await runner.setup()
+        site = web.TCPSite(runner, host, port)
+        try:
+            await site.start()
+        except OSError as e:
+            raise ConsoleError(
+                f"--listen: cannot listen on {host}:{port}: {e.strerror or e}"
+            ) from None
+        bound = site._server.sockets[0].getsockname()[1] if site._server else port  # type: ignore[union-attr]
+        where = page_url(host, bound)
+        log.info("console on %s (read-only; the fleet on %s)", where, url)
+        task_status.started(where)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(stop_on_signals, tg.cancel_scope)
+            tg.start_soon(console.refreshing)
+            tg.start_soon(console.watch_silence)
+    finally:
+        with anyio.CancelScope(shield=True):
+            console.close_pages()
+            await runner.cleanup()
+            await bus.close(nc, drain=False)

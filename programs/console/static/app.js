@@ -1,0 +1,340 @@
+"use strict";
+// The console's page. Its state arrives on /events (server-sent events: each verb's last answer,
+// beats, plans' progress) and is drawn with DOM nodes and text nodes only: names, errors and logs
+// come from machines, and nothing they say is ever read as HTML.
+
+const state = {
+  status: null, nodes: null, modules: null, plans: null,
+  plans_by_id: new Map(), // id -> the `plan` verb's answer
+  problems: new Map(), // section -> message
+  beats: new Map(), // machine -> when its last beat arrived (ms)
+  live: false,
+};
+const log_view = { machine: null, process: null };
+
+// --- building nodes -------------------------------------------------------------------------
+
+function el(tag, attrs, ...children) {
+  const node = document.createElement(tag);
+  for (const [key, value] of Object.entries(attrs || {})) {
+    if (value === null || value === undefined || value === false) continue;
+    if (key === "onclick") node.addEventListener("click", value);
+    else node.setAttribute(key, String(value));
+  }
+  for (const child of children.flat(Infinity)) {
+    if (child === null || child === undefined || child === false) continue;
+    node.append(child instanceof Node ? child : document.createTextNode(String(child)));
+  }
+  return node;
+}
+
+function link(route, ...children) {
+  return el("a", { href: "#/" + route.map(encodeURIComponent).join("/") }, ...children);
+}
+
+function word(text, cls) {
+  return el("span", { class: cls || String(text) }, text);
+}
+
+function table(id, headers, rows) {
+  return el("table", { id },
+    el("thead", {}, el("tr", {}, headers.map((h) => el("th", {}, h)))),
+    el("tbody", {}, rows));
+}
+
+function short(digest) {
+  if (!digest) return "–";
+  return digest.startsWith("sha256:") ? digest.slice(7, 19) : digest;
+}
+
+function when(iso) {
+  if (!iso) return "–";
+  const d = new Date(iso);
+  return isNaN(d) ? iso : d.toLocaleString();
+}
+
+function ago(ms) {
+  const s = Math.max(0, Math.round((Date.now() - ms) / 1000));
+  return s < 1 ? "just now" : `${s}s ago`;
+}
+
+function card(id, title, ...body) {
+  return el("section", { class: "card", id }, el("h2", {}, title), ...body);
+}
+
+// --- the views ------------------------------------------------------------------------------
+
+function seat_card() {
+  const s = state.status;
+  if (!s) return card("seat", "Seat", el("p", { class: "quiet" }, "asking the controller…"));
+  const rows = [];
+  const add = (name, ...value) => rows.push(el("dt", {}, name), el("dd", { "data-field": name }, ...value));
+  if (s.seat) {
+    add("holder", el("strong", { id: "holder" }, s.seat.holder), ` pid ${s.seat.pid} on ${s.seat.host}`);
+    add("epoch", el("span", { id: "epoch" }, s.seat.epoch));
+    add("since", when(s.seat.since));
+    add("version", el("code", {}, short(s.seat.version) || "?"));
+    for (const w of s.seat.warnings || []) add("warning", word(w, "error"));
+  } else {
+    add("holder", word("nobody holds the seat", "error"));
+  }
+  add("standbys", s.standbys.length
+    ? s.standbys.map((b, i) => [i ? ", " : "", el("strong", {}, b.instance), ` pid ${b.pid} on ${b.host}`])
+    : word("none", "error"));
+  const h = s.handover;
+  add("last handover", h
+    ? `${when(h.at)}: ${h.from || "(nobody)"} → ${h.to} ` +
+      (h.planned ? `(planned, ${h.gap_ms === null ? "?" : h.gap_ms.toFixed(1)} ms without a holder)` : "(taken over)")
+    : "none since this holder started");
+  add("machines", `${s.nodes.up} up, ${s.nodes.down} down, ${s.nodes.total} in all`);
+  add("plan in progress", s.plan ? link(["plan", s.plan.id], `plan ${s.plan.id}`, ` ${s.plan.trigger} ${s.plan.subject}`) : "none");
+  return card("seat", "Seat", el("dl", {}, rows));
+}
+
+function processes_of(node) {
+  if (!node.processes.length) return word("none", "quiet");
+  return node.processes.map((p) =>
+    el("span", { class: "process", "data-process": p.name },
+      el("strong", {}, p.name + (p.trial ? " (new version)" : "")), " ",
+      word(p.state), " ", word(p.healthy ? "healthy" : "unhealthy"),
+      p.pid ? el("span", { class: "quiet" }, ` pid ${p.pid}`) : null));
+}
+
+function declaration_of(node) {
+  if (!node.digest_wanted) return word("none", "quiet");
+  if (node.digest_wanted === node.digest_applied) return [el("code", {}, short(node.digest_applied)), " applied"];
+  return [el("code", {}, short(node.digest_applied)), " → ", el("code", {}, short(node.digest_wanted)), " ", word("applying", "applying")];
+}
+
+function beat_text(name) {
+  const at = state.beats.get(name);
+  return at === undefined ? "–" : ago(at);
+}
+
+function machines_card() {
+  if (!state.nodes) return card("machines-card", "Machines", el("p", { class: "quiet" }, "asking the controller…"));
+  const rows = state.nodes.nodes.map((n) =>
+    el("tr", { "data-machine": n.name },
+      el("td", { class: "name" }, link(["machine", n.name], n.name)),
+      el("td", { class: "tier" }, n.tier),
+      el("td", { class: "state" }, word(n.up ? "up" : "down")),
+      el("td", { class: "beat", "data-beat": n.name }, beat_text(n.name)),
+      el("td", { class: "processes" }, processes_of(n)),
+      el("td", { class: "declaration" }, declaration_of(n)),
+      el("td", { class: "apply-error" }, n.apply_error ? word(n.apply_error, "error") : ""),
+      el("td", { class: "version" }, el("code", {}, n.version === null ? "?" : short(n.version)))));
+  return card("machines-card", "Machines",
+    table("machines", ["machine", "tier", "", "last beat", "processes", "declaration", "apply error", "mesh version"], rows));
+}
+
+function modules_card() {
+  if (!state.modules) return card("modules-card", "Modules", el("p", { class: "quiet" }, "asking the controller…"));
+  if (!state.modules.modules.length) return card("modules-card", "Modules", el("p", { class: "quiet" }, "no module pushed yet"));
+  const rows = state.modules.modules.map((m) =>
+    el("tr", { "data-module": m.name },
+      el("td", {}, el("strong", {}, m.name)),
+      el("td", {}, el("code", {}, m.version)),
+      el("td", {}, when(m.pushed_at), el("span", { class: "quiet" }, m.pushed_by ? ` by ${m.pushed_by}` : "")),
+      el("td", { class: "assigned" }, m.assigned.length ? m.assigned.map((a, i) => [i ? ", " : "", link(["machine", a], a)]) : word("nowhere", "quiet")),
+      el("td", {}, m.processes.join(", ")),
+      el("td", {}, m.containers.join(", "))));
+  return card("modules-card", "Modules",
+    table("modules", ["module", "version", "pushed", "assigned to", "processes", "containers"], rows));
+}
+
+function plans_card() {
+  if (!state.plans) return card("plans-card", "Plans", el("p", { class: "quiet" }, "asking the controller…"));
+  if (!state.plans.plans.length) return card("plans-card", "Plans", el("p", { class: "quiet" }, "no plan yet"));
+  const rows = state.plans.plans.map((p) =>
+    el("tr", { "data-plan": p.id },
+      el("td", {}, link(["plan", p.id], `plan ${p.id}`)),
+      el("td", { class: "state" }, word(p.state), p.phase === "revert" ? " (reverting)" : ""),
+      el("td", {}, `${p.trigger} ${p.subject}`),
+      el("td", {}, p.by),
+      el("td", {}, `${p.done}/${p.machines}`),
+      el("td", {}, p.tier === null || p.tier === undefined ? "–" : `tier ${p.tier}`),
+      el("td", {}, when(p.created)),
+      el("td", {}, p.failure ? word(p.failure, "error") : "")));
+  return card("plans-card", "Plans",
+    table("plans", ["plan", "state", "change", "by", "done", "rolling", "created", "failure"], rows));
+}
+
+function plan_card(id) {
+  const p = state.plans_by_id.get(id);
+  if (!p) return card("plan", `Plan ${id}`, el("p", { class: "quiet" }, "asking the controller…"));
+  const tiers = p.tiers.map((t) =>
+    el("tr", { "data-tier": t.tier },
+      el("td", {}, `tier ${t.tier}`),
+      el("td", { class: "state" }, word(t.state)),
+      el("td", { class: "done" }, `${t.done}/${t.total}`)));
+  const steps = p.steps.map((s) =>
+    el("tr", { "data-machine": s.machine, "data-tier": s.tier },
+      el("td", {}, link(["machine", s.machine], s.machine)),
+      el("td", {}, s.tier),
+      el("td", { class: "state" }, word(s.state), s.reverted ? " (reverted)" : ""),
+      el("td", {}, el("code", {}, short(s.before)), " → ", el("code", {}, short(s.after))),
+      el("td", {}, when(s.started)),
+      el("td", {}, when(s.finished)),
+      el("td", { class: "error" }, s.error || "")));
+  return card("plan", `Plan ${p.id}`,
+    el("p", { id: "plan-summary" },
+      el("strong", {}, `${p.trigger} ${p.subject}`), ` by ${p.by || "?"}: `, word(p.state),
+      p.phase === "revert" ? " (reverting)" : "",
+      p.failure ? [" — ", word(p.failure, "error")] : ""),
+    el("h3", {}, "Tiers"),
+    p.tiers.length ? table("plan-tiers", ["tier", "state", "done"], tiers) : el("p", { class: "quiet" }, "no steps yet"),
+    el("h3", {}, "Steps"),
+    p.steps.length ? table("plan-steps", ["machine", "tier", "state", "declaration", "started", "finished", "error"], steps) : "");
+}
+
+function shown_plan() {
+  // the plan in progress, else the newest one
+  if (state.status && state.status.plan) return state.status.plan.id;
+  if (state.plans && state.plans.plans.length) return state.plans.plans[0].id;
+  return null;
+}
+
+function overview() {
+  const id = shown_plan();
+  if (id !== null) fetch_plan(id);
+  return [seat_card(), machines_card(), id === null ? null : plan_card(id), plans_card(), modules_card()];
+}
+
+function machine_view(name) {
+  const back = el("p", {}, link([], "← the fleet"));
+  const node = state.nodes && state.nodes.nodes.find((n) => n.name === name);
+  if (!node) return [back, card("machine", name, el("p", { class: "quiet" }, state.nodes ? "no such machine" : "asking the controller…"))];
+  const f = node.facts;
+  const rows = [];
+  const add = (label, ...value) => rows.push(el("dt", {}, label), el("dd", { "data-field": label }, ...value));
+  add("state", word(node.up ? "up" : "down"), " (last seen ", when(node.last_seen), ")");
+  add("last beat", el("span", { "data-beat": node.name }, beat_text(node.name)));
+  add("tier", node.tier);
+  add("labels", Object.entries(node.labels).map(([k, v]) => `${k}=${v}`).join(", ") || "none");
+  add("declaration", declaration_of(node));
+  if (node.apply_error) add("apply error", word(node.apply_error, "error"));
+  add("mesh version", el("code", {}, node.version === null ? "?" : short(node.version)));
+  if (f) {
+    add("machine", `${f.os} ${f.arch}, ${f.cpus} cpus, ${(f.memory / 2 ** 30).toFixed(1)} GiB, ${f.hostname}`);
+    add("python", f.python || "?");
+    add("container engine", f.container_engine || "none");
+  }
+  const procs = node.processes.map((p) =>
+    el("tr", { "data-process": p.name },
+      el("td", {}, el("strong", {}, p.name + (p.trial ? " (new version)" : ""))),
+      el("td", { class: "state" }, word(p.state)),
+      el("td", { class: "health" }, word(p.healthy ? "healthy" : "unhealthy")),
+      el("td", {}, p.pid || "–"),
+      el("td", {}, el("button", { type: "button", "data-log": p.name, onclick: () => open_log(name, p.name) }, "log"))));
+  return [back, card("machine", `Machine ${node.name}`, el("dl", {}, rows)),
+    card("machine-processes", "Processes",
+      procs.length ? table("processes", ["process", "state", "health", "pid", ""], procs) : el("p", { class: "quiet" }, "none"))];
+}
+
+function plan_view(id) {
+  fetch_plan(id);
+  return [el("p", {}, link([], "← the fleet")), plan_card(id)];
+}
+
+// --- drawing ------------------------------------------------------------------------------
+
+function route() {
+  const parts = location.hash.replace(/^#\/?/, "").split("/").filter(Boolean).map(decodeURIComponent);
+  return parts;
+}
+
+function render() {
+  const [kind, arg] = route();
+  let content;
+  if (kind === "machine" && arg) content = machine_view(arg);
+  else if (kind === "plan" && /^\d+$/.test(arg || "")) content = plan_view(Number(arg));
+  else content = overview();
+  document.getElementById("view").replaceChildren(...content.flat().filter(Boolean));
+  const logs = document.getElementById("log");
+  logs.hidden = !(kind === "machine" && log_view.machine === arg && log_view.process);
+  const problems = [...state.problems].map(([section, message]) => el("li", { "data-section": section }, `${section}: ${message}`));
+  document.getElementById("problems").replaceChildren(...problems);
+  const conn = document.getElementById("connection");
+  conn.dataset.live = String(state.live);
+  conn.textContent = state.live ? "live" : "reconnecting…";
+}
+
+function render_beats() {
+  for (const cell of document.querySelectorAll("[data-beat]")) cell.textContent = beat_text(cell.dataset.beat);
+}
+
+// --- what the server says ---------------------------------------------------------------------
+
+async function fetch_json(path) {
+  const response = await fetch(path, { headers: { Accept: "application/json" } });
+  const body = await response.json();
+  if (!response.ok) throw new Error(body.error || `${response.status}`);
+  return body;
+}
+
+const asked_plans = new Set(); // asked once; then its `plan` events keep it current
+
+async function fetch_plan(id) {
+  if (state.plans_by_id.has(id) || asked_plans.has(id)) return;
+  asked_plans.add(id);
+  try {
+    state.plans_by_id.set(id, await fetch_json(`/api/plan/${id}`));
+    state.problems.delete("plan");
+  } catch (e) {
+    asked_plans.delete(id); // asked again at the next event
+    state.problems.set("plan", e.message);
+  }
+  render();
+}
+
+async function open_log(machine, process) {
+  log_view.machine = machine;
+  log_view.process = process;
+  document.getElementById("log-title").textContent = `Log of ${process} on ${machine}`;
+  document.getElementById("log-note").textContent = "reading…";
+  render();
+  try {
+    const reply = await fetch_json(`/api/logs/${encodeURIComponent(machine)}/${encodeURIComponent(process)}`);
+    document.getElementById("log-text").textContent = reply.data || "(no output yet)";
+    document.getElementById("log-note").textContent = `its last ${reply.data.length} characters, read ${new Date().toLocaleTimeString()}`;
+  } catch (e) {
+    document.getElementById("log-text").textContent = "";
+    document.getElementById("log-note").textContent = e.message;
+  }
+}
+
+function listen() {
+  const events = new EventSource("/events");
+  const on = (name, handle) => events.addEventListener(name, (e) => { handle(JSON.parse(e.data)); render(); });
+  on("status", (s) => { state.status = s; });
+  on("nodes", (n) => { state.nodes = n; });
+  on("modules", (m) => { state.modules = m; });
+  on("plans", (p) => { state.plans = p; });
+  on("plan", (p) => { state.plans_by_id.set(p.id, p); });
+  on("progress", (summary) => {
+    // the plans list moves at once; the plan's tiers and steps follow in its `plan` event
+    if (!state.plans) return;
+    const others = state.plans.plans.filter((p) => p.id !== summary.id);
+    state.plans = { plans: [summary, ...others].sort((a, b) => b.id - a.id) };
+  });
+  on("problem", ({ section, message }) => {
+    if (message === null) state.problems.delete(section);
+    else state.problems.set(section, message);
+  });
+  on("ready", () => { state.live = true; });
+  events.addEventListener("beat", (e) => {
+    state.beats.set(JSON.parse(e.data).name, Date.now());
+    render_beats();
+  });
+  events.onerror = () => { state.live = false; render(); }; // EventSource connects again by itself
+}
+
+window.addEventListener("hashchange", render);
+document.addEventListener("DOMContentLoaded", () => {
+  document.getElementById("log-refresh").addEventListener("click", () => {
+    if (log_view.machine && log_view.process) open_log(log_view.machine, log_view.process);
+  });
+  listen();
+  render();
+  setInterval(render_beats, 1000);
+});

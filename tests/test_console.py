@@ -1,0 +1,250 @@
+"""`mesh console`: in a real browser (Debian's chromium, headless, driven by Playwright) against a
+whole `mesh dev up`, whose console runs with the viewer's credentials. What a person sees: the
+three machines; a plan rolling out tier 0, then 1, then 2 while the page stays open (never
+reloaded); a machine's processes and its log; a machine going down. A screenshot of each state
+is kept in the test's folder (the paths are printed). Around it, what needs no browser: the
+listen address, the Host check, the headers, a bad name in a log's URL, and what a viewer may
+hear on the bus."""
+
+import os
+import re
+import signal
+from pathlib import Path
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from helpers import DevUp, mesh_cli, ok
+
+from mesh import subjects
+from mesh.auth.policy import OPERATOR_WATCH, User, permissions
+from programs.console import server
+from programs.console.server import Console, parse_listen
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+    "--disable-component-update", "--disable-sync", "--no-first-run",
+]  # fmt: skip
+TRAP = '<img src=x onerror="window.owned=1">'
+SEEN_WITHIN = 60_000  # ms a page has to show a state (Playwright polls the page until then)
+
+# A module whose process is healthy once a marker file exists in its host's root, so the test
+# decides when each tier's step is done and sees the page between tiers, without sleeping.
+CHECK = """\
+import os, sys
+root = os.path.join(os.environ["MESH_FILES"], "..", "..", "..")
+sys.exit(0 if os.path.exists(os.path.join(root, sys.argv[1])) else 1)
+"""
+MODULE = """\
+[module]
+name = "gated"
+description = "healthy where its marker is"
+[bundle.code]
+kind = "files"
+source = "src"
+[process.gated]
+bundle = "code"
+command = ["sh", "-c", "echo gated says hello; exec sleep 3600"]
+root = true
+check = { exec = ["python3", "check.py", "go-gated"], every = "200ms", passes = 1 }
+[rollout]
+deadline = "300s"
+"""
+
+
+# --- without a browser -------------------------------------------------------------------------
+
+
+def test_listen_addresses() -> None:
+    assert parse_listen("127.0.0.1:8080") == ("127.0.0.1", 8080)
+    assert parse_listen("[::1]:0") == ("::1", 0)
+    for bad in ("8080", "localhost", ":80", "127.0.0.1:http", "127.0.0.1:70000"):
+        with pytest.raises(ValueError, match="is not HOST:PORT"):
+            parse_listen(bad)
+
+
+def test_a_bad_listen_address_is_one_line(tmp_path: Path) -> None:
+    done = mesh_cli("console", "--listen", "localhost", nats_url="nats://127.0.0.1:1")
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert done.stderr.strip() == (
+        "mesh: error: --listen: 'localhost' is not HOST:PORT (a port 0 to 65535)"
+    )
+
+
+def test_operators_hear_the_fleet_but_not_its_verbs() -> None:
+    viewer = permissions(User(name="viewer", kind="operator", public="U", role="viewer"))
+    admin = permissions(User(name="admin", kind="operator", public="U", role="admin"))
+    for who in (viewer, admin):
+        assert set(OPERATOR_WATCH) <= set(who.subscribe)
+        # never a verb's request or another identity's replies
+        assert not [s for s in who.subscribe if s.startswith(("mesh.ctl", "_INBOX.>", "mesh.>"))]
+        assert "mesh.host.*.logs" not in who.subscribe
+    controller = permissions(User(name="controller", kind="controller", public="U"))
+    assert subjects.plan("*") in controller.publish  # the planner tells plans' progress
+    host = permissions(User(name="node-1", kind="host", public="U"))
+    assert subjects.plan("*") not in host.publish
+
+
+@pytest.fixture
+async def page_server():
+    """The console's web side on a loopback port, with no bus behind it."""
+    console = Console(None, url="nats://nowhere", listen_host="127.0.0.1")  # type: ignore[arg-type]
+    client = TestClient(TestServer(console.app(), host="127.0.0.1"))
+    await client.start_server()
+    yield client
+    await client.close()
+
+
+async def test_the_page_is_served_with_headers_that_keep_it_its_own(page_server) -> None:
+    index = await page_server.get("/")
+    assert index.status == 200 and "/static/app.js" in await index.text()
+    csp = index.headers["Content-Security-Policy"]
+    assert "script-src 'self'" in csp and "frame-ancestors 'none'" in csp
+    assert index.headers["X-Content-Type-Options"] == "nosniff"
+    script = await page_server.get("/static/app.js")
+    assert script.status == 200 and "textContent" in await script.text()
+    assert "innerHTML" not in (server.STATIC / "app.js").read_text()  # text nodes only
+
+
+async def test_another_host_name_and_writes_are_refused(page_server) -> None:
+    # A page of another site whose name resolves to 127.0.0.1 (DNS rebinding) reads nothing.
+    rebound = await page_server.get("/", headers={"Host": "evil.example:8080"})
+    assert rebound.status == 403 and "unexpected Host" in await rebound.text()
+    assert (await page_server.get("/", headers={"Host": "localhost:8080"})).status == 200
+    assert (await page_server.post("/events")).status == 405
+
+
+async def test_a_bad_name_in_a_logs_url_is_refused_naming_it(page_server) -> None:
+    reply = await page_server.get("/api/logs/node.1/gated")
+    assert reply.status == 400
+    assert "machine" in (await reply.json())["error"]
+    reply = await page_server.get("/api/plan/x1")
+    assert reply.status == 400 and "plan id" in (await reply.json())["error"]
+
+
+# --- in a browser ------------------------------------------------------------------------------
+
+
+def _browser_or_skip():
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        pytest.skip("Playwright for Python is not installed (pip install -e '.[test]')")
+    if not os.access(CHROMIUM, os.X_OK):
+        pytest.skip(f"no chromium at {CHROMIUM} (apt-get install chromium)")
+    return sync_playwright
+
+
+def _module(folder: Path) -> Path:
+    (folder / "src").mkdir(parents=True)
+    (folder / "src" / "check.py").write_text(CHECK)
+    (folder / "module.toml").write_text(MODULE)
+    return folder
+
+
+@pytest.mark.slow
+def test_the_console_in_a_browser(tmp_path: Path) -> None:
+    sync_playwright = _browser_or_skip()
+    from playwright.sync_api import expect
+
+    folder = tmp_path / "dev"
+    shots: list[Path] = []
+    dev = DevUp(folder)
+    try:
+        console_url = dev.match(r"console (http://127\.0\.0\.1:\d+/) ", within=180).group(1)
+        nats_url = dev.ready(within=60)
+        admin = str(folder / "creds" / "admin.creds")
+        started = re.compile(r"host node-3 started \(pid (\d+)")
+        node_3 = int(next(m for line in dev.seen if (m := started.match(line))).group(1))
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+            try:
+                page = browser.new_page(viewport={"width": 1400, "height": 1000})
+                errors: list[str] = []
+                page.on("pageerror", lambda e: errors.append(str(e)))
+
+                def shot(name: str) -> None:
+                    path = tmp_path / f"{len(shots) + 1}-{name}.png"
+                    page.screenshot(path=str(path), full_page=True)
+                    shots.append(path)
+
+                def row(machine: str):
+                    return page.locator(f'#machines tr[data-machine="{machine}"]')
+
+                # 1. The fleet: three machines up, the seat held with a standby.
+                page.goto(console_url)
+                for i, name in enumerate(("node-1", "node-2", "node-3")):
+                    expect(row(name).locator(".state")).to_have_text("up", timeout=SEEN_WITHIN)
+                    expect(row(name).locator(".tier")).to_have_text(str(i))
+                expect(page.locator("#holder")).to_have_text(re.compile(r"^ctl-[12]$"))
+                expect(page.locator("#connection")).to_have_text("live")
+                expect(row("node-1").locator(".beat")).to_have_text(
+                    re.compile(r"just now|\ds ago"), timeout=SEEN_WITHIN
+                )
+                shot("three-machines")
+                page.evaluate("window.notReloaded = true")  # gone if the page ever reloads
+                # A label's value is an operator's or a machine's words: the page shows them as
+                # text and never runs them (seen once the plan below has the nodes asked again).
+                ok(mesh_cli("label", "node-1", f"note={TRAP}", nats_url=nats_url, creds=admin))
+
+                # 2. A plan, pushed and assigned while the page is open, tier by tier.
+                ok(mesh_cli("push", str(_module(tmp_path / "gated")), nats_url=nats_url,
+                            creds=admin))  # fmt: skip
+                ok(mesh_cli("assign", "gated", "node-1", "node-2", "node-3",
+                            nats_url=nats_url, creds=admin))  # fmt: skip
+
+                def tier(t: int):
+                    return page.locator(f'#plan-tiers tr[data-tier="{t}"] .state')
+
+                expect(tier(0)).to_have_text("rolling", timeout=SEEN_WITHIN)
+                expect(tier(1)).to_have_text("pending")
+                expect(tier(2)).to_have_text("pending")
+                shot("plan-tier-0-rolling")
+                for t in (0, 1, 2):
+                    (folder / "hosts" / f"node-{t + 1}" / "go-gated").touch()
+                    expect(tier(t)).to_have_text("done", timeout=SEEN_WITHIN)
+                    step = page.locator(f'#plan-steps tr[data-machine="node-{t + 1}"] .state')
+                    expect(step).to_have_text("done")
+                    for later in range(t + 1, 3):  # not yet: its machine is not healthy
+                        expect(tier(later)).not_to_have_text("done")
+                    shot(f"plan-tier-{t}-done")
+                expect(page.locator("#plan-summary")).to_contain_text("assign gated")
+                expect(page.locator("#plan-summary .done")).to_have_text("done")
+                expect(page.locator('#modules tr[data-module="gated"] .assigned')).to_have_text(
+                    "node-1, node-2, node-3", timeout=SEEN_WITHIN
+                )
+                expect(row("node-3").locator(".processes")).to_contain_text(
+                    "gated running healthy", timeout=SEEN_WITHIN
+                )
+                assert page.evaluate("window.notReloaded") is True  # all of it live
+
+                # 3. A machine's page: its processes and the tail of one's log.
+                row("node-1").locator(".name a").click()
+                expect(page.locator('#processes tr[data-process="gated"] .health')).to_have_text(
+                    "healthy", timeout=SEEN_WITHIN
+                )
+                page.locator('button[data-log="gated"]').click()
+                expect(page.locator("#log-text")).to_contain_text(
+                    "gated says hello", timeout=SEEN_WITHIN
+                )
+                expect(page.locator('[data-field="labels"]')).to_contain_text(f"note={TRAP}")
+                assert page.evaluate("window.owned") is None
+                shot("machine-node-1")
+                page.locator("a", has_text="← the fleet").click()
+
+                # 4. A machine going down: its host killed, the page says so.
+                os.kill(node_3, signal.SIGKILL)
+                expect(row("node-3").locator(".state")).to_have_text("down", timeout=SEEN_WITHIN)
+                expect(row("node-1").locator(".state")).to_have_text("up")
+                expect(page.locator('#seat [data-field="machines"]')).to_have_text(
+                    "2 up, 1 down, 3 in all"
+                )
+                shot("node-3-down")
+                assert page.evaluate("window.notReloaded") is True
+                assert errors == [], errors
+            finally:
+                browser.close()
+    finally:
+        for path in shots:
+            print(f"screenshot: {path}")
+        dev.kill()
