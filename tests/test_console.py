@@ -160,6 +160,7 @@ def test_the_console_in_a_browser(tmp_path: Path) -> None:
             browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
             try:
                 page = browser.new_page(viewport={"width": 1400, "height": 1000})
+                expect.set_options(timeout=SEEN_WITHIN)  # a loaded machine is slow to show
                 errors: list[str] = []
                 page.on("pageerror", lambda e: errors.append(str(e)))
 

@@ -58,7 +58,9 @@ STANDBY_SILENT = 3.5  # a standby unheard this long is gone (the holder's FORGET
 ASKS_PER_SILENCE = 15  # once a second, then the console waits for the bus to say more
 PAGE_QUEUE = 256  # events a page may lag behind; past that it is dropped and reconnects
 KEEPALIVE = 15.0  # a comment line on an idle stream, so proxies and browsers keep it open
-SECTIONS = ("status", "nodes", "modules", "plans")
+# Asked in this order in a round: `status` after `nodes`, so its counts are never older than the
+# machines shown above them.
+SECTIONS = ("nodes", "status", "plans", "modules")
 
 
 class ConsoleError(MeshError):
@@ -127,7 +129,9 @@ class Console:
         self._asked.pop(beat.name, None)
         self.send("beat", {"name": beat.name, "interval": beat.interval})
         if "nodes" in self._frames and not self._up.get(beat.name, False):
-            self.mark("nodes", "status")  # back up, or new: the controller says so soon
+            # back up, or new: the controller says so soon (a machine it does not list, such
+            # as one removed whose agent still runs, is not asked about at every beat)
+            self._ask_again(f"heard {beat.name}", "nodes", "status")
 
     async def _on_seat(self, msg: Msg) -> None:
         if subjects.last(msg.subject) != "standby":
@@ -208,6 +212,8 @@ class Console:
             elif section == "nodes":
                 nodes = await self.verb("nodes", NodesReply)
                 self._up = {n.name: n.up for n in nodes.nodes}
+                for name in [n for n, up in self._up.items() if up]:
+                    self._asked.pop(f"heard {name}", None)
                 answer = nodes
             elif section == "modules":
                 answer = await self.verb("modules", ModulesReply)
