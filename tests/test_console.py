@@ -35,6 +35,13 @@ import os, sys
 root = os.path.join(os.environ["MESH_FILES"], "..", "..", "..")
 sys.exit(0 if os.path.exists(os.path.join(root, sys.argv[1])) else 1)
 """
+# It says hello, then more once told to (a marker again), so the test sees a log followed live.
+RUN = """\
+echo gated says hello
+while ! [ -e "$MESH_FILES/../../../more" ]; do sleep 0.2; done
+echo and more
+exec sleep 3600
+"""
 MODULE = """\
 [module]
 name = "gated"
@@ -44,7 +51,7 @@ kind = "files"
 source = "src"
 [process.gated]
 bundle = "code"
-command = ["sh", "-c", "echo gated says hello; exec sleep 3600"]
+command = ["sh", "run.sh"]
 root = true
 check = { exec = ["python3", "check.py", "go-gated"], every = "200ms", passes = 1 }
 [rollout]
@@ -114,10 +121,14 @@ async def test_another_host_name_and_writes_are_refused(page_server) -> None:
     assert (await page_server.post("/events")).status == 405
 
 
-async def test_a_bad_name_in_a_logs_url_is_refused_naming_it(page_server) -> None:
+async def test_a_bad_name_or_number_in_a_url_is_refused_naming_it(page_server) -> None:
     reply = await page_server.get("/api/logs/node.1/gated")
     assert reply.status == 400
     assert "machine" in (await reply.json())["error"]
+    for query, field in (("wait=600", "wait"), ("wait=nan", "wait"), ("offset=-1", "offset")):
+        reply = await page_server.get(f"/api/logs/node-1/gated?{query}")
+        assert reply.status == 400, query
+        assert (await reply.json())["error"].startswith(f"{field}: "), query
     reply = await page_server.get("/api/plan/x1")
     assert reply.status == 400 and "plan id" in (await reply.json())["error"]
 
@@ -138,6 +149,7 @@ def _browser_or_skip():
 def _module(folder: Path) -> Path:
     (folder / "src").mkdir(parents=True)
     (folder / "src" / "check.py").write_text(CHECK)
+    (folder / "src" / "run.sh").write_text(RUN)
     (folder / "module.toml").write_text(MODULE)
     return folder
 
@@ -228,6 +240,8 @@ def test_the_console_in_a_browser(tmp_path: Path) -> None:
                 expect(page.locator("#log-text")).to_contain_text(
                     "gated says hello", timeout=SEEN_WITHIN
                 )
+                (folder / "hosts" / "node-1" / "more").touch()  # it says more: the page follows
+                expect(page.locator("#log-text")).to_contain_text("gated says hello\nand more")
                 expect(page.locator('[data-field="labels"]')).to_contain_text(f"note={TRAP}")
                 assert page.evaluate("window.owned") is None
                 shot("machine-node-1")

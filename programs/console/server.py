@@ -53,6 +53,7 @@ LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
 ASK_WITHIN = 5.0  # seconds a verb is tried (the command line's --timeout default)
 PLANS_LISTED = 20
 LOG_TAIL = 64 * 1024  # bytes of a process's log a page shows (what `mesh logs` shows first)
+FOLLOW_WAIT = 20.0  # seconds a page's read of new output may wait at the host (`mesh logs -f`'s)
 SILENT_BEATS = 3  # beats missed before the controller is asked again (its --down-after default)
 STANDBY_SILENT = 3.5  # a standby unheard this long is gone (the holder's FORGET_AFTER)
 ASKS_PER_SILENCE = 15  # once a second, then the console waits for the bus to say more
@@ -354,10 +355,24 @@ class Console:
             check_name(process, field="process")
         except InvalidName as e:
             return _error(400, str(e))
+        # ?offset=N&wait=S: the output from N on, waiting at the host up to S seconds for some
+        # (the page follows a log as `mesh logs -f` does); without: the tail.
+        offset, wait = request.query.get("offset"), request.query.get("wait", "0")
+        if offset is not None and not (offset.isdigit() and int(offset) < 2**63):
+            return _error(400, f"offset: {offset[:40]!r} is not a byte offset")
+        if not (wait.isdigit() and int(wait) <= FOLLOW_WAIT):
+            return _error(400, f"wait: {wait[:40]!r} is not 0 to {FOLLOW_WAIT:g} seconds")
+        req = LogsRequest(
+            process=process, offset=None if offset is None else int(offset), max=LOG_TAIL,
+            wait=float(wait),
+        )  # fmt: skip
         subject = subjects.host(machine, "logs")
-        body = wire.encode(LogsRequest(process=process, max=LOG_TAIL))
+        within = ASK_WITHIN + req.wait
         try:
-            data = await bus.request(self.nc, subject, body, deadline=time.monotonic() + ASK_WITHIN)
+            data = await bus.request(
+                self.nc, subject, wire.encode(req), deadline=time.monotonic() + within,
+                attempt_timeout=within,
+            )  # fmt: skip
             return _json(wire.decode_reply(data, LogsReply))
         except bus.NoAnswer:
             return _error(504, f"host {machine} did not answer on {subject}; is it up?")

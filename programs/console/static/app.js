@@ -10,7 +10,8 @@ const state = {
   beats: new Map(), // machine -> when its last beat arrived (ms)
   live: false,
 };
-const log_view = { machine: null, process: null };
+const log_view = { machine: null, process: null, following: null };
+const LOG_KEPT = 256 * 1024; // characters of a followed log the page keeps
 
 // --- building nodes -------------------------------------------------------------------------
 
@@ -252,6 +253,7 @@ function render() {
   document.getElementById("view").replaceChildren(...content.flat().filter(Boolean));
   const logs = document.getElementById("log");
   logs.hidden = !(kind === "machine" && log_view.machine === arg && log_view.process);
+  if (logs.hidden) log_view.following = null; // left the machine's page: stop following
   const problems = [...state.problems].map(([section, message]) => el("li", { "data-section": section }, `${section}: ${message}`));
   document.getElementById("problems").replaceChildren(...problems);
   const conn = document.getElementById("connection");
@@ -287,19 +289,40 @@ async function fetch_plan(id) {
   render();
 }
 
+function log_path(machine, process) {
+  return `/api/logs/${encodeURIComponent(machine)}/${encodeURIComponent(process)}`;
+}
+
 async function open_log(machine, process) {
-  log_view.machine = machine;
-  log_view.process = process;
+  const token = {}; // this reading; another one (or leaving the page) ends its following
+  Object.assign(log_view, { machine, process, following: token });
+  const text = document.getElementById("log-text");
+  const note = document.getElementById("log-note");
   document.getElementById("log-title").textContent = `Log of ${process} on ${machine}`;
-  document.getElementById("log-note").textContent = "reading…";
+  note.textContent = "reading…";
   render();
+  let offset;
   try {
-    const reply = await fetch_json(`/api/logs/${encodeURIComponent(machine)}/${encodeURIComponent(process)}`);
-    document.getElementById("log-text").textContent = reply.data || "(no output yet)";
-    document.getElementById("log-note").textContent = `its last ${reply.data.length} characters, read ${new Date().toLocaleTimeString()}`;
+    const reply = await fetch_json(log_path(machine, process));
+    text.textContent = reply.data;
+    offset = reply.offset;
   } catch (e) {
-    document.getElementById("log-text").textContent = "";
-    document.getElementById("log-note").textContent = e.message;
+    text.textContent = "";
+    note.textContent = e.message;
+    return;
+  }
+  // Then follow it, as `mesh logs -f` does: each read waits at the host until there is more.
+  note.textContent = `its last 64 KiB, then what comes, as it comes (since ${new Date().toLocaleTimeString()})`;
+  while (log_view.following === token) {
+    try {
+      const more = await fetch_json(`${log_path(machine, process)}?offset=${offset}&wait=20`);
+      if (log_view.following !== token) return;
+      if (more.data) text.textContent = (text.textContent + more.data).slice(-LOG_KEPT);
+      offset = more.offset;
+    } catch (e) {
+      if (log_view.following === token) note.textContent = `stopped following: ${e.message}`;
+      return;
+    }
   }
 }
 
