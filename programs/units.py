@@ -223,7 +223,10 @@ def write(units: list[Unit], folder: Path) -> list[Path]:
 
 
 def systemctl(*args: str) -> str:
-    done = subprocess.run(["systemctl", *args], capture_output=True, text=True, timeout=120)
+    try:
+        done = subprocess.run(["systemctl", *args], capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        raise UnitError(f"systemctl {' '.join(args)} did not finish within 120s") from None
     if done.returncode != 0:
         raise UnitError(f"systemctl {' '.join(args)}: {done.stderr.strip() or done.returncode}")
     return done.stdout.strip()
