@@ -251,6 +251,7 @@ def test_the_console_in_a_browser(tmp_path: Path) -> None:
                 os.kill(node_3, signal.SIGKILL)
                 expect(row("node-3").locator(".state")).to_have_text("down", timeout=SEEN_WITHIN)
                 expect(row("node-1").locator(".state")).to_have_text("up")
+                expect(row("node-3").locator(".processes")).to_contain_text("as last reported")
                 expect(page.locator('#seat [data-field="machines"]')).to_have_text(
                     "2 up, 1 down, 3 in all"
                 )

@@ -83,10 +83,11 @@ function seat_card() {
     ? s.standbys.map((b, i) => [i ? ", " : "", el("strong", {}, b.instance), ` pid ${b.pid} on ${b.host}`])
     : word("none", "error"));
   const h = s.handover;
-  add("last handover", h
-    ? `${when(h.at)}: ${h.from || "(nobody)"} → ${h.to} ` +
-      (h.planned ? `(planned, ${h.gap_ms === null ? "?" : h.gap_ms.toFixed(1)} ms without a holder)` : "(taken over)")
-    : "none since this holder started");
+  let handover = "none since this holder started";
+  if (h && !h.from) handover = `${when(h.at)}: ${h.to} took the seat, which nobody held before`;
+  else if (h && h.planned) handover = `${when(h.at)}: ${h.from} handed it to ${h.to} (${h.gap_ms === null ? "?" : h.gap_ms.toFixed(1)} ms without a holder)`;
+  else if (h) handover = `${when(h.at)}: ${h.to} took it over from ${h.from} (gone without handing over)`;
+  add("last handover", handover);
   add("machines", `${s.nodes.up} up, ${s.nodes.down} down, ${s.nodes.total} in all`);
   add("plan in progress", s.plan ? link(["plan", s.plan.id], `plan ${s.plan.id}`, ` ${s.plan.trigger} ${s.plan.subject}`) : "none");
   return card("seat", "Seat", el("dl", {}, rows));
@@ -120,7 +121,7 @@ function machines_card() {
       el("td", { class: "tier" }, n.tier),
       el("td", { class: "state" }, word(n.up ? "up" : "down")),
       el("td", { class: "beat", "data-beat": n.name }, beat_text(n.name)),
-      el("td", { class: "processes" }, processes_of(n)),
+      el("td", { class: "processes" }, n.up ? null : el("span", { class: "quiet" }, "as last reported: "), processes_of(n)),
       el("td", { class: "declaration" }, declaration_of(n)),
       el("td", { class: "apply-error" }, n.apply_error ? word(n.apply_error, "error") : ""),
       el("td", { class: "version" }, el("code", {}, n.version === null ? "?" : short(n.version)))));
@@ -167,7 +168,7 @@ function plan_card(id) {
     el("tr", { "data-tier": t.tier },
       el("td", {}, `tier ${t.tier}`),
       el("td", { class: "state" }, word(t.state)),
-      el("td", { class: "done" }, `${t.done}/${t.total}`)));
+      el("td", { class: "count" }, `${t.done}/${t.total}`)));
   const steps = p.steps.map((s) =>
     el("tr", { "data-machine": s.machine, "data-tier": s.tier },
       el("td", {}, link(["machine", s.machine], s.machine)),
