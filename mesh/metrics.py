@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import anyio
 from anyio.abc import SocketStream, TaskStatus
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, exposition
 from prometheus_client.exposition import generate_latest
 
 from mesh.errors import MeshError
@@ -24,6 +24,9 @@ HEAD_LIMIT = 8 * 1024  # bytes of request line and headers; a scraper sends a fe
 READ_WITHIN = 5.0  # a client that does not finish its request in this long is dropped
 
 Listen = tuple[str, int]
+# The text format every Prometheus reads (2.x included: Debian's); prometheus_client 0.22+
+# calls its latest 1.0.0, which only differs for names outside [a-zA-Z0-9_:], never ours.
+CONTENT_TYPE = getattr(exposition, "CONTENT_TYPE_PLAIN_0_0_4", CONTENT_TYPE_LATEST)
 
 
 class MetricsError(MeshError):
@@ -112,7 +115,7 @@ async def _answer(stream: SocketStream, registry: CollectorRegistry) -> None:
         await stream.send(_response(405, b"only GET\n", allow=True))
     elif path == "/metrics":
         body = generate_latest(registry)
-        await stream.send(_response(200, body, CONTENT_TYPE_LATEST, head_only=method == "HEAD"))
+        await stream.send(_response(200, body, CONTENT_TYPE, head_only=method == "HEAD"))
     elif path == "/":
         await stream.send(_response(200, b"mesh: metrics at /metrics\n"))
     else:
