@@ -9,11 +9,12 @@ hear on the bus."""
 import os
 import re
 import signal
+import socket
 from pathlib import Path
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
-from helpers import DevUp, mesh_cli, ok
+from helpers import DevUp, mesh_cli, ok, one_line_error
 
 from mesh import subjects
 from mesh.auth.policy import OPERATOR_WATCH, User, permissions
@@ -70,12 +71,21 @@ def test_listen_addresses() -> None:
             parse_listen(bad)
 
 
-def test_a_bad_listen_address_is_one_line(tmp_path: Path) -> None:
-    done = mesh_cli("console", "--listen", "localhost", nats_url="nats://127.0.0.1:1")
-    assert done.returncode == 1 and "Traceback" not in done.stderr
-    assert done.stderr.strip() == (
-        "mesh: error: --listen: 'localhost' is not HOST:PORT (a port 0 to 65535)"
-    )
+def test_a_bad_listen_address_or_no_bus_is_one_line() -> None:
+    line = one_line_error(mesh_cli("console", "--listen", "localhost", nats_url="nats://x:1"))
+    assert line == "mesh: error: --listen: 'localhost' is not HOST:PORT (a port 0 to 65535)"
+    line = one_line_error(mesh_cli("console", nats_url="nats://127.0.0.1:1"))
+    assert line.startswith("mesh: error: cannot reach NATS at nats://127.0.0.1:1")
+
+
+def test_a_port_in_use_is_one_line(nats_url: str) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        line = one_line_error(mesh_cli("console", "--listen", f"127.0.0.1:{port}",
+                                       nats_url=nats_url))  # fmt: skip
+    assert line.startswith(f"mesh: error: --listen: cannot listen on 127.0.0.1:{port}: "), line
 
 
 def test_operators_hear_the_fleet_but_not_its_verbs() -> None:

@@ -43,7 +43,7 @@ from mesh.model import (
     StatusReply,
 )
 from mesh.names import InvalidName, check_name
-from programs.cli.client import CliError, ask
+from programs.cli.client import CliError, ask, connected
 
 log = logging.getLogger("mesh.console")
 T = TypeVar("T")
@@ -406,6 +406,10 @@ async def run(
         for console in shown:
             console.send("problem", {"section": "bus", "message": f"NATS refused to {what}"})
 
+    # Once as a command does, failing at once in one line (a wrong URL, unknown credentials);
+    # then for good: a service's connection, which rides over NATS going and coming back.
+    async with connected(url=url, creds=creds, what="console"):
+        pass
     try:
         nc = await bus.connect(
             url, name="mesh console", creds=creds, reconnect=True, link=(link := bus.Link()),
