@@ -37,6 +37,17 @@ def plan(plan_id: int | str) -> str:
     return f"mesh.plan.{plan_id}"
 
 
+# NATS service discovery (mesh/discovery.py): $SRV.<PING|INFO|STATS>[.<name>[.<id>]].
+SRV = "$SRV"
+CONTROLLER_SERVICE = "mesh-controller"  # its id: the controller's instance name
+HOST_SERVICE = "mesh-host"  # its id: the machine's name
+
+
+def srv(verb: str, name: str | None = None, id: str | None = None) -> str:
+    """A discovery subject: for every service, for those of `name`, or for one instance."""
+    return ".".join([SRV, verb, *([name] if name else []), *([id] if name and id else [])])
+
+
 def last(subject: str) -> str:
     """The last token: a verb's name, a report's or a seat event's kind. Only ever a key into a
     fixed table or compared with a constant, never dispatched on."""

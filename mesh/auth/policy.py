@@ -39,6 +39,11 @@ OPERATOR_WATCH = (
 # What a host may ask of the controller's operator verbs: the controller module's own health
 # check (`check = { nats = "mesh.ctl.status" }`), which the host runs.
 HOST_CHECK_VERBS = ("status",)
+# NATS service discovery (mesh/discovery.py, docs/security.md): operators, viewers too, ask
+# `$SRV.>`; the controllers answer every `$SRV` request; a host answers those for every
+# service, for `mesh-host` and for itself, and asks nothing: the answers would show it the
+# other machines' verbs and their counts, which are not its own (scope by name).
+ASK_DISCOVERY = f"{subjects.SRV}.>"
 
 _API = "$JS.API"
 KV_STREAM = f"KV_{DECLARATIONS}"
@@ -95,6 +100,19 @@ def _bundle_writes() -> list[str]:
     return [f"{OBJ_SUBJECTS}.>", f"{_API}.STREAM.PURGE.{OBJ_STREAM}"]
 
 
+def _discovery_answers(name: str) -> list[str]:
+    """What a host subscribes to for discovery: $SRV.<verb>, $SRV.<verb>.mesh-host and
+    $SRV.<verb>.mesh-host.<its name>; never another host's. Literal subjects, no `*`: the
+    server lets a subscription to `$SRV.>` through an allowed `$SRV.*` (its `>` token matches
+    the `*`), and that one would hear the requests for every host."""
+    return [
+        subject
+        for verb in ("PING", "INFO", "STATS")
+        for subject in (subjects.srv(verb), subjects.srv(verb, subjects.HOST_SERVICE),
+                        subjects.srv(verb, subjects.HOST_SERVICE, name))
+    ]  # fmt: skip
+
+
 def _host(user: User) -> Permissions:
     name = user.name
     publish = [
@@ -112,7 +130,12 @@ def _host(user: User) -> Permissions:
         publish += _bundle_writes()
     return Permissions(
         publish=publish,
-        subscribe=[subjects.host(name, "*"), subjects.seat(">"), f"{inbox(user)}.>"],
+        subscribe=[
+            subjects.host(name, "*"),
+            subjects.seat(">"),
+            f"{inbox(user)}.>",
+            *_discovery_answers(name),
+        ],
         responses=True,
     )
 
@@ -134,6 +157,7 @@ def _controller(user: User) -> Permissions:
             subjects.event("*", ">"),
             subjects.seat(">"),
             f"{inbox(user)}.>",
+            ASK_DISCOVERY,  # answered by every controller, holder or standby
         ],
         responses=True,
     )
@@ -143,12 +167,14 @@ def _operator(user: User) -> Permissions:
     reads = [
         *(subjects.ctl(v) for v in sorted(READ_VERBS)),
         *(subjects.host("*", v) for v in HOST_READ_VERBS),
+        ASK_DISCOVERY,
     ]
     if user.role == "viewer":
         return Permissions(publish=reads, subscribe=[f"{inbox(user)}.>", *OPERATOR_WATCH])
     return Permissions(
         publish=[
             subjects.ctl("*"),  # every verb, present and future
+            ASK_DISCOVERY,
             *(subjects.host("*", v) for v in (*HOST_READ_VERBS, *HOST_ADMIN_VERBS)),
             # uploads of module sources (push, plan diff) and reading what JetStream holds
             *_bundle_reads(),

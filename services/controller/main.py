@@ -29,6 +29,7 @@ from nats.js.kv import KeyValue
 
 from mesh import blobs, bus, subjects, version, wire
 from mesh import metrics as served_metrics
+from mesh.discovery import Discovery
 from mesh.errors import MeshError
 from mesh.model import Handover, SeatAnnounce, SeatInfo
 from mesh.serving import Stats
@@ -49,6 +50,7 @@ from services.controller.views import Views
 
 log = logging.getLogger("mesh.controller")
 
+SERVING = ("holding", "handing-over")  # readiness states in which this controller serves verbs
 BUS_GRACE = 3.0  # a holder cut off from NATS this long steps down (docs/design.md, the seat)
 ROUND_TRIP_EVERY = 1.0  # how often the holder checks that NATS answers
 
@@ -124,6 +126,14 @@ async def run(
 
         ready = Readiness(readiness.default_file())
         stats = Stats(observe=metrics.VERB_ANSWERED)  # every hold's verbs, counted together
+        # `$SRV` answers, holder and standby alike; only the holder lists the verbs.
+        await Discovery(
+            nc, name=subjects.CONTROLLER_SERVICE, id=instance, stats=stats,
+            description="mesh's controller: holds the seat mesh-controller or stands by",
+            endpoints=lambda: ENDPOINTS if ready.state in SERVING else (),
+            metadata=lambda: {"seat": ready.state, "epoch": str(ready.epoch), "host": host,
+                              "pid": str(pid), "mesh": me.version},
+        ).start()  # fmt: skip
         async with anyio.create_task_group() as tg:
             if metrics_on is not None:
                 await tg.start(

@@ -18,6 +18,7 @@ from nats.aio.client import Client
 
 from mesh import bus, subjects, version, wire
 from mesh import metrics as served_metrics
+from mesh.discovery import Discovery
 from mesh.errors import MeshError
 from mesh.lifetime import stop_on_signals
 from mesh.model import (
@@ -110,6 +111,7 @@ async def run(
         log.info("host %s: the old agent let go: taking the machine over", name)
     successor.pid_file(state).write_text(f"{os.getpid()}\n")
     served: Server | None = None
+    found: Discovery | None = None
     handing: list[successor.Started] = []  # the new agent, once it said it is ready
     try:
         async with anyio.create_task_group() as tg:
@@ -146,13 +148,22 @@ async def run(
                 status.processes = supervisor.states()
                 return status
 
+            stats = Stats(observe=metrics.VERB_ANSWERED)
             served = await verbs.serve(
                 verbs.Host(
                     name=name, root=state, nc=nc, supervisor=supervisor, status=current_status
                 ),
                 tasks=tg,
-                stats=Stats(observe=metrics.VERB_ANSWERED),
+                stats=stats,
             )
+            found = Discovery(
+                nc, name=subjects.HOST_SERVICE, id=name, stats=stats,
+                description=f"mesh's host agent on {name}",
+                endpoints=lambda: served.endpoints if served else (),
+                metadata=lambda: {"machine": name, "epoch": str(status.epoch),
+                                  "applied": applier.digest or "", "mesh": status.version},
+            )  # fmt: skip
+            await found.start()
             # Subscribed before registering, so a takeover during registration is not missed.
             held = await nc.subscribe(subjects.seat("held"))
             await _register(nc, lambda: replace(registration, applied=applier.digest), status)
@@ -187,6 +198,9 @@ async def run(
                     await report_again()
     finally:
         with anyio.CancelScope(shield=True):
+            if found is not None:
+                with anyio.move_on_after(3):
+                    await found.stop()
             if served is not None:
                 with anyio.move_on_after(3):  # verbs in flight are answered
                     await served.stop(drain=nc.is_connected)
