@@ -166,8 +166,9 @@ async def test_a_plan_shows_on_the_controller_and_the_host(nc, watched, nats_url
         '[process.ticker]\nbundle = "code"\ncommand = ["python3", "tick.py"]\nroot = true\n'
         'check = { exec = ["true"], every = "200ms", passes = 1 }\n[assign]\ntiers = [0]\n'
     )
-    plan = json.loads(ok(mesh_cli("--json", "push", str(folder), "--wait", nats_url=nats_url,
-                                  timeout=180)))["plan"]  # fmt: skip
+    pushed = mesh_cli("--json", "push", str(folder), "--wait", "--timeout", "60",
+                      nats_url=nats_url, timeout=180)  # fmt: skip
+    plan = json.loads(ok(pushed))["plan"]
     assert plan is not None
 
     async def plan_counted():  # the holder counts the store's plans every few seconds
