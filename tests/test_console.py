@@ -1,10 +1,10 @@
 """`mesh console`: in a real browser (Debian's chromium, headless, driven by Playwright) against a
 whole `mesh dev up`, whose console runs with the viewer's credentials. What a person sees: the
 three machines; a plan rolling out tier 0, then 1, then 2 while the page stays open (never
-reloaded); a machine's processes and its log; a machine going down. A screenshot of each state
-is kept in the test's folder (the paths are printed). Around it, what needs no browser: the
-listen address, the Host check, the headers, a bad name in a log's URL, and what a viewer may
-hear on the bus."""
+reloaded); a machine's processes and its log, followed; the seat handed over; a machine going
+down. A screenshot of each state is kept in the test's folder (the paths are printed). Around
+it, what needs no browser: the listen address, no bus, a port in use, the Host check, the
+headers, bad names and numbers in URLs, and what a viewer may hear on the bus."""
 
 import os
 import re
@@ -257,7 +257,18 @@ def test_the_console_in_a_browser(tmp_path: Path) -> None:
                 shot("machine-node-1")
                 page.locator("a", has_text="← the fleet").click()
 
-                # 4. A machine going down: its host killed, the page says so.
+                # 4. The seat handed over: the page shows the new holder and how it came to be.
+                holder = page.locator("#holder").inner_text()
+                standby = {"ctl-1": "ctl-2", "ctl-2": "ctl-1"}[holder]
+                ok(mesh_cli("handover", nats_url=nats_url, creds=admin))
+                expect(page.locator("#holder")).to_have_text(standby)
+                expect(page.locator('#seat [data-field="last handover"]')).to_contain_text(
+                    f"{holder} handed it to {standby}"
+                )
+                expect(page.locator('#seat [data-field="standbys"]')).to_contain_text(holder)
+                shot("seat-handed-over")
+
+                # 5. A machine going down: its host killed, the page says so.
                 os.kill(node_3, signal.SIGKILL)
                 expect(row("node-3").locator(".state")).to_have_text("down", timeout=SEEN_WITHIN)
                 expect(row("node-1").locator(".state")).to_have_text("up")
