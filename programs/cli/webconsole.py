@@ -1,9 +1,10 @@
-"""`mesh console [--listen HOST:PORT]`: the fleet as a live web page (programs/console/)."""
+"""`mesh console [--listen ADDR:PORT]`: the fleet as a live web page (programs/console/)."""
 
 import argparse
 from typing import Any
 
-from programs.cli.client import CliError, where
+from programs.cli.args import listen
+from programs.cli.client import where
 
 DEFAULT_LISTEN = "127.0.0.1:8080"
 
@@ -13,20 +14,16 @@ def add_parsers(verbs: Any, common: argparse.ArgumentParser) -> None:
         "console", parents=[common], help="the fleet as a live web page (read-only)"
     )
     console.add_argument(
-        "--listen", default=DEFAULT_LISTEN, metavar="HOST:PORT",
-        help=f"where the page is served ({DEFAULT_LISTEN}; port 0: any free one)",
+        "--listen", type=listen, default=DEFAULT_LISTEN, metavar="ADDR:PORT",
+        help=f"where the page is served ({DEFAULT_LISTEN}; PORT alone: on 127.0.0.1)",
     )  # fmt: skip
 
 
 async def cmd_console(args: argparse.Namespace) -> None:
-    from programs.console.server import parse_listen, run
+    from programs.console.server import run
 
-    try:
-        listen = parse_listen(args.listen)
-    except ValueError as e:
-        raise CliError(f"--listen: {e}") from None
     url, creds = where(args)
-    await run(url=url, creds=creds, listen=listen)
+    await run(url=url, creds=creds, listen=args.listen)
 
 
 COMMANDS = {("console",): cmd_console}

@@ -68,15 +68,6 @@ class ConsoleError(MeshError):
     """The console cannot start (where it listens, the bus)."""
 
 
-def parse_listen(text: str) -> tuple[str, int]:
-    """`HOST:PORT` (`[V6]:PORT`); port 0 takes any free one. ValueError says what is wrong."""
-    host, sep, port = text.rpartition(":")
-    host = host.removeprefix("[").removesuffix("]")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
-        raise ValueError(f"{text!r} is not HOST:PORT (a port 0 to 65535)")
-    return host, int(port)
-
-
 def page_url(host: str, port: int) -> str:
     return f"http://{f'[{host}]' if ':' in host else host}:{port}/"
 
