@@ -131,6 +131,9 @@ def render(unit: Unit) -> str:
         "[Unit]",
         f"Description={unit.description.replace('%', '%%')}",
         f"After={' '.join(after)}",
+        # Restarted however often it fails (a host started before its nats-server listens
+        # exits, and is started again): never given up on after five quick tries.
+        "StartLimitIntervalSec=0",
     ]
     if unit.agent:
         lines.append("Wants=network-online.target")

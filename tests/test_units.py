@@ -10,6 +10,7 @@ import os
 import pwd
 import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from helpers import MESH, ask, await_until
 from test_init import made  # noqa: F401 (a fixture: a folder for `mesh init`, cleaned after)
 
 from mesh.embedded import natsd, postgres
+from mesh.embedded.children import stop_supervised
 from programs import units
 from programs.units import Unit
 
@@ -142,7 +144,7 @@ def test_systemd_analyze_verify_accepts_each_kind_of_unit(tmp_path: Path) -> Non
 
 @needs_verify
 @pytest.mark.slow
-def test_init_prints_units_that_start_each_piece_as_it_runs(made) -> None:  # noqa: F811
+async def test_init_prints_units_that_start_each_piece_as_it_runs(made) -> None:  # noqa: F811
     env = {k: v for k, v in os.environ.items() if not k.startswith("MESH_")}
     done = subprocess.run(
         [*MESH, "init", "--dir", str(made), "--port", "0", "--name", "ctl-machine",
@@ -196,6 +198,82 @@ def test_init_prints_units_that_start_each_piece_as_it_runs(made) -> None:  # no
     shown = subprocess.run([*MESH, "machine", "add", "node-3", "--dir", str(folder)],
                            capture_output=True, text=True, timeout=60, env=env)  # fmt: skip
     assert shown.returncode == 0 and "[Service]\nType=notify\n" in shown.stdout, shown.stderr
+
+    # A power cut: every process gone, the controller the host ran too. At boot, systemd starts
+    # each unit as it says (argv, environment, account, folder), in their order: the mesh is
+    # back, though its controller is a process only this host starts, with secrets only a
+    # controller gives (the host keeps those it wrote for the declaration it applied).
+    for line in (folder / "env").read_text().splitlines():
+        key, _, value = line.removeprefix("export ").partition("=")
+        env[key] = value.strip("'")
+    before = await _status(env)
+    assert before is not None
+    for pid in pids.values():
+        os.killpg(pid, signal.SIGKILL)  # each piece's group: PostgreSQL's backends too
+    stop_supervised(folder)
+    await await_until(lambda: _async(not any(map(_group_alive, pids.values()))), within=30,
+                      what="every process of the mesh gone")  # fmt: skip
+    # nats-server, PostgreSQL, then the host, each once the one before listens (systemd would
+    # start the host again until it connects: Restart=always)
+    servers = [env["MESH_NATS_URL"], env["MESH_DATABASE_URL"].split("?")[0]]
+    for path, url in zip(written[1:] + written[:1], [*servers, None], strict=True):
+        log = folder / "logs" / f"{path.stem}.boot.log"
+        booted = _boot(path, log=log)
+        if url is not None:
+            port = int(url.rsplit(":", 1)[1].split("/")[0])
+            await await_until(
+                lambda p=port, b=booted: _async(_listens(p) or b.poll() is not None),
+                within=30,
+                what=url,
+            )
+            assert booted.poll() is None, f"{path.name} exited: {log.read_text()[-2000:]}"
+    after = await await_until(lambda: _status(env), within=120, what="the mesh after a reboot")
+    assert after["seat"]["pid"] != before["seat"]["pid"]  # a new controller process
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def _listens(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
+async def _async(value: object) -> object:
+    return value
+
+
+async def _status(env: dict[str, str]) -> dict | None:
+    """`mesh status` when it names a seat and one machine up."""
+    done = subprocess.run([*MESH, "--json", "status"], capture_output=True, text=True,
+                          timeout=30, env=env)  # fmt: skip
+    status = json.loads(done.stdout) if done.returncode == 0 else {}
+    return status if status.get("seat") and status["nodes"]["up"] == 1 else None
+
+
+def _boot(path: Path, *, log: Path) -> subprocess.Popen:
+    """Start a unit's command as systemd would: its argv, environment, account and folder."""
+    service = _sections(path.read_text())["Service"]
+    env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
+    for value in service.get("Environment", []):
+        key, _, setting = units.split(f"/x {value}")[1].partition("=")
+        env[key] = setting
+    user = service.get("User", [None])[0]
+    ours = user is None or user == pwd.getpwuid(os.geteuid()).pw_name  # no account to drop to
+    account = {} if ours else {"user": user, "group": user, "extra_groups": []}
+    return subprocess.Popen(
+        units.split(service["ExecStart"][0]), env=env, stdin=subprocess.DEVNULL,
+        cwd=service.get("WorkingDirectory", ["/"])[0], stdout=open(log, "ab"),
+        stderr=subprocess.STDOUT, start_new_session=True, **account,
+    )  # fmt: skip
 
 
 async def test_a_host_tells_systemd_it_is_ready_once_registered(

@@ -44,6 +44,7 @@ class Envelope(msgspec.Struct):
 RETRY_FIRST = 5.0
 RETRY_MAX = 60.0
 BUS_PATIENCE = 30.0  # how long a step waits out a bus or JetStream that does not answer
+KEEP_PATIENCE = 5.0  # a secret already on disk for the declaration applied: asked this long
 
 
 class _Latest:
@@ -215,7 +216,7 @@ class Applier:
         started = time.monotonic()
         self._applying = env.digest
         try:
-            await self._apply(env.declaration)
+            await self._apply(env.declaration, resuming=env.digest == self.digest)
         except StepFailed as e:
             log.warning("host %s: apply of %s stopped at %s", self.name, env.digest[:19], e)
             _count_failure(metrics.step_of(e.step), started)
@@ -268,7 +269,8 @@ class Applier:
         again = msgspec.structs.replace(last, processes=self.supervisor.states())
         await self._nc.publish(subjects.event(self.name, "applied"), wire.encode(again))
 
-    async def _apply(self, decl: Declaration) -> None:
+    async def _apply(self, decl: Declaration, *, resuming: bool = False) -> None:
+        """`resuming`: the declaration applied last, again after a restart (or a reboot)."""
         ids: dict[str, accounts.Identity] = {}
         for name, account in sorted(decl.accounts.items()):
             try:
@@ -289,7 +291,19 @@ class Applier:
             folder = files.ensure_folder(self._root / "processes" / proc / "files", owner=owner)
             for rel, f in sorted(p.files.items()):
                 try:
-                    data = f.text.encode() if f.text is not None else await self._secret(f.secret)
+                    kept = resuming and f.text is None and (folder / rel).exists()
+                    data = (
+                        f.text.encode()
+                        if f.text is not None
+                        else await self._secret(f.secret, keep=kept)
+                    )
+                    if data is None:
+                        # After a reboot the controller may be a process of this very machine,
+                        # which nobody else starts: the secret written for this declaration
+                        # serves until a controller answers.
+                        log.info("host %s: no controller gave secret %s: %s/%s kept as applied",
+                                 self.name, f.secret, proc, rel)  # fmt: skip
+                        continue
                     files.write(folder, rel, data, mode=int(f.mode, 8), owner=owner)
                 except Exception as e:
                     raise StepFailed(f"file {proc}/{rel}", str(e)) from None
@@ -455,14 +469,22 @@ class Applier:
     async def _bundle(self, key: str, bundle: DBundle) -> None:
         await bundles.ensure(await blobs.store(self._nc), self._root, key, bundle)
 
-    async def _secret(self, name: str | None) -> bytes:
+    async def _secret(self, name: str | None, *, keep: bool = False) -> bytes | None:
+        """The secret from the controller; None if none answers and `keep`: the file on disk
+        was written for this declaration."""
         assert name is not None
-        data = await bus.request(
-            self._nc,
-            subjects.ctl_host(self.name, "secret"),
-            wire.encode(SecretRequest(name=name)),
-            deadline=time.monotonic() + BUS_PATIENCE,  # retried while the seat or a server moves
-        )
+        try:
+            data = await bus.request(
+                self._nc,
+                subjects.ctl_host(self.name, "secret"),
+                wire.encode(SecretRequest(name=name)),
+                # retried while the seat or a server moves
+                deadline=time.monotonic() + (KEEP_PATIENCE if keep else BUS_PATIENCE),
+            )
+        except bus.NoAnswer:
+            if keep:
+                return None
+            raise
         reply = wire.decode_reply(data, SecretReply)
         return base64.b64decode(reply.value)
 

@@ -166,6 +166,12 @@ async def run(
             await found.start()
             # Subscribed before registering, so a takeover during registration is not missed.
             held = await nc.subscribe(subjects.seat("held"))
+            # A host that applied before (a restart, a reboot) applies its declaration at once,
+            # from the bucket: after a reboot the controller may be one of its own processes,
+            # which no controller would start for it.
+            early = heir is None and applier.digest is not None
+            if early:
+                tg.start_soon(applier.watch)
             await _register(nc, lambda: replace(registration, applied=applier.digest), status)
             await report_processes()
             if heir is not None:
@@ -173,7 +179,8 @@ async def run(
             else:
                 successor.notify_manager()  # under systemd: started (programs/units.py)
             tg.start_soon(_beat, nc, name, beat_interval)
-            tg.start_soon(applier.watch)
+            if not early:
+                tg.start_soon(applier.watch)
 
             async def report_again() -> None:
                 await applier.report_again()
