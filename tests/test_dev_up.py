@@ -95,6 +95,18 @@ def test_dev_up_end_to_end(tmp_path: Path) -> None:
             ("node-2", 1, True),
             ("node-3", 2, True),
         ]
+        # As a user does: `source DIR/env`, then `mesh machine add` from any folder (MESH_DIR
+        # names the mesh: without it, the command looks in ./.mesh/dev).
+        script = (
+            f"source {shlex.quote(str(folder / 'env'))} && {shlex.join(MESH)} machine add node-9"
+        )
+        clean = {k: v for k, v in os.environ.items() if not k.startswith("MESH_")}
+        added = subprocess.run(["bash", "-c", script], capture_output=True, text=True, cwd="/",
+                               env=clean, timeout=60)  # fmt: skip
+        assert added.returncode == 0, added.stderr
+        assert (folder / "creds" / "hosts" / "node-9.creds").exists()
+        assert "the mesh's nats-server admits it now" in added.stdout  # reloaded: it found it
+
         status = _cli_json("status", url=url, creds=creds)
         assert status["seat"]["holder"] in ("ctl-1", "ctl-2")
         assert status["seat"]["epoch"] >= 1
