@@ -1,9 +1,12 @@
 """`mesh logs MACHINE PROCESS [-f]`: a process's output, asked of its host."""
 
 import argparse
+import signal
 import sys
 import time
 from typing import Any
+
+import anyio
 
 from mesh import bus, subjects, wire
 from mesh.model import LogsReply, LogsRequest
@@ -44,17 +47,36 @@ async def cmd_logs(args: argparse.Namespace) -> None:
     check_name(args.process, field="PROCESS")
     url, creds = where(args)
     timeout = getattr(args, "timeout", 5.0)
+    interrupted = False
     async with connected(url=url, creds=creds, what="logs") as nc:
         reply = await _read(nc, args.machine, LogsRequest(process=args.process), timeout)
         sys.stdout.write(reply.data)
         sys.stdout.flush()
-        while args.follow:  # from the offset the last reply ended at: nothing lost or repeated
-            reply = await _read(
-                nc, args.machine,
-                LogsRequest(process=args.process, offset=reply.offset, wait=FOLLOW_WAIT), timeout,
-            )  # fmt: skip
-            sys.stdout.write(reply.data)
-            sys.stdout.flush()
+        if not args.follow:
+            return
+        async with anyio.create_task_group() as tg:
+
+            async def until_interrupted() -> None:
+                # Ctrl-C (or SIGTERM) ends the request waiting at the host at once: the
+                # follow loop is cancelled here rather than by the event loop's own handler.
+                nonlocal interrupted
+                with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as received:
+                    async for _ in received:
+                        interrupted = True
+                        tg.cancel_scope.cancel()
+                        return
+
+            tg.start_soon(until_interrupted)
+            while True:  # from the offset the last reply ended at: nothing lost or repeated
+                reply = await _read(
+                    nc, args.machine,
+                    LogsRequest(process=args.process, offset=reply.offset, wait=FOLLOW_WAIT),
+                    timeout,
+                )  # fmt: skip
+                sys.stdout.write(reply.data)
+                sys.stdout.flush()
+    if interrupted:
+        sys.exit(130)
 
 
 COMMANDS = {("logs",): cmd_logs}
