@@ -7,6 +7,7 @@ controller takes the seat there with a higher epoch while `mesh status` answers.
 Skipped, saying so, where Debian's `patroni` and `etcd-server` are not installed. Real
 processes throughout; every one is stopped at teardown, even when the test fails."""
 
+import http.client
 import json
 import os
 import shutil
@@ -114,7 +115,7 @@ class Member:
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{self.api}/patroni", timeout=2) as r:
                 said = json.loads(r.read())
-        except (OSError, ValueError):
+        except (OSError, ValueError, http.client.HTTPException):
             return None
         return {"master": "primary"}.get(said.get("role"), said.get("role"))
 
@@ -197,8 +198,10 @@ def _psql(member: Member, sql: str) -> str:
 
 
 def test_a_controller_takes_the_seat_on_the_new_leader(
-    procs: Any, folder: Path, members: list[Member], nats_url: str
+    nats_url: str, procs: Any, folder: Path, members: list[Member]
 ) -> None:
+    # nats_url first: its server binds its port before the members pick theirs (a member's
+    # ports are only bound when Patroni starts; a server started after could take one).
     started = time.monotonic()
     etcd = _etcd(procs, folder)
     first, second = members
