@@ -22,7 +22,7 @@ from mesh.embedded import ports
 TICKER = """\
 import time
 while True:
-    time.sleep(1)
+    time.sleep(1)  # ok: the supervised process's own pace, not a wait in the test
 """
 
 

@@ -11,7 +11,8 @@ import subprocess
 
 import anyio
 import pytest
-from helpers import MESH, StatusEvery10ms, ask, await_until, mesh_copy
+from helpers import MESH, StatusEvery10ms, ask, await_until, mesh_cli, mesh_copy
+from helpers import ok as succeeded
 from test_plans import assert_tier_order
 
 NODES = ("node-1", "node-2", "node-3")
@@ -33,15 +34,11 @@ tiers = [0, 1, 2]
 
 
 def mesh(nats_url: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [*MESH, *args, "--nats-url", nats_url, "--timeout", "120"],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    return mesh_cli(*args, "--timeout", "120", nats_url=nats_url, timeout=600)
 
 
 def ok(done: subprocess.CompletedProcess) -> dict:
-    assert done.returncode == 0, done.stderr + done.stdout
-    return json.loads(done.stdout)
+    return json.loads(succeeded(done))
 
 
 async def processes(nc) -> dict[str, dict[str, int]]:
