@@ -88,25 +88,37 @@ class Link:
         self.on_up: Callable[[], None] | None = None
         self._changed = anyio.Event()
         self.answered_at = time.monotonic()  # the server's last answer to our round trips
+        self.heard_at = self.answered_at  # when anything last came in on the connection
+        self.round_trip = 0.0  # seconds the last answered round trip took
         self.silent = False  # the round trips found no answer for longer than they allow
         self.nc: Client | None = None  # set by connect: its own close is not a lost link
 
     async def round_trips(self, nc: Client, *, every: float, within: float) -> None:
         """Forever: every `every` seconds a PING the server must answer within `within`;
         `answered_at` is when it last did, and `silent` says it has not for `within` + `every`
-        (kept once the round trips stop: what they last found). A silent link shows here
-        within seconds, where nats-py's own pings take 10-15 s (and over TLS its close then
-        waits out the SSL shutdown before it reports the disconnection)."""
-        self.answered_at, self.silent = time.monotonic(), False
+        and nothing else came in meanwhile either (kept once the round trips stop: what they
+        last found). A silent link shows here within seconds, where nats-py's own pings take
+        10-15 s (and over TLS its close then waits out the SSL shutdown before it reports the
+        disconnection). A PONG that is only late, behind a backlog of messages this process
+        has not read yet (a storm of requests), is not silence: the messages keep coming."""
+        self.answered_at = self.heard_at = time.monotonic()
+        self.silent = False
+        received = nc.stats["in_msgs"]
         while True:
             await anyio.sleep(every)
+            asked = time.monotonic()
             try:
                 with anyio.fail_after(within):
                     await nc.flush(timeout=within)
                 self.answered_at = time.monotonic()
+                self.round_trip = self.answered_at - asked
             except Exception:  # timeouts, closed or reconnecting: all say "no answer"
                 pass
-            self.silent = time.monotonic() - self.answered_at > within + every
+            now = time.monotonic()
+            if nc.stats["in_msgs"] != received:
+                received, self.heard_at = nc.stats["in_msgs"], now
+            quiet = now - max(self.answered_at, self.heard_at)
+            self.silent = quiet > within + every
             self._kick()
 
     def answers(self, nc: Client) -> bool:

@@ -12,10 +12,18 @@ from collections.abc import Callable
 
 import anyio
 from anyio.abc import SocketStream, TaskStatus
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, exposition
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    exposition,
+)
 from prometheus_client.exposition import generate_latest
 
 from mesh.errors import MeshError
+from mesh.looplag import LoopLag
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +77,18 @@ def verbs(registry: CollectorRegistry) -> Callable[[str, str, float], None]:
         seconds.labels(verb).observe(took)
 
     return observe
+
+
+def loop_lag(registry: CollectorRegistry, lag: LoopLag) -> None:
+    """The event loop's lag (mesh/looplag.py), now and at worst over its window."""
+    Gauge(
+        "mesh_event_loop_lag_seconds", "How late the event loop ran a timer, at its last wake-up",
+        registry=registry,
+    ).set_function(lambda: lag.last)  # fmt: skip
+    Gauge(
+        "mesh_event_loop_lag_max_seconds",
+        f"The event loop's worst lag over the last {lag.window:g} seconds", registry=registry,
+    ).set_function(lag.worst)  # fmt: skip
 
 
 async def serve(

@@ -228,6 +228,9 @@ class SeatAnnounce(Peer):
     epoch: int = 0
     at: datetime | None = None  # `released`: when the holder let go (the new holder's gap)
     version: Version = ""  # the announcing controller's running mesh (mesh/version.py)
+    # `held`: the seconds over which hosts spread their registrations with the new holder
+    # (services/host/registration.py), sized by the fleet it holds; 0 for a small one.
+    register_within: float = 0.0
 
 
 # --- errors -----------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ Q = TypeVar("Q")  # the request
 R = TypeVar("R")  # the reply
 
 STOP_WITHIN = 3.0  # each subscription's drain: a bus that is gone must not hold a stop up
+BUSY_LOG_EVERY = 10.0  # seconds between log lines about `busy` refusals of one bound
 
 
 @dataclass(frozen=True, eq=False)
@@ -128,10 +129,15 @@ class Server:
     service: str  # "controller", "host": named in `internal` and `unavailable` replies
     stats: Stats = field(default_factory=Stats)  # given by the service: it outlives a Server
     since: float | None = None  # when the subscriptions were flushed (time.monotonic)
+    # Why the service is too busy to take any request now (None: it is not): every request is
+    # then answered `busy` before it is decoded (the controller sheds when its event loop runs
+    # late, so the seat's own pings stay on time).
+    overloaded: Callable[[], str | None] | None = None
     _subs: list[Subscription] = field(default_factory=list)
     _served: Any = None
     _tasks: TaskGroup | None = None
     _limiters: dict[Bound, anyio.CapacityLimiter] = field(default_factory=dict)
+    _busy: dict[str, tuple[int, float]] = field(default_factory=dict)  # refusals not yet logged
 
     @property
     def active(self) -> bool:
@@ -172,11 +178,12 @@ class Server:
         served = self._served
         counted = name if verb is not None else UNKNOWN
 
-        async def answer(serve: Callable[[], Awaitable[Any]]) -> None:
+        # (Annotations as strings: a nested def evaluates its annotations at every request.)
+        async def answer(serve: "Callable[[], Awaitable[Any]]") -> None:
             outcome = await bus.answer(msg, serve, service=self.service)
             self.stats.record(endpoint.name, counted, outcome, started)
 
-        async def serve() -> Any:
+        async def serve() -> "Any":
             caller = endpoint.caller(served, msg.subject)
             if verb is None:
                 known = ", ".join(sorted(endpoint.verbs))
@@ -185,11 +192,18 @@ class Server:
                 )
             return await verb.handler(caller, wire.decode(msg.data, verb.request, limit=verb.limit))
 
+        shed = self.overloaded() if self.overloaded is not None and verb is not None else None
+        if shed is not None:  # cheaply, before any work: what keeps time must keep it
+            self._refused(shed, name)
+            self.stats.record(endpoint.name, counted, await self._busy_reply(msg, shed), started)
+            return
         if verb is None or verb.bound is None or self._tasks is None:
             await answer(serve)
             return
         bound = verb.bound
-        limiter = self._limiters.setdefault(bound, anyio.CapacityLimiter(bound.in_flight))
+        limiter = self._limiters.get(bound)
+        if limiter is None:
+            limiter = self._limiters[bound] = anyio.CapacityLimiter(bound.in_flight)
         slot = object()  # borrows one of the bound's slots; given back when answered
         got = False
         if bound.wait > 0:
@@ -204,17 +218,9 @@ class Server:
             except anyio.WouldBlock:
                 pass
         if not got:
-
-            async def busy() -> Any:
-                raise wire.BadRequest(
-                    f"the {self.service} is busy ({bound.in_flight} {bound.what} in flight); "
-                    "try again",
-                    code="busy",
-                )
-
-            log.warning("busy: refused %s on %s (%d %s in flight)", name[:64], msg.subject,
-                        bound.in_flight, bound.what)  # fmt: skip
-            await answer(busy)
+            why = f"{bound.in_flight} {bound.what} in flight"
+            self._refused(why, name)
+            self.stats.record(endpoint.name, counted, await self._busy_reply(msg, why), started)
             return
         try:
             self._tasks.start_soon(self._answer_then_release, limiter, slot, answer, serve)
@@ -222,6 +228,24 @@ class Server:
         except RuntimeError:  # stopping: the task group is closed; answer here instead
             limiter.release_on_behalf_of(slot)
         await answer(serve)
+
+    def _refused(self, why: str, verb: str) -> None:
+        """Log a `busy` refusal: the first of a burst, then a count at most every BUSY_LOG_EVERY
+        seconds (a storm refuses thousands a second; its log must not cost as much)."""
+        now = time.monotonic()
+        count, since = self._busy.get(why, (0, float("-inf")))
+        if now - since >= BUSY_LOG_EVERY:
+            more = f" (and {count} more since the last said)" if count else ""
+            log.warning("busy: refused %s (%s)%s", verb[:64], why, more)
+            self._busy[why] = (0, now)
+        else:
+            self._busy[why] = (count + 1, since)
+
+    async def _busy_reply(self, msg: Msg, why: str) -> str | None:
+        async def busy() -> Any:
+            raise wire.BadRequest(f"the {self.service} is busy ({why}); try again", code="busy")
+
+        return await bus.answer(msg, busy, service=self.service)
 
     async def _answer_then_release(
         self,

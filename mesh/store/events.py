@@ -21,3 +21,25 @@ async def record(
         epoch,
         json.dumps(detail, default=str),
     )
+
+
+async def record_many(
+    conn: asyncpg.Connection | asyncpg.Pool,
+    rows: list[tuple[str, str | None, int | None, dict[str, Any]]],
+) -> None:
+    """Several events in one statement: (kind, machine, epoch, detail) each, in order."""
+    if not rows:
+        return
+    await conn.execute(
+        """
+        INSERT INTO events (kind, machine, epoch, detail)
+        SELECT kind, machine, epoch, detail::jsonb
+        FROM unnest($1::text[], $2::text[], $3::bigint[], $4::text[])
+            WITH ORDINALITY AS e(kind, machine, epoch, detail, n)
+        ORDER BY n
+        """,
+        [r[0] for r in rows],
+        [r[1] for r in rows],
+        [r[2] for r in rows],
+        [json.dumps(r[3], default=str) for r in rows],
+    )

@@ -43,32 +43,45 @@ async def all_machines(conn: asyncpg.Connection | asyncpg.Pool) -> list[MachineR
     return [_row(r) for r in rows]
 
 
-async def register(
-    conn: asyncpg.Connection,
-    *,
-    name: str,
-    facts: Facts,
-    beat_interval: float,
-    version: str = "",
-    claimed_tier: int | None = None,
-    claimed_labels: dict[str, str] | None = None,
-) -> MachineRow:
-    """Insert or refresh a machine. A registration refreshes facts and liveness only: the tier
-    and labels decide what a machine gets, so they are the operator's. A machine's first
-    registration takes its placement (`mesh machine add --tier --label`, `mesh tier`, `mesh
-    label` before it registered), else `claimed_tier` / `claimed_labels` (the host's own word,
-    passed only on a mesh without authentication), else tier 2 and no labels. `version` is
-    the agent's running mesh; "" (an agent that does not say) is kept as unknown."""
-    r = await conn.fetchrow(
+class Registration(msgspec.Struct, frozen=True):
+    """One machine's registration. It refreshes facts and liveness only: the tier and labels
+    decide what a machine gets, so they are the operator's. A machine's first registration
+    takes its placement (`mesh machine add --tier --label`, `mesh tier`, `mesh label` before it
+    registered), else `claimed_tier` / `claimed_labels` (the host's own word, given only on a
+    mesh without authentication), else tier 2 and no labels. `version` is the agent's running
+    mesh; "" (an agent that does not say) is kept as unknown."""
+
+    name: str
+    facts: Facts
+    beat_interval: float
+    version: str = ""
+    claimed_tier: int | None = None
+    claimed_labels: dict[str, str] | None = None
+
+
+async def register_many(
+    conn: asyncpg.Connection, registrations: list[Registration]
+) -> list[MachineRow]:
+    """Insert or refresh machines, in one statement: a takeover's storm of registrations is
+    written in batches (services/controller/fleet.py). Names must be distinct; the rows come
+    back in no given order."""
+    if not registrations:
+        return []
+    rows = await conn.fetch(
         """
-        WITH placed AS (DELETE FROM placements WHERE name = $1 RETURNING tier, labels)
-        INSERT INTO machines (name, tier, labels, facts, up, last_seen, beat_interval, version)
-        VALUES (
-            $1,
-            coalesce((SELECT tier FROM placed), $2, 2),
-            coalesce((SELECT labels FROM placed), $3::jsonb, '{}'::jsonb),
-            $4::jsonb, true, now(), $5, nullif($6, '')
+        WITH input AS (
+            SELECT * FROM unnest($1::text[], $2::int[], $3::text[], $4::text[],
+                                 $5::float8[], $6::text[])
+                AS i(name, claimed_tier, claimed_labels, facts, beat_interval, version)
+        ), placed AS (
+            DELETE FROM placements p USING input i WHERE p.name = i.name
+            RETURNING p.name, p.tier, p.labels
         )
+        INSERT INTO machines (name, tier, labels, facts, up, last_seen, beat_interval, version)
+        SELECT i.name, coalesce(pl.tier, i.claimed_tier, 2),
+               coalesce(pl.labels, i.claimed_labels::jsonb, '{}'::jsonb), i.facts::jsonb, true,
+               now(), i.beat_interval, nullif(i.version, '')
+        FROM input i LEFT JOIN placed pl ON pl.name = i.name
         ON CONFLICT (name) DO UPDATE SET
             facts = excluded.facts,
             up = true,
@@ -77,15 +90,17 @@ async def register(
             version = excluded.version
         RETURNING name, tier, labels, facts, up, last_seen, beat_interval, version
         """,
-        name,
-        claimed_tier,
-        json.dumps(claimed_labels, sort_keys=True) if claimed_labels is not None else None,
-        msgspec.json.encode(facts).decode(),
-        beat_interval,
-        version,
+        [r.name for r in registrations],
+        [r.claimed_tier for r in registrations],
+        [
+            json.dumps(r.claimed_labels, sort_keys=True) if r.claimed_labels is not None else None
+            for r in registrations
+        ],
+        [msgspec.json.encode(r.facts).decode() for r in registrations],
+        [r.beat_interval for r in registrations],
+        [r.version for r in registrations],
     )
-    assert r is not None
-    return _row(r)
+    return [_row(r) for r in rows]
 
 
 class Placement(msgspec.Struct):
@@ -125,9 +140,20 @@ async def set_labels(conn: asyncpg.Connection, *, name: str, labels: dict[str, s
     )
 
 
-async def set_up(conn: asyncpg.Connection, *, name: str, up: bool, last_seen: datetime) -> None:
+async def set_up_many(conn: asyncpg.Connection, changes: list[tuple[str, bool, datetime]]) -> None:
+    """Machines up or down, with their last-seen times, in one statement: (name, up, last_seen)
+    each; the names distinct."""
+    if not changes:
+        return
     await conn.execute(
-        "UPDATE machines SET up = $2, last_seen = $3 WHERE name = $1", name, up, last_seen
+        """
+        UPDATE machines AS m SET up = s.up, last_seen = s.at
+        FROM unnest($1::text[], $2::bool[], $3::timestamptz[]) AS s(name, up, at)
+        WHERE m.name = s.name
+        """,
+        [c[0] for c in changes],
+        [c[1] for c in changes],
+        [c[2] for c in changes],
     )
 
 

@@ -7,14 +7,17 @@ up/down transitions are written at once, each with an event. A machine is down a
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from datetime import UTC, datetime
 
 import anyio
 import asyncpg
 from nats.aio.client import Client
+from nats.aio.subscription import Subscription
 
 from mesh import wire
+from mesh.batching import Batches
 from mesh.model import Beat, Node, NodeCounts, ProcessState, Register
 from mesh.store import events, machines, seats
 from mesh.store.machines import MachineRow
@@ -24,6 +27,15 @@ log = logging.getLogger(__name__)
 
 CHECK_EVERY = 0.25
 FLUSH_EVERY = 5.0
+# Registrations written in one transaction at most. A takeover's storm of ten thousand is a
+# handful of batches; each holds the fleet's lock (and the beats' judgement) for tens of ms.
+REGISTER_BATCH = 1000
+# After a takeover the fleet registers again, each host at a random moment of the window the
+# `held` announcement gives (services/host/registration.py): this many a second, at most
+# REGISTER_WINDOW seconds in all; a fleet that fits in one batch asks at once.
+REGISTER_RATE = 2000.0
+TRANSITIONS_LOGGED = 10  # machines named a batch of ups or downs; the rest counted
+REGISTER_WINDOW = 5.0
 MAX_LABELS = 64  # as a registration could carry (mesh.model.Labels)
 
 
@@ -33,6 +45,40 @@ def open_bus(nc: Client) -> bool:
     own word on its tier and labels gives nothing away; under authentication it counts for
     nothing (Kubernetes' NodeRestriction: a kubelet may not set the labels that steer work)."""
     return not nc._server_info.get("auth_required", False)
+
+
+class Arrivals:
+    """When beats reached this controller, as against when it handled them: a busy controller
+    (a takeover's registrations, a flood of verbs) handles beats late, and a machine whose
+    beat waits in the queue has not missed it. Marked at every check with how many beats the
+    subscription had received by then; `handled_until(t)` is the latest time up to which every
+    beat received has been handled."""
+
+    KEEP = 60.0  # seconds of marks kept (a controller further behind than this is stalled)
+
+    def __init__(self) -> None:
+        self.sub: Subscription | None = None
+        self._marks: deque[tuple[float, int]] = deque()  # (monotonic time, beats received)
+
+    def mark(self, now: float) -> None:
+        if self.sub is None:
+            return
+        self._marks.append((now, self.sub.delivered))
+        while self._marks and self._marks[0][0] < now - self.KEEP:
+            self._marks.popleft()
+
+    def handled_until(self, until: float) -> float:
+        """`until`, or earlier: the last mark at or before it whose beats have all been handled
+        (received and no longer waiting in the queue)."""
+        if self.sub is None:
+            return until
+        handled = self.sub.delivered - self.sub.pending_msgs
+        best = float("-inf")
+        for when, received in self._marks:
+            if when > until or received > handled:
+                break
+            best = when
+        return best
 
 
 class Fleet:
@@ -72,6 +118,17 @@ class Fleet:
         # looked: it re-judges only those, so a tier of a thousand machines costs per event.
         self._touched: set[str] = set()
         self._touch = anyio.Event()
+        self._registrations: Batches[str, Register, MachineRow] = Batches(
+            key=lambda req: req.name, write=self._register_batch, most=REGISTER_BATCH,
+            stopped=lambda: wire.BadRequest(
+                "the controller stopped holding the seat; try again", code="unavailable"
+            ),
+        )  # fmt: skip
+        self._transitions: Batches[str, tuple[str, bool, datetime], None] = Batches(
+            key=lambda change: change[0], write=self._write_transitions, most=REGISTER_BATCH,
+            stopped=lambda: wire.BadRequest("the controller stopped holding the seat"),
+        )  # fmt: skip
+        self.arrivals = Arrivals()  # the beats' subscription, set once subscribed (reports.py)
 
     def touch(self, machine: str) -> None:
         self._touched.add(machine)
@@ -132,35 +189,59 @@ class Fleet:
         self._beat_at = dict.fromkeys(self.machines, time.monotonic())
 
     async def register(self, req: Register) -> MachineRow:
-        async with self._changing:
-            return await self._register(req)
+        """Register a machine: written with the others that came meanwhile, in one batch."""
+        return await self._registrations.submit(req)
 
-    async def _register(self, req: Register) -> MachineRow:
-        was = self.machines.get(req.name)
+    async def _register_batch(self, reqs: list[Register]) -> dict[str, MachineRow]:
+        async with self._changing:
+            return await self._write_registrations(reqs)
+
+    async def _write_registrations(self, reqs: list[Register]) -> dict[str, MachineRow]:
         trusted = self._open_bus()
+        was = {req.name: self.machines.get(req.name) for req in reqs}
         async with self._pool.acquire() as conn, conn.transaction():
-            row = await machines.register(
+            rows = await machines.register_many(
                 conn,
-                name=req.name,
-                facts=req.facts,
-                beat_interval=req.beat_interval,
-                version=req.version,
-                claimed_tier=req.tier if trusted else None,
-                claimed_labels=req.labels if trusted else None,
-            )
-            await events.record(
-                conn, "machine.registered", machine=req.name, epoch=self._epoch, tier=row.tier
-            )
-            if was is not None and not was.up:
-                await events.record(conn, "machine.up", machine=req.name, epoch=self._epoch)
-        self.machines[req.name] = row
-        if req.applied:  # what it had when it asked: an applied event heard meanwhile is newer
-            self.applied.setdefault(req.name, req.applied)
-        self.touch(req.name)
-        self._up.add(req.name)  # registering is a sign of life
-        self._beat_at[req.name] = time.monotonic()
-        self._unknown_logged.discard(req.name)
-        log.info("machine %s registered (tier %d, pid %d)", req.name, row.tier, req.pid)
+                [
+                    machines.Registration(
+                        name=req.name, facts=req.facts, beat_interval=req.beat_interval,
+                        version=req.version, claimed_tier=req.tier if trusted else None,
+                        claimed_labels=req.labels if trusted else None,
+                    )
+                    for req in reqs
+                ],
+            )  # fmt: skip
+            by_name = {row.name: row for row in rows}
+            recorded: list[tuple[str, str | None, int | None, dict[str, object]]] = []
+            for req in reqs:
+                recorded.append(("machine.registered", req.name, self._epoch,
+                                 {"tier": by_name[req.name].tier}))  # fmt: skip
+                before = was[req.name]
+                if before is not None and not before.up:
+                    recorded.append(("machine.up", req.name, self._epoch, {}))
+            await events.record_many(conn, recorded)
+        now = time.monotonic()
+        again = 0
+        for req in reqs:
+            row, before = by_name[req.name], was[req.name]
+            self.machines[req.name] = row
+            if req.applied:  # what it had when it asked: an applied event heard meanwhile is newer
+                self.applied.setdefault(req.name, req.applied)
+            self.touch(req.name)
+            self._up.add(req.name)  # registering is a sign of life
+            self._beat_at[req.name] = now
+            self._unknown_logged.discard(req.name)
+            if before is not None and before.up and before.tier == row.tier:
+                again += 1  # a known machine saying hello to a new holder: counted, not logged
+            else:
+                log.info("machine %s registered (tier %d, pid %d)", req.name, row.tier, req.pid)
+            self._log_claims(req, row)
+        if again:
+            log.info("%d machine(s) registered again%s", again,
+                     f" (in a batch of {len(reqs)})" if len(reqs) > again else "")  # fmt: skip
+        return by_name
+
+    def _log_claims(self, req: Register, row: MachineRow) -> None:
         ignored = req.tier not in (None, row.tier) or (
             bool(req.labels) and req.labels != row.labels
         )
@@ -171,7 +252,6 @@ class Fleet:
                 "(the operator's: mesh tier, mesh label)",
                 req.name, req.tier, req.labels, row.tier, row.labels,
             )  # fmt: skip
-        return row
 
     async def set_tier(self, name: str, tier: int) -> tuple[int, bool]:
         """Move a machine to another tier (plans recorded from now on use it), or place one
@@ -230,7 +310,7 @@ class Fleet:
                  "" if m is not None else " for its first registration")  # fmt: skip
         return labels, was, m is not None
 
-    async def beat(self, beat: Beat) -> None:
+    def beat(self, beat: Beat) -> None:
         m = self.machines.get(beat.name)
         if m is None:
             if beat.name not in self._unknown_logged:
@@ -242,25 +322,57 @@ class Fleet:
         m.last_seen = now
         m.beat_interval = beat.interval
         if not m.up:
-            await self._transition(beat.name, up=True, at=now)
+            self._transitions.put((beat.name, True, now))  # never waits: beats keep flowing
         else:
             self._unflushed[beat.name] = now
 
-    async def _transition(self, name: str, *, up: bool, at: datetime) -> None:
+    async def _write_transitions(
+        self, changes: list[tuple[str, bool, datetime]]
+    ) -> dict[str, None]:
+        """Machines up or down, in one transaction (a fleet coming back after an outage is
+        thousands at once); memory follows once the store has them."""
         async with self._changing:
-            m = self.machines.get(name)
-            if m is None or m.up == up:
-                return  # someone else got there first (a registration, another beat)
-            async with self._pool.acquire() as conn, conn.transaction():
-                await machines.set_up(conn, name=m.name, up=up, last_seen=m.last_seen or at)
-                await events.record(
-                    conn, "machine.up" if up else "machine.down", machine=m.name, epoch=self._epoch
-                )
-            m.up = up  # only once the store has it
-            (self._up.add if up else self._up.discard)(name)
-            self.touch(name)
-            self._unflushed.pop(m.name, None)
-        log.info("machine %s is %s", m.name, "up" if up else "down (missed heartbeats)")
+            todo = [
+                (m, up, at)
+                for name, up, at in changes
+                if (m := self.machines.get(name)) is not None and m.up != up
+            ]  # a registration, or the other way back, may have got there first
+            if not todo:
+                return {}
+            try:
+                async with self._pool.acquire() as conn, conn.transaction():
+                    await machines.set_up_many(
+                        conn, [(m.name, up, m.last_seen or at) for m, up, at in todo]
+                    )
+                    await events.record_many(conn, [
+                        ("machine.up" if up else "machine.down", m.name, self._epoch, {})
+                        for m, up, _ in todo
+                    ])  # fmt: skip
+            except (OSError, asyncpg.PostgresError) as e:
+                # Not in memory either: the next beat (or check) asks again.
+                log.warning("could not record %d machine(s) up or down: %s", len(todo), e)
+                return {}
+            for m, up, _ in todo:
+                m.up = up  # only once the store has it
+                (self._up.add if up else self._up.discard)(m.name)
+                self.touch(m.name)
+                self._unflushed.pop(m.name, None)
+        for up in (True, False):
+            names = [m.name for m, u, _ in todo if u == up]
+            how = "up" if up else "down (missed heartbeats)"
+            for name in names[:TRANSITIONS_LOGGED]:
+                log.info("machine %s is %s", name, how)
+            if len(names) > TRANSITIONS_LOGGED:
+                log.info("... and %d more machine(s) %s", len(names) - TRANSITIONS_LOGGED, how)
+        return {}
+
+    async def run(self) -> None:
+        """The holder's fleet work, until cancelled: registrations written in batches, beats
+        judged, last-seen times flushed."""
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._registrations.run)
+            tg.start_soon(self._transitions.run)
+            tg.start_soon(self.watch)
 
     async def watch(self) -> None:
         """Mark machines down that missed their beats; batch last-seen times to the store."""
@@ -272,11 +384,16 @@ class Fleet:
                 log.info("this controller stalled for %.1fs: heartbeat clocks restart", now - tick)
                 self.forgive()
             tick = now
-            answered = self._bus_answered()
-            for m in list(self.machines.values()):
+            self.arrivals.mark(now)
+            # Judged at the last time at which both hold: NATS answered our round trip (so
+            # every beat sent before it had reached us), and we had handled every beat that
+            # had reached us by then. A beat still waiting in our queue is not a missed one.
+            judged = self.arrivals.handled_until(self._bus_answered())
+            at = datetime.now(UTC)
+            for m in self.machines.values():
                 due = self._beat_at.get(m.name, now) + self._down_after * m.beat_interval
-                if m.up and due < now and due < answered:
-                    await self._transition(m.name, up=False, at=datetime.now(UTC))
+                if m.up and due < judged:
+                    self._transitions.put((m.name, False, at))
             if now - flushed >= FLUSH_EVERY:
                 await self.flush()
                 flushed = now
@@ -286,6 +403,11 @@ class Fleet:
         if seen:
             async with self._pool.acquire() as conn:
                 await machines.touch_many(conn, seen)
+
+    def registration_window(self) -> float:
+        """Seconds over which the fleet should spread its registrations with a new holder."""
+        n = len(self.machines)
+        return 0.0 if n <= REGISTER_BATCH else min(REGISTER_WINDOW, n / REGISTER_RATE)
 
     def counts(self) -> NodeCounts:
         total, up = len(self.machines), len(self._up)

@@ -41,11 +41,18 @@ class VerbSubscriptions:
     Until `serve(...)` is called, a message waits (in its own task) for it."""
 
     def __init__(
-        self, *, nc: Client, tasks: TaskGroup, endpoints: Sequence[Endpoint], stats: Stats
+        self,
+        *,
+        nc: Client,
+        tasks: TaskGroup,
+        endpoints: Sequence[Endpoint],
+        stats: Stats,
+        overloaded: Callable[[], str | None] | None = None,
     ) -> None:
         self._nc = nc
         self._tasks = tasks
-        self._server = Server(nc=nc, endpoints=endpoints, service="controller", stats=stats)
+        self._server = Server(nc=nc, endpoints=endpoints, service="controller", stats=stats,
+                              overloaded=overloaded)  # fmt: skip
         self._holder: Any = None
         self._fresh: Callable[[], bool] = lambda: True
         self._ready = anyio.Event()

@@ -15,7 +15,7 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 
 import anyio
@@ -53,6 +53,26 @@ log = logging.getLogger("mesh.controller")
 SERVING = ("holding", "handing-over")  # readiness states in which this controller serves verbs
 BUS_GRACE = 3.0  # a holder cut off from NATS this long steps down (docs/design.md, the seat)
 ROUND_TRIP_EVERY = 1.0  # how often the holder checks that NATS answers
+
+
+# Past these, every verb and host request is answered `busy` before any work is done, until
+# the controller has caught up: the seat's pings (its lock session every second, NATS round
+# trips) run in the same event loop as the verbs, and a loop that runs late would miss them
+# and give the seat away for being busy (docs/operations.md, "A seat load cannot take away").
+SHED_LAG = 0.5  # seconds the event loop runs its timers late
+SHED_ROUND_TRIP = 1.0  # seconds a NATS round trip takes (behind a backlog we have not read)
+
+
+def _overloaded(link: bus.Link) -> Callable[[], str | None]:
+    def why() -> str | None:
+        lag = metrics.LOOP_LAG.last
+        if lag > SHED_LAG:
+            return f"its event loop runs {lag:.1f}s late"
+        if link.round_trip > SHED_ROUND_TRIP:
+            return f"its NATS round trips take {link.round_trip:.1f}s"
+        return None
+
+    return why
 
 
 class BusLost(MeshError):
@@ -140,11 +160,13 @@ async def run(
                     served_metrics.serve, metrics.REGISTRY, metrics_on, f"controller {instance}"
                 )
             tg.start_soon(ready.keep_writing)
+            tg.start_soon(metrics.LOOP_LAG.run)
             holding: list[Stop] = []  # the current hold's Stop, while this controller holds
             signalled = anyio.Event()
             tg.start_soon(_signals, tg.cancel_scope, holding, signalled)
             while True:
-                verbs = VerbSubscriptions(nc=nc, tasks=tg, endpoints=ENDPOINTS, stats=stats)
+                verbs = VerbSubscriptions(nc=nc, tasks=tg, endpoints=ENDPOINTS, stats=stats,
+                                          overloaded=_overloaded(link))  # fmt: skip
                 if not await lock.try_acquire():
                     log.info("controller %s standing by for the seat %s", instance, subjects.SEAT)
                     ready.set("standby")
@@ -244,7 +266,8 @@ class Hold:
         )  # fmt: skip
         await fleet.load()
         kv, obs = await blobs.ensure(self.nc)
-        held = msgspec.structs.replace(self.me, since=row.since, epoch=row.epoch)
+        held = msgspec.structs.replace(self.me, since=row.since, epoch=row.epoch,
+                                       register_within=fleet.registration_window())  # fmt: skip
         try:
             async with anyio.create_task_group() as background:
                 manifests = Manifests()
@@ -353,7 +376,7 @@ class Hold:
         background.start_soon(self.lock.watch)
         assert self.seat_kv is not None
         background.start_soon(lambda: epochs.watch(self.seat_kv, epoch=held.epoch))
-        background.start_soon(holder.fleet.watch)
+        background.start_soon(holder.fleet.run)
         background.start_soon(holder.publisher.keep_published)
         background.start_soon(metrics.HELD.holding, holder.fleet, self.pool)
         background.start_soon(_step_down_without_bus, self.link, nc)

@@ -16,6 +16,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from mesh import metrics
+from mesh.looplag import LoopLag
 from mesh.model import PlanState
 from mesh.store import plans
 from services.controller.fleet import Fleet
@@ -43,6 +44,8 @@ HANDOVERS = Counter(
     ["kind"], registry=REGISTRY,
 )  # fmt: skip
 VERB_ANSWERED = metrics.verbs(REGISTRY)
+LOOP_LAG = LoopLag()  # run by the controller's main task group, holder or standby
+metrics.loop_lag(REGISTRY, LOOP_LAG)
 PLAN_STEP_SECONDS = Histogram(
     "mesh_plan_step_duration_seconds",
     "Time from a plan step's declaration being sent to its machine being done (or failing)",

@@ -24,8 +24,10 @@ class HostReports:
     async def subscribe(self, nc: Client) -> list[Subscription]:
         # Not in a queue group: a paused old holder that NATS has not dropped yet
         # must not take every other beat and report (docs/design.md, the seat).
+        beats = await nc.subscribe(subjects.HOST_BEATS, cb=self.on_beat)
+        self._fleet.arrivals.sub = beats  # beats are judged by when they came (fleet.py)
         return [
-            await nc.subscribe(subjects.HOST_BEATS, cb=self.on_beat),
+            beats,
             # One subscription for both: a host's `applied` and `processes` reports are
             # handled in the order it sent them (an older snapshot never wins).
             await nc.subscribe(subjects.EVENTS, cb=self.on_event),
@@ -38,7 +40,7 @@ class HostReports:
             return  # a malformed beat is noise, not a reason to stop
         if msg.subject != subjects.host(beat.name, "beat"):
             return  # a machine speaks only for itself
-        await self._fleet.beat(beat)
+        self._fleet.beat(beat)
 
     async def on_event(self, msg: Msg) -> None:
         kind = subjects.last(msg.subject)

@@ -59,13 +59,18 @@ from services.controller.views import Views
 # flight only queue inside the controller, holding memory and their callers' time, so past
 # this many a slow verb is answered `busy` at once and the caller tries again (`mesh` does).
 SLOW_IN_FLIGHT = 16
-# Host requests (register, secret) served at once. After a takeover every host registers again:
-# they are served side by side rather than one behind another (and behind a store stall);
-# past this many the rest wait in the subscription's buffer, in the order they came.
+# Secrets served at once: side by side rather than one behind another (and behind a store
+# stall); past this many the rest wait in the subscription's buffer, in the order they came.
 HOST_IN_FLIGHT = 32
-HOST_SLOT_WAIT = 5.0  # longer than a host's attempt (1 s): it has asked again by then
+HOST_SLOT_WAIT = 5.0  # longer than a host's attempt (2 s): it has asked again by then
+# Registrations waiting for their batch (services/controller/fleet.py): a waiting one costs a
+# future and its request, so a whole takeover's storm may wait at once.
+REGISTRATIONS_IN_FLIGHT = 20_000
 SLOW = Bound("slow verbs", SLOW_IN_FLIGHT)
 HOST_REQUESTS = Bound("host requests", HOST_IN_FLIGHT, wait=HOST_SLOT_WAIT)
+# Past that many, `busy` at once (the host backs off, services/host/registration.py): waiting
+# for a slot would hold the subscription, and a storm would overflow its buffer.
+REGISTRATIONS = Bound("registrations", REGISTRATIONS_IN_FLIGHT)
 
 
 class Holder(msgspec.Struct):
@@ -225,12 +230,13 @@ async def host_secret(a: Asking, req: SecretRequest) -> SecretReply:
 
 
 # Host requests are served side by side, each in its own task (a slow `secret` does not hold
-# up a `register`), at most HOST_IN_FLIGHT at once, started in the order they came. Neither
-# verb needs more order than that: each reply goes to its own request, and registrations go
-# through the fleet's (fair) lock one at a time. A host's applied/processes reports, which must
-# stay in order, have a subscription of their own (reports.py) and are not served here.
+# up a `register`), started in the order they came: at most HOST_IN_FLIGHT secrets, and every
+# registration that comes, waiting for the fleet to write it with the others in one batch.
+# Neither verb needs more order than that: each reply goes to its own request. A host's
+# applied/processes reports, which must stay in order, have a subscription of their own
+# (reports.py) and are not served here.
 HOST_VERBS: dict[str, Verb] = {
-    "register": Verb(Register, RegisterReply, register, bound=HOST_REQUESTS),
+    "register": Verb(Register, RegisterReply, register, bound=REGISTRATIONS),
     "secret": Verb(SecretRequest, SecretReply, host_secret, bound=HOST_REQUESTS, limit=_SMALL),
 }
 

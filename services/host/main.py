@@ -7,8 +7,6 @@ seat (so a takeover never loses a machine), and publishes a heartbeat every inte
 
 import logging
 import os
-import time
-from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -19,32 +17,22 @@ from nats.aio.client import Client
 from mesh import bus, subjects, version, wire
 from mesh import metrics as served_metrics
 from mesh.discovery import Discovery
-from mesh.errors import MeshError
 from mesh.lifetime import stop_on_signals
 from mesh.model import (
     Beat,
     ProcessesEvent,
     Register,
-    RegisterReply,
     SeatAnnounce,
 )
 from mesh.paths import open_path_to
 from mesh.serving import Server, Stats
-from services.host import containers, metrics, successor, verbs
+from services.host import containers, metrics, registration, successor, verbs
 from services.host.apply import Applier
 from services.host.facts import gather
 from services.host.supervisor import Supervisor
 from services.host.verbs import HostStatus
 
 log = logging.getLogger("mesh.host")
-
-REGISTER_ATTEMPT = 2.0
-NEWER_HOLDER_WAIT = 0.25  # between registrations answered by an older holder than announced
-REFUSALS = ("bad_request", "forbidden")  # the controller's answer is final for these
-
-
-class RegistrationRefused(MeshError):
-    """The controller refused this host's registration for what it is, not for a passing fault."""
 
 
 async def run(
@@ -90,7 +78,7 @@ async def run(
             "host %s: no container engine answers (%s): declarations with containers will "
             "fail here; everything else works", name, containers.SOCKET,
         )  # fmt: skip
-    registration = Register(
+    registering = Register(
         name=name,
         tier=tier,
         labels=labels or {},
@@ -172,7 +160,8 @@ async def run(
             early = heir is None and applier.digest is not None
             if early:
                 tg.start_soon(applier.watch)
-            await _register(nc, lambda: replace(registration, applied=applier.digest), status)
+            await registration.register(nc, lambda: replace(registering, applied=applier.digest),
+                                        status)  # fmt: skip
             await report_processes()
             if heir is not None:
                 heir.running()  # registered, serving, adopted: the old agent may go
@@ -194,8 +183,9 @@ async def run(
                 except wire.BadRequest:
                     continue
                 if announce.epoch > status.epoch:  # a holder we have not registered with
-                    await _register(
-                        nc, lambda: replace(registration, applied=applier.digest), status,
+                    await anyio.sleep(registration.delay(announce))  # spread the storm
+                    await registration.register(
+                        nc, lambda: replace(registering, applied=applier.digest), status,
                         at_least=announce.epoch,
                     )  # fmt: skip
                     await report_processes()
@@ -215,63 +205,6 @@ async def run(
                 await bus.close(nc)
     if handing:
         await successor.commit(handing[0], state)
-
-
-async def _register(
-    nc: Client, current: Callable[[], Register], status: HostStatus, *, at_least: int = 0
-) -> None:
-    """Register, retrying until some controller answers; log the wait once, not per attempt.
-    With `at_least`, until the holder of that epoch (or a later one) answers: the old holder
-    may still answer for a moment after a takeover, and the new one must hear from us. Each
-    attempt says what is applied now: an apply that ends meanwhile must not be taken back."""
-    registration = current()
-    subject = subjects.ctl_host(registration.name, "register")
-    waited = False
-    while True:
-        registration = current()
-        body = wire.encode(registration)
-        try:
-            data = await bus.request(
-                nc, subject, body, deadline=time.monotonic() + REGISTER_ATTEMPT
-            )
-        except bus.NoAnswer:
-            if not waited:
-                log.info("host %s: no controller answers yet; still trying", registration.name)
-                waited = True
-            continue
-        try:
-            reply = wire.decode_reply(data, RegisterReply)
-        except wire.RemoteError as e:
-            if e.code in REFUSALS:  # retrying the same registration cannot help
-                raise RegistrationRefused(
-                    f"host {registration.name}: registration refused: {e}"
-                ) from None
-            log.warning("host %s: registration failed (%s), retrying", registration.name, e)
-            await anyio.sleep(REGISTER_ATTEMPT)
-            continue
-        if reply.epoch < at_least:  # the old holder, answering as it steps down: again
-            await anyio.sleep(NEWER_HOLDER_WAIT)
-            continue
-        status.registered = True
-        status.epoch = reply.epoch
-        status.tier = reply.tier
-        status.labels = reply.labels
-        log.info(
-            "host %s registered with the controller (epoch %d, tier %d, labels %s)",
-            registration.name,
-            reply.epoch,
-            reply.tier,
-            reply.labels,
-        )
-        asked_tier = registration.tier not in (None, reply.tier)
-        if asked_tier or (registration.labels and registration.labels != reply.labels):
-            # The tier and labels decide what this machine gets: on a mesh with credentials
-            # they are the operator's alone, and --tier/--label count for nothing.
-            log.warning(
-                "host %s: --tier/--label were not taken (the operator sets them: mesh machine "
-                "add --tier --label, mesh tier, mesh label)", registration.name,
-            )  # fmt: skip
-        return
 
 
 async def _beat(nc: Client, name: str, interval: float) -> None:
