@@ -49,6 +49,7 @@ import signal
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -129,6 +130,7 @@ class SimStats:
     applied: dict[str, int] = field(default_factory=dict)  # digest -> hosts that applied it
     heartbeats: int = 0  # the watch consumers' idle heartbeats heard
     watch_retries: int = 0  # consumer creations that failed and were tried again
+    watch_error: str = ""  # why the last one failed
 
 
 class SimProcess:
@@ -186,10 +188,17 @@ class SimProcess:
     async def watch(self, sim: Sim) -> None:
         """The consumer a host makes on its own key (services/host/watch.py's, same config),
         delivered to a subject of its own. The server's cost is every host's; only the client
-        side differs: one subscription of this process hears every host's deliveries and
-        heartbeats (`_delivered`), where a host has one task of its own (10,000 of those would
-        make this process, not the controller, what the bench measures)."""
+        side is lighter: a callback per delivery (`_delivered`), where a host's watch is a
+        generator that waits on each message with a deadline (10,000 of those would make this
+        process, not the controller, what the bench measures)."""
         subject = f"$KV.{DECLARATIONS}.{sim.name}"
+        deliver = f"{self.deliver}.{sim.name}"
+        # A subscription of its own, as a host has (nats-server delivered nothing to a
+        # wildcard subscription over several hosts' deliver subjects).
+        async def delivered(msg: Msg) -> None:
+            await self._delivered(sim, msg)
+
+        await sim.nc.subscribe(deliver, cb=delivered)
         while True:
             try:
                 async with self.creating:  # as hosts booting over a moment, not all at once
@@ -198,7 +207,7 @@ class SimProcess:
                         config=ConsumerConfig(
                             name=f"{sim.name}-{secrets.token_hex(6)}",
                             filter_subject=subject,
-                            deliver_subject=f"{self.deliver}.{sim.name}",
+                            deliver_subject=deliver,
                             deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
                             ack_policy=AckPolicy.NONE,
                             idle_heartbeat=watch.HEARTBEAT,
@@ -208,15 +217,12 @@ class SimProcess:
                         ),
                     )
                 return
-            except (nats.errors.Error, OSError):
+            except (nats.errors.Error, OSError) as e:
                 self.stats.watch_retries += 1
+                self.stats.watch_error = f"{type(e).__name__}: {e}"[:200]
                 await asyncio.sleep(watch.RETRY)
 
-    async def _delivered(self, msg: Msg) -> None:
-        name = msg.subject.rsplit(".", 1)[1]
-        sim = self.by_name.get(name)
-        if sim is None:
-            return
+    async def _delivered(self, sim: Sim, msg: Msg) -> None:
         if not msg.data:  # the consumer's idle heartbeat (or a delete marker)
             self.stats.heartbeats += 1
             return
@@ -256,9 +262,6 @@ class SimProcess:
             await self.register(sim)
 
     async def run(self, ramp: float) -> None:
-        for nc in self.conns:  # every host's deliveries arrive on the connection that made it
-            await nc.subscribe(f"{self.deliver}.>", cb=self._delivered,
-                               pending_msgs_limit=1_000_000)  # fmt: skip
         n = len(self.sims)
         async with asyncio.TaskGroup() as tg:
             tg.create_task(self.beat())
@@ -290,7 +293,11 @@ async def sims_main(args: argparse.Namespace) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     runner = asyncio.create_task(proc.run(args.ramp))
+    runner.add_done_callback(lambda _: stop.set())  # a failure ends the process: the bench sees
     await stop.wait()
+    if runner.done() and not runner.cancelled() and runner.exception() is not None:
+        traceback.print_exception(runner.exception())
+        os._exit(1)
     runner.cancel()
     # Ten thousand watches stop on their own deadlines, and a connection to a server that is
     # gone may not close promptly: give them a moment, then go.
@@ -591,7 +598,13 @@ class Run:
         self.f.plan_rate = steps / self.f.plan_s if self.f.plan_s > 0 else float("inf")
         self.f.plan_note = f"plan {plan_id} {row['state']}, {steps} machines"
         if row["state"] != "done":
-            self.f.plan_note += f": {row['error']}"
+            stats = await self.sim_stats()
+            values = sum(st.values for st in stats)
+            retries = sum(st.watch_retries for st in stats)
+            why = next((st.watch_error for st in stats if st.watch_error), "")
+            why += f"; {sum(st.heartbeats for st in stats)} heartbeats"
+            self.f.plan_note += (f": {row['error']} (the simulated hosts heard {values} values;"
+                                 f" {retries} watch creations retried: {why})")  # fmt: skip
         say(f"  three-tier plan: {self.f.plan_note} in {self.f.plan_s:.2f} s, "
             f"{self.f.plan_rate:.0f} machines/s")  # fmt: skip
 
