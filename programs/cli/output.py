@@ -1,6 +1,7 @@
 """Printing: one JSON document with --json, rich tables otherwise."""
 
 import sys
+from typing import Any
 
 import msgspec
 from rich.console import Console
@@ -13,3 +14,17 @@ def console() -> Console:
 
 def print_json(value: object) -> None:
     sys.stdout.write(msgspec.json.encode(value).decode() + "\n")
+
+
+def whole(reply: object) -> dict[str, Any]:
+    """A list put together from its pages (client.every_page) as one document: the reply's
+    shape without `next`, which only a page has."""
+    document = msgspec.to_builtins(reply)
+    document.pop("next", None)
+    return document
+
+
+def more(out: Console, *, shown: int, total: int, want: int | None, what: str) -> None:
+    """Say that `--limit` cut the list, and by how much."""
+    if want is not None and shown >= want and total > shown:
+        out.print(f"… {total - shown:,} more {what}; raise --limit to see them")
