@@ -25,7 +25,8 @@ verb first, to see how `status` scales with the fleet.
 following each page's `next` to the last (a controller that does not page answers in one
 reply: give `--max-payload` room for it), and prints per whole list its time (p50/p99), pages,
 bytes and the controller's CPU; `--cli-lists K` times `mesh --json nodes` as a user runs it (a
-new process each time: Python's start included). `--no-status` skips the status/echo rounds.
+new process each time: Python's start included; `mesh --json status` beside it shows that).
+`--no-status` skips the status/echo rounds.
 
 Why: the controller's verbs should cost little more than the bus itself; the aim is `status`
 at >= 60% of the raw echo rate. The script prints the figures and whether the aim is met; it
@@ -552,28 +553,38 @@ async def measure_nodes(nc: Client, ctl: Child, lists: int, guard: Guard) -> Lis
     return Listing(lists, machines, pages, size, seconds, cpu_seconds(ctl.pid) - before)
 
 
-async def measure_cli(pieces: Pieces, lists: int, guard: Guard) -> tuple[int, list[float]]:
-    """`mesh --json nodes`, `lists` times, each a new process as a user runs it: (machines,
-    seconds of each)."""
+async def measure_cli(pieces: Pieces, lists: int, guard: Guard) -> Cli:
+    """`mesh --json nodes`, `lists` times, each a new process as a user runs it, and as many
+    `mesh --json status` beside them: what a command costs before it lists anything (Python's
+    start, the imports, the connection)."""
     env = {**os.environ, "MESH_NATS_URL": pieces.client_url}
     if pieces.ca:
         env["MESH_CA"] = pieces.ca
     env.pop("MESH_CREDS", None)
-    seconds: list[float] = []
-    machines = 0
+    found = Cli(machines=0, nodes=[], status=[])
     for _ in range(lists):
-        guard.check()
-        t0 = time.perf_counter()
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-P", "-m", "mesh", "--json", "--timeout", "60", "nodes",
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
-        )  # fmt: skip
-        out, err = await proc.communicate()
-        seconds.append(time.perf_counter() - t0)
-        if proc.returncode != 0:
-            raise BenchError(f"mesh --json nodes failed: {err.decode(errors='replace').strip()}")
-        machines = len(msgspec.json.decode(out)["nodes"])
-    return machines, seconds
+        for verb, seconds in (("nodes", found.nodes), ("status", found.status)):
+            guard.check()
+            t0 = time.perf_counter()
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-P", "-m", "mesh", "--json", "--timeout", "60", verb,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
+            )  # fmt: skip
+            out, err = await proc.communicate()
+            seconds.append(time.perf_counter() - t0)
+            if proc.returncode != 0:
+                what = err.decode(errors="replace").strip()
+                raise BenchError(f"mesh --json {verb} failed: {what}")
+            if verb == "nodes":
+                found.machines = len(msgspec.json.decode(out)["nodes"])
+    return found
+
+
+@dataclass
+class Cli:
+    machines: int  # in the list `mesh --json nodes` printed
+    nodes: list[float]  # seconds of each `mesh --json nodes`
+    status: list[float]  # seconds of each `mesh --json status`
 
 
 # --- the run -----------------------------------------------------------------------------
@@ -583,7 +594,7 @@ async def measure_cli(pieces: Pieces, lists: int, guard: Guard) -> tuple[int, li
 class Run:
     rounds: dict[tuple[str, str], list[Result]]
     nodes: Listing | None = None
-    cli: tuple[int, list[float]] | None = None
+    cli: Cli | None = None
 
 
 async def bench(args: argparse.Namespace, pieces: Pieces) -> Run:
@@ -613,7 +624,7 @@ async def bench(args: argparse.Namespace, pieces: Pieces) -> Run:
             say(f"reading the whole fleet with nodes {args.nodes_lists} times…")
             run.nodes = await measure_nodes(nc, ctl, args.nodes_lists, pieces.guard)
         if args.cli_lists:
-            say(f"running mesh --json nodes {args.cli_lists} times…")
+            say(f"running mesh --json nodes (and status) {args.cli_lists} times…")
             run.cli = await measure_cli(pieces, args.cli_lists, pieces.guard)
         if args.no_status:
             return run
@@ -675,13 +686,14 @@ def report_nodes(run: Run, args: argparse.Namespace) -> None:
             f"controller CPU {n.cpu / n.lists * 1000:.1f} ms per list"
         )
     if run.cli is not None:
-        machines, seconds = run.cli
-        ordered = sorted(seconds)
-        say(
-            f"mesh --json nodes ({machines} machines), {len(seconds)} times: "
-            f"median {ordered[len(ordered) // 2]:.2f} s, best {ordered[0]:.2f} s, "
-            f"worst {ordered[-1]:.2f} s"
-        )
+        for what, seconds in ((f"nodes ({run.cli.machines} machines)", run.cli.nodes),
+                              ("status", run.cli.status)):  # fmt: skip
+            ordered = sorted(seconds)
+            say(
+                f"mesh --json {what}, {len(seconds)} times: median "
+                f"{ordered[len(ordered) // 2]:.2f} s, best {ordered[0]:.2f} s, "
+                f"worst {ordered[-1]:.2f} s"
+            )
 
 
 def report(rounds: dict[tuple[str, str], list[Result]], args: argparse.Namespace) -> None:

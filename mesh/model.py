@@ -292,9 +292,12 @@ class ChangeReply(msgspec.Struct):
     changed: int = 0  # how many machines' declarations changed (`machines` may list fewer)
 
 
+MACHINES_NAMED = 10000  # machines one assign or unassign may name (selectors take any number)
+
+
 class AssignRequest(Request):
     module: Name
-    machines: Annotated[list[Name], msgspec.Meta(max_length=10000)] = []
+    machines: Annotated[list[Name], msgspec.Meta(max_length=MACHINES_NAMED)] = []
     tier: Tier | None = None
     labels: Labels = {}
     by: By = ""

@@ -11,6 +11,7 @@ from typing import Any
 
 from mesh import blobs
 from mesh.model import (
+    MACHINES_NAMED,
     AssignRequest,
     BuildLogsReply,
     BuildLogsRequest,
@@ -165,6 +166,11 @@ async def cmd_plan(args: argparse.Namespace) -> None:
 async def _assign(args: argparse.Namespace, name: str) -> None:
     if not args.machines and args.tier is None and not args.label:
         raise CliError(f"{name}: name machines, or select them with --tier or --label")
+    if len(args.machines) > MACHINES_NAMED:
+        raise CliError(
+            f"{name}: {len(args.machines)} machines named, at most {MACHINES_NAMED} at once; "
+            "select many with --tier or --label"
+        )
     body = AssignRequest(
         module=args.module, machines=args.machines, tier=args.tier, labels=dict(args.label),
         by=getpass.getuser(),

@@ -16,10 +16,11 @@ def print_json(value: object) -> None:
     sys.stdout.write(msgspec.json.encode(value).decode() + "\n")
 
 
-def whole(reply: object) -> dict[str, Any]:
+def whole(reply: msgspec.Struct) -> dict[str, Any]:
     """A list put together from its pages (client.every_page) as one document: the reply's
-    shape without `next`, which only a page has."""
-    document = msgspec.to_builtins(reply)
+    shape without `next`, which only a page has. Its fields only: the items stay Structs,
+    which msgspec encodes ten times faster than the dicts to_builtins would make of them."""
+    document = msgspec.structs.asdict(reply)
     document.pop("next", None)
     return document
 
