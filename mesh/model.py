@@ -57,6 +57,8 @@ class Request(msgspec.Struct, forbid_unknown_fields=True):
 # --- pages (mesh/paging.py) --------------------------------------------------------------------
 # A list verb answers a page of its items: at most `limit` of them, and never more bytes than
 # the NATS server takes; `next` (null on the last page) is the cursor to ask for the page after.
+# Its request omits `after` and `limit` when they are the defaults (omit_defaults): a first
+# page asked for as before is the body a controller from before pages understands.
 
 PAGE_LIMIT = 1000  # items per page when the request does not say
 PAGE_MOST = 5000  # the most a request may ask for; a page's bytes usually decide first
@@ -84,7 +86,7 @@ class StatusRequest(Request):
     pass
 
 
-class NodesRequest(Request):
+class NodesRequest(Request, omit_defaults=True):
     after: Cursor | None = None  # the previous page's `next`; None: the first page
     limit: int = PAGE_LIMIT
 
@@ -331,7 +333,7 @@ class LabelReply(msgspec.Struct):
 # --- plans -------------------------------------------------------------------------------------
 
 
-class PlanRequest(Request):
+class PlanRequest(Request, omit_defaults=True):
     id: Annotated[int, msgspec.Meta(ge=1, le=2**63 - 1)]  # a PostgreSQL bigint
     after: Cursor | None = None  # a page of its steps: the previous page's `next`
     limit: int = PAGE_LIMIT  # steps per page
@@ -340,7 +342,7 @@ class PlanRequest(Request):
         check_limit(self.limit)
 
 
-class PlansRequest(Request):
+class PlansRequest(Request, omit_defaults=True):
     limit: int = 20  # the newest 20, unless asked for more
     after: Cursor | None = None
 
@@ -406,7 +408,7 @@ class PlansReply(msgspec.Struct):
     total: int = 0  # plans in the store
 
 
-class ModulesRequest(Request):
+class ModulesRequest(Request, omit_defaults=True):
     after: Cursor | None = None
     limit: int = PAGE_LIMIT  # entries per page (a module on many machines is several)
 
@@ -453,7 +455,7 @@ class SecretSetRequest(Request):
     by: By = ""
 
 
-class DiffRequest(Request):
+class DiffRequest(Request, omit_defaults=True):
     manifest: Text
     source: Digest
     after: Cursor | None = None  # a page of the machines that would change

@@ -169,19 +169,24 @@ async def every_page(
     """Ask for `request`'s first page (through `ask_page`, the caller's one request), then for
     the page after each, until the last: the last page holding every item in order, as if the
     controller had answered in one reply (`next` None). With `want`, at most that many items,
-    asking only for the pages they need (`total` still says how many there are). Pages are
-    asked for as large as a request may (PAGE_MOST items): their bytes decide."""
+    asking only for the pages they need (`total` still says how many there are). The first
+    page is asked for as `request` says (its default `limit` goes unsaid, so a controller from
+    before pages answers it, whole); those after it as large as a request may (PAGE_MOST
+    items): their bytes decide."""
     got: dict[object, Any] = {}
     after: str | None = None
     while True:
-        limit = PAGE_MOST if want is None else min(PAGE_MOST, want + 1 - len(got))
-        page: Any = await ask_page(msgspec.structs.replace(request, after=after, limit=limit))
+        asked = request
+        if want is not None:  # one past it: the last entry may go on (a module's machines)
+            asked = msgspec.structs.replace(asked, limit=min(PAGE_MOST, want + 1 - len(got)))
+        elif after is not None:
+            asked = msgspec.structs.replace(asked, limit=PAGE_MOST)
+        page: Any = await ask_page(msgspec.structs.replace(asked, after=after))
         listing = LISTINGS[type(page)]
         for item in getattr(page, listing.items):
             key = listing.key(item)
             old = got.pop(key, None)
             got[key] = item if old is None else listing.join(old, item)
-        # One past `want`: the last entry may go on in the next page (a module's machines).
         if page.next is None or (want is not None and len(got) > want):
             break
         if page.next == after:  # a controller that does not move on would be asked forever
