@@ -23,6 +23,8 @@ from helpers import ask, await_until, mesh_cli, ok
 from mesh import paging, wire
 from mesh.model import (
     PAGE_LIMIT,
+    LogsReply,
+    LogsRequest,
     ModuleInfo,
     ModulesReply,
     ModulesRequest,
@@ -32,6 +34,7 @@ from mesh.model import (
 )
 from mesh.store.migrate import migrate
 from programs.cli.client import CliError, every_page
+from services.host import verbs as host_verbs
 
 MiB = 1024 * 1024
 PUSHED = datetime(2026, 1, 1, tzinfo=UTC)
@@ -106,6 +109,20 @@ def test_a_log_too_big_as_json_keeps_its_tail_saying_what_was_cut() -> None:
     cut = len(text) - len(kept.split("\n", 1)[1])
     assert kept.startswith(f"[… {cut} characters cut to fit a reply …]\n")
     assert paging.fitting_tail("short", 6000) == "short"
+
+
+@pytest.mark.parametrize("offset", [None, 1000])
+def test_a_hosts_logs_reply_keeps_what_fits_and_says_where_the_next_read_goes_on(offset) -> None:
+    """512 KiB of control characters is 3 MiB as JSON: a tail keeps its last bytes, a read
+    from an offset its first, its `offset` where the next read goes on (nothing lost)."""
+    data = b"\x01" * (512 * 1024)
+    end = (offset or 0) + len(data)  # where logwriter.read says the data ends
+    room = paging.room(MiB // 2, LogsReply(process="p", offset=end, data=""))  # as the verb has
+    reply = host_verbs._fitting(LogsRequest(process="p", offset=offset), end, data, room=room)
+    assert paging.encoded_size(reply) <= MiB // 2 < paging.encoded_size(data.decode())
+    kept = len(reply.data)
+    assert 0 < kept < len(data)
+    assert reply.offset == (end if offset is None else offset + kept)
 
 
 def _node(name: str, tier: int) -> Node:

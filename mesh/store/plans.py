@@ -42,13 +42,6 @@ class Step(msgspec.Struct):
     finished: datetime | None = None
     error: str | None = None
 
-    def view(self) -> PlanStep:
-        return PlanStep(
-            machine=self.machine, tier=self.tier, state=self.state, started=self.started,
-            finished=self.finished, error=self.error, before=self.before, after=self.after,
-            reverted=self.reverted,
-        )  # fmt: skip
-
 
 class Plan(msgspec.Struct):
     id: int
