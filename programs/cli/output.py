@@ -26,6 +26,7 @@ def whole(reply: msgspec.Struct) -> dict[str, Any]:
 
 
 def more(out: Console, *, shown: int, total: int, want: int | None, what: str) -> None:
-    """Say that `--limit` cut the list, and by how much."""
+    """Say that `--limit` cut the list, and by how much (`what`: one of the items)."""
     if want is not None and shown >= want and total > shown:
-        out.print(f"… {total - shown:,} more {what}; raise --limit to see them")
+        left = total - shown
+        out.print(f"… {left:,} more {what}{'s' if left != 1 else ''}; raise --limit to see them")

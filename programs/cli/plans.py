@@ -61,7 +61,7 @@ def render(out: Console, p: PlanReply, *, want: int | None = None) -> None:
             (s.before or "(none)")[7:19], s.after[7:19], s.error or "",
         )  # fmt: skip
     out.print(table)
-    more(out, shown=len(p.steps), total=p.total, want=want, what="steps")
+    more(out, shown=len(p.steps), total=p.total, want=want, what="step")
 
 
 def _listing(out: Console, r: PlansReply, *, want: int | None) -> None:
@@ -79,7 +79,7 @@ def _listing(out: Console, r: PlansReply, *, want: int | None) -> None:
             p.created.strftime("%Y-%m-%d %H:%M:%S"), p.failure or "",
         )  # fmt: skip
     out.print(table)
-    more(out, shown=len(r.plans), total=r.total, want=want, what="plans")
+    more(out, shown=len(r.plans), total=r.total, want=want, what="plan")
 
 
 def _tier_line(p: PlanReply, tier: int) -> str:

@@ -107,7 +107,7 @@ def nodes(console: Console, r: NodesReply, *, want: int | None = None) -> None:
             procs,
         )  # fmt: skip
     console.print(table)
-    more(console, shown=len(r.nodes), total=r.total, want=want, what="machines")
+    more(console, shown=len(r.nodes), total=r.total, want=want, what="machine")
 
 
 CHANGED_SHOWN = 20  # machines a change's output names; `mesh plan ID` lists every one
@@ -140,7 +140,7 @@ def diff(console: Console, r: DiffReply, *, want: int | None = None) -> None:
             console.print(f"  {c['op']} {c['kind']} {c['name']}", markup=False)
             for field, (old, new) in sorted(c.get("fields", {}).items()):
                 console.print(f"      {field}: {_short(old)} -> {_short(new)}", markup=False)
-    more(console, shown=len(r.machines), total=r.total, want=want, what="machines")
+    more(console, shown=len(r.machines), total=r.total, want=want, what="machine")
 
 
 ASSIGNED_SHOWN = 10  # machines a module's row names; the rest are counted (`--json` has all)
@@ -166,4 +166,4 @@ def modules(console: Console, r: ModulesReply, *, want: int | None = None) -> No
             _assigned(m.assigned), ", ".join(m.processes) or "-", ", ".join(m.containers) or "-",
         )  # fmt: skip
     console.print(table)
-    more(console, shown=len(r.modules), total=r.total, want=want, what="modules")
+    more(console, shown=len(r.modules), total=r.total, want=want, what="module")
