@@ -18,6 +18,13 @@ item (for most verbs impossible by their own limits, on a server with the defaul
 
 Pure: the caller finds where the page starts (a bisection of keys it keeps sorted, or a query
 `WHERE key > cursor`) and hands the items from there on; `fill` takes what fits.
+
+A new list verb pages in four steps: its request takes `after: Cursor | None` and `limit`
+(checked by mesh.model.check_limit in `__post_init__`, with `omit_defaults`), its reply `next`
+and `total`; its handler reads `after(req.after, verb=..., shape=...)`, starts there and
+returns `fill(...)`'s items and `next`, with `room(budget, the reply without items)`; its Verb
+says `too_large=HINT`; and programs/cli/client.py's LISTINGS names its items' field and key,
+so `every_page` (the command line, the console) follows it.
 """
 
 import base64
