@@ -21,7 +21,7 @@ from helpers import ask, await_until, mesh_cli, ok, one_line_error
 from nats.aio.client import Client
 from nats.errors import TimeoutError as NatsTimeout
 
-from mesh import bus, subjects, wire
+from mesh import bus, paging, subjects, wire
 from mesh.model import SeatAnnounce
 from programs.cli import client
 from services.controller import handover, planner, standbys
@@ -155,10 +155,17 @@ async def test_answer_refuses_a_reply_past_the_servers_max_payload(nc) -> None:
     async def on(msg) -> None:
         await bus.answer(msg, huge, service="host")
 
+    async def paged(msg) -> None:  # as a verb that pages says it (serving.Verb.too_large)
+        await bus.answer(msg, huge, service="controller", hint=paging.HINT)
+
     await nc.subscribe("test.huge", cb=on)
+    await nc.subscribe("test.paged", cb=paged)
     reply = json.loads((await nc.request("test.huge", b"{}", timeout=5)).data)
     assert reply["error"]["code"] == "too_large", reply
     assert reply["error"]["message"].startswith("the reply to huge is too large: "), reply
+    assert reply["error"]["message"].endswith("; ask for less"), reply
+    reply = json.loads((await nc.request("test.paged", b"{}", timeout=5)).data)
+    assert reply["error"]["message"].endswith("; ask with a smaller `limit`, or follow `next`")
 
 
 # --- 2. `internal` says where to look, not what went wrong ---------------------------------------
