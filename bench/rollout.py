@@ -99,6 +99,7 @@ from mesh.model import (
     RegisterReply,
     StatusReply,
 )
+from programs.cli.client import every_page
 
 AIM = 1000.0  # machines per second through the controller (issue 5)
 FINAL = ("done", "failed", "reverted")
@@ -400,7 +401,8 @@ async def follow(nc: Client, plan_id: int, guard: Guard) -> PlanReply:
         guard.check()
         status = await ask(nc, "status", None, StatusReply)
         if status.plan is None or status.plan.id != plan_id:  # not started yet, or over
-            plan = await ask(nc, "plan", PlanRequest(id=plan_id), PlanReply)
+            plan = await every_page(lambda body: ask(nc, "plan", body, PlanReply),
+                                    PlanRequest(id=plan_id))  # fmt: skip
             if plan.state in FINAL:
                 return plan
         await asyncio.sleep(POLL_EVERY)

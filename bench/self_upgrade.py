@@ -99,9 +99,10 @@ from nats.aio.client import __version__ as nats_py_version
 from mesh import blobs, bus, subjects, wire
 from mesh.embedded.children import Child, spawn, stop_agents, stop_supervised
 from mesh.meshdir import MeshDir
-from mesh.model import NodesReply, PlanReply, PlanRequest
+from mesh.model import NodesReply, NodesRequest, PlanReply, PlanRequest
 from mesh.modules import archive
 from mesh.modules.meshsource import PACKAGES, PROJECT_FILE
+from programs.cli.client import every_page
 from services.host import bundles
 
 CHECKOUT = Path(__file__).resolve().parent.parent
@@ -321,10 +322,11 @@ class Mesh:
         return wire.decode_reply(data, into)
 
     async def nodes(self) -> NodesReply:
-        return await self.ask("nodes", {}, NodesReply)
+        return await every_page(lambda body: self.ask("nodes", body, NodesReply), NodesRequest())
 
     async def plan(self, plan_id: int) -> PlanReply:
-        return await self.ask("plan", PlanRequest(id=plan_id), PlanReply)
+        return await every_page(lambda body: self.ask("plan", body, PlanReply),
+                                PlanRequest(id=plan_id))  # fmt: skip
 
     async def cli(self, *args: str, timeout: float = 900) -> tuple[int, str, str]:
         proc = await asyncio.create_subprocess_exec(

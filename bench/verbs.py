@@ -21,6 +21,13 @@ client), which shows where the time goes, and the CPU the rest of the machine us
 a run disturbed by other work. `--machines N` registers N machines through the real register
 verb first, to see how `status` scales with the fleet.
 
+`--nodes-lists K` then reads the whole fleet with `nodes` K times, one request after another,
+following each page's `next` to the last (a controller that does not page answers in one
+reply: give `--max-payload` room for it), and prints per whole list its time (p50/p99), pages,
+bytes and the controller's CPU; `--cli-lists K` times `mesh --json nodes` as a user runs it (a
+new process each time: Python's start included; `mesh --json status` beside it shows that).
+`--no-status` skips the status/echo rounds.
+
 Why: the controller's verbs should cost little more than the bus itself; the aim is `status`
 at >= 60% of the raw echo rate. The script prints the figures and whether the aim is met; it
 never fails on a timing (timings are not asserted anywhere, see docs/performance.md).
@@ -28,6 +35,8 @@ never fails on a timing (timings are not asserted anywhere, see docs/performance
     .venv/bin/python bench/verbs.py [--requests 5000] [--concurrent-requests 80000]
                                     [--concurrency 64] [--rounds 8] [--machines 0]
                                     [--warmup 500] [--deadline 600] [--nats 1] [--tls]
+                                    [--nodes-lists 0] [--cli-lists 0] [--no-status]
+                                    [--max-payload BYTES]
 
 Everything lives in a temporary folder; every child runs in its own session and is stopped in
 a `finally`, so nothing is left running when the script ends or fails.
@@ -52,6 +61,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 import nats
 import nats.errors
 from nats.aio.client import Client
@@ -308,8 +318,12 @@ class Pieces:
     The controller (and the echo responder) connect to the first server, the bench's own
     client to the second (`client_url`), so with a cluster every request crosses a route."""
 
-    def __init__(self, folder: Path, guard: Guard, *, servers: int = 1, tls: bool = False):
+    def __init__(
+        self, folder: Path, guard: Guard, *, servers: int = 1, tls: bool = False,
+        max_payload: int | None = None,
+    ) -> None:  # fmt: skip
         self.folder = folder
+        self.max_payload = max_payload
         self.guard = guard
         self.servers = servers
         self.tls = tls or servers > 1
@@ -370,7 +384,7 @@ class Pieces:
                                       hosts=["127.0.0.1", "localhost"])  # fmt: skip
                 server_tls = natsd.Tls(cert=cert, key=key, ca=Path(self.ca))
             conf = natsd.write_config(
-                folder, port=port, name=name, tls=server_tls,
+                folder, port=port, name=name, tls=server_tls, max_payload=self.max_payload,
                 cluster=natsd.Cluster(port=cluster[i], routes=[f"127.0.0.1:{p}" for p in cluster])
                 if cluster else None,
             )  # fmt: skip
@@ -484,10 +498,106 @@ async def register_machines(nc: Client, n: int, guard: Guard) -> None:
     await _all(worker() for _ in range(min(n, 16)))
 
 
+# --- the whole fleet through `nodes` --------------------------------------------------------
+
+
+class _NodesPage(msgspec.Struct):
+    nodes: list[msgspec.Raw]  # counted and measured, not decoded
+    next: str | None = None  # absent from a controller that does not page
+
+
+@dataclass
+class Listing:
+    """Reading the whole fleet with `nodes`, `lists` times, one after another."""
+
+    lists: int
+    machines: int  # in each list
+    pages: int  # per list
+    size: int  # bytes of replies per list
+    seconds: list[float]  # one per list
+    cpu: float  # the controller's CPU seconds over all lists
+
+    def percentile(self, q: float) -> float:
+        ordered = sorted(self.seconds)
+        return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered)) - 1))] * 1000
+
+
+PAGE_MOST = 5000  # the most a page may be asked for (mesh.model.PAGE_MOST): bytes decide
+
+
+async def list_nodes(nc: Client, guard: Guard) -> tuple[int, int, int]:
+    """The whole fleet, page after page: (machines, pages, bytes)."""
+    body = wire.encode({"limit": PAGE_MOST})
+    machines = pages = size = 0
+    while True:
+        guard.check()
+        data = (await nc.request("mesh.ctl.nodes", body, timeout=REQUEST_TIMEOUT)).data
+        if pages == 0 and _is_error(data) and b"limit" in data:
+            body = b"{}"  # a controller from before paging: one reply, no fields to ask with
+            continue
+        page = wire.decode_reply(data, _NodesPage)
+        machines, pages, size = machines + len(page.nodes), pages + 1, size + len(data)
+        if page.next is None:
+            return machines, pages, size
+        body = wire.encode({"after": page.next, "limit": PAGE_MOST})
+
+
+async def measure_nodes(nc: Client, ctl: Child, lists: int, guard: Guard) -> Listing:
+    await list_nodes(nc, guard)  # once unmeasured: the controller's first answer warms it
+    seconds: list[float] = []
+    before = cpu_seconds(ctl.pid)
+    for _ in range(lists):
+        t0 = time.perf_counter()
+        machines, pages, size = await list_nodes(nc, guard)
+        seconds.append(time.perf_counter() - t0)
+    return Listing(lists, machines, pages, size, seconds, cpu_seconds(ctl.pid) - before)
+
+
+async def measure_cli(pieces: Pieces, lists: int, guard: Guard) -> Cli:
+    """`mesh --json nodes`, `lists` times, each a new process as a user runs it, and as many
+    `mesh --json status` beside them: what a command costs before it lists anything (Python's
+    start, the imports, the connection)."""
+    env = {**os.environ, "MESH_NATS_URL": pieces.client_url}
+    if pieces.ca:
+        env["MESH_CA"] = pieces.ca
+    env.pop("MESH_CREDS", None)
+    found = Cli(machines=0, nodes=[], status=[])
+    for _ in range(lists):
+        for verb, seconds in (("nodes", found.nodes), ("status", found.status)):
+            guard.check()
+            t0 = time.perf_counter()
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-P", "-m", "mesh", "--json", "--timeout", "60", verb,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
+            )  # fmt: skip
+            out, err = await proc.communicate()
+            seconds.append(time.perf_counter() - t0)
+            if proc.returncode != 0:
+                what = err.decode(errors="replace").strip()
+                raise BenchError(f"mesh --json {verb} failed: {what}")
+            if verb == "nodes":
+                found.machines = len(msgspec.json.decode(out)["nodes"])
+    return found
+
+
+@dataclass
+class Cli:
+    machines: int  # in the list `mesh --json nodes` printed
+    nodes: list[float]  # seconds of each `mesh --json nodes`
+    status: list[float]  # seconds of each `mesh --json status`
+
+
 # --- the run -----------------------------------------------------------------------------
 
 
-async def bench(args: argparse.Namespace, pieces: Pieces) -> dict[tuple[str, str], list[Result]]:
+@dataclass
+class Run:
+    rounds: dict[tuple[str, str], list[Result]]
+    nodes: Listing | None = None
+    cli: Cli | None = None
+
+
+async def bench(args: argparse.Namespace, pieces: Pieces) -> Run:
     say(f"starting {pieces.describe()}…")
     servers = await pieces.nats()
     for child, url in zip(servers, pieces.urls, strict=True):
@@ -509,6 +619,15 @@ async def bench(args: argparse.Namespace, pieces: Pieces) -> dict[tuple[str, str
             data = (await nc.request(STATUS_SUBJECT, b"{}", timeout=REQUEST_TIMEOUT)).data
             counts = wire.decode_reply(data, StatusReply).nodes
             say(f"  status counts {counts.total} machines, {counts.up} up")
+        run = Run(rounds={})
+        if args.nodes_lists:
+            say(f"reading the whole fleet with nodes {args.nodes_lists} times…")
+            run.nodes = await measure_nodes(nc, ctl, args.nodes_lists, pieces.guard)
+        if args.cli_lists:
+            say(f"running mesh --json nodes (and status) {args.cli_lists} times…")
+            run.cli = await measure_cli(pieces, args.cli_lists, pieces.guard)
+        if args.no_status:
+            return run
         say("starting the echo responder…")
         echo = await pieces.echo(nc)
         say(f"  echo responder pid {echo.pid}")
@@ -528,7 +647,7 @@ async def bench(args: argparse.Namespace, pieces: Pieces) -> dict[tuple[str, str
 
         # Rounds in the order echo-status, status-echo, …: a machine whose speed drifts during
         # the run (a shared VM does) then slows both subjects alike, and neither is always first.
-        results: dict[tuple[str, str], list[Result]] = {}
+        results = run.rounds
         for mode, total in (
             ("sequential", args.requests),
             ("concurrent", args.concurrent_requests),
@@ -543,7 +662,7 @@ async def bench(args: argparse.Namespace, pieces: Pieces) -> dict[tuple[str, str
                     results.setdefault((subject, mode), []).append(
                         await measure(mode, subject, child, n)
                     )
-        return results
+        return run
     finally:
         await nc.close()
 
@@ -552,6 +671,29 @@ def pieces_text(args: argparse.Namespace) -> str:
     if args.nats > 1:
         return f"nats: a cluster of {args.nats} servers, TLS, the client and responders apart"
     return "nats: one server, " + ("TLS" if args.tls else "plaintext")
+
+
+def report_nodes(run: Run, args: argparse.Namespace) -> None:
+    say("")
+    payload = args.max_payload or "default (1 MiB)"
+    say(f"{pieces_text(args)}; machines registered: {args.machines}; max_payload: {payload}; "
+        f"load average {os.getloadavg()[0]:.2f}")  # fmt: skip
+    if run.nodes is not None:
+        n = run.nodes
+        say(
+            f"nodes, the whole fleet ({n.machines} machines, {n.pages} page(s), {n.size} bytes), "
+            f"{n.lists} times: p50 {n.percentile(50):.1f} ms, p99 {n.percentile(99):.1f} ms, "
+            f"controller CPU {n.cpu / n.lists * 1000:.1f} ms per list"
+        )
+    if run.cli is not None:
+        for what, seconds in ((f"nodes ({run.cli.machines} machines)", run.cli.nodes),
+                              ("status", run.cli.status)):  # fmt: skip
+            ordered = sorted(seconds)
+            say(
+                f"mesh --json {what}, {len(seconds)} times: median "
+                f"{ordered[len(ordered) // 2]:.2f} s, best {ordered[0]:.2f} s, "
+                f"worst {ordered[-1]:.2f} s"
+            )
 
 
 def report(rounds: dict[tuple[str, str], list[Result]], args: argparse.Namespace) -> None:
@@ -625,12 +767,21 @@ def parser() -> argparse.ArgumentParser:
         "--nats", type=int, default=1, metavar="N", help="nats-servers; above 1 a TLS cluster (1)"
     )
     p.add_argument("--tls", action="store_true", help="TLS on a lone nats-server too")
+    p.add_argument(
+        "--nodes-lists", type=int, default=0, help="read the whole fleet with nodes K times (0)"
+    )
+    p.add_argument("--cli-lists", type=int, default=0, help="run mesh --json nodes K times (0)")
+    p.add_argument("--no-status", action="store_true", help="skip the status/echo rounds")
+    p.add_argument(
+        "--max-payload", type=int, default=None, metavar="BYTES",
+        help="the nats-servers' max_payload (their default: 1 MiB)",
+    )  # fmt: skip
     p.add_argument("--echo-server", metavar="URL", help=argparse.SUPPRESS)  # the child's mode
     p.add_argument("--echo-ca", metavar="FILE", help=argparse.SUPPRESS)
     return p
 
 
-async def run(args: argparse.Namespace) -> dict[tuple[str, str], list[Result]]:
+async def run(args: argparse.Namespace) -> Run:
     guard = Guard(args.deadline)
     main_task = asyncio.current_task()
     assert main_task is not None
@@ -645,7 +796,9 @@ async def run(args: argparse.Namespace) -> dict[tuple[str, str], list[Result]]:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, interrupt)
     with tempfile.TemporaryDirectory(prefix="mesh-bench-") as tmp:
-        pieces = Pieces(Path(tmp), guard, servers=args.nats, tls=args.tls)
+        pieces = Pieces(
+            Path(tmp), guard, servers=args.nats, tls=args.tls, max_payload=args.max_payload
+        )
         try:
             async with asyncio.timeout(args.deadline):
                 return await bench(args, pieces)
@@ -683,7 +836,10 @@ def main() -> None:
         sys.exit(f"bench failed: {e}")
     except KeyboardInterrupt:
         sys.exit(130)
-    report(results, args)
+    if results.nodes is not None or results.cli is not None:
+        report_nodes(results, args)
+    if results.rounds:
+        report(results.rounds, args)
 
 
 if __name__ == "__main__":

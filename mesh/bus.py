@@ -280,12 +280,17 @@ async def _discard(nc: Client) -> None:
 
 
 async def answer(
-    msg: Msg, serve: Callable[[], Awaitable[object]], *, service: str = "controller"
+    msg: Msg,
+    serve: Callable[[], Awaitable[object]],
+    *,
+    service: str = "controller",
+    hint: str = "ask for less",
 ) -> str | None:
     """Reply to a request with what `serve` returns, or with an error reply: a BadRequest's
     code and message, `internal` for anything else (logged under a short id the reply names;
     the exception's text stays in `service`'s log), `too_large` for a reply the NATS server
-    would not take. A publish gets no reply. Never raises but for cancellation: a reply that
+    would not take, saying what to do (`hint`: a verb that pages names its cursor and limit,
+    mesh.paging.HINT). A publish gets no reply. Never raises but for cancellation: a reply that
     cannot be sent is logged, since one caller's request must not take a service down.
     Returns the outcome, `ok` or the error reply's code (None for a publish), for counting."""
     if not msg.reply:
@@ -319,7 +324,7 @@ async def answer(
         body = wire.error(
             "too_large",
             f"the reply to {verb[:64]} is too large: {len(body)} bytes, more than the NATS "
-            f"server takes ({limit}); ask for less",
+            f"server takes ({limit}); {hint}",
         )
     await _respond(msg, body)
     return outcome

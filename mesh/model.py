@@ -54,6 +54,24 @@ class Request(msgspec.Struct, forbid_unknown_fields=True):
     """Base of every request body: unknown fields are refused."""
 
 
+# --- pages (mesh/paging.py) --------------------------------------------------------------------
+# A list verb answers a page of its items: at most `limit` of them, and never more bytes than
+# the NATS server takes; `next` (null on the last page) is the cursor to ask for the page after.
+# Its request omits `after` and `limit` when they are the defaults (omit_defaults): a first
+# page asked for as before is the body a controller from before pages understands.
+
+PAGE_LIMIT = 1000  # items per page when the request does not say
+PAGE_MOST = 5000  # the most a request may ask for; a page's bytes usually decide first
+Cursor = Annotated[str, msgspec.Meta(max_length=512)]  # `next` as a page gave it: opaque
+
+
+def check_limit(limit: int) -> None:
+    """A request's `limit`, refused in words that name it and its value (raised in a request's
+    __post_init__, msgspec reports it as the body's validation error)."""
+    if not 1 <= limit <= PAGE_MOST:
+        raise ValueError(f"limit: {limit} is out of range (1 to {PAGE_MOST})")
+
+
 class Peer(msgspec.Struct):
     """Base of what the mesh's own pieces (hosts, controllers) send each other. During an
     upgrade of the mesh (docs/operations.md) an old and a new version talk: an older reader
@@ -68,8 +86,12 @@ class StatusRequest(Request):
     pass
 
 
-class NodesRequest(Request):
-    pass
+class NodesRequest(Request, omit_defaults=True):
+    after: Cursor | None = None  # the previous page's `next`; None: the first page
+    limit: int = PAGE_LIMIT
+
+    def __post_init__(self) -> None:
+        check_limit(self.limit)
 
 
 class SeatInfo(msgspec.Struct):
@@ -184,6 +206,8 @@ class Node(msgspec.Struct):
 
 class NodesReply(msgspec.Struct):
     nodes: list[Node]
+    next: str | None = None  # the cursor of the page after this one; None: this is the last
+    total: int = 0  # machines in the whole fleet, as the controller counts them now
 
 
 # --- what a host says -------------------------------------------------------------------------
@@ -260,18 +284,25 @@ class PushRequest(Request):
     by: By = ""
 
 
+CHANGED_LISTED = 1000  # machines a change's reply names at most: its plan lists every one
+
+
 class ChangeReply(msgspec.Struct):
     """What push, assign, unassign and secret set answer: the plan, or null for no change."""
 
     plan: int | None
-    machines: list[str]  # whose declarations changed
+    machines: list[str]  # whose declarations changed, the first CHANGED_LISTED by name
     message: str
     version: str | None = None
+    changed: int = 0  # how many machines' declarations changed (`machines` may list fewer)
+
+
+MACHINES_NAMED = 10000  # machines one assign or unassign may name (selectors take any number)
 
 
 class AssignRequest(Request):
     module: Name
-    machines: Annotated[list[Name], msgspec.Meta(max_length=10000)] = []
+    machines: Annotated[list[Name], msgspec.Meta(max_length=MACHINES_NAMED)] = []
     tier: Tier | None = None
     labels: Labels = {}
     by: By = ""
@@ -305,12 +336,21 @@ class LabelReply(msgspec.Struct):
 # --- plans -------------------------------------------------------------------------------------
 
 
-class PlanRequest(Request):
+class PlanRequest(Request, omit_defaults=True):
     id: Annotated[int, msgspec.Meta(ge=1, le=2**63 - 1)]  # a PostgreSQL bigint
+    after: Cursor | None = None  # a page of its steps: the previous page's `next`
+    limit: int = PAGE_LIMIT  # steps per page
+
+    def __post_init__(self) -> None:
+        check_limit(self.limit)
 
 
-class PlansRequest(Request):
-    limit: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 20
+class PlansRequest(Request, omit_defaults=True):
+    limit: int = 20  # the newest 20, unless asked for more
+    after: Cursor | None = None
+
+    def __post_init__(self) -> None:
+        check_limit(self.limit)
 
 
 class PlanStep(msgspec.Struct):
@@ -359,16 +399,27 @@ class PlanReply(msgspec.Struct):
     failure: str | None  # which machine failed and why (not `error`: that is a refusal)
     settings: PlanSettings
     builds: list[PlanBuild]
-    tiers: list[PlanTier]
-    steps: list[PlanStep]
+    tiers: list[PlanTier]  # of every step, whichever page this is
+    steps: list[PlanStep]  # a page of them, by tier then machine
+    next: str | None = None
+    total: int = 0  # steps in the whole plan
 
 
 class PlansReply(msgspec.Struct):
     plans: list[PlanSummary]
+    next: str | None = None
+    total: int = 0  # plans in the store
 
 
-class ModulesRequest(Request):
-    pass
+class ModulesRequest(Request, omit_defaults=True):
+    after: Cursor | None = None
+    limit: int = PAGE_LIMIT  # entries per page (a module on many machines is several)
+
+    def __post_init__(self) -> None:
+        check_limit(self.limit)
+
+
+ASSIGNED_PER_ENTRY = 1000  # machines in one entry of `modules`; more: the next entries go on
 
 
 class ModuleInfo(msgspec.Struct):
@@ -376,6 +427,8 @@ class ModuleInfo(msgspec.Struct):
     version: str
     pushed_at: datetime
     pushed_by: str
+    # By name. A module on more than ASSIGNED_PER_ENTRY machines is listed in several entries
+    # one after another, each with the next of its machines (a client joins them).
     assigned: list[str]
     processes: list[str]
     containers: list[str]
@@ -383,6 +436,8 @@ class ModuleInfo(msgspec.Struct):
 
 class ModulesReply(msgspec.Struct):
     modules: list[ModuleInfo]
+    next: str | None = None
+    total: int = 0  # modules (not entries)
 
 
 class DeclarationRequest(Request):
@@ -403,9 +458,14 @@ class SecretSetRequest(Request):
     by: By = ""
 
 
-class DiffRequest(Request):
+class DiffRequest(Request, omit_defaults=True):
     manifest: Text
     source: Digest
+    after: Cursor | None = None  # a page of the machines that would change
+    limit: int = PAGE_LIMIT
+
+    def __post_init__(self) -> None:
+        check_limit(self.limit)
 
 
 class MachineDiff(msgspec.Struct):
@@ -418,8 +478,10 @@ class MachineDiff(msgspec.Struct):
 class DiffReply(msgspec.Struct):
     module: str
     version: str
-    machines: list[MachineDiff]
+    machines: list[MachineDiff]  # a page of them, by name
     builds: list[str]  # bundles that would be built first
+    next: str | None = None
+    total: int = 0  # machines that would change
 
 
 class BuildLogsRequest(Request):

@@ -56,6 +56,9 @@ class Verb(Generic[C, Q, R]):
     handler: Callable[[C, Q], Awaitable[R]]
     limit: int = wire.MAX_BODY  # bytes of body, refused `too_large` before decoding
     bound: Bound | None = None  # None: answered in the subscription's callback, in order
+    # What a reply too large for the bus tells the caller to do (mesh.bus.answer); a verb that
+    # pages (mesh/paging.py) says how to ask for a smaller page.
+    too_large: str = "ask for less"
 
 
 def _as_is(served: Any, subject: str) -> Any:
@@ -180,7 +183,8 @@ class Server:
 
         # (Annotations as strings: a nested def evaluates its annotations at every request.)
         async def answer(serve: "Callable[[], Awaitable[Any]]") -> None:
-            outcome = await bus.answer(msg, serve, service=self.service)
+            hint = verb.too_large if verb is not None else "ask for less"
+            outcome = await bus.answer(msg, serve, service=self.service, hint=hint)
             self.stats.record(endpoint.name, counted, outcome, started)
 
         async def serve() -> "Any":

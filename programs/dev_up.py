@@ -38,7 +38,8 @@ from mesh.embedded.children import (
 from mesh.errors import MeshError
 from mesh.lifetime import stop_on_signals
 from mesh.meshdir import MeshDir
-from mesh.model import NodesReply, StatusReply
+from mesh.model import NodesReply, NodesRequest, StatusReply
+from programs.cli.client import every_page, probing
 from programs.placement import place_new
 from services.host import successor
 
@@ -322,8 +323,7 @@ class DevMesh:
         try:
             data = await bus.request(nc, subjects.ctl("status"), b"{}", deadline=_in(1))
             status = wire.decode_reply(data, StatusReply)
-            data = await bus.request(nc, subjects.ctl("nodes"), b"{}", deadline=_in(1))
-            nodes = wire.decode_reply(data, NodesReply)
+            nodes = await every_page(probing(nc, "nodes", NodesReply, within=1), NodesRequest())
         except (bus.NoAnswer, wire.RemoteError):
             return "the seat's holder"
         if status.seat is None:

@@ -10,10 +10,17 @@ from pathlib import Path
 import anyio
 from nats.aio.client import Client
 
-from mesh import bus, subjects, wire
+from mesh import bus, wire
 from mesh.errors import MeshError
-from mesh.model import LabelReply, LabelRequest, NodesReply, TierReply, TierRequest
-from programs.cli.client import CliError, ask
+from mesh.model import (
+    LabelReply,
+    LabelRequest,
+    NodesReply,
+    NodesRequest,
+    TierReply,
+    TierRequest,
+)
+from programs.cli.client import CliError, ask, every_page, probing
 
 
 class NotPlaced(MeshError):
@@ -64,10 +71,8 @@ async def place_new(
     while True:
         alive()
         try:
-            data = await bus.request(
-                nc, subjects.ctl("nodes"), b"{}", deadline=time.monotonic() + 1
-            )
-            known = {n.name for n in wire.decode_reply(data, NodesReply).nodes}
+            nodes = await every_page(probing(nc, "nodes", NodesReply, within=1), NodesRequest())
+            known = {n.name for n in nodes.nodes}
             break
         except (bus.NoAnswer, wire.RemoteError):
             if time.monotonic() > deadline:

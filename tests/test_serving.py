@@ -17,11 +17,11 @@ import asyncpg
 import msgspec
 import nats
 import pytest
-from helpers import ask, await_until, mesh_cli, ok
+from helpers import ask, await_until, mesh_cli, ok, one_line_error
 from nats.aio.client import Client
 from nats.errors import TimeoutError as NatsTimeout
 
-from mesh import bus, subjects, wire
+from mesh import bus, paging, subjects, wire
 from mesh.model import SeatAnnounce
 from programs.cli import client
 from services.controller import handover, planner, standbys
@@ -51,37 +51,89 @@ def _log(proc: subprocess.Popen) -> str:
 SMALL_PAYLOAD = 16 * 1024
 
 
+def _module(folder, name: str, *, words: int = 1) -> None:
+    """A module of one process whose command says `${machine}` `words` times: on a machine of
+    a long name its declaration is many times larger than its manifest (and its push)."""
+    (folder / "src").mkdir(parents=True)
+    (folder / "src" / "run.sh").write_text("sleep 3600\n")
+    argv = ", ".join(['"sleep"', *['"${machine}"'] * words])
+    (folder / "module.toml").write_text(
+        f'[module]\nname = "{name}"\n[bundle.code]\nkind = "files"\nsource = "src"\n'
+        f'[process.{name}]\nbundle = "code"\ncommand = [{argv}]\nroot = true\n'
+    )
+
+
 @pytest.mark.parametrize("nats_server", [SMALL_PAYLOAD], indirect=True)
 async def test_a_reply_past_max_payload_is_too_large_and_the_holder_stays(
     nats_server, nc, nats_url, start_controller, tmp_path
 ) -> None:
-    """`mesh plan 1` of a plan too big to send (the query of death: it took the holder down)
-    gets `too_large`; the same controller goes on holding the seat and answering."""
+    """On a server taking 16 KiB: `plan` of a plan too big for one reply (the query of death
+    of issue 17: it took the holder down, then the standby) comes in pages; a declaration too
+    big to send and a machine too big for a page get `too_large` saying why; the holder goes on
+    holding the seat and answering, and the standby never hears any of it."""
     ctl = start_controller("ctl-a")
     first = await _holding(nc)
+    standby = start_controller("ctl-b")
+
+    async def standing_by() -> bool:
+        s = await ask(nc, "mesh.ctl.status")
+        return bool(s) and [b["instance"] for b in s["standbys"]] == ["ctl-b"]
+
+    await await_until(standing_by, within=30, what="ctl-b to stand by")
     assert nc.max_payload == SMALL_PAYLOAD
-    # A step each in `plan` (~190 bytes): ~28 KiB. Short names keep `assign`'s reply small.
-    names = [f"m-{i:03d}" for i in range(150)]
+    # A step each in `plan` (~190 bytes): ~28 KiB in all. Short names keep `assign`'s reply small.
+    long = "l" * 64  # a name as long as names go, first in the plan
+    names = [long] + [f"m-{i:03d}" for i in range(150)]
     for name in names:
         reply = await ask(nc, f"mesh.ctl.host.{name}.register", _registration(name), timeout=10)
         assert reply is not None and "error" not in reply, reply
-    folder = tmp_path / "big"
-    (folder / "src").mkdir(parents=True)
-    (folder / "src" / "run.sh").write_text("sleep 3600\n")
-    (folder / "module.toml").write_text(
-        '[module]\nname = "big"\n[bundle.code]\nkind = "files"\nsource = "src"\n'
-        '[process.big]\nbundle = "code"\ncommand = ["sleep", "3600"]\nroot = true\n'
-    )
-    ok(mesh_cli("push", str(folder), nats_url=nats_url))
+    # Its declaration: 450 words of its name, ~30 KB, from a push of ~6 KB (its archive under
+    # the 16 KiB too: the object store does not cut it into smaller chunks); its plan rolls
+    # (tier 0) at once, storing it.
+    _module(tmp_path / "wide", "wide", words=450)
+    ok(mesh_cli("push", str(tmp_path / "wide"), nats_url=nats_url))
+    ok(mesh_cli("assign", "wide", long, nats_url=nats_url))
+    _module(tmp_path / "big", "big")
+    ok(mesh_cli("push", str(tmp_path / "big"), nats_url=nats_url))
     assigned = json.loads(ok(mesh_cli("--json", "assign", "big", "--tier", "0", nats_url=nats_url)))
-    assert len(assigned["machines"]) == len(names), assigned
+    assert assigned["changed"] == len(names), assigned
 
-    reply = await ask(nc, "mesh.ctl.plan", {"id": assigned["plan"]}, timeout=10)
-    assert reply is not None, "no answer: the reply was lost (or the controller with it)"
+    # plan: pages, each under the server's limit, every step once
+    steps, body, pages = [], {"id": assigned["plan"]}, 0
+    while True:
+        msg = await nc.request("mesh.ctl.plan", json.dumps(body).encode(), timeout=10)
+        assert len(msg.data) <= SMALL_PAYLOAD
+        page = json.loads(msg.data)
+        assert "error" not in page, page
+        steps += [s["machine"] for s in page["steps"]]
+        pages += 1
+        if page["next"] is None:
+            break
+        body = {"id": assigned["plan"], "after": page["next"]}
+    assert steps == names and pages > 1, (pages, steps[:3])
+    shown = json.loads(ok(mesh_cli("--json", "plan", str(assigned["plan"]), nats_url=nats_url)))
+    assert [s["machine"] for s in shown["steps"]] == names and "next" not in shown
+
+    # declaration: one machine's, too big for this server
+    async def stored() -> dict | None:
+        r = await ask(nc, "mesh.ctl.declaration", {"machine": long}, timeout=10)
+        return r if r and r.get("error", {}).get("code") != "not_found" else None
+
+    reply = await await_until(stored, within=30, what="the declaration to be stored")
     assert reply["error"]["code"] == "too_large", reply
     message = reply["error"]["message"]
-    assert message.startswith("the reply to plan is too large: "), message
-    assert str(SMALL_PAYLOAD) in message, message
+    assert message.startswith("the reply to declaration is too large: "), message
+    assert str(SMALL_PAYLOAD) in message and "max_payload must be larger" in message, message
+    line = one_line_error(mesh_cli("declaration", long, nats_url=nats_url))
+    assert "too large" in line, line  # at once: too_large is not tried again
+
+    # nodes: one machine alone larger than a page
+    fat = _registration("fat") | {"labels": {f"k{i}": "v" * 200 for i in range(50)}}
+    reply = await ask(nc, "mesh.ctl.host.fat.register", fat, timeout=10)
+    assert reply is not None and "error" not in reply, reply
+    reply = await ask(nc, "mesh.ctl.nodes", {"limit": 5000}, timeout=10)
+    assert reply["error"]["code"] == "too_large", reply
+    assert reply["error"]["message"].startswith("nodes: machine fat alone is "), reply
 
     after = await ask(nc, "mesh.ctl.status", timeout=5)
     assert after is not None and ctl.poll() is None, _log(ctl)
@@ -89,7 +141,9 @@ async def test_a_reply_past_max_payload_is_too_large_and_the_holder_stays(
         first["seat"]["pid"],
         first["seat"]["epoch"],
     )
+    assert [b["instance"] for b in after["standbys"]] == ["ctl-b"], after
     assert "answered too_large" in _log(ctl)
+    assert standby.poll() is None and "too_large" not in _log(standby), _log(standby)
 
 
 async def test_answer_refuses_a_reply_past_the_servers_max_payload(nc) -> None:
@@ -101,10 +155,17 @@ async def test_answer_refuses_a_reply_past_the_servers_max_payload(nc) -> None:
     async def on(msg) -> None:
         await bus.answer(msg, huge, service="host")
 
+    async def paged(msg) -> None:  # as a verb that pages says it (serving.Verb.too_large)
+        await bus.answer(msg, huge, service="controller", hint=paging.HINT)
+
     await nc.subscribe("test.huge", cb=on)
+    await nc.subscribe("test.paged", cb=paged)
     reply = json.loads((await nc.request("test.huge", b"{}", timeout=5)).data)
     assert reply["error"]["code"] == "too_large", reply
     assert reply["error"]["message"].startswith("the reply to huge is too large: "), reply
+    assert reply["error"]["message"].endswith("; ask for less"), reply
+    reply = json.loads((await nc.request("test.paged", b"{}", timeout=5)).data)
+    assert reply["error"]["message"].endswith("; ask with a smaller `limit`, or follow `next`")
 
 
 # --- 2. `internal` says where to look, not what went wrong ---------------------------------------
@@ -207,9 +268,9 @@ async def test_slow_verbs_past_the_bound_are_answered_busy(
         await stuck.close()  # the store moves again
     for _ in range(SLOW_IN_FLIGHT):
         answered = json.loads((await replies.next_msg(timeout=10)).data)
-        assert answered == {"plans": []}, answered
+        assert answered == {"plans": [], "next": None, "total": 0}, answered
     again = await ask(nc, "mesh.ctl.plans", timeout=5)  # every slot was given back
-    assert again == {"plans": []}, again
+    assert again == {"plans": [], "next": None, "total": 0}, again
     assert ctl.poll() is None and "busy: refused plans" in _log(ctl)
 
 

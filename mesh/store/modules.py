@@ -85,6 +85,21 @@ async def assignments(conn: asyncpg.Connection) -> dict[str, set[str]]:
     return found
 
 
+async def assigned_after(
+    conn: asyncpg.Connection, *, after: tuple[str, str] | None, most: int
+) -> list[tuple[str, str]]:
+    """At most `most` assignments (module, machine) after `after`, by module then machine, in
+    byte order ("C"), which is Python's order of the names: `modules` walks them beside the
+    modules it sorts itself."""
+    module, machine = after if after is not None else ("", "")
+    rows = await conn.fetch(
+        'SELECT module, machine FROM assignments WHERE (module COLLATE "C", machine COLLATE "C")'
+        ' > ($1, $2) ORDER BY module COLLATE "C", machine COLLATE "C" LIMIT $3',
+        module, machine, most,
+    )  # fmt: skip
+    return [(r["module"], r["machine"]) for r in rows]
+
+
 async def assign(conn: asyncpg.Connection, *, module: str, machines: list[str]) -> None:
     await conn.executemany(
         "INSERT INTO assignments (module, machine) VALUES ($1, $2) ON CONFLICT DO NOTHING",

@@ -42,13 +42,6 @@ class Step(msgspec.Struct):
     finished: datetime | None = None
     error: str | None = None
 
-    def view(self) -> PlanStep:
-        return PlanStep(
-            machine=self.machine, tier=self.tier, state=self.state, started=self.started,
-            finished=self.finished, error=self.error, before=self.before, after=self.after,
-            reverted=self.reverted,
-        )  # fmt: skip
-
 
 class Plan(msgspec.Struct):
     id: int
@@ -161,19 +154,72 @@ async def load(conn: asyncpg.Connection | asyncpg.Pool, plan_id: int) -> Plan | 
         " started, finished, error FROM plan_steps WHERE plan_id = $1 ORDER BY tier, machine",
         plan_id,
     )
+    steps = [
+        Step(**{**dict(s), "after_body": bytes(s["after_body"]),
+                "before_body": bytes(s["before_body"]) if s["before_body"] else None})
+        for s in rows
+    ]  # fmt: skip
+    return _plan(r, steps)
+
+
+def _plan(r: asyncpg.Record, steps: list[Step]) -> Plan:
     return Plan(
         id=r["id"], state=r["state"], trigger=r["trigger"], subject=r["subject"],
         by=r["requested_by"], epoch=r["epoch"], created=r["created"], started=r["started"],
         finished=r["finished"], phase=r["phase"], error=r["error"],
         settings=msgspec.json.decode(r["settings"], type=PlanSettings),
         builds=msgspec.json.decode(r["builds"], type=list[PlanBuild]),
-        undo=json.loads(r["undo"]),
-        steps=[
-            Step(**{**dict(s), "after_body": bytes(s["after_body"]),
-                    "before_body": bytes(s["before_body"]) if s["before_body"] else None})
-            for s in rows
-        ],
+        undo=json.loads(r["undo"]), steps=steps,
     )  # fmt: skip
+
+
+# --- what `plan` shows, a page of steps at a time (mesh/paging.py) ----------------------------
+
+
+async def head(conn: asyncpg.Connection, plan_id: int) -> Plan | None:
+    """The plan without its steps."""
+    r = await conn.fetchrow(f"SELECT {_PLAN} FROM plans WHERE id = $1", plan_id)
+    return None if r is None else _plan(r, [])
+
+
+class TierCounts(msgspec.Struct, frozen=True):
+    """One tier of a plan, counted: what its state is judged from."""
+
+    tier: int
+    total: int
+    done: int  # done or skipped
+    failed: bool  # a step failed
+    reverted: bool  # a step got its `before` back
+    moving: bool  # a step is applying or done
+
+
+async def tiers(conn: asyncpg.Connection, plan_id: int) -> list[TierCounts]:
+    rows = await conn.fetch(
+        """
+        SELECT tier, count(*) AS total,
+               count(*) FILTER (WHERE state IN ('done', 'skipped')) AS done,
+               bool_or(state = 'failed') AS failed, bool_or(reverted) AS reverted,
+               bool_or(state IN ('applying', 'done')) AS moving
+        FROM plan_steps WHERE plan_id = $1 GROUP BY tier ORDER BY tier
+        """,
+        plan_id,
+    )
+    return [TierCounts(**dict(r)) for r in rows]
+
+
+async def step_views(
+    conn: asyncpg.Connection, plan_id: int, *, after: tuple[int, str] | None, most: int
+) -> list[PlanStep]:
+    """At most `most` steps as `plan` shows them, by tier then machine, after the step `after`
+    (tier, machine). Without the declarations' bodies: a page reads only what it shows."""
+    tier, machine = after if after is not None else (-1, "")
+    rows = await conn.fetch(
+        "SELECT machine, tier, state, started, finished, error, before, after, reverted"
+        " FROM plan_steps WHERE plan_id = $1 AND (tier, machine) > ($2, $3)"
+        " ORDER BY tier, machine LIMIT $4",
+        plan_id, tier, machine, most,
+    )  # fmt: skip
+    return [PlanStep(**dict(r)) for r in rows]
 
 
 async def oldest_open(conn: asyncpg.Connection | asyncpg.Pool) -> int | None:
@@ -243,20 +289,33 @@ async def set_steps(
     )  # fmt: skip
 
 
-async def recent(conn: asyncpg.Connection | asyncpg.Pool, limit: int) -> list[PlanSummary]:
+async def recent(
+    conn: asyncpg.Connection | asyncpg.Pool, limit: int, *, before: int | None = None
+) -> list[PlanSummary]:
+    """The newest `limit` plans, newest first; with `before`, those older than that plan."""
     rows = await conn.fetch(
         """
+        WITH page AS (
+            SELECT * FROM plans WHERE $2::bigint IS NULL OR id < $2 ORDER BY id DESC LIMIT $1
+        )
         SELECT p.id, p.state, p.trigger, p.subject, p.requested_by, p.created, p.finished,
                p.phase, p.error,
                count(s.machine) AS machines,
                count(s.machine) FILTER (WHERE s.state IN ('done', 'skipped')) AS done,
                min(s.tier) FILTER (WHERE s.state IN ('pending', 'applying')) AS tier
-        FROM plans p LEFT JOIN plan_steps s ON s.plan_id = p.id
-        GROUP BY p.id ORDER BY p.id DESC LIMIT $1
+        FROM page p LEFT JOIN plan_steps s ON s.plan_id = p.id
+        GROUP BY p.id, p.state, p.trigger, p.subject, p.requested_by, p.created, p.finished,
+                 p.phase, p.error
+        ORDER BY p.id DESC
         """,
         limit,
+        before,
     )
     return [_summary(r) for r in rows]
+
+
+async def count(conn: asyncpg.Connection | asyncpg.Pool) -> int:
+    return await conn.fetchval("SELECT count(*) FROM plans")
 
 
 def _summary(r: asyncpg.Record) -> PlanSummary:

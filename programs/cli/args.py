@@ -33,6 +33,20 @@ def tier(text: str) -> int:
     return tier
 
 
+def count(text: str) -> int:
+    """`--limit N`: how many items a list shows, at least 1."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n} is not a count (1 or more)")
+    return n
+
+
+LIMIT_HELP = "show at most N (asking only for the pages they need)"
+
+
 def listen(text: str) -> metrics.Listen:
     """`--metrics ADDR:PORT` or `PORT` (127.0.0.1:PORT)."""
     try:

@@ -1,17 +1,21 @@
-"""Calling controller verbs from the command line, with errors a user can act on."""
+"""Calling controller verbs from the command line, with errors a user can act on; following a
+list verb's pages (mesh/paging.py) to one whole list, for every client in programs/ and bench/."""
 
 import argparse
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import anyio
+import msgspec
 from nats.aio.client import Client
 
 from mesh import bus, config, subjects, wire
 from mesh.auth.creds import CredsError
 from mesh.errors import MeshError
+from mesh.model import PAGE_MOST, DiffReply, ModulesReply, NodesReply, PlanReply, PlansReply
 
 T = TypeVar("T")
 
@@ -129,3 +133,107 @@ async def verb(
             body=wire.encode(body) if body is not None else b"{}",
             attempt=timeout if changes else 1.0,
         )  # fmt: skip
+
+
+# --- lists, page after page ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Listing:
+    """What a list verb's pages hold: the field of the items, and an item's identity. The
+    whole list has one entry per identity: a later page's entry takes an earlier one's place
+    (a machine moved to a later tier while the pages were read is shown at its new place), or
+    is joined to it (`join`: a module on many machines comes in several entries)."""
+
+    items: str
+    key: Callable[[Any], object]
+    join: Callable[[Any, Any], Any] = lambda old, new: new
+
+
+def _join_module(old: Any, new: Any) -> Any:
+    return msgspec.structs.replace(new, assigned=old.assigned + new.assigned)
+
+
+LISTINGS: dict[type, Listing] = {
+    NodesReply: Listing("nodes", key=lambda n: n.name),
+    PlanReply: Listing("steps", key=lambda s: s.machine),
+    PlansReply: Listing("plans", key=lambda p: p.id),
+    ModulesReply: Listing("modules", key=lambda m: m.name, join=_join_module),
+    DiffReply: Listing("machines", key=lambda m: m.machine),
+}
+
+
+async def every_page(
+    ask_page: Callable[[Any], Awaitable[T]], request: Any, *, want: int | None = None
+) -> T:
+    """Ask for `request`'s first page (through `ask_page`, the caller's one request), then for
+    the page after each, until the last: the last page holding every item in order, as if the
+    controller had answered in one reply (`next` None). With `want`, at most that many items,
+    asking only for the pages they need (`total` still says how many there are). The first
+    page is asked for as `request` says (its default `limit` goes unsaid, so a controller from
+    before pages answers it, whole); those after it as large as a request may (PAGE_MOST
+    items): their bytes decide."""
+    got: dict[object, Any] = {}
+    after: str | None = None
+    while True:
+        asked = request
+        if want is not None:  # one past it: the last entry may go on (a module's machines)
+            asked = msgspec.structs.replace(asked, limit=min(PAGE_MOST, want + 1 - len(got)))
+        elif after is not None:
+            asked = msgspec.structs.replace(asked, limit=PAGE_MOST)
+        page: Any = await ask_page(msgspec.structs.replace(asked, after=after))
+        listing = LISTINGS[type(page)]
+        for item in getattr(page, listing.items):
+            key = listing.key(item)
+            old = got.pop(key, None)
+            got[key] = item if old is None else listing.join(old, item)
+        if page.next is None or (want is not None and len(got) > want):
+            break
+        if page.next == after:  # a controller that does not move on would be asked forever
+            raise CliError(f"the controller gave the same page twice (cursor {after[:40]})")
+        after = page.next
+    items = list(got.values())
+    return msgspec.structs.replace(page, **{listing.items: items[:want], "next": None})
+
+
+def probing(
+    nc: Client, verb: str, reply: type[T], *, within: float
+) -> Callable[[Any], Awaitable[T]]:
+    """Pages asked as a probe asks (`mesh dev up` waiting for its mesh): each one request,
+    retried over "no responders" for `within` seconds; bus.NoAnswer or wire.RemoteError else."""
+
+    async def page(body: Any) -> T:
+        data = await bus.request(
+            nc, subjects.ctl(verb), wire.encode(body), deadline=time.monotonic() + within
+        )
+        return wire.decode_reply(data, reply)
+
+    return page
+
+
+async def listed(
+    args: argparse.Namespace,
+    name: str,
+    reply: type[T],
+    request: Any,
+    *,
+    want: int | None = None,
+    connection: Client | None = None,
+    attempt: float = 1.0,
+) -> T:
+    """A list verb from the command line: every page (`every_page`), on one connection (this
+    command's own, or `connection`); each page is tried as `ask` tries a verb, to --timeout."""
+    url, creds = where(args)
+    timeout = getattr(args, "timeout", 5.0)
+
+    async def on(nc: Client) -> T:
+        async def page(body: Any) -> T:
+            return await ask(nc, url=url, verb=name, reply=reply, timeout=timeout,
+                             body=wire.encode(body), attempt=attempt)  # fmt: skip
+
+        return await every_page(page, request, want=want)
+
+    if connection is not None:
+        return await on(connection)
+    async with connected(url=url, creds=creds, what=name) as nc:
+        return await on(nc)

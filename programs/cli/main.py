@@ -18,12 +18,12 @@ import anyio
 
 from mesh import config
 from mesh.errors import MeshError
-from mesh.model import HandoverReply, NodesReply, StatusReply
+from mesh.model import HandoverReply, NodesReply, NodesRequest, StatusReply
 from mesh.names import check_name
 from programs.cli import certs, devcreds, hosts, machines, modules, render, webconsole
-from programs.cli.args import METRICS_HELP, Parser, label, listen, tier
-from programs.cli.client import CliError, verb
-from programs.cli.output import console, print_json
+from programs.cli.args import LIMIT_HELP, METRICS_HELP, Parser, count, label, listen, tier
+from programs.cli.client import CliError, listed, verb
+from programs.cli.output import console, print_json, whole
 
 
 def _common() -> argparse.ArgumentParser:
@@ -50,7 +50,8 @@ def parser() -> argparse.ArgumentParser:
 
     verbs.add_parser("status", parents=[common], help="the seat, standbys, plan, node counts")
     verbs.add_parser("handover", parents=[common], help="ask the seat's holder to hand over")
-    verbs.add_parser("nodes", parents=[common], help="every machine and its state")
+    nodes = verbs.add_parser("nodes", parents=[common], help="every machine and its state")
+    nodes.add_argument("--limit", type=count, metavar="N", help=LIMIT_HELP)
 
     dev = verbs.add_parser("dev", parents=[common], help="the embedded dev mesh")
     dev_verbs = dev.add_subparsers(dest="dev_command", metavar="COMMAND", parser_class=Parser)
@@ -152,8 +153,8 @@ async def cmd_handover(args: argparse.Namespace) -> None:
 
 
 async def cmd_nodes(args: argparse.Namespace) -> None:
-    r = await verb(args, "nodes", NodesReply)
-    print_json(r) if args.json else render.nodes(console(), r)
+    r = await listed(args, "nodes", NodesReply, NodesRequest(), want=args.limit)
+    print_json(whole(r)) if args.json else render.nodes(console(), r, want=args.limit)
 
 
 async def cmd_dev_up(args: argparse.Namespace) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 
 from mesh import blobs
 from mesh.model import (
+    MACHINES_NAMED,
     AssignRequest,
     BuildLogsReply,
     BuildLogsRequest,
@@ -20,6 +21,7 @@ from mesh.model import (
     DiffReply,
     DiffRequest,
     ModulesReply,
+    ModulesRequest,
     PushRequest,
     SecretSetRequest,
 )
@@ -27,9 +29,9 @@ from mesh.modules import gate
 from mesh.modules.load import load
 from mesh.wire import encode
 from programs.cli import plans, render
-from programs.cli.args import Parser, label, tier
-from programs.cli.client import CHANGE_TIMEOUT, CliError, ask, connected, verb, where
-from programs.cli.output import console, print_json
+from programs.cli.args import LIMIT_HELP, Parser, count, label, tier
+from programs.cli.client import CHANGE_TIMEOUT, CliError, ask, connected, listed, verb, where
+from programs.cli.output import console, print_json, whole
 
 
 def add_parsers(verbs: Any, common: argparse.ArgumentParser) -> None:
@@ -42,7 +44,10 @@ def add_parsers(verbs: Any, common: argparse.ArgumentParser) -> None:
     )
     plan.add_argument("what", nargs="*", metavar="ID | diff DIR")
     plan.add_argument("--follow", action="store_true", help="show progress until the plan ends")
-    plan.add_argument("--limit", type=int, default=20, help="how many recent plans (20)")
+    plan.add_argument(
+        "--limit", type=count, default=None, metavar="N",
+        help="show at most N recent plans (20), steps of a plan, machines of a diff (all)",
+    )  # fmt: skip
 
     move = verbs.add_parser("tier", parents=[common], help="move a machine to another tier")
     move.add_argument("machine")
@@ -60,7 +65,8 @@ def add_parsers(verbs: Any, common: argparse.ArgumentParser) -> None:
         )  # fmt: skip
         _wait_flag(p)
 
-    verbs.add_parser("modules", parents=[common], help="modules, versions, assignments")
+    mods = verbs.add_parser("modules", parents=[common], help="modules, versions, assignments")
+    mods.add_argument("--limit", type=count, metavar="N", help=LIMIT_HELP)
     decl = verbs.add_parser("declaration", parents=[common], help="a machine's declaration")
     decl.add_argument("machine")
 
@@ -98,7 +104,10 @@ def _local(folder: Path) -> Any:
         raise CliError(f"{folder}: {e.strerror or e}") from None
 
 
-async def _upload_and_ask(args: argparse.Namespace, name: str, body_of: Any, reply: type) -> Any:
+async def _upload_and_ask(
+    args: argparse.Namespace, name: str, body_of: Any, reply: type, *, pages: bool = False
+) -> Any:
+    """Upload the module's archive, then ask `name` (every page of it, with `pages`)."""
     module = _local(args.dir)
     url, creds = where(args)
     async with connected(url=url, creds=creds, what=name) as nc:
@@ -108,6 +117,10 @@ async def _upload_and_ask(args: argparse.Namespace, name: str, body_of: Any, rep
         except blobs.BlobMissing as e:
             raise CliError(f"{e}; {url}") from None
         timeout = getattr(args, "timeout", CHANGE_TIMEOUT)
+        if pages:
+            args.timeout = timeout
+            return await listed(args, name, reply, body_of(module), want=args.limit,
+                                connection=nc, attempt=timeout)  # fmt: skip
         return await ask(
             nc, url=url, verb=name, reply=reply, timeout=timeout,
             body=encode(body_of(module)), attempt=timeout,
@@ -126,12 +139,13 @@ async def cmd_push(args: argparse.Namespace) -> None:
 
 async def cmd_plan_diff(args: argparse.Namespace) -> None:
     reply: DiffReply = await _upload_and_ask(
-        args, "diff", lambda m: DiffRequest(manifest=m.manifest_text, source=m.version), DiffReply
-    )
+        args, "diff", lambda m: DiffRequest(manifest=m.manifest_text, source=m.version),
+        DiffReply, pages=True,
+    )  # fmt: skip
     if args.json:
-        print_json(reply)
+        print_json(whole(reply))
     else:
-        render.diff(console(), reply)
+        render.diff(console(), reply, want=args.limit)
 
 
 async def cmd_plan(args: argparse.Namespace) -> None:
@@ -152,6 +166,11 @@ async def cmd_plan(args: argparse.Namespace) -> None:
 async def _assign(args: argparse.Namespace, name: str) -> None:
     if not args.machines and args.tier is None and not args.label:
         raise CliError(f"{name}: name machines, or select them with --tier or --label")
+    if len(args.machines) > MACHINES_NAMED:
+        raise CliError(
+            f"{name}: {len(args.machines)} machines named, at most {MACHINES_NAMED} at once; "
+            "select many with --tier or --label"
+        )
     body = AssignRequest(
         module=args.module, machines=args.machines, tier=args.tier, labels=dict(args.label),
         by=getpass.getuser(),
@@ -169,11 +188,11 @@ async def cmd_unassign(args: argparse.Namespace) -> None:
 
 
 async def cmd_modules(args: argparse.Namespace) -> None:
-    reply = await verb(args, "modules", ModulesReply)
+    reply = await listed(args, "modules", ModulesReply, ModulesRequest(), want=args.limit)
     if args.json:
-        print_json(reply)
+        print_json(whole(reply))
     else:
-        render.modules(console(), reply)
+        render.modules(console(), reply, want=args.limit)
 
 
 async def cmd_declaration(args: argparse.Namespace) -> None:

@@ -20,17 +20,19 @@ from rich.table import Table
 
 from mesh.model import PlanReply, PlanRequest, PlansReply, PlansRequest, TierReply, TierRequest
 from programs.cli import render as tables
-from programs.cli.client import CliError, verb
-from programs.cli.output import console, print_json
+from programs.cli.client import CliError, listed, verb
+from programs.cli.output import console, more, print_json, whole
 
 FINAL = ("done", "failed", "reverted")
 POLL_EVERY = 0.5
 POLL_TIMEOUT = 30.0  # one poll, across a handover or a takeover
+PLANS_LISTED = 20  # `mesh plan` without --limit: the newest 20
 
 
-async def _plan(args: argparse.Namespace, plan_id: int) -> PlanReply:
+async def _plan(args: argparse.Namespace, plan_id: int, *, want: int | None = None) -> PlanReply:
+    """The plan with its steps (every page of them; the first `want`)."""
     args.timeout = max(getattr(args, "timeout", 5.0), POLL_TIMEOUT)
-    return await verb(args, "plan", PlanReply, PlanRequest(id=plan_id))
+    return await listed(args, "plan", PlanReply, PlanRequest(id=plan_id), want=want)
 
 
 def _elapsed(since: datetime | None, until: datetime | None = None) -> str:
@@ -39,7 +41,7 @@ def _elapsed(since: datetime | None, until: datetime | None = None) -> str:
     return f"{((until or datetime.now(UTC)) - since).total_seconds():.1f}s"
 
 
-def render(out: Console, p: PlanReply) -> None:
+def render(out: Console, p: PlanReply, *, want: int | None = None) -> None:
     head = f"[bold]plan {p.id}[/] {p.trigger} {p.subject}: {p.state}"
     if p.phase == "revert" and p.state not in FINAL:
         head += " (reverting)"
@@ -59,9 +61,10 @@ def render(out: Console, p: PlanReply) -> None:
             (s.before or "(none)")[7:19], s.after[7:19], s.error or "",
         )  # fmt: skip
     out.print(table)
+    more(out, shown=len(p.steps), total=p.total, want=want, what="step")
 
 
-def _listing(out: Console, r: PlansReply) -> None:
+def _listing(out: Console, r: PlansReply, *, want: int | None) -> None:
     if not r.plans:
         out.print("no plans yet")
         return
@@ -76,6 +79,7 @@ def _listing(out: Console, r: PlansReply) -> None:
             p.created.strftime("%Y-%m-%d %H:%M:%S"), p.failure or "",
         )  # fmt: skip
     out.print(table)
+    more(out, shown=len(r.plans), total=r.total, want=want, what="plan")
 
 
 def _tier_line(p: PlanReply, tier: int) -> str:
@@ -169,7 +173,7 @@ async def wait_for(args: argparse.Namespace, reply: Any) -> None:
         tables.change(console(), reply)
     final = await follow(args, reply.plan)
     if args.json:
-        print_json({**msgspec.to_builtins(reply), "outcome": msgspec.to_builtins(final)})
+        print_json({**msgspec.to_builtins(reply), "outcome": whole(final)})
     else:
         render_end(final)
     outcome(final)
@@ -182,21 +186,22 @@ def render_end(p: PlanReply) -> None:
 
 
 async def listing(args: argparse.Namespace) -> None:
-    reply = await verb(args, "plans", PlansReply, PlansRequest(limit=args.limit))
+    want = args.limit or PLANS_LISTED
+    reply = await listed(args, "plans", PlansReply, PlansRequest(), want=want)
     if args.json:
-        print_json(reply)
+        print_json(whole(reply))
     else:
-        _listing(console(), reply)
+        _listing(console(), reply, want=want)
 
 
 async def show(args: argparse.Namespace, plan_id: int) -> None:
     if not args.follow:
-        p = await _plan(args, plan_id)
-        print_json(p) if args.json else render(console(), p)
+        p = await _plan(args, plan_id, want=args.limit)
+        print_json(whole(p)) if args.json else render(console(), p, want=args.limit)
         return
     final = await follow(args, plan_id)
     if args.json:
-        print_json(final)
+        print_json(whole(final))
     else:
         render(console(), final)
     outcome(final)

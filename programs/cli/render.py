@@ -16,6 +16,7 @@ from mesh.model import (
     PlanSummary,
     StatusReply,
 )
+from programs.cli.output import more
 
 
 def _ago(when: datetime | None) -> str:
@@ -74,7 +75,7 @@ def plan_line(p: PlanSummary) -> str:
     return f"{p.id} {p.trigger} {p.subject}: {doing}{where}, {p.done}/{p.machines} machine(s) done"
 
 
-def nodes(console: Console, r: NodesReply) -> None:
+def nodes(console: Console, r: NodesReply, *, want: int | None = None) -> None:
     if not r.nodes:
         console.print("no machines have registered yet")
         return
@@ -106,12 +107,19 @@ def nodes(console: Console, r: NodesReply) -> None:
             procs,
         )  # fmt: skip
     console.print(table)
+    more(console, shown=len(r.nodes), total=r.total, want=want, what="machine")
+
+
+CHANGED_SHOWN = 20  # machines a change's output names; `mesh plan ID` lists every one
 
 
 def change(console: Console, r: ChangeReply) -> None:
     console.print(r.message)  # it names the plan, or says nothing changes
-    for machine in r.machines:
+    for machine in r.machines[:CHANGED_SHOWN]:
         console.print(f"  ~ {machine}")
+    left = max(r.changed, len(r.machines)) - min(len(r.machines), CHANGED_SHOWN)
+    if left > 0:
+        console.print(f"  … and {left:,} more (mesh plan {r.plan} lists them)")
 
 
 def _short(value: object) -> str:
@@ -119,8 +127,9 @@ def _short(value: object) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def diff(console: Console, r: DiffReply) -> None:
-    console.print(f"module {r.module} {r.version[:19]}: {len(r.machines)} machine(s) would change")
+def diff(console: Console, r: DiffReply, *, want: int | None = None) -> None:
+    changing = max(r.total, len(r.machines))
+    console.print(f"module {r.module} {r.version[:19]}: {changing} machine(s) would change")
     for name in r.builds:
         console.print(f"  would build bundle {name} first")
     for m in r.machines:
@@ -131,9 +140,20 @@ def diff(console: Console, r: DiffReply) -> None:
             console.print(f"  {c['op']} {c['kind']} {c['name']}", markup=False)
             for field, (old, new) in sorted(c.get("fields", {}).items()):
                 console.print(f"      {field}: {_short(old)} -> {_short(new)}", markup=False)
+    more(console, shown=len(r.machines), total=r.total, want=want, what="machine")
 
 
-def modules(console: Console, r: ModulesReply) -> None:
+ASSIGNED_SHOWN = 10  # machines a module's row names; the rest are counted (`--json` has all)
+
+
+def _assigned(machines: list[str]) -> str:
+    if len(machines) <= ASSIGNED_SHOWN:
+        return ", ".join(machines) or "-"
+    shown = ", ".join(machines[:ASSIGNED_SHOWN])
+    return f"{shown} and {len(machines) - ASSIGNED_SHOWN:,} more ({len(machines):,} machines)"
+
+
+def modules(console: Console, r: ModulesReply, *, want: int | None = None) -> None:
     if not r.modules:
         console.print("no modules have been pushed yet")
         return
@@ -143,7 +163,7 @@ def modules(console: Console, r: ModulesReply) -> None:
     for m in r.modules:
         table.add_row(
             m.name, m.version[7:19], _ago(m.pushed_at), m.pushed_by or "-",
-            ", ".join(m.assigned) or "-", ", ".join(m.processes) or "-",
-            ", ".join(m.containers) or "-",
+            _assigned(m.assigned), ", ".join(m.processes) or "-", ", ".join(m.containers) or "-",
         )  # fmt: skip
     console.print(table)
+    more(console, shown=len(r.modules), total=r.total, want=want, what="module")

@@ -33,7 +33,9 @@ from mesh.model import (
     LogsReply,
     LogsRequest,
     ModulesReply,
+    ModulesRequest,
     NodesReply,
+    NodesRequest,
     PlanReply,
     PlanRequest,
     PlansReply,
@@ -43,7 +45,7 @@ from mesh.model import (
     StatusReply,
 )
 from mesh.names import InvalidName, check_name
-from programs.cli.client import CliError, ask, connected
+from programs.cli.client import CliError, ask, connected, every_page
 
 log = logging.getLogger("mesh.console")
 T = TypeVar("T")
@@ -195,6 +197,14 @@ class Console:
             body=wire.encode(body) if body is not None else b"{}",
         )  # fmt: skip
 
+    async def listed(self, name: str, reply: type[T], request: Any, want: int | None = None) -> T:
+        """A list verb, every page of it (or the first `want` items), as one answer."""
+
+        async def page(body: Any) -> T:
+            return await self.verb(name, reply, body)
+
+        return await every_page(page, request, want=want)
+
     async def _refresh(self, section: str) -> None:
         try:
             if section == "status":
@@ -202,15 +212,15 @@ class Console:
                 self._standbys = {s.instance for s in status.standbys}
                 answer: Any = status
             elif section == "nodes":
-                nodes = await self.verb("nodes", NodesReply)
+                nodes = await self.listed("nodes", NodesReply, NodesRequest())
                 self._up = {n.name: n.up for n in nodes.nodes}
                 for name in [n for n, up in self._up.items() if up]:
                     self._asked.pop(f"heard {name}", None)
                 answer = nodes
             elif section == "modules":
-                answer = await self.verb("modules", ModulesReply)
+                answer = await self.listed("modules", ModulesReply, ModulesRequest())
             else:
-                plans = await self.verb("plans", PlansReply, PlansRequest(limit=PLANS_LISTED))
+                plans = await self.listed("plans", PlansReply, PlansRequest(), want=PLANS_LISTED)
                 if plans.plans and self._latest_plan is None:
                     self._plans_dirty.add(plans.plans[0].id)  # the first page shows it
                     self._wake.set()
@@ -224,7 +234,7 @@ class Console:
 
     async def _refresh_plan(self, plan_id: int) -> None:
         try:
-            plan = await self.verb("plan", PlanReply, PlanRequest(id=plan_id))
+            plan = await self.listed("plan", PlanReply, PlanRequest(id=plan_id))
         except (CliError, nats.errors.Error) as e:
             self._problem("plan", str(e) or type(e).__name__)
             return
@@ -334,7 +344,7 @@ class Console:
         if not text.isdigit() or not 1 <= int(text) < 2**63:
             return _error(400, f"plan id: {text[:40]!r} is not a plan number")
         try:
-            plan = await self.verb("plan", PlanReply, PlanRequest(id=int(text)))
+            plan = await self.listed("plan", PlanReply, PlanRequest(id=int(text)))
         except CliError as e:
             return _error(404 if "does not exist" in str(e) else 502, str(e))
         return _json(plan)

@@ -31,6 +31,7 @@ from nats.js.object_store import ObjectStore
 
 from mesh import blobs, wire
 from mesh.model import (
+    CHANGED_LISTED,
     AssignRequest,
     ChangeReply,
     PlanBuild,
@@ -48,6 +49,24 @@ from services.controller.publishing import Manifests, Publisher
 log = logging.getLogger(__name__)
 
 UNBUILT = "unbuilt:"  # the stand-in for a bundle not built yet (a dry run, a building plan)
+NAMED = 5  # machines a change's message (and log line) names; the rest are counted
+
+
+def named(machines: list[str]) -> str:
+    """Machines in a message: a few by name, the rest as a number (thousands of names would
+    make a message, and a log line, the size of the fleet)."""
+    if len(machines) <= NAMED:
+        return ", ".join(machines)
+    return f"{', '.join(machines[:NAMED])} and {len(machines) - NAMED} more"
+
+
+def replied(
+    *, plan: int | None, changed: list[str], message: str, version: str | None = None
+) -> ChangeReply:
+    """A change's reply, bounded whatever the fleet's size: the first CHANGED_LISTED machines
+    whose declarations change, and how many there are (the plan's steps list every one)."""
+    return ChangeReply(plan=plan, machines=changed[:CHANGED_LISTED], message=message,
+                       version=version, changed=len(changed))  # fmt: skip
 
 
 class ToBuild(msgspec.Struct, frozen=True):
@@ -359,7 +378,7 @@ class Changes:
             obs=self._obs, manifest_text=req.manifest, source=req.source
         )
         name = manifest.module.name
-        unchanged = ChangeReply(plan=None, machines=[], message="no change", version=req.source)
+        unchanged = replied(plan=None, changed=[], message="no change", version=req.source)
         # Pushes of this module in the order they came (a later one never registers before an
         # earlier one that is still building); other changes do not wait for the builds.
         async with self._pushes_of(name):
@@ -394,7 +413,7 @@ class Changes:
             if changed
             else f"{name} {req.source[:19]} registered; no machine's declaration changes"
         )
-        return ChangeReply(plan=plan, machines=changed, message=message, version=req.source)
+        return replied(plan=plan, changed=changed, message=message, version=req.source)
 
     async def assign(self, req: AssignRequest, *, undo: bool = False) -> ChangeReply:
         async with self._one_change:
@@ -421,11 +440,11 @@ class Changes:
                 )  # fmt: skip
         self._wake()
         verb = "unassigned from" if undo else "assigned to"
-        log.info("%s %s %s: plan %s", req.module, verb, ", ".join(machines), plan)
-        return ChangeReply(
+        log.info("%s %s %s: plan %s", req.module, verb, named(machines), plan)
+        return replied(
             plan=plan,
-            machines=changed,
-            message=f"{req.module} {verb} {', '.join(machines)}; "
+            changed=changed,
+            message=f"{req.module} {verb} {named(machines)}; "
             + (f"plan {plan} changes {len(changed)} machine(s)" if changed else "no change"),
         )
 
@@ -445,9 +464,9 @@ class Changes:
                 )  # fmt: skip
         self._wake()
         log.info("secret %s set (version %d): plan %s", req.name, version, plan)
-        return ChangeReply(
+        return replied(
             plan=plan,
-            machines=changed,
+            changed=changed,
             message=f"secret {req.name} is at version {version}; "
             + (f"plan {plan} changes {len(changed)} machine(s)" if changed else "no change"),
         )

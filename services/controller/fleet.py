@@ -5,6 +5,7 @@ up/down transitions are written at once, each with an event. A machine is down a
 `down_after` of its own beat intervals without a beat, and up again at its next beat.
 """
 
+import bisect
 import logging
 import time
 from collections import deque
@@ -103,6 +104,9 @@ class Fleet:
         # The names of up machines, kept beside `machines` so `status` costs the same for a
         # fleet of any size (bench/verbs.py: walking 1000 machines per call halved its rate).
         self._up: set[str] = set()
+        # (tier, name) of every machine, kept sorted as machines come and move: `nodes`
+        # answers a page from its place here (mesh/paging.py), never sorting the fleet.
+        self.order: list[tuple[int, str]] = []
         self._beat_at: dict[str, float] = {}  # monotonic time of the last beat (or takeover)
         self._unflushed: dict[str, datetime] = {}
         self._unknown_logged: set[str] = set()
@@ -180,6 +184,7 @@ class Fleet:
     async def load(self) -> None:
         """Read the fleet from the store at takeover; up machines get a full threshold to beat."""
         self.machines = {m.name: m for m in await machines.all_machines(self._pool)}
+        self.order = sorted((m.tier, m.name) for m in self.machines.values())
         self._up = {name for name, m in self.machines.items() if m.up}
         self.forgive()
 
@@ -225,6 +230,7 @@ class Fleet:
         for req in reqs:
             row, before = by_name[req.name], was[req.name]
             self.machines[req.name] = row
+            self._place(req.name, was=before.tier if before is not None else None, tier=row.tier)
             if req.applied:  # what it had when it asked: an applied event heard meanwhile is newer
                 self.applied.setdefault(req.name, req.applied)
             self.touch(req.name)
@@ -270,10 +276,21 @@ class Fleet:
                 await events.record(conn, "machine.tier", machine=name, epoch=self._epoch,
                                     tier=tier, was=was, registered=m is not None)  # fmt: skip
             if m is not None:
+                self._place(name, was=m.tier, tier=tier)
                 m.tier = tier
         log.info("machine %s moved from tier %d to tier %d%s", name, was, tier,
                  "" if m is not None else " (for its first registration)")  # fmt: skip
         return was, m is not None
+
+    def _place(self, name: str, *, was: int | None, tier: int) -> None:
+        """Keep `order` sorted: a new machine goes in at its place, a moved one moves."""
+        if was == tier:
+            return
+        if was is not None:
+            at = bisect.bisect_left(self.order, (was, name))
+            if at < len(self.order) and self.order[at] == (was, name):
+                del self.order[at]
+        bisect.insort(self.order, (tier, name))
 
     async def set_labels(
         self, name: str, *, add: dict[str, str], remove: list[str]
@@ -413,20 +430,19 @@ class Fleet:
         total, up = len(self.machines), len(self._up)
         return NodeCounts(total=total, up=up, down=total - up)
 
-    def nodes(self, *, wanted: dict[str, str]) -> list[Node]:
-        return [
-            Node(
-                name=m.name,
-                tier=m.tier,
-                labels=m.labels,
-                up=m.up,
-                last_seen=m.last_seen,
-                facts=m.facts,
-                processes=self.processes.get(m.name, []),
-                digest_wanted=wanted.get(m.name),
-                digest_applied=self.applied.get(m.name),
-                apply_error=self.apply_errors.get(m.name),
-                version=m.version,
-            )
-            for m in sorted(self.machines.values(), key=lambda m: (m.tier, m.name))
-        ]
+    def node(self, name: str, *, wanted: dict[str, str]) -> Node:
+        """A machine as `nodes` shows it; `wanted` is the digest published for each machine."""
+        m = self.machines[name]
+        return Node(
+            name=m.name,
+            tier=m.tier,
+            labels=m.labels,
+            up=m.up,
+            last_seen=m.last_seen,
+            facts=m.facts,
+            processes=self.processes.get(m.name, []),
+            digest_wanted=wanted.get(m.name),
+            digest_applied=self.applied.get(m.name),
+            apply_error=self.apply_errors.get(m.name),
+            version=m.version,
+        )

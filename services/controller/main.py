@@ -27,7 +27,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.kv import KeyValue
 
-from mesh import blobs, bus, subjects, version, wire
+from mesh import blobs, bus, paging, subjects, version, wire
 from mesh import metrics as served_metrics
 from mesh.discovery import Discovery
 from mesh.errors import MeshError
@@ -278,8 +278,9 @@ class Hold:
                     manifests=manifests, publisher=publisher, wake=lambda: planner.wake(),
                 )  # fmt: skip
                 views = Views(
-                    pool=self.pool, obs=obs, fleet=fleet, manifests=manifests, publisher=publisher
-                )
+                    pool=self.pool, obs=obs, fleet=fleet, manifests=manifests, publisher=publisher,
+                    budget=lambda: paging.budget(self.nc.max_payload),
+                )  # fmt: skip
                 planner = Planner(pool=self.pool, publisher=publisher, fleet=fleet, epoch=row.epoch,
                                   nc=self.nc)  # fmt: skip
                 # Slow verbs run in `serving`, answered before we go.

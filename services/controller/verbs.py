@@ -11,7 +11,7 @@ import anyio.lowlevel
 import msgspec
 from anyio.abc import TaskGroup
 
-from mesh import subjects, wire
+from mesh import paging, subjects, wire
 from mesh.model import (
     AssignRequest,
     BuildLogsReply,
@@ -51,7 +51,7 @@ from mesh.serving import Bound, Endpoint, Verb
 from services.controller.changes import Changes
 from services.controller.fleet import Fleet
 from services.controller.planner import Planner
-from services.controller.publishing import Publisher
+from services.controller.publishing import MAX_DECLARATION, Publisher
 from services.controller.standbys import Standbys
 from services.controller.views import Views
 
@@ -134,8 +134,8 @@ async def _after_reply(stop: Callable[[], None]) -> None:
     stop()
 
 
-async def nodes(h: Holder, _: NodesRequest) -> NodesReply:
-    return NodesReply(nodes=h.fleet.nodes(wanted=h.publisher.wanted))
+async def nodes(h: Holder, req: NodesRequest) -> NodesReply:
+    return h.views.nodes(req)
 
 
 async def register(a: Asking, req: Register) -> RegisterReply:
@@ -160,8 +160,8 @@ async def unassign(h: Holder, req: AssignRequest) -> ChangeReply:
     return await h.changes.assign(req, undo=True)
 
 
-async def modules(h: Holder, _: ModulesRequest) -> ModulesReply:
-    return await h.views.modules()
+async def modules(h: Holder, req: ModulesRequest) -> ModulesReply:
+    return await h.views.modules(req)
 
 
 async def declaration(h: Holder, req: DeclarationRequest) -> DeclarationReply:
@@ -181,11 +181,11 @@ async def build_logs(h: Holder, req: BuildLogsRequest) -> BuildLogsReply:
 
 
 async def plan(h: Holder, req: PlanRequest) -> PlanReply:
-    return await h.views.plan(req.id)
+    return await h.views.plan(req)
 
 
 async def plans(h: Holder, req: PlansRequest) -> PlansReply:
-    return await h.views.plans(req.limit)
+    return await h.views.plans(req)
 
 
 async def tier(h: Holder, req: TierRequest) -> TierReply:
@@ -203,21 +203,33 @@ _SMALL = 4 * 1024  # names and numbers
 _MODULE_BODY = 640 * 1024  # a manifest of up to 256 KiB, JSON-escaped; thousands of names
 _SECRET_BODY = 768 * 1024  # a secret of up to 512 KiB, as base64
 
+_PAGED = paging.HINT  # what a too_large reply of a verb that pages says (mesh/paging.py)
+
 VERBS: dict[str, Verb] = {
     "status": Verb(StatusRequest, StatusReply, status, limit=_SMALL),
-    "nodes": Verb(NodesRequest, NodesReply, nodes, limit=_SMALL),
+    "nodes": Verb(NodesRequest, NodesReply, nodes, limit=_SMALL, too_large=_PAGED),
     "push": Verb(PushRequest, ChangeReply, push, bound=SLOW, limit=_MODULE_BODY),
-    "diff": Verb(DiffRequest, DiffReply, diff, bound=SLOW, limit=_MODULE_BODY),
+    "diff": Verb(DiffRequest, DiffReply, diff, bound=SLOW, limit=_MODULE_BODY, too_large=_PAGED),
     "assign": Verb(AssignRequest, ChangeReply, assign, bound=SLOW, limit=_MODULE_BODY),
     "unassign": Verb(AssignRequest, ChangeReply, unassign, bound=SLOW, limit=_MODULE_BODY),
-    "modules": Verb(ModulesRequest, ModulesReply, modules, bound=SLOW, limit=_SMALL),
+    "modules": Verb(
+        ModulesRequest, ModulesReply, modules, bound=SLOW, limit=_SMALL, too_large=_PAGED
+    ),
+    # A declaration is at most MAX_DECLARATION (768 KiB): it fits a reply on a server of the
+    # default max_payload (1 MiB); only a smaller one can refuse it.
     "declaration": Verb(
-        DeclarationRequest, DeclarationReply, declaration, bound=SLOW, limit=_SMALL
+        DeclarationRequest,
+        DeclarationReply,
+        declaration,
+        bound=SLOW,
+        limit=_SMALL,
+        too_large=f"a declaration may be {MAX_DECLARATION} bytes: the NATS server's "
+        "max_payload must be larger than that",
     ),
     "secret-set": Verb(SecretSetRequest, ChangeReply, secret_set, bound=SLOW, limit=_SECRET_BODY),
     "build-logs": Verb(BuildLogsRequest, BuildLogsReply, build_logs, bound=SLOW, limit=_SMALL),
-    "plan": Verb(PlanRequest, PlanReply, plan, bound=SLOW, limit=_SMALL),
-    "plans": Verb(PlansRequest, PlansReply, plans, bound=SLOW, limit=_SMALL),
+    "plan": Verb(PlanRequest, PlanReply, plan, bound=SLOW, limit=_SMALL, too_large=_PAGED),
+    "plans": Verb(PlansRequest, PlansReply, plans, bound=SLOW, limit=_SMALL, too_large=_PAGED),
     "tier": Verb(TierRequest, TierReply, tier, bound=SLOW, limit=_SMALL),
     # up to 64 labels: as a registration
     "label": Verb(LabelRequest, LabelReply, label, bound=SLOW),

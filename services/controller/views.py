@@ -1,15 +1,22 @@
-"""What the holder answers from the store without changing it: modules, a machine's
-declaration, plans, the dry run of a push (`diff`), a build's log, and a secret's value for a
-host whose declaration names it."""
+"""What the holder answers without changing anything: the fleet (`nodes`, from memory), modules,
+a machine's declaration, plans, the dry run of a push (`diff`), a build's log, and a secret's
+value for a host whose declaration names it.
+
+The lists answer a page at a time (mesh/paging.py): `nodes` by tier then name, a plan's steps
+by tier then machine, `plans` newest first, `modules` by name (a module on many machines in
+several entries), `diff` by machine. Each page is read in one snapshot of the store.
+"""
 
 import base64
+from collections.abc import Callable, Iterator
 
 import asyncpg
 import msgspec
 from nats.js.object_store import ObjectStore
 
-from mesh import blobs, wire
+from mesh import blobs, paging, wire
 from mesh.model import (
+    ASSIGNED_PER_ENTRY,
     BuildLogsReply,
     BuildLogsRequest,
     DeclarationReply,
@@ -18,17 +25,38 @@ from mesh.model import (
     MachineDiff,
     ModuleInfo,
     ModulesReply,
+    ModulesRequest,
+    NodesReply,
+    NodesRequest,
     PlanReply,
+    PlanRequest,
     PlansReply,
+    PlansRequest,
     PlanTier,
     SecretReply,
+    TierState,
 )
 from mesh.modules.compose import Declaration
 from mesh.modules.diff import diff
 from mesh.store import builds, declarations, modules, plans, secrets
+from mesh.store.modules import StoredVersion
 from services.controller import changes
 from services.controller.fleet import Fleet
 from services.controller.publishing import Manifests, Publisher
+
+
+def _tier(t: plans.TierCounts) -> TierState:
+    if t.failed:
+        return "failed"
+    if t.reverted:
+        return "reverted"
+    if t.done == t.total:
+        return "done"
+    return "rolling" if t.moving else "pending"
+
+
+# Every page's reads in one snapshot: a plan's tiers and its steps, modules and their machines.
+_SNAPSHOT = {"isolation": "repeatable_read", "readonly": True}
 
 
 class Views:
@@ -40,32 +68,72 @@ class Views:
         fleet: Fleet,
         manifests: Manifests,
         publisher: Publisher,
+        budget: Callable[[], int] = lambda: paging.PAGE_BYTES,
     ) -> None:
         self._pool = pool
         self._obs = obs
-        self._fleet = fleet  # the dry run assigns a first push as its manifest says
+        self._fleet = fleet  # `nodes`; the dry run assigns a first push as its manifest says
         self._manifests = manifests
         self._publisher = publisher  # the dry run composes as a push would
+        self._budget = budget  # bytes of a page, for the NATS server we answer on now
 
-    async def modules(self) -> ModulesReply:
-        async with self._pool.acquire() as conn:
+    def nodes(self, req: NodesRequest) -> NodesReply:
+        """From memory, in the fleet's own order: a page costs what it holds, not the fleet."""
+        at = paging.after(req.after, verb="nodes", shape=(int, str))
+        fleet, wanted = self._fleet, self._publisher.wanted
+        order = fleet.order  # sorted (tier, name); nothing changes it before we return
+        total = len(order)
+        rows = ((order[i], fleet.node(order[i][1], wanted=wanted))
+                for i in range(paging.start(order, at), total))  # fmt: skip
+        page = paging.fill(
+            rows, verb="nodes", limit=req.limit,
+            room=paging.room(self._budget(), NodesReply(nodes=[], total=total)),
+            what=lambda n: f"machine {n.name}",
+        )  # fmt: skip
+        return NodesReply(nodes=page.items, next=page.next, total=total)
+
+    async def modules(self, req: ModulesRequest) -> ModulesReply:
+        at = paging.after(req.after, verb="modules", shape=(str, str))
+        room = paging.room(self._budget(), ModulesReply(modules=[], total=0))
+        # More assignments than a page can hold (an entry holds ASSIGNED_PER_ENTRY, and each
+        # machine takes 4 bytes at least: `"a",`): a page ends before the rows read do, and
+        # what is past them is only looked at to know that there is more.
+        most = min(req.limit * ASSIGNED_PER_ENTRY, room // 4) + 1
+        async with self._pool.acquire() as conn, conn.transaction(**_SNAPSHOT):
             current = await modules.current_modules(conn)
-            assigned = await modules.assignments(conn)
-        found = []
-        for name, v in sorted(current.items()):
+            rows = await modules.assigned_after(conn, after=at, most=most)
+        machines: dict[str, list[str]] = {}
+        for module, machine in rows:
+            machines.setdefault(module, []).append(machine)
+        page = paging.fill(
+            self._module_entries(current, machines, at), verb="modules", limit=req.limit,
+            room=room, what=lambda m: f"module {m.name}'s entry",
+        )  # fmt: skip
+        return ModulesReply(modules=page.items, next=page.next, total=len(current))
+
+    def _module_entries(
+        self,
+        current: dict[str, StoredVersion],
+        machines: dict[str, list[str]],
+        at: paging.Key | None,
+    ) -> Iterator[tuple[paging.Key, ModuleInfo]]:
+        """Every module by name from the cursor on, each in entries of ASSIGNED_PER_ENTRY of
+        its machines (one entry with none for a module assigned nowhere), keyed by the module
+        and the last machine in the entry."""
+        for name in sorted(current):
+            if at is not None and name < at[0]:
+                continue
+            mine = machines.get(name, [])
+            if at is not None and name == at[0] and not mine:
+                continue  # the cursor's module, with none of its machines left after it
+            v = current[name]
             m = self._manifests.of(v)
-            found.append(
-                ModuleInfo(
-                    name=name,
-                    version=v.version,
-                    pushed_at=v.pushed_at,
-                    pushed_by=v.pushed_by,
-                    assigned=sorted(machine for machine, mods in assigned.items() if name in mods),
-                    processes=sorted(m.process),
-                    containers=sorted(m.container),
-                )
-            )
-        return ModulesReply(modules=found)
+            for i in range(0, max(len(mine), 1), ASSIGNED_PER_ENTRY):
+                chunk = mine[i : i + ASSIGNED_PER_ENTRY]
+                yield (name, chunk[-1] if chunk else ""), ModuleInfo(
+                    name=name, version=v.version, pushed_at=v.pushed_at, pushed_by=v.pushed_by,
+                    assigned=chunk, processes=sorted(m.process), containers=sorted(m.container),
+                )  # fmt: skip
 
     async def declaration(self, machine: str) -> DeclarationReply:
         async with self._pool.acquire() as conn:
@@ -78,7 +146,10 @@ class Views:
         )
 
     async def diff(self, req: DiffRequest) -> DiffReply:
-        """The dry run of a push: the same transaction, rolled back; nothing stored or built."""
+        """The dry run of a push: the same transaction, rolled back; nothing stored or built.
+        Each page runs it again (a page is as the store is when it is asked) and spells out
+        the changes of its own machines only."""
+        at = paging.after(req.after, verb="diff", shape=(str,))
         manifest, data = await changes.read_source(
             obs=self._obs, manifest_text=req.manifest, source=req.source
         )
@@ -98,53 +169,65 @@ class Views:
                 stored = await declarations.declarations(conn, sorted(composed))
             finally:
                 await tx.rollback()
-        machines = []
-        for machine, (after, body) in sorted(composed.items()):
+        changed = [(machine,) for machine, (after, _) in sorted(composed.items())
+                   if machine not in stored or stored[machine][0] != after]  # fmt: skip
+
+        def spelled(machine: str) -> MachineDiff:
+            after, body = composed[machine]
             before = stored.get(machine)
-            if before is not None and before[0] == after:
-                continue
             old = msgspec.json.decode(before[1], type=Declaration) if before else None
             new = msgspec.json.decode(body, type=Declaration)
-            found = [msgspec.to_builtins(ch) for ch in diff(old, new)]
-            machines.append(
-                MachineDiff(
-                    machine=machine, before=before[0] if before else None, after=after,
-                    changes=found,
-                )
+            return MachineDiff(
+                machine=machine, before=before[0] if before else None, after=after,
+                changes=[msgspec.to_builtins(ch) for ch in diff(old, new)],
             )  # fmt: skip
-        return DiffReply(
-            module=name, version=req.source, machines=machines, builds=[b.name for b in todo]
-        )
 
-    async def plan(self, plan_id: int) -> PlanReply:
-        p = await plans.load(self._pool, plan_id)
-        if p is None:
-            raise wire.BadRequest(f"plan {plan_id} does not exist", code="not_found")
-        tiers: list[PlanTier] = []
-        for t in sorted({s.tier for s in p.steps}):
-            mine = [s for s in p.steps if s.tier == t]
-            states = {s.state for s in mine}
-            done = sum(s.state in ("done", "skipped") for s in mine)
-            if "failed" in states:
-                state = "failed"
-            elif any(s.reverted for s in mine):
-                state = "reverted"
-            elif done == len(mine):
-                state = "done"
-            elif states & {"applying", "done"}:
-                state = "rolling"
-            else:
-                state = "pending"
-            tiers.append(PlanTier(tier=t, state=state, total=len(mine), done=done))
-        return PlanReply(
+        reply = DiffReply(module=name, version=req.source, machines=[],
+                          builds=[b.name for b in todo], total=len(changed))  # fmt: skip
+        rows = ((changed[i], spelled(changed[i][0]))
+                for i in range(paging.start(changed, at), len(changed)))  # fmt: skip
+        page = paging.fill(
+            rows, verb="diff", limit=req.limit, room=paging.room(self._budget(), reply),
+            what=lambda m: f"machine {m.machine}'s changes",
+            instead="see its declaration with `mesh declaration` after the push",
+        )  # fmt: skip
+        return msgspec.structs.replace(reply, machines=page.items, next=page.next)
+
+    async def plan(self, req: PlanRequest) -> PlanReply:
+        """The plan, its tiers (of every step) and a page of its steps."""
+        at = paging.after(req.after, verb="plan", shape=(int, str))
+        async with self._pool.acquire() as conn, conn.transaction(**_SNAPSHOT):
+            p = await plans.head(conn, req.id)
+            if p is None:
+                raise wire.BadRequest(f"plan {req.id} does not exist", code="not_found")
+            counted = await plans.tiers(conn, req.id)
+            steps = await plans.step_views(conn, req.id, after=at, most=req.limit + 1)
+        tiers = [PlanTier(tier=t.tier, state=_tier(t), total=t.total, done=t.done)
+                 for t in counted]  # fmt: skip
+        reply = PlanReply(
             id=p.id, state=p.state, trigger=p.trigger, subject=p.subject, by=p.by,
             epoch=p.epoch, created=p.created, started=p.started, finished=p.finished,
             phase=p.phase, failure=p.error, settings=p.settings, builds=p.builds, tiers=tiers,
-            steps=[s.view() for s in p.steps],
+            steps=[], total=sum(t.total for t in counted),
         )  # fmt: skip
+        page = paging.fill(
+            (((s.tier, s.machine), s) for s in steps), verb="plan", limit=req.limit,
+            room=paging.room(self._budget(), reply), what=lambda s: f"step {s.machine}",
+        )  # fmt: skip
+        return msgspec.structs.replace(reply, steps=page.items, next=page.next)
 
-    async def plans(self, limit: int) -> PlansReply:
-        return PlansReply(plans=await plans.recent(self._pool, limit))
+    async def plans(self, req: PlansRequest) -> PlansReply:
+        """Newest first: the cursor is the last plan given, the page the ones older."""
+        at = paging.after(req.after, verb="plans", shape=(int,))
+        async with self._pool.acquire() as conn, conn.transaction(**_SNAPSHOT):
+            found = await plans.recent(conn, req.limit + 1, before=at[0] if at else None)
+            total = await plans.count(conn)
+        page = paging.fill(
+            (((p.id,), p) for p in found), verb="plans", limit=req.limit,
+            room=paging.room(self._budget(), PlansReply(plans=[], total=total)),
+            what=lambda p: f"plan {p.id}",
+        )  # fmt: skip
+        return PlansReply(plans=page.items, next=page.next, total=total)
 
     async def secret_for(self, machine: str, name: str) -> SecretReply:
         """A secret's value, for a host whose declaration names it; nobody else gets it."""
@@ -174,11 +257,8 @@ class Views:
                 text = (await blobs.get_named(self._obs, row.log_object)).decode(errors="replace")
             except blobs.BlobMissing:
                 pass
-        return BuildLogsReply(
-            key=row.key,
-            module=row.module,
-            bundle=row.bundle,
-            state=row.state,
-            builder=row.builder,
-            log=text,
-        )
+        reply = BuildLogsReply(key=row.key, module=row.module, bundle=row.bundle,
+                               state=row.state, builder=row.builder, log="")  # fmt: skip
+        # The builder keeps the log's last 256 KiB (LOG_KEEP), which as JSON may still not fit.
+        log = paging.fitting_tail(text, paging.room(self._budget(), reply))
+        return msgspec.structs.replace(reply, log=log)

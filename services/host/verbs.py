@@ -14,7 +14,7 @@ import msgspec
 from anyio.abc import TaskGroup
 from nats.aio.client import Client
 
-from mesh import subjects, wire
+from mesh import paging, subjects, wire
 from mesh.model import (
     BuildReply,
     BuildRequest,
@@ -81,7 +81,30 @@ async def logs(h: Host, req: LogsRequest) -> LogsReply:
     while not data and time.monotonic() < deadline:
         await anyio.sleep(LOOK_EVERY)
         offset, data = logwriter.read(path, offset, req.max)
-    return LogsReply(process=req.process, offset=offset, data=data.decode(errors="replace"))
+    room = paging.room(paging.budget(h.nc.max_payload), LogsReply(req.process, offset, ""))
+    return _fitting(req, offset, data, room=room)
+
+
+def _fitting(req: LogsRequest, offset: int, data: bytes, *, room: int) -> LogsReply:
+    """The reply, its data cut to what fits the bus: up to 512 KiB of output may be three times
+    that as JSON (a byte that is no UTF-8 is 3, a control character 6). A read from an offset
+    keeps its first bytes (the next read goes on from where these end), the tail its last."""
+    text = data.decode(errors="replace")
+    if paging.encoded_size(text) <= room:
+        return LogsReply(process=req.process, offset=offset, data=text)
+    tail = req.offset is None
+
+    def part(n: int) -> bytes:
+        return data[len(data) - n :] if tail else data[:n]
+
+    def fits(n: int) -> bool:
+        return paging.encoded_size(part(n).decode(errors="replace")) <= room
+
+    n = paging.largest(len(data), fits)
+    return LogsReply(
+        process=req.process, offset=offset if tail else offset - len(data) + n,
+        data=part(n).decode(errors="replace"),
+    )  # fmt: skip
 
 
 async def restart(h: Host, req: RestartRequest) -> RestartReply:
