@@ -193,6 +193,7 @@ class SimProcess:
         process, not the controller, what the bench measures)."""
         subject = f"$KV.{DECLARATIONS}.{sim.name}"
         deliver = f"{self.deliver}.{sim.name}"
+
         # A subscription of its own, as a host has (nats-server delivered nothing to a
         # wildcard subscription over several hosts' deliver subjects).
         async def delivered(msg: Msg) -> None:
