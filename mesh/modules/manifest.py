@@ -74,6 +74,20 @@ class Process(Strict):
     stop_timeout: str = "10s"
 
 
+class Tool(Strict):
+    """A tool server (docs/modules.md, [tool.NAME]): a process that speaks MCP over stdio to the
+    host, which launches it, lists its tools and calls them for the fleet."""
+
+    command: list[str]
+    bundle: str | None = None
+    account: str | None = None
+    root: bool = False  # run as root: only when said
+    env: dict[str, str] = {}
+    files: dict[str, File] = {}
+    timeout: str = "30s"  # a call's time limit (a caller may ask for less, never more)
+    stop_timeout: str = "10s"  # after its stdin closes and SIGTERM, before SIGKILL
+
+
 class Container(Strict):
     image: str | None = None
     build: str | dict | None = None  # present only so the gate can refuse it by name
@@ -106,5 +120,6 @@ class Manifest(Strict):
     account: dict[str, Account] = {}
     process: dict[str, Process] = {}
     container: dict[str, Container] = {}
+    tool: dict[str, Tool] = {}
     assign: Assign | None = None
     rollout: Rollout = msgspec.field(default_factory=Rollout)

@@ -20,7 +20,7 @@ from mesh import config
 from mesh.errors import MeshError
 from mesh.model import HandoverReply, NodesReply, StatusReply
 from mesh.names import check_name
-from programs.cli import certs, devcreds, hosts, machines, modules, render, webconsole
+from programs.cli import certs, devcreds, hosts, machines, modules, render, tools, webconsole
 from programs.cli.args import METRICS_HELP, Parser, label, listen, tier
 from programs.cli.client import CliError, verb
 from programs.cli.output import console, print_json
@@ -135,6 +135,7 @@ def parser() -> argparse.ArgumentParser:
     machines.add_parsers(verbs, common)
     certs.add_parsers(verbs, common)
     webconsole.add_parsers(verbs, common)
+    tools.add_parsers(verbs, common)
     return top
 
 
@@ -265,6 +266,7 @@ COMMANDS: dict[tuple[str, ...], Callable[[argparse.Namespace], Any]] = {
     **devcreds.COMMANDS,
     **certs.COMMANDS,
     **webconsole.COMMANDS,
+    **tools.COMMANDS,
 }
 
 

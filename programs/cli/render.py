@@ -15,6 +15,7 @@ from mesh.model import (
     NodesReply,
     PlanSummary,
     StatusReply,
+    ToolEntry,
 )
 
 
@@ -146,4 +147,25 @@ def modules(console: Console, r: ModulesReply) -> None:
             ", ".join(m.assigned) or "-", ", ".join(m.processes) or "-",
             ", ".join(m.containers) or "-",
         )  # fmt: skip
+    console.print(table)
+
+
+def tools(console: Console, found: list[ToolEntry], *, machine: str | None = None) -> None:
+    if not found:
+        where = f"on {machine}" if machine else "in the fleet"
+        console.print(f"no tools {where} (a module's [tool.NAME] tables, once assigned and ready)")
+        return
+    table = Table(box=None, header_style="bold")
+    for column in ("MACHINE", "SERVER", "TOOL", "DESCRIPTION"):
+        table.add_column(column)
+    for t in found:
+        line = " ".join(t.description.split())
+        line = line if len(line) <= 80 else line[:77] + "..."
+        if not t.up:
+            line = f"[red](machine down)[/] {escape(line)}"
+        elif t.state != "ready":
+            line = f"[yellow]({escape(t.state)})[/] {escape(line)}"
+        else:
+            line = escape(line)
+        table.add_row(escape(t.machine), escape(t.server), escape(t.name), line)
     console.print(table)

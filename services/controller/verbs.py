@@ -45,6 +45,8 @@ from mesh.model import (
     StatusRequest,
     TierReply,
     TierRequest,
+    ToolsReply,
+    ToolsRequest,
 )
 from mesh.names import InvalidName, check_name
 from mesh.serving import Bound, Endpoint, Verb
@@ -133,6 +135,10 @@ async def nodes(h: Holder, _: NodesRequest) -> NodesReply:
     return NodesReply(nodes=h.fleet.nodes(wanted=h.publisher.wanted))
 
 
+async def tools(h: Holder, req: ToolsRequest) -> ToolsReply:
+    return h.views.tools(req)
+
+
 async def register(a: Asking, req: Register) -> RegisterReply:
     if req.name != a.machine:
         raise wire.BadRequest(
@@ -201,6 +207,8 @@ _SECRET_BODY = 768 * 1024  # a secret of up to 512 KiB, as base64
 VERBS: dict[str, Verb] = {
     "status": Verb(StatusRequest, StatusReply, status, limit=_SMALL),
     "nodes": Verb(NodesRequest, NodesReply, nodes, limit=_SMALL),
+    # from memory, like nodes; a page at a time (`after`, `next`)
+    "tools": Verb(ToolsRequest, ToolsReply, tools, limit=_SMALL),
     "push": Verb(PushRequest, ChangeReply, push, bound=SLOW, limit=_MODULE_BODY),
     "diff": Verb(DiffRequest, DiffReply, diff, bound=SLOW, limit=_MODULE_BODY),
     "assign": Verb(AssignRequest, ChangeReply, assign, bound=SLOW, limit=_MODULE_BODY),

@@ -3,6 +3,7 @@ declaration, plans, the dry run of a push (`diff`), a build's log, and a secret'
 host whose declaration names it."""
 
 import base64
+import binascii
 
 import asyncpg
 import msgspec
@@ -22,13 +23,32 @@ from mesh.model import (
     PlansReply,
     PlanTier,
     SecretReply,
+    ToolEntry,
+    ToolsReply,
+    ToolsRequest,
 )
-from mesh.modules.compose import Declaration
+from mesh.modules.compose import Declaration, tools_of
 from mesh.modules.diff import diff
 from mesh.store import builds, declarations, modules, plans, secrets
 from services.controller import changes
 from services.controller.fleet import Fleet
 from services.controller.publishing import Manifests, Publisher
+
+PAGE_BYTES = 256 * 1024  # of one page of a list verb: well under a NATS message (1 MiB)
+
+
+def _cursor(key: tuple[str, ...]) -> str:
+    return base64.urlsafe_b64encode(msgspec.json.encode(key)).decode()
+
+
+def _after(cursor: str | None) -> tuple[str, ...]:
+    if cursor is None:
+        return ()
+    try:
+        key = msgspec.json.decode(base64.urlsafe_b64decode(cursor), type=tuple[str, ...])
+    except (binascii.Error, ValueError, msgspec.DecodeError):
+        raise wire.BadRequest("after: not a cursor this verb gave (its `next`)") from None
+    return key
 
 
 class Views:
@@ -63,6 +83,7 @@ class Views:
                     assigned=sorted(machine for machine, mods in assigned.items() if name in mods),
                     processes=sorted(m.process),
                     containers=sorted(m.container),
+                    tools=sorted(m.tool),
                 )
             )
         return ModulesReply(modules=found)
@@ -143,6 +164,34 @@ class Views:
             steps=[s.view() for s in p.steps],
         )  # fmt: skip
 
+    def tools(self, req: ToolsRequest) -> ToolsReply:
+        """The fleet's tools, as each host last reported them, by machine, server and tool;
+        a page at a time (at most `limit` tools and PAGE_BYTES), `next` the cursor of the next."""
+        after = _after(req.after)
+        fleet = self._fleet
+        machines = [req.machine] if req.machine is not None else sorted(fleet.tools)
+        page: list[ToolEntry] = []
+        size = 0
+        last: tuple[str, ...] = ()
+        for machine in machines:
+            up = fleet.up(machine)
+            for server in sorted(fleet.tools.get(machine, []), key=lambda s: s.name):
+                for t in sorted(server.tools, key=lambda t: t.name):
+                    key = (machine, server.name, t.name)
+                    if key <= after:
+                        continue
+                    entry = ToolEntry(
+                        machine=machine, server=server.name, name=t.name,
+                        description=t.description, input_schema=t.input_schema,
+                        state=server.state, up=up, timeout=server.timeout,
+                    )  # fmt: skip
+                    size += len(msgspec.json.encode(entry))
+                    if page and (len(page) >= req.limit or size > PAGE_BYTES):
+                        return ToolsReply(tools=page, next=_cursor(last))
+                    page.append(entry)
+                    last = key
+        return ToolsReply(tools=page, next=None)
+
     async def plans(self, limit: int) -> PlansReply:
         return PlansReply(plans=await plans.recent(self._pool, limit))
 
@@ -154,7 +203,8 @@ class Views:
         named = False
         if stored is not None:
             decl = msgspec.json.decode(stored[1], type=Declaration)
-            named = any(f.secret == name for p in decl.processes.values() for f in p.files.values())
+            runs = [*decl.processes.values(), *tools_of(decl).values()]
+            named = any(f.secret == name for p in runs for f in p.files.values())
         if not named:
             raise wire.BadRequest(
                 f"machine {machine}'s declaration names no secret {name}", code="forbidden"

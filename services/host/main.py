@@ -27,6 +27,7 @@ from mesh.model import (
     Register,
     RegisterReply,
     SeatAnnounce,
+    ToolsEvent,
 )
 from mesh.paths import open_path_to
 from mesh.serving import Server, Stats
@@ -34,6 +35,7 @@ from services.host import containers, metrics, successor, verbs
 from services.host.apply import Applier
 from services.host.facts import gather
 from services.host.supervisor import Supervisor
+from services.host.tools import ToolRuntime
 from services.host.verbs import HostStatus
 
 log = logging.getLogger("mesh.host")
@@ -127,6 +129,28 @@ async def run(
                 nc=nc, root=state, changed=lambda: tg.start_soon(report_processes)
             )
             tg.start_soon(supervisor.run)
+            tools_changed = anyio.Event()
+
+            def tools_change() -> None:
+                nonlocal tools_changed
+                tools_changed.set()
+                tg.start_soon(report_processes)
+
+            async def report_tools() -> None:
+                event = ToolsEvent(name=name, servers=tools.reports())
+                await nc.publish(subjects.event(name, "tools"), wire.encode(event))
+
+            async def keep_reporting_tools() -> None:
+                # One task, so reports go out in order; a burst of changes is one report.
+                nonlocal tools_changed
+                while True:
+                    await tools_changed.wait()
+                    tools_changed = anyio.Event()
+                    await report_tools()
+
+            tools = ToolRuntime(nc=nc, root=state, changed=tools_change)
+            supervisor.tool_servers = tools.states
+            tg.start_soon(tools.run)
 
             async def hand_over(key: str, bundle: Path) -> None:
                 """Start the new agent; once it is ready, stop everything here (below, after
@@ -136,7 +160,7 @@ async def run(
                 await anyio.sleep_forever()  # cancelled: the apply ends here, nothing saved
 
             applier = Applier(
-                name=name, nc=nc, root=state, supervisor=supervisor, nats_url=nats_url,
+                name=name, nc=nc, root=state, supervisor=supervisor, tools=tools, nats_url=nats_url,
                 hand_over=hand_over if relaunch is not None else None,
             )  # fmt: skip
             metrics.PROCESSES.states = supervisor.states
@@ -151,7 +175,12 @@ async def run(
             stats = Stats(observe=metrics.VERB_ANSWERED)
             served = await verbs.serve(
                 verbs.Host(
-                    name=name, root=state, nc=nc, supervisor=supervisor, status=current_status
+                    name=name,
+                    root=state,
+                    nc=nc,
+                    supervisor=supervisor,
+                    tools=tools,
+                    status=current_status,
                 ),
                 tasks=tg,
                 stats=stats,
@@ -174,6 +203,8 @@ async def run(
                 tg.start_soon(applier.watch)
             await _register(nc, lambda: replace(registration, applied=applier.digest), status)
             await report_processes()
+            await report_tools()
+            tg.start_soon(keep_reporting_tools)
             if heir is not None:
                 heir.running()  # registered, serving, adopted: the old agent may go
             else:
@@ -185,6 +216,7 @@ async def run(
             async def report_again() -> None:
                 await applier.report_again()
                 await report_processes()
+                await report_tools()
 
             # Reports published while a server died under us may be lost: say them again.
             link.on_up = lambda: tg.start_soon(report_again)
@@ -199,6 +231,7 @@ async def run(
                         at_least=announce.epoch,
                     )  # fmt: skip
                     await report_processes()
+                    await report_tools()
                 elif announce.epoch == status.epoch:
                     # Our holder, back on NATS after an outage of its own: what we reported
                     # meanwhile may not have reached it.

@@ -23,7 +23,7 @@ from nats.aio.client import Client
 
 from mesh.lifetime import first_of
 from mesh.model import ProcessState
-from mesh.modules.compose import DProcess, canonical_process
+from mesh.modules.compose import DProcess, DTool, canonical_process
 from mesh.modules.gate import duration
 from services.host import checks, metrics, processes
 from services.host.processes import Instance
@@ -34,7 +34,7 @@ BACKOFF_MAX = 30.0
 STEADY_AFTER = 30.0  # up this long, and the backoff starts again from 1 s
 
 
-def spec_digest(p: DProcess) -> str:
+def spec_digest(p: DProcess | DTool) -> str:
     return "sha256:" + hashlib.sha256(canonical_process(p)).hexdigest()
 
 
@@ -42,7 +42,7 @@ class Launch(msgspec.Struct):
     """Everything needed to run one declared process on this machine."""
 
     name: str
-    decl: DProcess
+    decl: DProcess | DTool  # a tool server's is a DTool (services/host/tools.py)
     spec: str
     cwd: Path
     env: dict[str, str]
@@ -105,11 +105,11 @@ class Supervised:
                     log.info("process %s started, pid %d", self.launch.name, self.instance.pid)
                 self._changed()
                 up_since = time.monotonic()
-                self._set("running", healthy=self.launch.decl.check is None)
+                self._set("running", healthy=self._healthy_at_start())
                 async with anyio.create_task_group() as tg:
-                    if self.launch.decl.check is not None:
-                        tg.start_soon(self._check_loop)
+                    tg.start_soon(self._alongside)
                     code = await processes.wait(self.instance)
+                    self._exited(code)
                     tg.cancel_scope.cancel()
                 processes.kill_group(self.instance.pid)  # what it left behind goes with it
                 self.instance = None
@@ -117,7 +117,7 @@ class Supervised:
                     self._set("stopped", healthy=False)
                     return
                 how = "exited" if code is None else f"exited with code {code}"
-                policy = self.launch.decl.restart
+                policy = self._policy()
                 if policy == "never" or (policy == "on-failure" and code == 0):
                     self._set("exited" if code == 0 else "failed", healthy=False, error=how)
                     log.info("process %s %s; restart = %s", self.launch.name, how, policy)
@@ -133,6 +133,22 @@ class Supervised:
 
     async def _back_off(self, seconds: float) -> None:
         await anyio.sleep(seconds)
+
+    # What a kind of supervised process does its own way (services/host/tools.py: tool servers).
+
+    def _healthy_at_start(self) -> bool:
+        return self.launch.decl.check is None
+
+    def _policy(self) -> str:
+        return self.launch.decl.restart
+
+    async def _alongside(self) -> None:
+        """Runs while the instance does; cancelled when it exits."""
+        if self.launch.decl.check is not None:
+            await self._check_loop()
+
+    def _exited(self, code: int | None) -> None:
+        """The instance has just exited (before what runs alongside it is cancelled)."""
 
     def _spawn(self) -> Instance:
         return processes.spawn(
@@ -192,6 +208,8 @@ class Supervisor:
         # The agent itself, when its declaration names it (mesh-host) and it runs that bundle:
         # reported among the processes, supervised by nobody here (services/host/successor.py).
         self.agent: ProcessState | None = None
+        # The tool servers (services/host/tools.py), reported among the processes.
+        self.tool_servers: Callable[[], list[ProcessState]] = list
 
     def _load(self) -> dict[str, Instance]:
         try:
@@ -231,7 +249,8 @@ class Supervisor:
             for _, s in sorted(self._candidates.items())
         ]
         agent = [self.agent] if self.agent is not None else []
-        return [s.report() for _, s in sorted(self.running.items())] + trials + agent
+        processes = [s.report() for _, s in sorted(self.running.items())]
+        return processes + trials + agent + self.tool_servers()
 
     async def run(self) -> None:
         """Own the processes' tasks until cancelled (the host stopping leaves them running)."""
