@@ -36,6 +36,7 @@ def test_issues_what_dev_up_issues_and_keeps_it(tmp_path: Path) -> None:
     assert {(u["kind"], u["name"], u.get("role"), u.get("builder", False)) for u in users} == {
         ("operator", "admin", "admin", False),
         ("operator", "viewer", "viewer", False),
+        ("operator", "tools", "tools", False),
         ("controller", "controller", None, False),
         ("host", "node-1", None, True),
         ("host", "node-2", None, False),
