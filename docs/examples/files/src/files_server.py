@@ -83,13 +83,23 @@ def _schema(**properties: dict) -> dict:
 
 
 TOOLS = {
-    "list": (list_files, "the files in this server's folder ($MESH_FILES), or under path",
-             _schema(path={"type": "string"})),
-    "read": (read, "a file of this server's folder, as text (at most 256 KiB)",
-             {**_schema(path={"type": "string"}), "required": ["path"]}),
+    "list": (
+        list_files,
+        "the files in this server's folder ($MESH_FILES), or under path",
+        _schema(path={"type": "string"}),
+    ),
+    "read": (
+        read,
+        "a file of this server's folder, as text (at most 256 KiB)",
+        {**_schema(path={"type": "string"}), "required": ["path"]},
+    ),
     "echo": (echo, "the text it is given", _schema(text={"type": "string"})),
     "whoami": (whoami, "the machine, account and pid this server runs as", _schema()),
-    "fail": (fail, "always fails, with the message it is given", _schema(message={"type": "string"})),
+    "fail": (
+        fail,
+        "always fails, with the message it is given",
+        _schema(message={"type": "string"}),
+    ),
     "sleep": (sleep, "sleeps for a number of seconds", _schema(seconds={"type": "number"})),
 }
 LISTED = [{"name": n, "description": d, "inputSchema": s} for n, (_, d, s) in TOOLS.items()]
@@ -98,8 +108,13 @@ LISTED = [{"name": n, "description": d, "inputSchema": s} for n, (_, d, s) in TO
 def call(ident, params: dict) -> None:
     name = params.get("name")
     if name not in TOOLS:
-        send({"jsonrpc": "2.0", "id": ident,
-              "error": {"code": -32602, "message": f"unknown tool {name!r}"}})
+        send(
+            {
+                "jsonrpc": "2.0",
+                "id": ident,
+                "error": {"code": -32602, "message": f"unknown tool {name!r}"},
+            }
+        )
         return
     try:
         result = TOOLS[name][0](params.get("arguments") or {})
@@ -115,22 +130,29 @@ def answer(message: dict) -> None:
     if method == "initialize":
         asked = params.get("protocolVersion")
         known = ("2024-11-05", "2025-03-26", "2025-06-18", "2025-11-25")
-        result = {"protocolVersion": asked if asked in known else known[-1],
-                  "capabilities": {"tools": {"listChanged": False}},
-                  "serverInfo": {"name": "files", "version": VERSION}}
+        result = {
+            "protocolVersion": asked if asked in known else known[-1],
+            "capabilities": {"tools": {"listChanged": False}},
+            "serverInfo": {"name": "files", "version": VERSION},
+        }
     elif method == "ping":
         result = {}
     elif method == "tools/list":
         start = int(params.get("cursor") or 0)
-        result = {"tools": LISTED[start:start + PAGE]}
+        result = {"tools": LISTED[start : start + PAGE]}
         if start + PAGE < len(LISTED):
             result["nextCursor"] = str(start + PAGE)
     elif method == "tools/call":
         threading.Thread(target=call, args=(ident, params), daemon=True).start()
         return
     else:
-        send({"jsonrpc": "2.0", "id": ident,
-              "error": {"code": -32601, "message": f"no method {method}"}})
+        send(
+            {
+                "jsonrpc": "2.0",
+                "id": ident,
+                "error": {"code": -32601, "message": f"no method {method}"},
+            }
+        )
         return
     send({"jsonrpc": "2.0", "id": ident, "result": result})
 
