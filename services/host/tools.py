@@ -57,8 +57,11 @@ class ToolFailed(wire.BadRequest):
 class ToolServer(Supervised):
     """One tool server: the process, and its MCP session while it runs."""
 
-    def __init__(self, launch: Launch, *, nc: Client, changed: Callable[[], None]) -> None:
+    def __init__(
+        self, launch: Launch, *, nc: Client, changed: Callable[[], None], ready_within: float
+    ) -> None:
         super().__init__(launch, nc=nc, changed=changed)
+        self.ready_within = ready_within
         self.pipes: Pipes | None = None
         self.session: Session | None = None  # while it is ready
         self._session: Session | None = None  # while it runs
@@ -110,8 +113,8 @@ class ToolServer(Supervised):
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(session.run)
-                with anyio.fail_after(READY_WITHIN):
-                    await session.initialize(timeout=READY_WITHIN)
+                with anyio.fail_after(self.ready_within):
+                    await session.initialize(timeout=self.ready_within)
                     await self._list(session)
                 self.session = session
                 log.info("tool server %s is ready (%s, %d tools)", self.launch.name,
@@ -120,7 +123,7 @@ class ToolServer(Supervised):
                 while True:
                     await relist.wait()
                     relist = anyio.Event()
-                    with anyio.fail_after(READY_WITHIN):
+                    with anyio.fail_after(self.ready_within):
                         await self._list(session)
                     self._changed()
         except* Closed:
@@ -128,7 +131,7 @@ class ToolServer(Supervised):
         except* ProtocolError as group:
             broken = str(group.exceptions[0])
         except* TimeoutError:
-            broken = f"it did not answer initialize and tools/list within {READY_WITHIN:g}s"
+            broken = f"it did not answer initialize and tools/list within {self.ready_within:g}s"
         finally:
             self.session = None
             with anyio.CancelScope(shield=True):
@@ -144,7 +147,7 @@ class ToolServer(Supervised):
         await anyio.sleep_forever()  # cancelled once it has exited
 
     async def _list(self, session: Session) -> None:
-        listed = await session.list_tools(timeout=READY_WITHIN)
+        listed = await session.list_tools(timeout=self.ready_within)
         self.tools = {t["name"]: t for t in listed}
 
     async def stop(self) -> None:
@@ -243,8 +246,12 @@ def _describe(server: ToolServer, budget: list[int]) -> ToolServerReport:
 class ToolRuntime:
     """Every tool server of this machine's declaration, run and called."""
 
-    def __init__(self, *, nc: Client, root: Path, changed: Callable[[], None]) -> None:
+    def __init__(
+        self, *, nc: Client, root: Path, changed: Callable[[], None],
+        ready_within: float = READY_WITHIN,
+    ) -> None:  # fmt: skip
         self._nc = nc
+        self._ready_within = ready_within
         self._state = root / "state" / "tools.json"
         self._changed = changed
         self.servers: dict[str, ToolServer] = {}
@@ -303,7 +310,9 @@ class ToolRuntime:
 
     def _start(self, launch: Launch) -> ToolServer:
         assert self._tg is not None, "the tool runtime is not running"
-        server = ToolServer(launch, nc=self._nc, changed=self._on_change)
+        server = ToolServer(
+            launch, nc=self._nc, changed=self._on_change, ready_within=self._ready_within
+        )
         self._tg.start_soon(server.run)
         return server
 
