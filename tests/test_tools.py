@@ -1,0 +1,251 @@
+"""The fleet's tools end to end, on a real controller, two real hosts and their tool servers:
+a tool module assigned to two hosts is listed by `mesh tools` and called by `mesh tool call`;
+`mesh mcp`, driven by the mcp package's own client, lists and calls the same tools (one on
+node-2, one that fails, one that times out, one on a machine that is down); a tool server
+killed mid-call fails that call in words and serves the next after its restart; an update of
+the module through a plan swaps the servers while calls run, none of them failing."""
+
+import json
+import os
+import shutil
+import signal
+import sys
+from pathlib import Path
+
+import anyio
+import pytest
+from helpers import MESH, ask, await_until, mesh_cli, ok, one_line_error
+from mcp import ClientSession, StdioServerParameters, stdio_client
+
+from mesh import bus
+from programs.cli.tools import ToolCallFailed, call_tool
+
+EXAMPLE = Path(__file__).parent.parent / "docs" / "examples" / "files"
+CONTRACT = {"machine", "server", "name", "description", "input_schema"}
+
+
+def files_module(folder: Path, *, version: str = "1", timeout: str = "2s") -> Path:
+    """The example tool module, with a short call limit (the timeout test) and a version its
+    `whoami` tells."""
+    if not folder.exists():
+        shutil.copytree(EXAMPLE, folder)
+    text = (EXAMPLE / "module.toml").read_text()
+    text = text.replace('FILES_VERSION = "1"', f'FILES_VERSION = "{version}"')
+    text = text.replace('timeout = "30s"', f'timeout = "{timeout}"')
+    (folder / "module.toml").write_text(text)
+    return folder
+
+
+@pytest.fixture
+async def fleet(nc, start_controller, start_host):
+    """A controller and two hosts (node-1 tier 0, node-2 tier 1), up; the hosts' processes."""
+    start_controller("ctl-a")
+    hosts = {
+        "node-1": start_host("node-1", "--tier", "0"),
+        "node-2": start_host("node-2", "--tier", "1"),
+    }
+
+    async def up():
+        s = await ask(nc, "mesh.ctl.status")
+        return s if s and s["nodes"]["up"] == 2 else None
+
+    await await_until(up, within=40, what="two hosts up")
+    return hosts
+
+
+def cli(nats_url: str, *args: str, timeout: float = 120) -> object:
+    return mesh_cli(*args, nats_url=nats_url, timeout=timeout)
+
+
+async def listed(nats_url: str, *, machines: set[str], version: str | None = None):
+    """`mesh tools --json` once every machine's files server is ready (and runs `version`)."""
+
+    async def ready():
+        done = cli(nats_url, "tools", "--json")
+        if done.returncode != 0:
+            return None
+        tools = json.loads(done.stdout)["tools"]
+        ready = {t["machine"] for t in tools if t["state"] == "ready" and t["up"]}
+        return tools if ready == machines else None
+
+    return await await_until(ready, within=60, what=f"the tools of {sorted(machines)}")
+
+
+async def test_a_tool_module_on_two_hosts_is_listed_and_called_from_the_cli(
+    fleet, nc, nats_url, tmp_path
+) -> None:
+    folder = files_module(tmp_path / "files")
+    ok(cli(nats_url, "push", str(folder)))
+    ok(cli(nats_url, "assign", "files", "node-1", "node-2", "--wait"))
+    tools = await listed(nats_url, machines={"node-1", "node-2"})
+    assert all(CONTRACT <= set(t) for t in tools)
+    names = sorted((t["machine"], t["server"], t["name"]) for t in tools)
+    assert names == [(m, "files", n) for m in ("node-1", "node-2")
+                     for n in ("echo", "fail", "list", "read", "sleep", "whoami")]  # fmt: skip
+    read = next(t for t in tools if t["name"] == "read")
+    assert read["input_schema"]["required"] == ["path"] and "256 KiB" in read["description"]
+    only = json.loads(ok(cli(nats_url, "tools", "node-2", "--json")))["tools"]
+    assert {t["machine"] for t in only} == {"node-2"} and len(only) == 6
+    table = ok(cli(nats_url, "tools"))
+    assert "node-2" in table and "whoami" in table and "MACHINE" in table
+
+    # a call, on the machine named, as the tool server's account, in its own folder
+    said = ok(cli(nats_url, "tool", "call", "node-2", "files", "read", "--args",
+                  '{"path": "notes.txt"}'))  # fmt: skip
+    assert said == "Tools are launched by the node's runtime, which knows no language.\n"
+    me = json.loads(ok(cli(nats_url, "tool", "call", "node-2", "files", "whoami", "--json")))
+    assert me["structuredContent"]["machine"] == "node-2" and me["isError"] is False
+    assert me["machine"] == "node-2" and me["server"] == "files" and me["tool"] == "whoami"
+    nodes = await ask(nc, "mesh.ctl.nodes")
+    node2 = next(n for n in nodes["nodes"] if n["name"] == "node-2")
+    server = next(p for p in node2["processes"] if p["name"] == "files")
+    assert (
+        server["tool"] is True
+        and server["healthy"]
+        and server["pid"] == me["structuredContent"]["pid"]
+    )
+    assert "files 1 on node-2" in ok(cli(nats_url, "logs", "node-2", "files"))
+
+    # what keeps a call from a result: one line, exit 1
+    failed = cli(nats_url, "tool", "call", "node-1", "files", "fail", "--args", '{"message": "no"}')
+    assert one_line_error(failed) == "mesh: error: node-1 files.fail reported an error: no"
+    for args, words in [
+        (("node-2", "files", "nope"), "tool server files has no tool 'nope'"),
+        (("node-2", "other", "echo"), "no tool server other here"),
+        (("node-2", "files", "sleep", "--args", '{"seconds": 10}'), "did not answer within 2s"),
+        (("node-9", "files", "echo"), "machine node-9 does not answer"),
+        (("node-2", "files", "echo", "--args", "[1]"), "--args: '[1]' is not a JSON object"),
+    ]:
+        assert words in one_line_error(cli(nats_url, "tool", "call", *args)), args
+
+    # killed mid-call: that call fails in words, the next works once it is back
+    def sleep_call():
+        return cli(nats_url, "tool", "call", "node-2", "files", "sleep", "--args",
+                   '{"seconds": 1.5}', "--timeout", "30")  # fmt: skip
+
+    async def slow_call() -> None:
+        killed.append(await anyio.to_thread.run_sync(sleep_call))
+
+    killed: list = []
+    files2 = files_module(tmp_path / "files", timeout="30s")
+    ok(cli(nats_url, "push", str(files2), "--wait"))
+    await listed(nats_url, machines={"node-1", "node-2"})
+    pid = json.loads(ok(cli(nats_url, "tool", "call", "node-2", "files", "whoami", "--json")))[
+        "structuredContent"]["pid"]  # fmt: skip
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(slow_call)
+        await anyio.sleep(1.0)  # ok: the call is in flight by now (the sleep takes 1.5 s)
+        os.kill(pid, signal.SIGKILL)
+    line = one_line_error(killed[0])
+    assert "node-2 files.sleep: tool server files stopped during the call" in line, line
+
+    async def back():
+        done = cli(nats_url, "tool", "call", "node-2", "files", "echo", "--args", '{"text": "b"}')
+        return done.stdout == "b\n"
+
+    await await_until(back, within=30, what="files on node-2 to be back")
+
+
+async def test_mesh_mcp_lists_and_calls_the_fleets_tools(fleet, nats_url, tmp_path) -> None:
+    ok(cli(nats_url, "push", str(files_module(tmp_path / "files"))))
+    ok(cli(nats_url, "assign", "files", "node-1", "node-2", "--wait"))
+    await listed(nats_url, machines={"node-1", "node-2"})
+    params = StdioServerParameters(
+        command=MESH[0], args=[*MESH[1:], "mcp"],
+        env={**os.environ, "MESH_NATS_URL": nats_url},
+    )  # fmt: skip
+    with open(tmp_path / "mcp.log", "w") as errlog:
+        async with stdio_client(params, errlog=errlog) as (read, write):
+            async with ClientSession(read, write) as session:
+                with anyio.fail_after(60):
+                    await session.initialize()
+                    listing = await session.list_tools()
+                names = {t.name for t in listing.tools}
+                assert {"node-1.files.read", "node-2.files.read", "node-2.files.sleep"} <= names
+                assert len(names) == 12
+                read_tool = next(t for t in listing.tools if t.name == "node-2.files.read")
+                assert read_tool.input_schema["required"] == ["path"]
+                assert "node-2" in (read_tool.description or "")
+
+                with anyio.fail_after(30):
+                    result = await session.call_tool("node-2.files.read", {"path": "motd.txt"})
+                assert not result.is_error
+                assert result.content[0].text == "hello from the files tool server\n"
+                me = await session.call_tool("node-2.files.whoami", {})
+                assert me.structured_content["machine"] == "node-2"
+
+                failed = await session.call_tool("node-1.files.fail", {"message": "as it does"})
+                assert failed.is_error and failed.content[0].text == "as it does"
+
+                with anyio.fail_after(30):
+                    slow = await session.call_tool("node-2.files.sleep", {"seconds": 10})
+                assert slow.is_error and "did not answer within 2s" in slow.content[0].text
+
+                unknown = await session.call_tool("node-2.files.nope", {})
+                assert unknown.is_error and "has no tool 'nope'" in unknown.content[0].text
+
+                # a machine that is down: its host is gone, nothing answers its subject
+                host = fleet["node-1"]
+                os.killpg(host.pid, signal.SIGKILL)
+                host.wait(timeout=10)
+                with anyio.fail_after(30):
+                    down = await session.call_tool("node-1.files.echo", {"text": "x"})
+                assert down.is_error
+                assert "machine node-1 does not answer" in down.content[0].text
+
+                async def node1_gone():
+                    found = await session.list_tools()
+                    names = {t.name for t in found.tools}
+                    return names if not any(n.startswith("node-1.") for n in names) else None
+
+                left = await await_until(node1_gone, within=30, what="node-1's tools unlisted")
+                assert "node-2.files.echo" in left
+    assert "Traceback" not in (tmp_path / "mcp.log").read_text()
+
+
+async def test_an_update_through_a_plan_swaps_the_servers_while_calls_run(
+    fleet, nats_url, tmp_path
+) -> None:
+    folder = files_module(tmp_path / "files", version="1", timeout="30s")
+    ok(cli(nats_url, "push", str(folder)))
+    ok(cli(nats_url, "assign", "files", "node-1", "node-2", "--wait"))
+    await listed(nats_url, machines={"node-1", "node-2"})
+    nc = await bus.connect(nats_url, name="test calls", reconnect=False)
+    seen: dict[str, list[str]] = {"node-1": [], "node-2": []}
+    failures: list[str] = []
+    stop = anyio.Event()
+
+    async def keep_calling(machine: str) -> None:
+        while not stop.is_set():
+            try:
+                reply = await call_tool(nc, machine=machine, server="files", tool="whoami",
+                                        arguments={}, timeout=10)  # fmt: skip
+                seen[machine].append(reply.structured_content["version"])
+            except ToolCallFailed as e:
+                failures.append(f"{machine}: {e}")
+            await anyio.sleep(0.02)  # ok: the pace of a caller, not a synchronisation
+
+    try:
+        async with anyio.create_task_group() as tg:
+            for machine in seen:
+                tg.start_soon(keep_calling, machine)
+            files_module(folder, version="2", timeout="30s")
+            done = await anyio.to_thread.run_sync(
+                lambda: cli(nats_url, "push", str(folder), "--wait", timeout=180)
+            )
+            ok(done)
+            assert "done" in done.stdout
+
+            async def both_new():
+                return all(v and v[-1] == "2" for v in seen.values())
+
+            await await_until(both_new, within=30, what="calls answered by version 2")
+            stop.set()
+    finally:
+        await nc.close()
+    assert failures == [], failures[:5]
+    for machine, versions in seen.items():
+        assert versions[0] == "1" and versions[-1] == "2", machine
+        # each machine switched once: never back to the old version after the new answered
+        assert versions == sorted(versions), machine
+    print(f"calls during the update: {sum(map(len, seen.values()))}", file=sys.stderr)
