@@ -121,7 +121,7 @@ async def test_a_tool_module_on_two_hosts_is_listed_and_called_from_the_cli(
     # killed mid-call: that call fails in words, the next works once it is back
     def sleep_call():
         return cli(nats_url, "tool", "call", "node-2", "files", "sleep", "--args",
-                   '{"seconds": 1.5}', "--timeout", "30")  # fmt: skip
+                   '{"seconds": 20}', "--timeout", "30")  # fmt: skip
 
     async def slow_call() -> None:
         killed.append(await anyio.to_thread.run_sync(sleep_call))
@@ -134,7 +134,11 @@ async def test_a_tool_module_on_two_hosts_is_listed_and_called_from_the_cli(
         "structuredContent"]["pid"]  # fmt: skip
     async with anyio.create_task_group() as tg:
         tg.start_soon(slow_call)
-        await anyio.sleep(1.0)  # ok: the call is in flight by now (the sleep takes 1.5 s)
+
+        async def in_flight():  # the server runs each call in a thread of its own
+            return len(os.listdir(f"/proc/{pid}/task")) >= 2
+
+        await await_until(in_flight, within=30, what="the call in flight")
         os.kill(pid, signal.SIGKILL)
     line = one_line_error(killed[0])
     assert "node-2 files.sleep: tool server files stopped during the call" in line, line
