@@ -9,7 +9,7 @@ trivial tool `echo` (`{"text": "x"}` back as one text block) called:
    credentials (programs/cli/tools.py `call_tool`, what `mesh tool call` and `mesh mcp` use):
    the client, nats-server, node-2's host (decode, bound, its MCP session) and the server;
 2. directly: the same files_server.py started here with the host's own exec driver and MCP
-   client (services/host/processes.py `spawn_piped`, services/host/mcpstdio.py), its stdio
+   client (services/host/processes.py `spawn(piped=True)`, services/host/mcpstdio.py), its stdio
    pipes to this process: the server and the MCP client alone.
 
 and, for where the time goes, node-2's `status` host verb (the bus and the host's serving of a
@@ -143,10 +143,11 @@ async def run(args: argparse.Namespace, folder: Path) -> None:
         assert reply.content[0]["text"] == "x"
 
     log = folder.parent / "direct.log"
-    instance, pipes = processes.spawn_piped(
+    instance, pipes = processes.spawn(
         ["python3", "files_server.py"], cwd=EXAMPLE / "src", env={"PATH": os.environ["PATH"]},
-        log_file=log, spec="bench", uid=None, gid=None,
+        log_file=log, spec="bench", uid=None, gid=None, piped=True,
     )  # fmt: skip
+    assert pipes is not None
     session = Session(stdin=pipes.stdin, stdout=pipes.stdout)
 
     async def direct() -> None:

@@ -39,7 +39,10 @@ class DAccount(msgspec.Struct):
     shell: str
 
 
-class DProcess(msgspec.Struct):
+class DRuns(msgspec.Struct):
+    """What a declared process and tool server both carry (encoded with sorted keys: the
+    fields' order here changes no byte)."""
+
     module: str
     bundle: str  # a key of Declaration.bundles
     command: list[str]
@@ -47,6 +50,9 @@ class DProcess(msgspec.Struct):
     root: bool
     env: dict[str, str]
     files: dict[str, DFile]
+
+
+class DProcess(DRuns):
     prepare: list[str] | None
     prepare_timeout: str
     restart: str
@@ -56,16 +62,9 @@ class DProcess(msgspec.Struct):
     stop_timeout: str
 
 
-class DTool(msgspec.Struct):
+class DTool(DRuns):
     """A tool server as a machine runs it (docs/modules.md, [tool.NAME])."""
 
-    module: str
-    bundle: str  # a key of Declaration.bundles
-    command: list[str]
-    account: str | None
-    root: bool
-    env: dict[str, str]
-    files: dict[str, DFile]
     timeout: str
     stop_timeout: str
 
@@ -107,7 +106,7 @@ class ModuleVersion(msgspec.Struct):
 _encoder = msgspec.json.Encoder(order="sorted")
 
 
-def canonical_process(p: DProcess | DTool) -> bytes:
+def canonical_process(p: DRuns) -> bytes:
     return _encoder.encode(p)
 
 
@@ -169,12 +168,7 @@ def prepare(mv: ModuleVersion, secrets: dict[str, int] | None = None) -> Prepare
             DAccount(home=a.home, groups=sorted(set(a.groups)), shell=a.shell)
         )
     for name, p in m.process.items():
-        assert p.bundle is not None  # the gate made sure
-        b = m.bundle[p.bundle]
-        key = bundle_key(b.kind, mv.bundles.get(p.bundle), b.path)
-        out.bundles[key] = _piece(
-            DBundle(kind=b.kind, digest=mv.bundles.get(p.bundle), path=b.path)
-        )
+        key = _bundle(out, mv, p.bundle)
         if p.check is not None and p.check.tcp is not None:
             out.ports[p.check.tcp] = name
         files = _files(p.files, secrets)
@@ -187,17 +181,11 @@ def prepare(mv: ModuleVersion, secrets: dict[str, int] | None = None) -> Prepare
             )
         )  # fmt: skip
     for name, t in m.tool.items():
-        assert t.bundle is not None  # the gate made sure
-        b = m.bundle[t.bundle]
-        key = bundle_key(b.kind, mv.bundles.get(t.bundle), b.path)
-        out.bundles[key] = _piece(
-            DBundle(kind=b.kind, digest=mv.bundles.get(t.bundle), path=b.path)
-        )
         out.tools[name] = _piece(
             DTool(
-                module=mv.name, bundle=key, command=t.command, account=t.account, root=t.root,
-                env=t.env, files=_files(t.files, secrets), timeout=t.timeout,
-                stop_timeout=t.stop_timeout,
+                module=mv.name, bundle=_bundle(out, mv, t.bundle), command=t.command,
+                account=t.account, root=t.root, env=t.env, files=_files(t.files, secrets),
+                timeout=t.timeout, stop_timeout=t.stop_timeout,
             )
         )  # fmt: skip
     for name, c in m.container.items():
@@ -210,6 +198,15 @@ def prepare(mv: ModuleVersion, secrets: dict[str, int] | None = None) -> Prepare
             )
         )  # fmt: skip
     return out
+
+
+def _bundle(out: Prepared, mv: ModuleVersion, name: str | None) -> str:
+    """The declaration's key of a process's or tool server's bundle, put among `out`'s."""
+    assert name is not None  # the gate made sure
+    b = mv.manifest.bundle[name]
+    key = bundle_key(b.kind, mv.bundles.get(name), b.path)
+    out.bundles[key] = _piece(DBundle(kind=b.kind, digest=mv.bundles.get(name), path=b.path))
+    return key
 
 
 def _files(files: dict[str, File], secrets: dict[str, int]) -> dict[str, DFile]:

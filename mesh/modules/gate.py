@@ -22,6 +22,7 @@ from mesh.modules.manifest import (
     Container,
     Manifest,
     Process,
+    Runs,
     Tool,
 )
 from mesh.names import InvalidName, check_name
@@ -367,7 +368,7 @@ def _process(mod: str, name: str, p: Process, m: Manifest, ports: dict[int, str]
         _check(mod, f"{f}.check", p.check, name, ports)
 
 
-def _runs(mod: str, f: str, p: Process | Tool, m: Manifest, *, what: str) -> None:
+def _runs(mod: str, f: str, p: Runs, m: Manifest, *, what: str) -> None:
     """What a process and a tool server share: the bundle it runs from, who it runs as, its
     environment and its files."""
     if p.bundle not in m.bundle:

@@ -90,6 +90,13 @@ def credentials(uid: int | None, gid: int | None, groups: Sequence[int] = ()) ->
     return {"user": uid, "group": gid, "extra_groups": list(groups)}
 
 
+class Pipes(NamedTuple):
+    """The host's ends of a piped process's stdin and stdout (non-blocking; the host's to close)."""
+
+    stdin: int  # written by the host
+    stdout: int  # read by the host
+
+
 def spawn(
     argv: Sequence[str],
     *,
@@ -100,53 +107,12 @@ def spawn(
     uid: int | None,
     gid: int | None,
     groups: Sequence[int] = (),
-) -> Instance:
-    """Start `argv`, its output (stdout and stderr) to its log; raises OSError (e.g. no such
-    file) for the caller to report."""
-    instance, _ = _spawn(argv, cwd=cwd, env=env, log_file=log_file, spec=spec, uid=uid, gid=gid,
-                         groups=groups, piped=False)  # fmt: skip
-    return instance
-
-
-class Pipes(NamedTuple):
-    """The host's ends of a piped process's stdin and stdout (non-blocking; the host's to close)."""
-
-    stdin: int  # written by the host
-    stdout: int  # read by the host
-
-
-def spawn_piped(
-    argv: Sequence[str],
-    *,
-    cwd: Path,
-    env: Mapping[str, str],
-    log_file: Path,
-    spec: str,
-    uid: int | None,
-    gid: int | None,
-    groups: Sequence[int] = (),
-) -> tuple[Instance, Pipes]:
-    """Start `argv` with its stdin and stdout as pipes to the host (a tool server: MCP over
-    stdio) and only its stderr to its log. Its pipes end with this host process, so it cannot
-    be adopted by a next one."""
-    instance, pipes = _spawn(argv, cwd=cwd, env=env, log_file=log_file, spec=spec, uid=uid,
-                             gid=gid, groups=groups, piped=True)  # fmt: skip
-    assert pipes is not None
-    return instance, pipes
-
-
-def _spawn(
-    argv: Sequence[str],
-    *,
-    cwd: Path,
-    env: Mapping[str, str],
-    log_file: Path,
-    spec: str,
-    uid: int | None,
-    gid: int | None,
-    groups: Sequence[int],
-    piped: bool,
+    piped: bool = False,
 ) -> tuple[Instance, Pipes | None]:
+    """Start `argv`, its output (stdout and stderr) to its log; raises OSError (e.g. no such
+    file) for the caller to report. `piped`: its stdin and stdout are pipes to the host
+    instead (a tool server: MCP over stdio), whose ends are returned, and only its stderr goes
+    to its log; those pipes end with this host process, so no next one can adopt it."""
     log_file.parent.mkdir(parents=True, exist_ok=True)
     log_file.parent.chmod(0o700)  # output may carry secrets: the host's (root's) alone
     _reap_writers()

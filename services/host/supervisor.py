@@ -53,11 +53,14 @@ class Launch(msgspec.Struct):
 
 
 class Supervised:
+    piped = False  # stdin and stdout as pipes to the host (a tool server's MCP over stdio)
+
     def __init__(self, launch: Launch, *, nc: Client, changed: Callable[[], None]) -> None:
         self.launch = launch
         self._nc = nc
         self._changed = changed
         self.instance: Instance | None = None
+        self.pipes: processes.Pipes | None = None  # the host's ends, when piped
         self.state = "starting"
         self.healthy = False
         self.became_healthy = anyio.Event()
@@ -151,16 +154,12 @@ class Supervised:
         """The instance has just exited (before what runs alongside it is cancelled)."""
 
     def _spawn(self) -> Instance:
-        return processes.spawn(
-            self.launch.decl.command,
-            cwd=self.launch.cwd,
-            env=self.launch.env,
-            log_file=self.launch.log_file,
-            spec=self.launch.spec,
-            uid=self.launch.uid,
-            gid=self.launch.gid,
-            groups=self.launch.groups,
-        )
+        instance, self.pipes = processes.spawn(
+            self.launch.decl.command, cwd=self.launch.cwd, env=self.launch.env,
+            log_file=self.launch.log_file, spec=self.launch.spec, uid=self.launch.uid,
+            gid=self.launch.gid, groups=self.launch.groups, piped=self.piped,
+        )  # fmt: skip
+        return instance
 
     async def _check_loop(self) -> None:
         check = self.launch.decl.check
@@ -315,16 +314,10 @@ class Supervisor:
         if check is not None:
             within = max(within, (check.passes + 3) * duration(check.every))
         try:
-            with anyio.move_on_after(within):
-                await first_of(new.became_healthy, interrupt)
-        except BaseException:  # the host stopping mid-trial: no untracked new version left
-            with anyio.CancelScope(shield=True):
-                await new.stop()
-            raise
+            await on_trial(new, within=within, interrupt=interrupt)
         finally:
             self._candidates.pop(name, None)
         if not new.healthy:
-            await new.stop()
             why = f"the new version never got healthy within {within:g}s: {new.last_error}"
             if interrupt.is_set():
                 why = "a newer declaration came before the new version got healthy"
@@ -343,6 +336,21 @@ class Supervisor:
             self.running[name] = self._start(s.launch)
             self._on_change()
             return True
+
+
+async def on_trial(new: Supervised, *, within: float, interrupt: anyio.Event) -> None:
+    """A new version started beside the old one (start-first), until it is healthy, `within`
+    passes or `interrupt` is set; one that is not healthy by then is stopped. The host stopping
+    meanwhile stops it too: no new version is left untracked."""
+    try:
+        with anyio.move_on_after(within):
+            await first_of(new.became_healthy, interrupt)
+    except BaseException:
+        with anyio.CancelScope(shield=True):
+            await new.stop()
+        raise
+    if not new.healthy:
+        await new.stop()
 
 
 def replace_child(instance: Instance) -> Instance:

@@ -30,14 +30,13 @@ from anyio.abc import TaskGroup
 from nats.aio.client import Client
 
 from mesh import wire
-from mesh.lifetime import first_of
 from mesh.model import ProcessState, ToolInfo, ToolServerReport
 from mesh.modules.compose import DTool
 from mesh.modules.gate import duration
 from services.host import processes
 from services.host.mcpstdio import CallError, Closed, ProtocolError, Session
-from services.host.processes import Instance, Pipes
-from services.host.supervisor import Launch, Supervised
+from services.host.processes import Instance
+from services.host.supervisor import Launch, Supervised, on_trial
 
 log = logging.getLogger(__name__)
 
@@ -57,12 +56,13 @@ class ToolFailed(wire.BadRequest):
 class ToolServer(Supervised):
     """One tool server: the process, and its MCP session while it runs."""
 
+    piped = True
+
     def __init__(
         self, launch: Launch, *, nc: Client, changed: Callable[[], None], ready_within: float
     ) -> None:
         super().__init__(launch, nc=nc, changed=changed)
         self.ready_within = ready_within
-        self.pipes: Pipes | None = None
         self.session: Session | None = None  # while it is ready
         self._session: Session | None = None  # while it runs
         self.why = ""  # why this instance is not ready, when it answered badly
@@ -76,15 +76,6 @@ class ToolServer(Supervised):
     def tool(self) -> DTool:
         assert isinstance(self.launch.decl, DTool)
         return self.launch.decl
-
-    def _spawn(self) -> Instance:
-        self.why = ""
-        instance, self.pipes = processes.spawn_piped(
-            self.tool.command, cwd=self.launch.cwd, env=self.launch.env,
-            log_file=self.launch.log_file, spec=self.launch.spec, uid=self.launch.uid,
-            gid=self.launch.gid, groups=self.launch.groups,
-        )  # fmt: skip
-        return instance
 
     def _healthy_at_start(self) -> bool:
         return False  # ready once it has answered initialize and tools/list
@@ -102,6 +93,7 @@ class ToolServer(Supervised):
         killed: the supervisor starts it again, with backoff."""
         assert self.pipes is not None and self.instance is not None
         pipes, pid = self.pipes, self.instance.pid
+        self.why = ""
         relist = anyio.Event()
 
         def list_changed() -> None:
@@ -343,21 +335,15 @@ class ToolRuntime:
         log.info("tool server %s: new version, started beside the old one", name)
         new = self._trials[name] = self._start(launch)
         try:
-            with anyio.move_on_after(SWAP_WITHIN):
-                await first_of(new.became_healthy, interrupt)
-        except BaseException:  # the host stopping mid-swap: no untracked new version left
-            with anyio.CancelScope(shield=True):
-                await new.stop()
-            raise
+            await on_trial(new, within=SWAP_WITHIN, interrupt=interrupt)
         finally:
             self._trials.pop(name, None)
         if not new.healthy:
-            await new.stop()
             why = f"the new version of tool server {name} was not ready within {SWAP_WITHIN:g}s"
             if interrupt.is_set():
                 why = f"a newer declaration came before the new version of {name} was ready"
-            elif new.last_error:
-                why += f": {new.last_error}"
+            elif new.problem:
+                why += f": {new.problem}"
             log.warning("%s; the old version keeps serving", why)
             return why
         self.servers[name] = new  # calls from now on go to the new version
