@@ -158,9 +158,14 @@ async def test_mesh_mcp_lists_and_calls_the_fleets_tools(fleet, nats_url, tmp_pa
         command=MESH[0], args=[*MESH[1:], "mcp"],
         env={**os.environ, "MESH_NATS_URL": nats_url},
     )  # fmt: skip
+    told: list[str] = []
+
+    async def heard(message) -> None:
+        told.append(getattr(message, "method", type(message).__name__))
+
     with open(tmp_path / "mcp.log", "w") as errlog:
         async with stdio_client(params, errlog=errlog) as (read, write):
-            async with ClientSession(read, write) as session:
+            async with ClientSession(read, write, message_handler=heard) as session:
                 with anyio.fail_after(60):
                     await session.initialize()
                     listing = await session.list_tools()
@@ -196,6 +201,14 @@ async def test_mesh_mcp_lists_and_calls_the_fleets_tools(fleet, nats_url, tmp_pa
                     down = await session.call_tool("node-1.files.echo", {"text": "x"})
                 assert down.is_error
                 assert "machine node-1 does not answer" in down.content[0].text
+
+                async def told_of_a_change():
+                    return "notifications/tools/list_changed" in told
+
+                # node-1 is down once it misses its beats: the client is told the list changed
+                await await_until(
+                    told_of_a_change, within=30, what="notifications/tools/list_changed"
+                )
 
                 async def node1_gone():
                     found = await session.list_tools()

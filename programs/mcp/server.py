@@ -6,7 +6,9 @@ Built with the `mcp` package's low-level server. A tool is named `<machine>.<ser
 name back unambiguously. MCP names are `[A-Za-z0-9._-]`, at most 128 characters; a tool whose
 full name cannot be written so is left out, with a warning on stderr. Only tools of machines
 that are up and of tool servers that are ready are listed; the list is asked of the controller
-again (the `tools` verb) at most once a second, at each `tools/list`. A call goes to the
+again (the `tools` verb) at most once a second, at each `tools/list`, and whenever a host
+reports its tools (`mesh.event.*.tools`) or every WATCH_EVERY seconds: when what would be
+listed changed, every client is told (`notifications/tools/list_changed`). A call goes to the
 machine's host (`mesh.host.<name>.tool`, as `mesh tool call` does); whatever keeps it from a
 result (an unknown tool, a server that is not ready, a timeout, a machine that does not answer,
 credentials that may not call tools) is an MCP tool error (`isError`) saying so.
@@ -21,7 +23,7 @@ from typing import Any
 
 import anyio
 import mcp.types as types
-from mcp.server.lowlevel import Server
+from mcp.server.lowlevel import NotificationOptions, Server
 from mcp.server.stdio import stdio_server
 from nats.aio.client import Client
 
@@ -34,6 +36,7 @@ from programs.cli.tools import CALL_TIMEOUT, ToolCallFailed, call_tool, fleet_to
 log = logging.getLogger("mesh.mcp")
 
 LIST_EVERY = 1.0  # seconds a listing of the fleet's tools is reused
+WATCH_EVERY = 5.0  # seconds between looks at the fleet's tools without a report (machines down)
 LIST_TIMEOUT = 5.0
 MCP_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")  # MCP's tool names (SEP-986)
 
@@ -64,6 +67,8 @@ class FleetTools:
         self._listing = anyio.Lock()
         self._warned: set[str] = set()
         self._calls: list[tuple[str, anyio.CancelScope]] = []  # (subject, scope) in flight
+        self._sessions: set[Any] = set()  # clients that listed, told when the list changes
+        self._shown: frozenset[str] = frozenset()  # the names the clients were last given
 
     def denied(self, action: str) -> None:
         """The server refused a publish of ours: the call it belongs to ends `forbidden`."""
@@ -88,12 +93,18 @@ class FleetTools:
                 self._listed, self._at = listed, time.monotonic()
             return self._listed
 
+    @staticmethod
+    def _callable(found: dict[str, ToolEntry]) -> dict[str, ToolEntry]:
+        return {n: e for n, e in sorted(found.items()) if e.up and e.state == "ready"}
+
     async def list_tools(self, ctx: Any, params: Any) -> types.ListToolsResult:
+        self._sessions.add(ctx.session)
         try:
-            found = await self.tools()
+            found = self._callable(await self.tools())
         except CliError as e:
             log.warning("could not list the fleet's tools: %s", e)
             found = {}
+        self._shown = frozenset(found)
         return types.ListToolsResult(
             tools=[
                 types.Tool(
@@ -102,10 +113,39 @@ class FleetTools:
                     f"machine {e.machine})",
                     input_schema=e.input_schema or {"type": "object"},
                 )
-                for name, e in sorted(found.items())
-                if e.up and e.state == "ready"
+                for name, e in found.items()
             ]
         )
+
+    async def watch(self) -> None:
+        """Tell the clients when the tools they would be listed change: looked at after each
+        host's tools report (a moment later, so a burst is one look) and every WATCH_EVERY s."""
+        reported = anyio.Event()
+
+        async def heard(_: Any) -> None:
+            reported.set()
+
+        await self._nc.subscribe(subjects.event("*", "tools"), cb=heard)
+        while True:
+            with anyio.move_on_after(WATCH_EVERY):
+                await reported.wait()
+                await anyio.sleep(0.5)
+            reported = anyio.Event()
+            if not self._sessions:
+                continue
+            try:
+                now = frozenset(self._callable(await self.tools()))
+            except CliError:
+                continue
+            if now == self._shown:
+                continue
+            self._shown = now
+            for session in list(self._sessions):
+                try:
+                    with anyio.fail_after(5):
+                        await session.send_tool_list_changed()
+                except Exception:  # a client gone: not told again
+                    self._sessions.discard(session)
 
     async def call_tool(
         self, ctx: Any, params: types.CallToolRequestParams
@@ -156,6 +196,10 @@ def server(fleet: FleetTools) -> Server:
     )
 
 
+def options(mcp: Server) -> Any:
+    return mcp.create_initialization_options(NotificationOptions(tools_changed=True))
+
+
 def _loopback(addr: str) -> bool:
     if addr == "localhost":
         return True
@@ -183,10 +227,13 @@ async def serve(*, url: str, creds: str | None, http: Listen | None = None) -> N
         fleet = FleetTools(nc, url=url)
         refused.append(fleet.denied)
         mcp = server(fleet)
-        if http is None:
-            await _stdio(mcp)
-        else:
-            await _http(mcp, http)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(fleet.watch)
+            if http is None:
+                await _stdio(mcp)
+            else:
+                await _http(mcp, http)
+            tg.cancel_scope.cancel()
     finally:
         with anyio.CancelScope(shield=True):
             await bus.close(nc)
@@ -194,7 +241,7 @@ async def serve(*, url: str, creds: str | None, http: Listen | None = None) -> N
 
 async def _stdio(mcp: Server) -> None:
     async with stdio_server() as (read, write):
-        await mcp.run(read, write, mcp.create_initialization_options())
+        await mcp.run(read, write, options(mcp))
 
 
 async def _http(mcp: Server, listen: Listen) -> None:
