@@ -9,15 +9,18 @@ import json
 import os
 import shutil
 import signal
+import socket
 import sys
 from pathlib import Path
 
 import anyio
 import pytest
-from helpers import MESH, ask, await_until, mesh_cli, ok, one_line_error
+from helpers import MESH, ask, await_until, mesh_cli, ok, one_line_error, wait_until
 from mcp import ClientSession, StdioServerParameters, stdio_client
+from mcp.client.streamable_http import streamable_http_client
 
 from mesh import bus
+from mesh.embedded import ports
 from programs.cli.tools import ToolCallFailed, call_tool
 
 EXAMPLE = Path(__file__).parent.parent / "docs" / "examples" / "files"
@@ -51,6 +54,12 @@ async def fleet(nc, start_controller, start_host):
 
     await await_until(up, within=40, what="two hosts up")
     return hosts
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.2)
+        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 def cli(nats_url: str, *args: str, timeout: float = 120) -> object:
@@ -150,10 +159,25 @@ async def test_a_tool_module_on_two_hosts_is_listed_and_called_from_the_cli(
     await await_until(back, within=30, what="files on node-2 to be back")
 
 
-async def test_mesh_mcp_lists_and_calls_the_fleets_tools(fleet, nats_url, tmp_path) -> None:
+async def test_mesh_mcp_lists_and_calls_the_fleets_tools(fleet, nats_url, tmp_path, procs) -> None:
     ok(cli(nats_url, "push", str(files_module(tmp_path / "files"))))
     ok(cli(nats_url, "assign", "files", "node-1", "node-2", "--wait"))
     await listed(nats_url, machines={"node-1", "node-2"})
+
+    # streamable HTTP on loopback, as an option (and never on another address)
+    port = ports.free_port()
+    procs.start("mcp-http", [*MESH, "mcp", "--http", f"127.0.0.1:{port}"],
+                env={"MESH_NATS_URL": nats_url})  # fmt: skip
+    wait_until(lambda: _listening(port), within=60, what="mesh mcp --http to listen")
+    async with streamable_http_client(f"http://127.0.0.1:{port}/mcp") as streams:
+        async with ClientSession(streams[0], streams[1]) as session:
+            with anyio.fail_after(60):
+                await session.initialize()
+                assert len((await session.list_tools()).tools) == 12
+                echoed = await session.call_tool("node-2.files.echo", {"text": "over http"})
+            assert not echoed.is_error and echoed.content[0].text == "over http"
+    line = one_line_error(cli(nats_url, "mcp", "--http", "0.0.0.0:8765"))
+    assert "0.0.0.0 is not a loopback address" in line
     params = StdioServerParameters(
         command=MESH[0], args=[*MESH[1:], "mcp"],
         env={**os.environ, "MESH_NATS_URL": nats_url},
