@@ -290,3 +290,71 @@ async def test_an_update_through_a_plan_swaps_the_servers_while_calls_run(
         # each machine switched once: never back to the old version after the new answered
         assert versions == sorted(versions), machine
     print(f"calls during the update: {sum(map(len, seen.values()))}", file=sys.stderr)
+
+
+async def test_the_tools_verb_pages_a_large_fleets_tools(nc, start_controller, nats_url) -> None:
+    """Hosts' reports of many tools with big schemas: every page stays well under a NATS
+    message, `next` leads through all of them in order, and `mesh tools` prints them all."""
+    from mesh import wire
+    from mesh.model import Register, ToolInfo, ToolServerReport, ToolsEvent
+    from services.host.facts import gather
+
+    start_controller("ctl-a")
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(100)}}
+    machines = [f"m-{i}" for i in range(3)]
+    for name in machines:
+        body = wire.encode(Register(name=name, tier=2, labels={}, facts=gather(),
+                                    beat_interval=60, pid=1))  # fmt: skip
+        reply = await bus.request(nc, f"mesh.ctl.host.{name}.register", body,
+                                  deadline=anyio.current_time() + 30)  # fmt: skip
+        assert b'"epoch"' in reply
+        servers = [
+            ToolServerReport(name=server, state="ready", tools=[
+                ToolInfo(name=f"t{i:03}", description="d" * 200, input_schema=schema)
+                for i in range(150)
+            ])
+            for server in ("a", "b")
+        ]  # fmt: skip
+        await nc.publish(
+            f"mesh.event.{name}.tools", wire.encode(ToolsEvent(name=name, servers=servers))
+        )
+
+    async def all_heard():
+        reply = await ask(nc, "mesh.ctl.tools", {"limit": 1})
+        return reply if reply and reply["tools"] and reply["next"] else None
+
+    await await_until(all_heard, within=30, what="the controller to hear the reports")
+    pages, after = [], None
+    while True:
+        msg = await nc.request("mesh.ctl.tools", json.dumps({"after": after}).encode(), timeout=10)
+        assert len(msg.data) < 300 * 1024  # a page: at most 256 KiB of tools
+        page = json.loads(msg.data)
+        pages.append(page["tools"])
+        if page["next"] is None:
+            break
+        after = page["next"]
+    found = [(t["machine"], t["server"], t["name"]) for p in pages for t in p]
+    assert len(pages) > 3 and len(found) == 3 * 2 * 150
+    assert found == sorted(found) and len(set(found)) == len(found)
+    one = json.loads(ok(cli(nats_url, "tools", "m-1", "--json")))["tools"]
+    assert len(one) == 300 and {t["machine"] for t in one} == {"m-1"}
+    every = json.loads(ok(cli(nats_url, "tools", "--json")))["tools"]
+    assert [(t["machine"], t["server"], t["name"]) for t in every] == found
+    bad = await ask(nc, "mesh.ctl.tools", {"after": "bm90LWEtY3Vyc29y"})
+    assert bad["error"]["code"] == "bad_request" and "after" in bad["error"]["message"]
+    # a host speaks only for itself: a report naming another machine is ignored (then m-1's
+    # own, heard after it on the same subscription, shows it was handled)
+    evil = ToolServerReport(name="evil", state="ready", tools=[ToolInfo(name="x")])
+    await nc.publish("mesh.event.m-1.tools", wire.encode(ToolsEvent(name="m-0", servers=[evil])))
+    marker = ToolServerReport(name="marker", state="ready", tools=[ToolInfo(name="y")])
+    await nc.publish("mesh.event.m-1.tools", wire.encode(ToolsEvent(name="m-1", servers=[marker])))
+
+    async def marked():
+        reply = await ask(nc, "mesh.ctl.tools", {"machine": "m-1"})
+        return reply if reply and [t["server"] for t in reply["tools"]] == ["marker"] else None
+
+    await await_until(marked, within=30, what="m-1's own report")
+    servers = {
+        t["server"] for t in json.loads(ok(cli(nats_url, "tools", "m-0", "--json")))["tools"]
+    }
+    assert servers == {"a", "b"}
