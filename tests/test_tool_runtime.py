@@ -35,6 +35,10 @@ BAD = {
     "wrong-id": "import sys, time\nsys.stdin.readline()\n"
     'print(\'{"jsonrpc": "2.0", "id": 999, "result": {}}\', flush=True)\ntime.sleep(60)\n',
     "exits": "import sys\nsys.exit(3)\n",
+    "bool-id": "import sys, time\nsys.stdin.readline()\n"
+    'print(\'{"jsonrpc": "2.0", "id": true, "result": {}}\', flush=True)\ntime.sleep(60)\n',
+    "not-utf8": "import sys, time\nsys.stdin.readline()\n"
+    "sys.stdout.buffer.write(b'\\xff\\xfe{}\\n')\nsys.stdout.flush()\ntime.sleep(60)\n",
 }
 WHY = {
     "garbage": "does not speak MCP: it wrote something that is not JSON on stdout: 'hello, I am",
@@ -42,6 +46,8 @@ WHY = {
     "silent": "did not answer initialize",
     "wrong-id": "does not speak MCP: it answered id '999', which was never asked",
     "exits": "exited with code 3",
+    "bool-id": "does not speak MCP: it answered id 'True', which was never asked",
+    "not-utf8": "does not speak MCP: it wrote something that is not JSON on stdout",
 }
 
 
@@ -126,6 +132,7 @@ async def test_a_server_killed_mid_call_fails_the_call_and_serves_the_next(tmp_p
         tg.start_soon(slow_call)
         await await_until(lambda: _in_flight(runtime), within=10, what="the call in flight")
         os.kill(first.pid, signal.SIGKILL)
+
         async def failed() -> bool:
             return bool(failure)
 

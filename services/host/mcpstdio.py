@@ -65,6 +65,8 @@ async def read_lines(fd: int, *, limit: int = MAX_LINE) -> AsyncIterator[bytes]:
             chunk = os.read(fd, CHUNK)
         except BlockingIOError:
             continue
+        except OSError as e:
+            raise ProtocolError(f"its stdout cannot be read ({e.strerror or e})") from None
         if not chunk:
             if buffer.strip():
                 raise ProtocolError(f"its stdout ended inside a line: {_preview(bytes(buffer))}")
@@ -149,7 +151,7 @@ class Session:
     async def _received(self, line: bytes) -> None:
         try:
             message = msgspec.json.decode(line)
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):
             raise ProtocolError(
                 f"it wrote something that is not JSON on stdout: {_preview(line)}"
             ) from None
@@ -170,9 +172,10 @@ class Session:
             raise ProtocolError(f"it wrote a JSON-RPC message that is neither a request, a "
                                 f"notification nor a response: {_preview(line)}")  # fmt: skip
         ident = message["id"]
-        pending = self._pending.pop(ident, None) if isinstance(ident, int) else None
+        ours = type(ident) is int  # our ids are ints (not bools, which equal 0 and 1)
+        pending = self._pending.pop(ident, None) if ours else None
         if pending is None:
-            if isinstance(ident, int) and ident in self._expired:
+            if ours and ident in self._expired:
                 return  # the late answer to a call that ran out of time
             raise ProtocolError(f"it answered id {str(ident)[:40]!r}, which was never asked")
         error = message.get("error")

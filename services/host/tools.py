@@ -124,6 +124,10 @@ class ToolServer(Supervised):
             broken = str(group.exceptions[0])
         except* TimeoutError:
             broken = f"it did not answer initialize and tools/list within {self.ready_within:g}s"
+        except* Exception as group:  # whatever a server does must not take the host down
+            e = group.exceptions[0]
+            log.error("tool server %s: its session failed", self.launch.name, exc_info=e)
+            broken = f"its session failed ({type(e).__name__}: {e})"
         finally:
             self.session = None
             with anyio.CancelScope(shield=True):
