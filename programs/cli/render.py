@@ -139,13 +139,23 @@ def modules(console: Console, r: ModulesReply) -> None:
         console.print("no modules have been pushed yet")
         return
     table = Table(box=None, header_style="bold")
-    for column in ("MODULE", "VERSION", "PUSHED", "BY", "ASSIGNED TO", "PROCESSES", "CONTAINERS"):
+    columns = (
+        "MODULE",
+        "VERSION",
+        "PUSHED",
+        "BY",
+        "ASSIGNED TO",
+        "PROCESSES",
+        "TOOLS",
+        "CONTAINERS",
+    )
+    for column in columns:
         table.add_column(column)
     for m in r.modules:
         table.add_row(
             m.name, m.version[7:19], _ago(m.pushed_at), m.pushed_by or "-",
             ", ".join(m.assigned) or "-", ", ".join(m.processes) or "-",
-            ", ".join(m.containers) or "-",
+            ", ".join(m.tools) or "-", ", ".join(m.containers) or "-",
         )  # fmt: skip
     console.print(table)
 
