@@ -358,3 +358,31 @@ async def test_the_tools_verb_pages_a_large_fleets_tools(nc, start_controller, n
         t["server"] for t in json.loads(ok(cli(nats_url, "tools", "m-0", "--json")))["tools"]
     }
     assert servers == {"a", "b"}
+
+
+async def test_a_restarted_host_starts_its_tool_servers_again(
+    host, nc, nats_url, tmp_path, start_host
+) -> None:
+    """A tool server's pipes are its host's: it cannot be adopted. A host killed with SIGKILL
+    leaves it without its stdin (it exits, or the next host kills it), and the next host
+    starts it again; processes, meanwhile, are adopted as ever."""
+    ok(cli(nats_url, "push", str(files_module(tmp_path / "files", timeout="30s"))))
+    ok(cli(nats_url, "assign", "files", "node-1", "--wait"))
+    await listed(nats_url, machines={"node-1"})
+    before = json.loads(ok(cli(nats_url, "tool", "call", "node-1", "files", "whoami", "--json")))
+    old = before["structuredContent"]["pid"]
+    os.killpg(host.pid, signal.SIGKILL)
+    host.wait(timeout=10)
+    start_host("node-1", "--tier", "0")
+
+    async def started_again():
+        done = cli(nats_url, "tool", "call", "node-1", "files", "whoami", "--json")
+        if done.returncode != 0:
+            return None
+        pid = json.loads(done.stdout)["structuredContent"]["pid"]
+        return pid if pid != old else None
+
+    await await_until(started_again, within=60, what="a new files server on node-1")
+    assert not os.path.exists(f"/proc/{old}")  # the old one is gone, not left beside it
+    state = json.loads((tmp_path / "hosts" / "node-1" / "state" / "tools.json").read_text())
+    assert list(state) == ["files"] and state["files"]["pid"] != old
