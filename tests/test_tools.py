@@ -383,6 +383,14 @@ async def test_a_restarted_host_starts_its_tool_servers_again(
         return pid if pid != old else None
 
     await await_until(started_again, within=60, what="a new files server on node-1")
-    assert not os.path.exists(f"/proc/{old}")  # the old one is gone, not left beside it
+
+    async def old_gone():  # exited (or a zombie its new parent has not reaped yet)
+        try:
+            stat = Path(f"/proc/{old}/stat").read_text()
+        except OSError:
+            return True
+        return stat[stat.rindex(")") + 2] == "Z"
+
+    await await_until(old_gone, within=15, what="the old files server to be gone")
     state = json.loads((tmp_path / "hosts" / "node-1" / "state" / "tools.json").read_text())
     assert list(state) == ["files"] and state["files"]["pid"] != old
