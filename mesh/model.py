@@ -47,6 +47,7 @@ ErrorCode = Literal[
     "no_builder",
     "no_standby",
     "build_failed",
+    "timeout",
 ]
 
 
@@ -188,6 +189,10 @@ class ProcessState(msgspec.Struct, omit_defaults=True):
     # A start-first new version on trial beside its old one (same name): its health is not the
     # process's until it has replaced the old one, so a plan never counts it.
     trial: bool = False
+    # A tool server (a [tool.NAME] of its module): healthy once it answered initialize and
+    # listed its tools; `error` says why it is not (it does not speak MCP, it exited, ...).
+    tool: bool = False
+    error: str = ""
 
 
 class Node(msgspec.Struct):
@@ -432,6 +437,7 @@ class ModuleInfo(msgspec.Struct):
     assigned: list[str]
     processes: list[str]
     containers: list[str]
+    tools: list[str] = []  # its tool servers
 
 
 class ModulesReply(msgspec.Struct):
@@ -582,3 +588,83 @@ class ProcessesEvent(Peer):
 
     name: Name
     processes: list[ProcessState]
+
+
+# --- tools (docs/verbs.md, tools) -------------------------------------------------------------
+
+ToolName = Annotated[
+    str, msgspec.Meta(min_length=1, max_length=128, pattern=r"^[^\x00-\x1f\x7f]*\Z")
+]
+Cursor = Annotated[str, msgspec.Meta(max_length=1024, pattern=r"^[A-Za-z0-9_=-]*\Z")]
+
+
+class ToolInfo(msgspec.Struct):
+    """One tool of a tool server, as its tools/list said (bounded by the host)."""
+
+    name: str
+    description: str = ""
+    input_schema: dict[str, Any] = {}
+
+
+class ToolServerReport(msgspec.Struct):
+    """One tool server of a host: its state and the tools it last listed."""
+
+    name: str
+    state: str  # starting, ready, backoff, failed, stopped
+    error: str = ""  # why it is not ready, or what was left out of its tools
+    tools: list[ToolInfo] = []
+    timeout: float = 30.0  # seconds: its calls' limit (the declared `timeout`)
+
+
+class ToolsEvent(Peer):
+    """Published on mesh.event.<name>.tools when a tool server's state or tools change, and
+    again when a new holder says `held`."""
+
+    name: Name
+    servers: list[ToolServerReport] = []
+
+
+class ToolsRequest(Request, omit_defaults=True):
+    machine: Name | None = None  # one machine's tools; all machines' without
+    after: Cursor | None = None  # the previous page's `next`; None: the first page
+    limit: int = PAGE_LIMIT
+
+    def __post_init__(self) -> None:
+        check_limit(self.limit)
+
+
+class ToolEntry(msgspec.Struct):
+    machine: str
+    server: str
+    name: str
+    description: str
+    input_schema: dict[str, Any]
+    state: str = "ready"  # the tool server's state (its tools are callable when ready)
+    up: bool = True  # the machine, as the controller sees it
+    timeout: float = 30.0  # seconds: the tool server's limit for a call
+
+
+class ToolsReply(msgspec.Struct):
+    tools: list[ToolEntry]
+    next: str | None = None  # ask again with `after` = this for the next page; null: the last
+
+
+class ToolCallRequest(Request):
+    """A call of one tool of one of a host's tool servers (its verb `tool`, docs/verbs.md)."""
+
+    server: Name
+    tool: ToolName
+    arguments: dict[str, Any] = {}
+    # Seconds; at most the tool server's own `timeout`, which is also the default.
+    timeout: Annotated[float, msgspec.Meta(gt=0, le=3600)] | None = None
+
+
+class ToolCallReply(msgspec.Struct):
+    """The MCP result of a tools/call, as the tool server gave it."""
+
+    machine: str
+    server: str
+    tool: str
+    content: list[Any] = []
+    is_error: bool = msgspec.field(default=False, name="isError")
+    structured_content: Any = msgspec.field(default=None, name="structuredContent")

@@ -9,6 +9,7 @@ from mesh.model import ErrorBody, ErrorCode, ErrorReply
 T = TypeVar("T")
 
 MAX_BODY = 64 * 1024  # verb bodies are small; anything larger is refused before decoding
+MAX_REPORT = 1024 * 1024  # a host's report (its tools: services/host/tools.py keeps them smaller)
 
 _encoder = msgspec.json.Encoder()
 

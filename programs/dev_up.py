@@ -133,12 +133,13 @@ class DevMesh:
         with registry.locked(self.mesh) as users:
             self.creds["admin"] = users.ensure("operator", "admin", role="admin")
             self.creds["viewer"] = users.ensure("operator", "viewer", role="viewer")
+            self.creds["tools"] = users.ensure("operator", "tools", role="tools")
             self.creds["ctl"] = users.ensure("controller", registry.CONTROLLER)
             for i in range(1, self.hosts + 1):
                 name = f"node-{i}"
                 self.creds[name] = users.ensure("host", name, builder=i == 1)
             users.save()
-        say(f"credentials in {self.mesh.creds} (operators: admin.creds, viewer.creds)")
+        say(f"credentials in {self.mesh.creds} (operators: admin.creds, viewer.creds, tools.creds)")
 
     def _client_ports(self) -> list[int]:
         """NATS_PORT and up where free (or --port and up); a free port for any in use."""

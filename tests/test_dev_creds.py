@@ -21,7 +21,7 @@ from mesh.auth.keys import new_user
 from mesh.embedded import natsd, ports
 
 ROOT = Path(__file__).parent.parent
-IDENTITIES = ["admin", "viewer", "controller", "node-1", "node-2", "node-3"]
+IDENTITIES = ["admin", "viewer", "tools", "controller", "node-1", "node-2", "node-3"]
 
 
 def dev_creds(*args: str) -> subprocess.CompletedProcess:
@@ -36,6 +36,7 @@ def test_issues_what_dev_up_issues_and_keeps_it(tmp_path: Path) -> None:
     assert {(u["kind"], u["name"], u.get("role"), u.get("builder", False)) for u in users} == {
         ("operator", "admin", "admin", False),
         ("operator", "viewer", "viewer", False),
+        ("operator", "tools", "tools", False),
         ("controller", "controller", None, False),
         ("host", "node-1", None, True),
         ("host", "node-2", None, False),
@@ -70,7 +71,7 @@ def test_issues_what_dev_up_issues_and_keeps_it(tmp_path: Path) -> None:
 
 def test_text_output_and_bad_input(tmp_path: Path) -> None:
     text = ok(dev_creds("--dir", str(tmp_path / "m")))
-    assert "admin, viewer, controller, node-1, node-2, node-3" in text
+    assert "admin, viewer, tools, controller, node-1, node-2, node-3" in text
     assert str(tmp_path / "m" / "nats" / "auth.conf") in text
     done = dev_creds("--dir", str(tmp_path / "m"), "--hosts", "0")
     assert done.returncode == 2 and "out of range" in done.stderr

@@ -43,6 +43,7 @@ from mesh.model import (
     ProcessesEvent,
     SeatAnnounce,
     StatusReply,
+    ToolsEvent,
 )
 from mesh.modules import archive, compose, gate, load
 from mesh.modules.compose import ModuleVersion
@@ -260,6 +261,7 @@ _STREAMS = [
     (st.builds(subjects.host, machines, st.just("beat")), Beat),
     (machines.map(lambda m: f"mesh.event.{m}.applied"), Applied),
     (machines.map(lambda m: f"mesh.event.{m}.processes"), ProcessesEvent),
+    (machines.map(lambda m: f"mesh.event.{m}.tools"), ToolsEvent),
     (st.sampled_from(["standby", "held", "released"]).map(subjects.seat), SeatAnnounce),
 ]
 events = st.one_of(

@@ -113,6 +113,8 @@ _TABLES = [
      lambda i: f'[process.p{i}]\nbundle = "hello"\naccount = "hello"\ncommand = ["x"]\n'),
     ("container", gate.MAX_CONTAINERS, 0, "containers",
      lambda i: f'[container.c{i}]\nimage = "docker.io/x"\n'),
+    ("tool", gate.MAX_TOOLS, 0, "tool servers",
+     lambda i: f'[tool.t{i}]\nbundle = "hello"\naccount = "hello"\ncommand = ["x"]\n'),
 ]  # fmt: skip
 
 

@@ -142,6 +142,11 @@ def test_reasons_a_step_ran_out_of_time() -> None:
     backoff = Report(applied="d", processes=[ProcessState("hello", "backoff", False, None)])
     assert why(backoff) == "process hello is backoff, not healthy, after 60s"
     assert why(healthy("d")) == "not healthy after 60s"
+    # a tool server (named `hello` here) says why it is not ready
+    broken = ProcessState("hello", "backoff", False, 42, tool=True, error="does not speak MCP: x")
+    assert why(Report(applied="d", processes=[broken])) == (
+        "tool server hello is backoff, not ready, after 60s: does not speak MCP: x"
+    )
 
 
 def test_a_failure_fails_the_tier_s_other_awaited_steps() -> None:

@@ -64,6 +64,10 @@ class Secured:
     def viewer(self) -> str:
         return self.creds("operator", "viewer")
 
+    @property
+    def tools(self) -> str:
+        return self.creds("operator", "tools")
+
     async def connect(self, creds: str | None, *, denials: list[str] | None = None) -> Client:
         return await bus.connect(
             self.url,
@@ -86,6 +90,7 @@ def secured(tmp_path: Path, procs) -> Secured:
     with registry.locked(folder) as users:
         users.ensure("operator", "admin", role="admin")
         users.ensure("operator", "viewer", role="viewer")
+        users.ensure("operator", "tools", role="tools")
         users.ensure("controller", registry.CONTROLLER)
         users.ensure("host", "node-1", builder=True)
         users.ensure("host", "node-2")
@@ -320,6 +325,46 @@ async def test_roles_and_a_host_applying_its_declaration_under_credentials(
     ok(cli(secured, secured.admin, "push", str(built), "--timeout", "120"))
     logs = cli(secured, secured.viewer, "build", "logs", "built")
     assert "building under credentials" in ok(logs) and "node-1" in logs.stderr
+
+
+async def test_viewers_list_tools_a_tools_operator_and_an_admin_call_them(
+    fleet, secured, as_identity, tmp_path
+):
+    """Who may list and call the fleet's tools is the server's to enforce, as every verb is."""
+    viewer = await as_identity(secured.viewer)
+    tooler = await as_identity(secured.tools)
+    admin = await as_identity(secured.admin)
+    host = await as_identity(secured.creds("host", "node-1"))
+    assert not await viewer.publish_refused("mesh.ctl.tools")
+    assert await viewer.publish_refused("mesh.host.node-2.tool")
+    for subject in ("mesh.ctl.tools", "mesh.ctl.status", "mesh.ctl.nodes", "mesh.host.node-2.tool"):
+        assert not await tooler.publish_refused(subject), subject
+    for subject in ("mesh.ctl.push", "mesh.ctl.assign", "mesh.host.node-2.restart",
+                    "mesh.host.node-2.logs", "mesh.ctl.declaration"):  # fmt: skip
+        assert await tooler.publish_refused(subject), subject
+    assert not await admin.publish_refused("mesh.host.node-2.tool")
+    assert await host.publish_refused("mesh.host.node-2.tool")  # a host calls no one's tools
+    assert await host.subscribe_refused("mesh.host.node-2.tool")  # nor hears another's calls
+    assert await tooler.subscribe_refused("mesh.host.node-2.tool")
+
+    example = ROOT / "docs" / "examples" / "files"
+    ok(cli(secured, secured.admin, "push", str(example), "--timeout", "120"))
+    ok(cli(secured, secured.admin, "assign", "files", "node-2", "--timeout", "120"))
+
+    async def ready():
+        done = cli(secured, secured.viewer, "tools", "--json")
+        tools = json.loads(done.stdout)["tools"] if done.returncode == 0 else []
+        return tools if any(t["state"] == "ready" for t in tools) else None
+
+    tools = await await_until(ready, within=60, what="the viewer to list node-2's tools")
+    assert {t["machine"] for t in tools} == {"node-2"}
+    call = ("tool", "call", "node-2", "files", "echo", "--args", '{"text": "hi"}')
+    line = one_line_error(cli(secured, secured.viewer, *call))
+    assert "forbidden" in line and "mesh.host.node-2.tool" in line
+    assert ok(cli(secured, secured.tools, *call)) == "hi\n"
+    assert ok(cli(secured, secured.admin, *call)) == "hi\n"
+    line = one_line_error(cli(secured, secured.tools, "push", str(example)))
+    assert line.startswith("mesh: error: forbidden:") and "tools.creds" in line
 
 
 async def test_a_host_can_touch_only_what_is_its_own(fleet, secured, as_identity):

@@ -6,7 +6,9 @@ permissions are decided (docs/security.md explains them).
   verbs; it hears only its own verbs, the seat's announcements and its own inbox; it reads its
   own declaration and the bundle store; a builder host also writes to the bundle store;
 - the **controller** (every instance shares one identity) serves every verb and owns JetStream;
-- an **operator** is an `admin` (every verb) or a `viewer` (the verbs that only read).
+- an **operator** is an `admin` (every verb), a `viewer` (the verbs that only read, `tools`
+  included: a viewer lists the fleet's tools but calls none) or a `tools` operator (lists and
+  calls the fleet's tools, `mesh.host.<name>.tool`, and reads what that needs; changes nothing).
 
 The controller never decides who may call a verb from anything in the message: the server
 enforces these lists, so a viewer's `push` never reaches it.
@@ -20,14 +22,20 @@ from mesh import subjects
 from mesh.blobs import BUNDLES, DECLARATIONS, SEAT
 
 Kind = Literal["host", "controller", "operator"]
-Role = Literal["admin", "viewer"]
-ROLES: tuple[Role, ...] = ("admin", "viewer")
+Role = Literal["admin", "viewer", "tools"]
+ROLES: tuple[Role, ...] = ("admin", "viewer", "tools")
 
 # The controller verbs that only read. Every other verb, including one added later and not
 # listed here, is for admins only: a new verb fails closed.
-READ_VERBS = frozenset({"status", "nodes", "plan", "plans", "modules", "declaration", "build-logs"})
+READ_VERBS = frozenset(
+    {"status", "nodes", "plan", "plans", "modules", "declaration", "build-logs", "tools"}
+)
 HOST_READ_VERBS = ("status", "logs")  # mesh.host.<name>.<verb> an operator may ask
 HOST_ADMIN_VERBS = ("restart",)
+HOST_TOOL_VERBS = ("tool",)  # calling a tool: an admin's and a tools operator's
+# What a `tools` operator (mesh mcp, an agent's credentials) may ask the controller: the fleet's
+# tools, and what says which machines are there and up.
+TOOLS_READ_VERBS = ("status", "nodes", "tools")
 # What an operator may hear (the console's live view): hosts' beats and reports, the seat's
 # announcements, plans' progress. All of it is in what the read verbs answer anyway.
 OPERATOR_WATCH = (
@@ -171,11 +179,23 @@ def _operator(user: User) -> Permissions:
     ]
     if user.role == "viewer":
         return Permissions(publish=reads, subscribe=[f"{inbox(user)}.>", *OPERATOR_WATCH])
+    if user.role == "tools":
+        return Permissions(
+            publish=[
+                *(subjects.ctl(v) for v in TOOLS_READ_VERBS),
+                *(subjects.host("*", v) for v in HOST_TOOL_VERBS),
+                ASK_DISCOVERY,
+            ],
+            subscribe=[f"{inbox(user)}.>", *OPERATOR_WATCH],
+        )
     return Permissions(
         publish=[
             subjects.ctl("*"),  # every verb, present and future
             ASK_DISCOVERY,
-            *(subjects.host("*", v) for v in (*HOST_READ_VERBS, *HOST_ADMIN_VERBS)),
+            *(
+                subjects.host("*", v)
+                for v in (*HOST_READ_VERBS, *HOST_ADMIN_VERBS, *HOST_TOOL_VERBS)
+            ),
             # uploads of module sources (push, plan diff) and reading what JetStream holds
             *_bundle_reads(),
             *_bundle_writes(),

@@ -154,7 +154,10 @@ def stop_supervised(hosts_root: Path) -> list[int]:
     import json
 
     killed = []
-    for state in sorted(hosts_root.glob("*/state/processes.json")):
+    # tools.json: tool servers (services/host/tools.py), which a host that stops stops itself;
+    # a killed host's are still there until a next host starts.
+    states = [*hosts_root.glob("*/state/processes.json"), *hosts_root.glob("*/state/tools.json")]
+    for state in sorted(states):
         try:
             instances = json.loads(state.read_text())
         except (OSError, ValueError):

@@ -2,7 +2,8 @@
 
 Identical duplicates merge (the same account from two modules); conflicts are errors naming
 both modules: two processes of one name, one account with different settings, two checks on
-one port, two containers of one name. A declaration is canonical: the same inputs give the same
+one port, two containers of one name, two tool servers of one name or a tool server named like
+a process (they share a folder and a log). A declaration is canonical: the same inputs give the same
 bytes and the same sha256, whatever the order of modules or of fields (docs/design.md).
 """
 
@@ -10,8 +11,9 @@ import hashlib
 from typing import Any
 
 import msgspec
+from msgspec import UNSET, UnsetType
 
-from mesh.modules.manifest import Check, Manifest
+from mesh.modules.manifest import Check, File, Manifest
 
 
 class Conflict(ValueError):
@@ -37,7 +39,10 @@ class DAccount(msgspec.Struct):
     shell: str
 
 
-class DProcess(msgspec.Struct):
+class DRuns(msgspec.Struct):
+    """What a declared process and tool server both carry (encoded with sorted keys: the
+    fields' order here changes no byte)."""
+
     module: str
     bundle: str  # a key of Declaration.bundles
     command: list[str]
@@ -45,12 +50,22 @@ class DProcess(msgspec.Struct):
     root: bool
     env: dict[str, str]
     files: dict[str, DFile]
+
+
+class DProcess(DRuns):
     prepare: list[str] | None
     prepare_timeout: str
     restart: str
     check: Check | None
     update: str
     replaces: str | None
+    stop_timeout: str
+
+
+class DTool(DRuns):
+    """A tool server as a machine runs it (docs/modules.md, [tool.NAME])."""
+
+    timeout: str
     stop_timeout: str
 
 
@@ -70,6 +85,13 @@ class Declaration(msgspec.Struct):
     bundles: dict[str, DBundle] = {}
     processes: dict[str, DProcess] = {}
     containers: dict[str, DContainer] = {}
+    # UNSET (left out of the bytes) when the machine has none: a declaration without tool
+    # servers keeps the bytes, and so the digest, it had before tool servers existed.
+    tools: dict[str, DTool] | UnsetType = UNSET
+
+
+def tools_of(decl: Declaration) -> dict[str, DTool]:
+    return decl.tools or {}
 
 
 class ModuleVersion(msgspec.Struct):
@@ -84,7 +106,7 @@ class ModuleVersion(msgspec.Struct):
 _encoder = msgspec.json.Encoder(order="sorted")
 
 
-def canonical_process(p: DProcess) -> bytes:
+def canonical_process(p: DRuns) -> bytes:
     return _encoder.encode(p)
 
 
@@ -125,6 +147,7 @@ class Prepared(msgspec.Struct):
     processes: dict[str, Piece]
     containers: dict[str, Piece]
     ports: dict[int, str]  # tcp check port -> process
+    tools: dict[str, Piece] = {}
 
 
 def _piece(value: Any) -> Piece:
@@ -145,29 +168,24 @@ def prepare(mv: ModuleVersion, secrets: dict[str, int] | None = None) -> Prepare
             DAccount(home=a.home, groups=sorted(set(a.groups)), shell=a.shell)
         )
     for name, p in m.process.items():
-        assert p.bundle is not None  # the gate made sure
-        b = m.bundle[p.bundle]
-        key = bundle_key(b.kind, mv.bundles.get(p.bundle), b.path)
-        out.bundles[key] = _piece(
-            DBundle(kind=b.kind, digest=mv.bundles.get(p.bundle), path=b.path)
-        )
+        key = _bundle(out, mv, p.bundle)
         if p.check is not None and p.check.tcp is not None:
             out.ports[p.check.tcp] = name
-        files = {
-            path: DFile(
-                mode=f"{int(f.mode, 8):04o}",  # "400" and "0400" are one mode
-                text=f.text,
-                secret=f.secret,
-                secret_version=secrets.get(f.secret, 0) if f.secret else None,
-            )
-            for path, f in p.files.items()
-        }
+        files = _files(p.files, secrets)
         out.processes[name] = _piece(
             DProcess(
                 module=mv.name, bundle=key, command=p.command, account=p.account, root=p.root,
                 env=p.env, files=files, prepare=p.prepare, prepare_timeout=p.prepare_timeout,
                 restart=p.restart, check=p.check, update=p.update, replaces=p.replaces,
                 stop_timeout=p.stop_timeout,
+            )
+        )  # fmt: skip
+    for name, t in m.tool.items():
+        out.tools[name] = _piece(
+            DTool(
+                module=mv.name, bundle=_bundle(out, mv, t.bundle), command=t.command,
+                account=t.account, root=t.root, env=t.env, files=_files(t.files, secrets),
+                timeout=t.timeout, stop_timeout=t.stop_timeout,
             )
         )  # fmt: skip
     for name, c in m.container.items():
@@ -182,6 +200,27 @@ def prepare(mv: ModuleVersion, secrets: dict[str, int] | None = None) -> Prepare
     return out
 
 
+def _bundle(out: Prepared, mv: ModuleVersion, name: str | None) -> str:
+    """The declaration's key of a process's or tool server's bundle, put among `out`'s."""
+    assert name is not None  # the gate made sure
+    b = mv.manifest.bundle[name]
+    key = bundle_key(b.kind, mv.bundles.get(name), b.path)
+    out.bundles[key] = _piece(DBundle(kind=b.kind, digest=mv.bundles.get(name), path=b.path))
+    return key
+
+
+def _files(files: dict[str, File], secrets: dict[str, int]) -> dict[str, DFile]:
+    return {
+        path: DFile(
+            mode=f"{int(f.mode, 8):04o}",  # "400" and "0400" are one mode
+            text=f.text,
+            secret=f.secret,
+            secret_version=secrets.get(f.secret, 0) if f.secret else None,
+        )
+        for path, f in files.items()
+    }
+
+
 class Merged(msgspec.Struct):
     machine: str
     modules: dict[str, str]
@@ -189,15 +228,19 @@ class Merged(msgspec.Struct):
     bundles: dict[str, Piece]
     processes: dict[str, Piece]
     containers: dict[str, Piece]
+    tools: dict[str, Piece] = {}
 
 
 def merge(machine: str, prepared: list[Prepared]) -> Merged:
     """Put a machine's modules together: identical duplicates merge, conflicts name both.
     This runs once per machine per change: keep it to dict operations."""
     mods = sorted(prepared, key=lambda p: p.name)
-    out = Merged(machine=machine, modules={}, accounts={}, bundles={}, processes={}, containers={})
+    out = Merged(
+        machine=machine, modules={}, accounts={}, bundles={}, processes={}, containers={},
+        tools={},
+    )  # fmt: skip
     port_from: dict[int, tuple[str, str]] = {}
-    accounts, processes, containers = out.accounts, out.processes, out.containers
+    accounts, processes, containers, tools = out.accounts, out.processes, out.containers, out.tools
     for mod in mods:
         out.modules[mod.name] = mod.version
         for name, piece in mod.accounts.items():
@@ -210,7 +253,8 @@ def merge(machine: str, prepared: list[Prepared]) -> Merged:
                 )
         out.bundles.update(mod.bundles)  # keyed by content: the same key is the same bundle
         for kind, mine, theirs in (("process", processes, mod.processes),
-                                   ("container", containers, mod.containers)):  # fmt: skip
+                                   ("container", containers, mod.containers),
+                                   ("tool server", tools, mod.tools)):  # fmt: skip
             common = mine.keys() & theirs.keys()
             if common:
                 name = min(common)
@@ -219,6 +263,18 @@ def merge(machine: str, prepared: list[Prepared]) -> Merged:
                     f"and {mod.name} (on {machine})"
                 )
             mine.update(_for_machine(machine, theirs))
+        # A tool server and a process share a folder and a log under their name (a module's
+        # own pair is refused by the gate).
+        pairs = ((tools, mod.processes, "process", "tool server"),
+                 (processes, mod.tools, "tool server", "process"))  # fmt: skip
+        for mine, theirs, ours, other in pairs:
+            common = mine.keys() & theirs.keys()
+            if common:
+                name = min(common)
+                raise Conflict(
+                    f"{other} {name} of module {mine[name].value.module} and {ours} {name} of "
+                    f"module {mod.name} would share a folder and a log (on {machine})"
+                )
         for port, process in mod.ports.items():
             other = port_from.setdefault(port, (mod.name, process))
             if other[0] != mod.name:
@@ -252,6 +308,7 @@ class _Encoded(msgspec.Struct):
     bundles: dict[str, msgspec.Raw]
     processes: dict[str, msgspec.Raw]
     containers: dict[str, msgspec.Raw]
+    tools: dict[str, msgspec.Raw] | UnsetType = UNSET
 
 
 def encode(merged: Merged) -> tuple[bytes, str]:
@@ -264,6 +321,7 @@ def encode(merged: Merged) -> tuple[bytes, str]:
             bundles={k: p.raw for k, p in merged.bundles.items()},
             processes={k: p.raw for k, p in merged.processes.items()},
             containers={k: p.raw for k, p in merged.containers.items()},
+            tools={k: p.raw for k, p in merged.tools.items()} if merged.tools else UNSET,
         )
     )
     return body, "sha256:" + hashlib.sha256(body).hexdigest()
@@ -277,6 +335,7 @@ def declaration(merged: Merged) -> Declaration:
         bundles={k: p.value for k, p in merged.bundles.items()},
         processes={k: p.value for k, p in merged.processes.items()},
         containers={k: p.value for k, p in merged.containers.items()},
+        tools={k: p.value for k, p in merged.tools.items()} if merged.tools else UNSET,
     )
 
 

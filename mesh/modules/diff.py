@@ -10,20 +10,21 @@ from mesh.modules.compose import Declaration
 
 class Change(msgspec.Struct):
     op: Literal["+", "~", "-"]
-    kind: str  # account | bundle | process | container
+    kind: str  # account | bundle | process | container | tool
     name: str
     fields: dict[str, tuple[Any, Any]] = {}  # changed field -> (old, new), for "~"
 
 
 _SECTIONS = (("account", "accounts"), ("bundle", "bundles"), ("process", "processes"),
-             ("container", "containers"))  # fmt: skip
+             ("container", "containers"), ("tool", "tools"))  # fmt: skip
 
 
 def diff(old: Declaration | None, new: Declaration | None) -> list[Change]:
     changes: list[Change] = []
     for kind, attr in _SECTIONS:
-        before: dict[str, Any] = getattr(old, attr) if old else {}
-        after: dict[str, Any] = getattr(new, attr) if new else {}
+        # `or {}`: a declaration without tool servers leaves `tools` unset
+        before: dict[str, Any] = (getattr(old, attr) or {}) if old else {}
+        after: dict[str, Any] = (getattr(new, attr) or {}) if new else {}
         for name in sorted(before.keys() | after.keys()):
             if name not in before:
                 changes.append(Change(op="+", kind=kind, name=name))

@@ -22,6 +22,8 @@ from mesh.modules.manifest import (
     Container,
     Manifest,
     Process,
+    Runs,
+    Tool,
 )
 from mesh.names import InvalidName, check_name
 
@@ -31,6 +33,8 @@ MAX_BUNDLES = 64
 MAX_ACCOUNTS = 64
 MAX_PROCESSES = 64
 MAX_CONTAINERS = 64
+MAX_TOOLS = 64  # tool servers of one module
+MAX_TOOL_TIMEOUT = 3600.0  # a tool call's limit, in seconds: a call holds one of its host's slots
 MAX_FILES = 64  # files of one process
 MAX_ENV = 256  # environment variables of one process or container
 MAX_ARGV = 1024  # words of one command
@@ -97,7 +101,9 @@ def parse(text: str, *, origin: str = "module.toml") -> Manifest:
     return manifest
 
 
-_SECTIONS = {"bundle": Bundle, "account": Account, "process": Process, "container": Container}
+_SECTIONS = {
+    "bundle": Bundle, "account": Account, "process": Process, "container": Container, "tool": Tool,
+}  # fmt: skip
 
 
 def _locate(raw: dict[str, Any]) -> str | None:
@@ -131,7 +137,7 @@ def _split(message: str) -> tuple[str, str, str]:
 def _argv_fields(raw: dict[str, Any]) -> list[tuple[str, Any]]:
     found: list[tuple[str, Any]] = []
     for kind, fields in (("process", ("command", "prepare")), ("bundle", ("build",)),
-                         ("container", ("command",))):  # fmt: skip
+                         ("container", ("command",)), ("tool", ("command",))):  # fmt: skip
         section = raw.get(kind)
         if not isinstance(section, dict):
             continue  # not a table: strict decoding refuses it, naming the field
@@ -237,6 +243,7 @@ def check(m: Manifest) -> None:
     _count(mod, "account", m.account, MAX_ACCOUNTS, "accounts")
     _count(mod, "process", m.process, MAX_PROCESSES, "processes")
     _count(mod, "container", m.container, MAX_CONTAINERS, "containers")
+    _count(mod, "tool", m.tool, MAX_TOOLS, "tool servers")
     for name, b in m.bundle.items():
         f = f"bundle.{name}"
         _name(mod, f, name)
@@ -279,6 +286,8 @@ def check(m: Manifest) -> None:
     ports: dict[int, str] = {}
     for name, p in m.process.items():
         _process(mod, name, p, m, ports)
+    for name, t in m.tool.items():
+        _tool(mod, name, t, m)
     for name, c in m.container.items():
         f = f"container.{name}"
         _name(mod, f, name)
@@ -339,15 +348,34 @@ def _process(mod: str, name: str, p: Process, m: Manifest, ports: dict[int, str]
     _count(mod, f"{f}.env", p.env, MAX_ENV, "variables")
     if p.bundle is None:
         raise Refused(mod, f"{f}.bundle", "a process runs from a bundle: name one")
+    if name == AGENT:
+        _agent(mod, f, p, m)
+    _runs(mod, f, p, m, what="processes")
+    _duration(mod, f"{f}.stop_timeout", p.stop_timeout)
+    _duration(mod, f"{f}.prepare_timeout", p.prepare_timeout)
+    if p.replaces is not None:
+        _name(mod, f"{f}.replaces", p.replaces)
+        if p.check is None:
+            # Without a check a process is healthy the moment it starts: its container would
+            # be removed before the process had stayed up across two checks.
+            raise Refused(
+                mod,
+                f"{f}.replaces",
+                f"container {p.replaces!r} is removed only once this process passes its "
+                "check: add a check",
+            )
+    if p.check is not None:
+        _check(mod, f"{f}.check", p.check, name, ports)
+
+
+def _runs(mod: str, f: str, p: Runs, m: Manifest, *, what: str) -> None:
+    """What a process and a tool server share: the bundle it runs from, who it runs as, its
+    environment and its files."""
     if p.bundle not in m.bundle:
         known = ", ".join(sorted(m.bundle)) or "none declared"
         raise Refused(mod, f"{f}.bundle", f"unknown bundle {p.bundle!r} (known: {known})")
-    if name == AGENT:
-        _agent(mod, f, p, m)
     if p.account is None and not p.root:
-        raise Refused(
-            mod, f"{f}.account", "processes never run as root unless said: name an account"
-        )
+        raise Refused(mod, f"{f}.account", f"{what} never run as root unless said: name an account")
     if p.account is not None and p.root:
         raise Refused(mod, f"{f}.root", "name an account or set root = true, not both")
     if p.account is not None and p.account not in m.account:
@@ -373,21 +401,29 @@ def _process(mod: str, name: str, p: Process, m: Manifest, ports: dict[int, str]
                 raise Refused(
                     mod, f"{ff}.mode", f"{spec.mode!r} lets others read a secret: use 0400 or 0600"
                 )
-    _duration(mod, f"{f}.stop_timeout", p.stop_timeout)
-    _duration(mod, f"{f}.prepare_timeout", p.prepare_timeout)
-    if p.replaces is not None:
-        _name(mod, f"{f}.replaces", p.replaces)
-        if p.check is None:
-            # Without a check a process is healthy the moment it starts: its container would
-            # be removed before the process had stayed up across two checks.
-            raise Refused(
-                mod,
-                f"{f}.replaces",
-                f"container {p.replaces!r} is removed only once this process passes its "
-                "check: add a check",
-            )
-    if p.check is not None:
-        _check(mod, f"{f}.check", p.check, name, ports)
+
+
+def _tool(mod: str, name: str, t: Tool, m: Manifest) -> None:
+    """A tool server is checked as a process is (docs/modules.md, [tool.NAME]); it has its own
+    folder and log under its name, so no process of the module may share it."""
+    f = f"tool.{name}"
+    _name(mod, f, name)
+    _count(mod, f"{f}.command", t.command, MAX_ARGV, "words")
+    _count(mod, f"{f}.files", t.files, MAX_FILES, "files")
+    _count(mod, f"{f}.env", t.env, MAX_ENV, "variables")
+    if name in m.process:
+        raise Refused(
+            mod, f, f"process {name} has this name too: a tool server and a process have their "
+            "folder and log under their name, so name them differently",
+        )  # fmt: skip
+    if t.bundle is None:
+        raise Refused(mod, f"{f}.bundle", "a tool server runs from a bundle: name one")
+    _runs(mod, f, t, m, what="tool servers")
+    _duration(mod, f"{f}.timeout", t.timeout)
+    if not 0 < duration(t.timeout) <= MAX_TOOL_TIMEOUT:
+        raise Refused(mod, f"{f}.timeout", f"{t.timeout!r}: a call's limit is more than 0 and "
+                      f"at most {MAX_TOOL_TIMEOUT / 60:g}m")  # fmt: skip
+    _duration(mod, f"{f}.stop_timeout", t.stop_timeout)
 
 
 def _check(mod: str, f: str, c: Check, process: str, ports: dict[int, str]) -> None:

@@ -58,13 +58,19 @@ class Check(Strict):
     passes: int = 2
 
 
-class Process(Strict):
+class Runs(Strict):
+    """What a process and a tool server both are: a command from a bundle, as an account, with
+    its environment and its files."""
+
     command: list[str]
     bundle: str | None = None
     account: str | None = None
     root: bool = False  # run as root: only when said
     env: dict[str, str] = {}
     files: dict[str, File] = {}
+
+
+class Process(Runs):
     prepare: list[str] | None = None
     prepare_timeout: str = "5m"
     restart: Restart = "always"
@@ -72,6 +78,14 @@ class Process(Strict):
     update: Update = "stop-first"
     replaces: str | None = None
     stop_timeout: str = "10s"
+
+
+class Tool(Runs):
+    """A tool server (docs/modules.md, [tool.NAME]): a process that speaks MCP over stdio to the
+    host, which launches it, lists its tools and calls them for the fleet."""
+
+    timeout: str = "30s"  # a call's time limit (a caller may ask for less, never more)
+    stop_timeout: str = "10s"  # after its stdin closes and SIGTERM, before SIGKILL
 
 
 class Container(Strict):
@@ -106,5 +120,6 @@ class Manifest(Strict):
     account: dict[str, Account] = {}
     process: dict[str, Process] = {}
     container: dict[str, Container] = {}
+    tool: dict[str, Tool] = {}
     assign: Assign | None = None
     rollout: Rollout = msgspec.field(default_factory=Rollout)

@@ -15,7 +15,15 @@ from nats.aio.client import Client
 from mesh import bus, config, subjects, wire
 from mesh.auth.creds import CredsError
 from mesh.errors import MeshError
-from mesh.model import PAGE_MOST, DiffReply, ModulesReply, NodesReply, PlanReply, PlansReply
+from mesh.model import (
+    PAGE_MOST,
+    DiffReply,
+    ModulesReply,
+    NodesReply,
+    PlanReply,
+    PlansReply,
+    ToolsReply,
+)
 
 T = TypeVar("T")
 
@@ -160,6 +168,7 @@ LISTINGS: dict[type, Listing] = {
     PlansReply: Listing("plans", key=lambda p: p.id),
     ModulesReply: Listing("modules", key=lambda m: m.name, join=_join_module),
     DiffReply: Listing("machines", key=lambda m: m.machine),
+    ToolsReply: Listing("tools", key=lambda t: (t.machine, t.server, t.name)),
 }
 
 

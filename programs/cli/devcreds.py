@@ -6,11 +6,11 @@ The mesh's CA is made first (DIR/tls), so every credentials file carries it. Wit
 (repeatable: the names clients reach the server by, e.g. `nats` in compose), a certificate for
 the nats-server is issued beside its authorization block (DIR/nats/server.pem, server.key 0600).
 
-It issues what is missing, exactly as `mesh dev up` does (operators `admin` and `viewer`, the
-controllers, hosts `node-1`…`node-N`, node-1 the builder), keeps what exists, and writes the
-nats-server authorization block to include (`DIR/nats/auth.conf`). With `--export OUT`, each
-identity's file is also copied to `OUT/<identity>/nats.creds` (0600), so a container can mount
-its own credentials and nobody else's."""
+It issues what is missing, exactly as `mesh dev up` does (operators `admin`, `viewer` and
+`tools`, the controllers, hosts `node-1`…`node-N`, node-1 the builder), keeps what exists, and
+writes the nats-server authorization block to include (`DIR/nats/auth.conf`). With
+`--export OUT`, each identity's file is also copied to `OUT/<identity>/nats.creds` (0600), so a
+container can mount its own credentials and nobody else's."""
 
 import argparse
 from pathlib import Path
@@ -69,6 +69,7 @@ def identities(hosts: int) -> list[tuple[Kind, str, Role | None, bool]]:
     found: list[tuple[Kind, str, Role | None, bool]] = [
         ("operator", "admin", "admin", False),
         ("operator", "viewer", "viewer", False),
+        ("operator", "tools", "tools", False),
         ("controller", registry.CONTROLLER, None, False),
     ]
     found += [("host", f"node-{i}", None, i == 1) for i in range(1, hosts + 1)]

@@ -20,7 +20,7 @@ from mesh import config
 from mesh.errors import MeshError
 from mesh.model import HandoverReply, NodesReply, NodesRequest, StatusReply
 from mesh.names import check_name
-from programs.cli import certs, devcreds, hosts, machines, modules, render, webconsole
+from programs.cli import certs, devcreds, hosts, machines, modules, render, tools, webconsole
 from programs.cli.args import LIMIT_HELP, METRICS_HELP, Parser, count, label, listen, tier
 from programs.cli.client import CliError, listed, verb
 from programs.cli.output import console, print_json, whole
@@ -136,6 +136,7 @@ def parser() -> argparse.ArgumentParser:
     machines.add_parsers(verbs, common)
     certs.add_parsers(verbs, common)
     webconsole.add_parsers(verbs, common)
+    tools.add_parsers(verbs, common)
     return top
 
 
@@ -266,6 +267,7 @@ COMMANDS: dict[tuple[str, ...], Callable[[argparse.Namespace], Any]] = {
     **devcreds.COMMANDS,
     **certs.COMMANDS,
     **webconsole.COMMANDS,
+    **tools.COMMANDS,
 }
 
 

@@ -15,6 +15,7 @@ from mesh.model import (
     NodesReply,
     PlanSummary,
     StatusReply,
+    ToolEntry,
 )
 from programs.cli.output import more
 
@@ -158,12 +159,44 @@ def modules(console: Console, r: ModulesReply, *, want: int | None = None) -> No
         console.print("no modules have been pushed yet")
         return
     table = Table(box=None, header_style="bold")
-    for column in ("MODULE", "VERSION", "PUSHED", "BY", "ASSIGNED TO", "PROCESSES", "CONTAINERS"):
+    columns = (
+        "MODULE",
+        "VERSION",
+        "PUSHED",
+        "BY",
+        "ASSIGNED TO",
+        "PROCESSES",
+        "TOOLS",
+        "CONTAINERS",
+    )
+    for column in columns:
         table.add_column(column)
     for m in r.modules:
         table.add_row(
             m.name, m.version[7:19], _ago(m.pushed_at), m.pushed_by or "-",
-            _assigned(m.assigned), ", ".join(m.processes) or "-", ", ".join(m.containers) or "-",
+            _assigned(m.assigned), ", ".join(m.processes) or "-", ", ".join(m.tools) or "-",
+            ", ".join(m.containers) or "-",
         )  # fmt: skip
     console.print(table)
     more(console, shown=len(r.modules), total=r.total, want=want, what="module")
+
+
+def tools(console: Console, found: list[ToolEntry], *, machine: str | None = None) -> None:
+    if not found:
+        where = f"on {machine}" if machine else "in the fleet"
+        console.print(f"no tools {where} (a module's [tool.NAME] tables, once assigned and ready)")
+        return
+    table = Table(box=None, header_style="bold")
+    for column in ("MACHINE", "SERVER", "TOOL", "DESCRIPTION"):
+        table.add_column(column)
+    for t in found:
+        line = " ".join(t.description.split())
+        line = line if len(line) <= 80 else line[:77] + "..."
+        if not t.up:
+            line = f"[red](machine down)[/] {escape(line)}"
+        elif t.state != "ready":
+            line = f"[yellow]({escape(t.state)})[/] {escape(line)}"
+        else:
+            line = escape(line)
+        table.add_row(escape(t.machine), escape(t.server), escape(t.name), line)
+    console.print(table)

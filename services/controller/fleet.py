@@ -19,7 +19,7 @@ from nats.aio.subscription import Subscription
 
 from mesh import wire
 from mesh.batching import Batches
-from mesh.model import Beat, Node, NodeCounts, ProcessState, Register
+from mesh.model import Beat, Node, NodeCounts, ProcessState, Register, ToolServerReport
 from mesh.store import events, machines, seats
 from mesh.store.machines import MachineRow
 from services.controller.rollout import Report
@@ -117,6 +117,9 @@ class Fleet:
         self.applied: dict[str, str] = {}  # machine -> digest it reports applied
         self.processes: dict[str, list[ProcessState]] = {}  # machine -> as it last reported
         self.apply_errors: dict[str, str] = {}  # machine -> where and why its apply stopped
+        # machine -> its tool servers and their tools, as it last reported (in memory: a new
+        # holder hears them again, since every host reports them when it says `held`)
+        self.tools: dict[str, list[ToolServerReport]] = {}
         self.failed_digest: dict[str, str] = {}  # machine -> the digest whose apply stopped
         # Machines whose applied digest, processes or liveness changed since the planner last
         # looked: it re-judges only those, so a tier of a thousand machines costs per event.
@@ -176,6 +179,10 @@ class Fleet:
             error=self.apply_errors.get(name),
             processes=self.processes.get(name, []),
         )
+
+    def heard_tools(self, name: str, servers: list[ToolServerReport]) -> None:
+        if name in self.machines:  # a machine that registered: not any name a subject carries
+            self.tools[name] = servers
 
     def heard_processes(self, name: str, processes: list[ProcessState]) -> None:
         self.processes[name] = processes

@@ -27,7 +27,7 @@ from nats.aio.client import Client
 
 from mesh import subjects, wire
 from mesh.model import PlanState, PlanSummary
-from mesh.modules.compose import Declaration
+from mesh.modules.compose import Declaration, tools_of
 from mesh.store import declarations, events, modules, plans, seats
 from services.controller import metrics, rollout
 from services.controller.fleet import Fleet
@@ -254,7 +254,9 @@ class Planner:
     def _processes(self, digest: str, body: bytes) -> frozenset[str]:
         names = self._names.pop(digest, None)
         if names is None:
-            names = frozenset(msgspec.json.decode(body, type=Declaration).processes)
+            decl = msgspec.json.decode(body, type=Declaration)
+            # tool servers too: a plan waits until each is ready (initialized, tools listed)
+            names = frozenset(decl.processes) | frozenset(tools_of(decl))
             if len(self._names) >= NAMES_KEPT:  # forget the least recently used
                 del self._names[next(iter(self._names))]
         self._names[digest] = names  # last: the most recently used

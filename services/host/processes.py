@@ -5,7 +5,8 @@ groups), in its own session and process group. Its output goes through a pipe to
 (`logwriter.py`, a process of its own that outlives the host as the process does), which appends
 to its log file and rotates it by size while it runs. Every instance is recorded (pid + kernel
 start time) so a restarted host adopts it instead of starting it again; `os.pidfd_open` watches
-a process whether or not it is our child.
+a process whether or not it is our child. A tool server is started the same way, but with its
+stdin and stdout as pipes to the host (MCP over stdio) and only its stderr to its log.
 """
 
 import logging
@@ -15,6 +16,7 @@ import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import anyio
 import msgspec
@@ -88,6 +90,13 @@ def credentials(uid: int | None, gid: int | None, groups: Sequence[int] = ()) ->
     return {"user": uid, "group": gid, "extra_groups": list(groups)}
 
 
+class Pipes(NamedTuple):
+    """The host's ends of a piped process's stdin and stdout (non-blocking; the host's to close)."""
+
+    stdin: int  # written by the host
+    stdout: int  # read by the host
+
+
 def spawn(
     argv: Sequence[str],
     *,
@@ -98,31 +107,56 @@ def spawn(
     uid: int | None,
     gid: int | None,
     groups: Sequence[int] = (),
-) -> Instance:
-    """Start `argv`; raises OSError (e.g. no such file) for the caller to report."""
+    piped: bool = False,
+) -> tuple[Instance, Pipes | None]:
+    """Start `argv`, its output (stdout and stderr) to its log; raises OSError (e.g. no such
+    file) for the caller to report. `piped`: its stdin and stdout are pipes to the host
+    instead (a tool server: MCP over stdio), whose ends are returned, and only its stderr goes
+    to its log; those pipes end with this host process, so no next one can adopt it."""
     log_file.parent.mkdir(parents=True, exist_ok=True)
     log_file.parent.chmod(0o700)  # output may carry secrets: the host's (root's) alone
     _reap_writers()
     out = _log_writer(log_file)
+    ours: list[int] = []  # the host's ends of the pipes, closed if the start fails
     try:
-        proc = subprocess.Popen(
-            list(argv),
-            cwd=cwd,
-            env=dict(env),
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            close_fds=True,
-            **credentials(uid, gid, groups),
-        )
+        if piped:
+            child_in, host_in = os.pipe()
+            ours.append(host_in)
+            host_out, child_out = os.pipe()
+            ours.append(host_out)
+            stdio: dict = {"stdin": child_in, "stdout": child_out, "stderr": out}
+        else:
+            stdio = {"stdin": subprocess.DEVNULL, "stdout": out, "stderr": subprocess.STDOUT}
+        try:
+            proc = subprocess.Popen(
+                list(argv),
+                cwd=cwd,
+                env=dict(env),
+                start_new_session=True,
+                close_fds=True,
+                **stdio,
+                **credentials(uid, gid, groups),
+            )
+        finally:
+            if piped:  # the child holds its ends now
+                os.close(child_in)
+                os.close(child_out)
+    except BaseException:
+        for fd in ours:
+            os.close(fd)
+        raise
     finally:
         os.close(out)  # the process holds it now; without it, the writer reads to the end
     # Held until we reap it ourselves: a collected Popen of a live process would be reaped by
     # the subprocess module behind our back, and its exit code lost.
     _children[proc.pid] = proc
     started = start_time(proc.pid)
-    return Instance(pid=proc.pid, start_time=started or 0, spec=spec, child=True)
+    instance = Instance(pid=proc.pid, start_time=started or 0, spec=spec, child=True)
+    if not piped:
+        return instance, None
+    for fd in ours:
+        os.set_blocking(fd, False)
+    return instance, Pipes(stdin=ours[0], stdout=ours[1])
 
 
 async def wait(instance: Instance) -> int | None:

@@ -23,7 +23,7 @@ from nats.aio.client import Client
 
 from mesh.lifetime import first_of
 from mesh.model import ProcessState
-from mesh.modules.compose import DProcess, canonical_process
+from mesh.modules.compose import DProcess, DTool, canonical_process
 from mesh.modules.gate import duration
 from services.host import checks, metrics, processes
 from services.host.processes import Instance
@@ -34,7 +34,7 @@ BACKOFF_MAX = 30.0
 STEADY_AFTER = 30.0  # up this long, and the backoff starts again from 1 s
 
 
-def spec_digest(p: DProcess) -> str:
+def spec_digest(p: DProcess | DTool) -> str:
     return "sha256:" + hashlib.sha256(canonical_process(p)).hexdigest()
 
 
@@ -42,7 +42,7 @@ class Launch(msgspec.Struct):
     """Everything needed to run one declared process on this machine."""
 
     name: str
-    decl: DProcess
+    decl: DProcess | DTool  # a tool server's is a DTool (services/host/tools.py)
     spec: str
     cwd: Path
     env: dict[str, str]
@@ -53,11 +53,14 @@ class Launch(msgspec.Struct):
 
 
 class Supervised:
+    piped = False  # stdin and stdout as pipes to the host (a tool server's MCP over stdio)
+
     def __init__(self, launch: Launch, *, nc: Client, changed: Callable[[], None]) -> None:
         self.launch = launch
         self._nc = nc
         self._changed = changed
         self.instance: Instance | None = None
+        self.pipes: processes.Pipes | None = None  # the host's ends, when piped
         self.state = "starting"
         self.healthy = False
         self.became_healthy = anyio.Event()
@@ -105,11 +108,11 @@ class Supervised:
                     log.info("process %s started, pid %d", self.launch.name, self.instance.pid)
                 self._changed()
                 up_since = time.monotonic()
-                self._set("running", healthy=self.launch.decl.check is None)
+                self._set("running", healthy=self._healthy_at_start())
                 async with anyio.create_task_group() as tg:
-                    if self.launch.decl.check is not None:
-                        tg.start_soon(self._check_loop)
+                    tg.start_soon(self._alongside)
                     code = await processes.wait(self.instance)
+                    self._exited(code)
                     tg.cancel_scope.cancel()
                 processes.kill_group(self.instance.pid)  # what it left behind goes with it
                 self.instance = None
@@ -117,7 +120,7 @@ class Supervised:
                     self._set("stopped", healthy=False)
                     return
                 how = "exited" if code is None else f"exited with code {code}"
-                policy = self.launch.decl.restart
+                policy = self._policy()
                 if policy == "never" or (policy == "on-failure" and code == 0):
                     self._set("exited" if code == 0 else "failed", healthy=False, error=how)
                     log.info("process %s %s; restart = %s", self.launch.name, how, policy)
@@ -134,17 +137,29 @@ class Supervised:
     async def _back_off(self, seconds: float) -> None:
         await anyio.sleep(seconds)
 
+    # What a kind of supervised process does its own way (services/host/tools.py: tool servers).
+
+    def _healthy_at_start(self) -> bool:
+        return self.launch.decl.check is None
+
+    def _policy(self) -> str:
+        return self.launch.decl.restart
+
+    async def _alongside(self) -> None:
+        """Runs while the instance does; cancelled when it exits."""
+        if self.launch.decl.check is not None:
+            await self._check_loop()
+
+    def _exited(self, code: int | None) -> None:
+        """The instance has just exited (before what runs alongside it is cancelled)."""
+
     def _spawn(self) -> Instance:
-        return processes.spawn(
-            self.launch.decl.command,
-            cwd=self.launch.cwd,
-            env=self.launch.env,
-            log_file=self.launch.log_file,
-            spec=self.launch.spec,
-            uid=self.launch.uid,
-            gid=self.launch.gid,
-            groups=self.launch.groups,
-        )
+        instance, self.pipes = processes.spawn(
+            self.launch.decl.command, cwd=self.launch.cwd, env=self.launch.env,
+            log_file=self.launch.log_file, spec=self.launch.spec, uid=self.launch.uid,
+            gid=self.launch.gid, groups=self.launch.groups, piped=self.piped,
+        )  # fmt: skip
+        return instance
 
     async def _check_loop(self) -> None:
         check = self.launch.decl.check
@@ -192,6 +207,8 @@ class Supervisor:
         # The agent itself, when its declaration names it (mesh-host) and it runs that bundle:
         # reported among the processes, supervised by nobody here (services/host/successor.py).
         self.agent: ProcessState | None = None
+        # The tool servers (services/host/tools.py), reported among the processes.
+        self.tool_servers: Callable[[], list[ProcessState]] = list
 
     def _load(self) -> dict[str, Instance]:
         try:
@@ -231,7 +248,8 @@ class Supervisor:
             for _, s in sorted(self._candidates.items())
         ]
         agent = [self.agent] if self.agent is not None else []
-        return [s.report() for _, s in sorted(self.running.items())] + trials + agent
+        processes = [s.report() for _, s in sorted(self.running.items())]
+        return processes + trials + agent + self.tool_servers()
 
     async def run(self) -> None:
         """Own the processes' tasks until cancelled (the host stopping leaves them running)."""
@@ -296,16 +314,10 @@ class Supervisor:
         if check is not None:
             within = max(within, (check.passes + 3) * duration(check.every))
         try:
-            with anyio.move_on_after(within):
-                await first_of(new.became_healthy, interrupt)
-        except BaseException:  # the host stopping mid-trial: no untracked new version left
-            with anyio.CancelScope(shield=True):
-                await new.stop()
-            raise
+            await on_trial(new, within=within, interrupt=interrupt)
         finally:
             self._candidates.pop(name, None)
         if not new.healthy:
-            await new.stop()
             why = f"the new version never got healthy within {within:g}s: {new.last_error}"
             if interrupt.is_set():
                 why = "a newer declaration came before the new version got healthy"
@@ -324,6 +336,21 @@ class Supervisor:
             self.running[name] = self._start(s.launch)
             self._on_change()
             return True
+
+
+async def on_trial(new: Supervised, *, within: float, interrupt: anyio.Event) -> None:
+    """A new version started beside the old one (start-first), until it is healthy, `within`
+    passes or `interrupt` is set; one that is not healthy by then is stopped. The host stopping
+    meanwhile stops it too: no new version is left untracked."""
+    try:
+        with anyio.move_on_after(within):
+            await first_of(new.became_healthy, interrupt)
+    except BaseException:
+        with anyio.CancelScope(shield=True):
+            await new.stop()
+        raise
+    if not new.healthy:
+        await new.stop()
 
 
 def replace_child(instance: Instance) -> Instance:

@@ -1,8 +1,8 @@
 """The host's own verbs on mesh.host.<name>.<verb>: a fixed table served through mesh/serving.py.
 
 status (this host: registration, applied declaration, processes), logs (a process's output from
-an offset, for `mesh logs [-f]`), restart (one process), build (for the controller, on a
-builder)."""
+an offset, for `mesh logs [-f]`), restart (one process or tool server), tool (call a tool of one
+of its tool servers), build (for the controller, on a builder)."""
 
 import time
 from collections.abc import Callable
@@ -24,10 +24,13 @@ from mesh.model import (
     RestartReply,
     RestartRequest,
     StatusRequest,
+    ToolCallReply,
+    ToolCallRequest,
 )
 from mesh.serving import Bound, Endpoint, Server, Stats, Verb
 from services.host import builder, logwriter
 from services.host.supervisor import Supervisor
+from services.host.tools import ToolRuntime
 
 
 class HostStatus(msgspec.Struct):
@@ -55,6 +58,7 @@ class Host(msgspec.Struct):
     root: Path  # where bundles, files, logs and state live
     nc: Client
     supervisor: Supervisor
+    tools: ToolRuntime
     status: Callable[[], HostStatus]
 
 
@@ -71,7 +75,8 @@ async def status(h: Host, _: StatusRequest) -> HostStatus:
 
 async def logs(h: Host, req: LogsRequest) -> LogsReply:
     path = _log_file(h, req.process)
-    if req.process not in h.supervisor.running and not path.exists():
+    known = req.process in h.supervisor.running or req.process in h.tools.servers
+    if not known and not path.exists():
         raise wire.BadRequest(f"no process {req.process} on {h.name}", code="not_found")
     # Offsets count the whole output, across the rotated files (logwriter.py).
     offset, data = logwriter.read(path, req.offset, req.max)
@@ -108,9 +113,17 @@ def _fitting(req: LogsRequest, offset: int, data: bytes, *, room: int) -> LogsRe
 
 
 async def restart(h: Host, req: RestartRequest) -> RestartReply:
-    if not await h.supervisor.restart(req.process):
+    if not await h.supervisor.restart(req.process) and not await h.tools.restart(req.process):
         raise wire.BadRequest(f"no process {req.process} on {h.name}", code="not_found")
     return RestartReply(process=req.process, restarted=True)
+
+
+async def tool(h: Host, req: ToolCallRequest) -> ToolCallReply:
+    result = await h.tools.call(req.server, req.tool, req.arguments, timeout=req.timeout)
+    return ToolCallReply(
+        machine=h.name, server=req.server, tool=req.tool, content=result.get("content") or [],
+        is_error=result.get("isError") is True, structured_content=result.get("structuredContent"),
+    )  # fmt: skip
 
 
 async def build(h: Host, req: BuildRequest) -> BuildReply:
@@ -118,6 +131,8 @@ async def build(h: Host, req: BuildRequest) -> BuildReply:
 
 
 _SMALL = 4 * 1024  # bytes of body: these carry a name or two
+_TOOL_BODY = 256 * 1024  # a tool call's arguments
+TOOL_CALLS = 64  # tool calls in flight on one host
 
 VERBS: dict[str, Verb] = {
     "status": Verb(StatusRequest, HostStatus, status, limit=_SMALL),
@@ -125,6 +140,15 @@ VERBS: dict[str, Verb] = {
     # anyone else's read.
     "logs": Verb(LogsRequest, LogsReply, logs, limit=_SMALL, bound=Bound("log reads", 64)),
     "restart": Verb(RestartRequest, RestartReply, restart, limit=_SMALL),
+    # Each in its own task, at most TOOL_CALLS at once (a flood is answered `busy`): a call
+    # waits for its tool server, up to the server's timeout.
+    "tool": Verb(
+        ToolCallRequest,
+        ToolCallReply,
+        tool,
+        limit=_TOOL_BODY,
+        bound=Bound("tool calls", TOOL_CALLS),
+    ),
     # argv, paths and a key from a manifest of at most 256 KiB (the controller's push limit)
     "build": Verb(BuildRequest, BuildReply, build, limit=640 * 1024),
 }

@@ -1,0 +1,1 @@
+"""`mesh mcp`: one MCP endpoint offering every tool of the fleet."""

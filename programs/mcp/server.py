@@ -1,0 +1,254 @@
+"""`mesh mcp`: an MCP server (stdio, or streamable HTTP on loopback) that offers every tool of
+the fleet to an MCP client and forwards each call over the bus to the machine that runs it.
+
+Built with the `mcp` package's low-level server. A tool is named `<machine>.<server>.<tool>`
+(`node-2.files.read`): machine and server names have no dots, so the first two dots split a
+name back unambiguously. MCP names are `[A-Za-z0-9._-]`, at most 128 characters; a tool whose
+full name cannot be written so is left out, with a warning on stderr. Only tools of machines
+that are up and of tool servers that are ready are listed; the list is asked of the controller
+again (the `tools` verb) at most once a second, at each `tools/list`, and whenever a host
+reports its tools (`mesh.event.*.tools`) or every WATCH_EVERY seconds: when what would be
+listed changed, every client is told (`notifications/tools/list_changed`). A call goes to the
+machine's host (`mesh.host.<name>.tool`, as `mesh tool call` does); whatever keeps it from a
+result (an unknown tool, a server that is not ready, a timeout, a machine that does not answer,
+credentials that may not call tools) is an MCP tool error (`isError`) saying so.
+"""
+
+import ipaddress
+import logging
+import re
+import time
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import mcp.types as types
+from mcp.server.lowlevel import NotificationOptions, Server
+from mcp.server.stdio import stdio_server
+from nats.aio.client import Client
+
+from mesh import bus, subjects
+from mesh.metrics import Listen
+from mesh.model import ToolEntry
+from programs.cli.client import CliError, connected
+from programs.cli.tools import CALL_TIMEOUT, ToolCallFailed, call_tool, fleet_tools
+
+log = logging.getLogger("mesh.mcp")
+
+LIST_EVERY = 1.0  # seconds a listing of the fleet's tools is reused
+WATCH_EVERY = 5.0  # seconds between looks at the fleet's tools without a report (machines down)
+LIST_TIMEOUT = 5.0
+MCP_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")  # MCP's tool names (SEP-986)
+
+
+def mcp_name(entry: ToolEntry) -> str | None:
+    name = f"{entry.machine}.{entry.server}.{entry.name}"
+    return name if MCP_NAME.fullmatch(name) else None
+
+
+def split(name: str) -> tuple[str, str, str] | None:
+    parts = name.split(".", 2)
+    return (parts[0], parts[1], parts[2]) if len(parts) == 3 and all(parts) else None
+
+
+def _error(message: str) -> types.CallToolResult:
+    return types.CallToolResult(content=[types.TextContent(type="text", text=message)],
+                                is_error=True)  # fmt: skip
+
+
+class FleetTools:
+    """The fleet's tools as the controller lists them, and calls to them over the bus."""
+
+    def __init__(self, nc: Client, *, url: str) -> None:
+        self._nc = nc
+        self._url = url
+        self._listed: dict[str, ToolEntry] = {}
+        self._at = -LIST_EVERY
+        self._listing = anyio.Lock()
+        self._warned: set[str] = set()
+        self._calls: list[tuple[str, anyio.CancelScope]] = []  # (subject, scope) in flight
+        self._sessions: set[Any] = set()  # clients that listed, told when the list changes
+        self._shown: frozenset[str] = frozenset()  # the names the clients were last given
+
+    def denied(self, action: str) -> None:
+        """The server refused a publish of ours: the call it belongs to ends `forbidden`."""
+        for subject, scope in self._calls:
+            if action.endswith(subject):
+                scope.cancel()
+
+    async def tools(self) -> dict[str, ToolEntry]:
+        async with self._listing:
+            if time.monotonic() - self._at >= LIST_EVERY:
+                listed: dict[str, ToolEntry] = {}
+                for entry in await fleet_tools(self._nc, url=self._url, timeout=LIST_TIMEOUT):
+                    name = mcp_name(entry)
+                    if name is None:
+                        full = f"{entry.machine}.{entry.server}.{entry.name}"
+                        if full not in self._warned:
+                            self._warned.add(full)
+                            log.warning("tool %r left out: not an MCP tool name "
+                                        "([A-Za-z0-9._-], at most 128)", full[:200])  # fmt: skip
+                        continue
+                    listed[name] = entry
+                self._listed, self._at = listed, time.monotonic()
+            return self._listed
+
+    @staticmethod
+    def _callable(found: dict[str, ToolEntry]) -> dict[str, ToolEntry]:
+        return {n: e for n, e in sorted(found.items()) if e.up and e.state == "ready"}
+
+    async def list_tools(self, ctx: Any, params: Any) -> types.ListToolsResult:
+        self._sessions.add(ctx.session)
+        try:
+            found = self._callable(await self.tools())
+        except CliError as e:
+            log.warning("could not list the fleet's tools: %s", e)
+            found = {}
+        self._shown = frozenset(found)
+        return types.ListToolsResult(
+            tools=[
+                types.Tool(
+                    name=name,
+                    description=f"{e.description} (tool {e.name} of tool server {e.server} on "
+                    f"machine {e.machine})",
+                    input_schema=e.input_schema or {"type": "object"},
+                )
+                for name, e in found.items()
+            ]
+        )
+
+    async def watch(self) -> None:
+        """Tell the clients when the tools they would be listed change: looked at after each
+        host's tools report (a moment later, so a burst is one look) and every WATCH_EVERY s."""
+        reported = anyio.Event()
+
+        async def heard(_: Any) -> None:
+            reported.set()
+
+        await self._nc.subscribe(subjects.event("*", "tools"), cb=heard)
+        while True:
+            with anyio.move_on_after(WATCH_EVERY):
+                await reported.wait()
+                await anyio.sleep(0.5)
+            reported = anyio.Event()
+            if not self._sessions:
+                continue
+            try:
+                now = frozenset(self._callable(await self.tools()))
+            except CliError:
+                continue
+            if now == self._shown:
+                continue
+            self._shown = now
+            for session in list(self._sessions):
+                try:
+                    with anyio.fail_after(5):
+                        await session.send_tool_list_changed()
+                except Exception:  # a client gone: not told again
+                    self._sessions.discard(session)
+
+    async def call_tool(
+        self, ctx: Any, params: types.CallToolRequestParams
+    ) -> types.CallToolResult:
+        where = split(params.name)
+        if where is None:
+            return _error(f"{params.name!r} is not a tool of the fleet (MACHINE.SERVER.TOOL)")
+        machine, server, tool = where
+        try:
+            known = (await self.tools()).get(params.name)
+        except CliError:
+            known = None
+        timeout = known.timeout if known is not None else CALL_TIMEOUT
+        subject = subjects.host(machine, "tool")
+        with anyio.CancelScope() as scope:
+            self._calls.append((subject, scope))
+            try:
+                reply = await call_tool(
+                    self._nc, machine=machine, server=server, tool=tool,
+                    arguments=dict(params.arguments or {}), timeout=timeout,
+                )  # fmt: skip
+            except ToolCallFailed as e:
+                return _error(str(e))
+            finally:
+                self._calls.remove((subject, scope))
+        if scope.cancelled_caught:
+            return _error(f"forbidden: these credentials may not call tools (NATS refused "
+                          f"to let them publish to {subject}); a tools or admin operator's "
+                          "may")  # fmt: skip
+        result: dict[str, Any] = {"content": reply.content, "isError": reply.is_error}
+        if reply.structured_content is not None:
+            result["structuredContent"] = reply.structured_content
+        try:
+            return types.CallToolResult.model_validate(result)
+        except ValueError as e:
+            return _error(f"{machine} {server}.{tool} answered with a result MCP does not "
+                          f"take: {str(e).splitlines()[0]}")  # fmt: skip
+
+
+def server(fleet: FleetTools) -> Server:
+    return Server(
+        "mesh",
+        version="1",
+        instructions="The tools of every machine of a mesh fleet, named MACHINE.SERVER.TOOL; "
+        "each call runs on that machine.",
+        on_list_tools=fleet.list_tools,
+        on_call_tool=fleet.call_tool,
+    )
+
+
+def options(mcp: Server) -> Any:
+    return mcp.create_initialization_options(NotificationOptions(tools_changed=True))
+
+
+def _loopback(addr: str) -> bool:
+    if addr == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(addr).is_loopback
+    except ValueError:
+        return False
+
+
+async def serve(*, url: str, creds: str | None, http: Listen | None = None) -> None:
+    """Serve until stdin ends (stdio) or until interrupted (HTTP)."""
+    logging.getLogger("mcp").setLevel(logging.WARNING)  # a line per request otherwise
+    if http is not None and not _loopback(http[0]):
+        raise CliError(f"--http: {http[0]} is not a loopback address: mesh mcp has no "
+                       "authentication of its own, so it listens on loopback only")  # fmt: skip
+    # Fail at once, in one line, when NATS cannot be reached or refuses the credentials; then
+    # serve on a connection of our own that rides over NATS restarts.
+    async with connected(url=url, creds=creds, what="mcp"):
+        pass
+    refused: list[Callable[[str], None]] = []  # the fleet's, once it exists
+    nc = await bus.connect(
+        url, name="mesh mcp", creds=creds, denied=lambda action: [f(action) for f in refused]
+    )
+    try:
+        fleet = FleetTools(nc, url=url)
+        refused.append(fleet.denied)
+        mcp = server(fleet)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(fleet.watch)
+            if http is None:
+                await _stdio(mcp)
+            else:
+                await _http(mcp, http)
+            tg.cancel_scope.cancel()
+    finally:
+        with anyio.CancelScope(shield=True):
+            await bus.close(nc)
+
+
+async def _stdio(mcp: Server) -> None:
+    async with stdio_server() as (read, write):
+        await mcp.run(read, write, options(mcp))
+
+
+async def _http(mcp: Server, listen: Listen) -> None:
+    import uvicorn
+
+    addr, port = listen
+    app = mcp.streamable_http_app(host=addr)
+    config = uvicorn.Config(app, host=addr, port=port, log_level="warning", lifespan="on")
+    log.info("mesh mcp: streamable HTTP on http://%s:%d/mcp", addr, port)
+    await uvicorn.Server(config).serve()
