@@ -2,7 +2,7 @@
 
 A task sleeps `every` seconds and notes how much later than asked it woke. The seat's holder
 pings its lock session and the bus on timers in this loop, so its lag is the margin the seat
-has left under load (docs/operations.md, "A seat load cannot take away"): a lag near the ping
+has left under load (docs/architecture.md, Liveness: shedding): a lag near the ping
 deadlines means a standby may take over from a holder that is only busy.
 """
 

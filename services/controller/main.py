@@ -58,7 +58,7 @@ ROUND_TRIP_EVERY = 1.0  # how often the holder checks that NATS answers
 # Past these, every verb and host request is answered `busy` before any work is done, until
 # the controller has caught up: the seat's pings (its lock session every second, NATS round
 # trips) run in the same event loop as the verbs, and a loop that runs late would miss them
-# and give the seat away for being busy (docs/operations.md, "A seat load cannot take away").
+# and give the seat away for being busy (docs/architecture.md, Liveness: shedding).
 SHED_LAG = 0.5  # seconds the event loop runs its timers late
 SHED_ROUND_TRIP = 1.0  # seconds a NATS round trip takes (behind a backlog we have not read)
 
