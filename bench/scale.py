@@ -43,7 +43,6 @@ import json
 import os
 import platform
 import random
-import secrets
 import shutil
 import signal
 import sys
@@ -60,7 +59,6 @@ import nats.errors
 from nats.aio.client import Client
 from nats.aio.client import __version__ as nats_py_version
 from nats.aio.msg import Msg
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from rollout import push, spread, tree_cpu, write_module
 from verbs import BenchError, Guard, Pieces, cpu_of, machine_busy_seconds
 
@@ -191,7 +189,6 @@ class SimProcess:
         side is lighter: a callback per delivery (`_delivered`), where a host's watch is a
         generator that waits on each message with a deadline (10,000 of those would make this
         process, not the controller, what the bench measures)."""
-        subject = f"$KV.{DECLARATIONS}.{sim.name}"
         deliver = f"{self.deliver}.{sim.name}"
 
         # A subscription of its own, as a host has (nats-server delivered nothing to a
@@ -204,18 +201,7 @@ class SimProcess:
             try:
                 async with self.creating:  # as hosts booting over a moment, not all at once
                     await sim.nc.jsm().add_consumer(
-                        f"KV_{DECLARATIONS}",
-                        config=ConsumerConfig(
-                            name=f"{sim.name}-{secrets.token_hex(6)}",
-                            filter_subject=subject,
-                            deliver_subject=deliver,
-                            deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
-                            ack_policy=AckPolicy.NONE,
-                            idle_heartbeat=watch.HEARTBEAT,
-                            inactive_threshold=60.0,
-                            mem_storage=True,
-                            num_replicas=1,
-                        ),
+                        f"KV_{DECLARATIONS}", config=watch.consumer(sim.name, deliver=deliver)
                     )
                 return
             except (nats.errors.Error, OSError) as e:

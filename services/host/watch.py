@@ -42,6 +42,22 @@ def _heartbeat(msg: Msg) -> bool:
     return bool(msg.headers) and msg.headers.get(Header.STATUS) == "100" and not msg.data
 
 
+def consumer(key: str, *, deliver: str) -> ConsumerConfig:
+    """The consumer of `key`'s values, delivered to `deliver`: named (so the server can check
+    its filter against the host's permissions), the newest value first, in memory."""
+    return ConsumerConfig(
+        name=f"{key}-{secrets.token_hex(6)}",
+        filter_subject=f"$KV.{DECLARATIONS}.{key}",
+        deliver_subject=deliver,
+        deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
+        ack_policy=AckPolicy.NONE,
+        idle_heartbeat=HEARTBEAT,
+        inactive_threshold=60.0,
+        mem_storage=True,
+        num_replicas=1,
+    )
+
+
 async def values(nc: Client, key: str) -> AsyncIterator[bytes]:
     """Every value of `key` (deleted or purged ones skipped), the current one first."""
     stream = f"KV_{DECLARATIONS}"
@@ -53,20 +69,7 @@ async def values(nc: Client, key: str) -> AsyncIterator[bytes]:
         sub = await nc.subscribe(deliver)
         try:
             try:
-                await nc.jsm().add_consumer(
-                    stream,
-                    config=ConsumerConfig(
-                        name=f"{key}-{secrets.token_hex(6)}",
-                        filter_subject=subject,
-                        deliver_subject=deliver,
-                        deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
-                        ack_policy=AckPolicy.NONE,
-                        idle_heartbeat=HEARTBEAT,
-                        inactive_threshold=60.0,
-                        mem_storage=True,
-                        num_replicas=1,
-                    ),
-                )
+                await nc.jsm().add_consumer(stream, config=consumer(key, deliver=deliver))
             except (NatsError, OSError) as e:  # no bucket yet (no seat held yet), no connection
                 if not waiting:
                     log.info("cannot watch %s yet (%s); retrying", subject, e or type(e).__name__)
