@@ -89,7 +89,6 @@ class Link:
         self._changed = anyio.Event()
         self.answered_at = time.monotonic()  # the server's last answer to our round trips
         self.heard_at = self.answered_at  # when anything last came in on the connection
-        self.round_trip = 0.0  # seconds the last answered round trip took
         self.silent = False  # the round trips found no answer for longer than they allow
         self.nc: Client | None = None  # set by connect: its own close is not a lost link
 
@@ -106,12 +105,10 @@ class Link:
         received = nc.stats["in_msgs"]
         while True:
             await anyio.sleep(every)
-            asked = time.monotonic()
             try:
                 with anyio.fail_after(within):
                     await nc.flush(timeout=within)
                 self.answered_at = time.monotonic()
-                self.round_trip = self.answered_at - asked
             except Exception:  # timeouts, closed or reconnecting: all say "no answer"
                 pass
             now = time.monotonic()

@@ -41,6 +41,13 @@ class StoreUnreachable(MeshError):
     """PostgreSQL did not accept a connection; the message says where it tried."""
 
 
+# A session that is gone, or a store that is (re)starting or cut off: worth trying again later.
+GONE = (
+    OSError, TimeoutError, StoreUnreachable, asyncpg.PostgresConnectionError,
+    asyncpg.exceptions.OperatorInterventionError, asyncpg.InterfaceError,
+)  # fmt: skip
+
+
 def _where(url: str) -> str:
     """The URL without its credentials: the server(s), the database and the options other than
     a password (never echoed back, whether in the user part or in the query)."""

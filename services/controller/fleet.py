@@ -20,7 +20,7 @@ from nats.aio.subscription import Subscription
 from mesh import wire
 from mesh.batching import Batches
 from mesh.model import Beat, Node, NodeCounts, ProcessState, Register, ToolServerReport
-from mesh.store import events, machines, seats
+from mesh.store import db, events, machines, seats
 from mesh.store.machines import MachineRow
 from services.controller.rollout import Report
 
@@ -372,7 +372,7 @@ class Fleet:
                         ("machine.up" if up else "machine.down", m.name, self._epoch, {})
                         for m, up, _ in todo
                     ])  # fmt: skip
-            except (OSError, asyncpg.PostgresError) as e:
+            except (*db.GONE, asyncpg.PostgresError) as e:
                 # Not in memory either: the next beat (or check) asks again.
                 log.warning("could not record %d machine(s) up or down: %s", len(todo), e)
                 return {}
@@ -423,10 +423,17 @@ class Fleet:
                 flushed = now
 
     async def flush(self) -> None:
+        """Last-seen times to the store. One that cannot be written now goes with the next
+        flush: a store that is gone is for the seat's lock to notice (seat.py), not this."""
         seen, self._unflushed = self._unflushed, {}
-        if seen:
+        if not seen:
+            return
+        try:
             async with self._pool.acquire() as conn:
                 await machines.touch_many(conn, seen)
+        except (*db.GONE, asyncpg.PostgresError) as e:
+            log.warning("could not write %d last-seen time(s); with the next: %s", len(seen), e)
+            self._unflushed = {**seen, **self._unflushed}
 
     def registration_window(self) -> float:
         """Seconds over which the fleet should spread its registrations with a new holder."""

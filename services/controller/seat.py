@@ -26,12 +26,6 @@ IDLE_LIMIT = 5.0  # the server ends the lock's session after this long without a
 FRESH_FOR = PING_EVERY + PING_DEADLINE  # < IDLE_LIMIT: a seat confirmed this recently is ours
 RECONNECT_MAX = 1.0  # a standby whose session failed connects again at least this often
 
-# A session that is gone, or a store that is (re)starting; anything else is not retried.
-_GONE = (
-    OSError, TimeoutError, db.StoreUnreachable, asyncpg.PostgresConnectionError,
-    asyncpg.exceptions.OperatorInterventionError, asyncpg.InterfaceError,
-)  # fmt: skip
-
 
 class SeatLost(MeshError):
     """The session holding the lock failed: the seat may be someone else's now."""
@@ -65,7 +59,7 @@ class SeatLock:
                 await self.conn.execute("SELECT pg_advisory_lock($1)", SEAT_LOCK)
                 self._confirmed = time.monotonic()
                 return
-            except _GONE as e:
+            except db.GONE as e:
                 if not told:
                     log.info("standby: the store session failed (%s); connecting again",
                              e or type(e).__name__)  # fmt: skip
