@@ -49,6 +49,11 @@ BUNDLES = "mesh-bundles"
 DECLARATIONS = "mesh-declarations"
 SEAT = "mesh-seat"  # the seat's epoch as the bus knows it (services/controller/epochs.py)
 REPLICAS = 3  # at most; fewer where the cluster has fewer servers
+# Consumers a stream may have at once. Every host watches its declaration through a consumer of
+# its own (services/host/watch.py: two for a minute while it makes it again) and fetches bundles
+# through others; nats-server 2.15 caps a stream that sets none at 1000, which a fleet of a
+# thousand machines reaches (bench/scale.py found it: hosts could no longer watch their key).
+CONSUMERS = 100_000
 # JetStream's answers to "too many replicas for this cluster": no suitable peers, insufficient
 # resources, replicas > 1 on a lone server. Anything else is raised, not taken for a small cluster.
 _TOO_FEW_SERVERS = {10005, 10023, 10074}
@@ -147,6 +152,7 @@ async def _ensure(nc: Client) -> tuple[KeyValue, ObjectStore]:
         )
     for stream in (f"KV_{DECLARATIONS}", f"OBJ_{BUNDLES}"):
         await _grow(nc, stream)
+        await _room_for_consumers(nc, stream)
     return kv, obs
 
 
@@ -188,6 +194,24 @@ async def _grow(nc: Client, stream: str) -> None:
             continue
         log.info("raised %s from %d to %d replicas (the cluster has grown)", stream, have, wanted)
         return
+
+
+async def _room_for_consumers(nc: Client, stream: str) -> None:
+    """Let the stream have CONSUMERS consumers. A stream made with no limit (-1, which nats-py
+    asks for) gets the server's default, 1000 on nats-server 2.15; a server from before that
+    default has no limit, and one that refuses the change is left as it is, said once."""
+    jsm = nc.jsm()
+    info = await jsm.stream_info(stream)
+    if (info.config.max_consumers or -1) >= CONSUMERS:
+        return
+    try:
+        await jsm.update_stream(info.config, max_consumers=CONSUMERS)
+    except APIError as e:
+        log.warning("%s: could not allow %d consumers (%s): a fleet of more than the server's "
+                    "default may not watch its declarations", stream, CONSUMERS,
+                    e.description)  # fmt: skip
+        return
+    log.info("%s may have %d consumers", stream, CONSUMERS)
 
 
 async def store(nc: Client) -> ObjectStore:

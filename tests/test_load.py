@@ -199,3 +199,38 @@ async def test_a_beat_waiting_in_the_queue_is_not_a_missed_one(nc) -> None:
     await await_until(all_handled, within=10, what="the beats to be handled")
     arrivals.mark(time.monotonic())
     assert arrivals.handled_until(time.monotonic()) > now
+
+
+@pytest.mark.slow
+async def test_more_than_a_thousand_machines_can_watch_their_declarations(
+    nc, start_controller
+) -> None:
+    """Every host watches its key through a consumer of its own (services/host/watch.py): the
+    holder lets the declarations' stream have that many (nats-server 2.15 caps a stream that
+    sets no limit at 1000, and host 1001 could not watch; bench/scale.py found it)."""
+    from nats.js.errors import APIError
+
+    from mesh.blobs import CONSUMERS, DECLARATIONS
+    from services.host import watch
+
+    start_controller("ctl-a")
+    await await_until(lambda: _holder(nc), within=30, what="ctl-a to hold the seat")
+    jsm = nc.jsm()
+    refused: list[str] = []
+    limiter = anyio.CapacityLimiter(64)
+
+    async def watcher(i: int) -> None:
+        async with limiter:
+            try:
+                config = watch.consumer(f"m-{i}", deliver=f"test.w.{i}")
+                await jsm.add_consumer(f"KV_{DECLARATIONS}", config=config)
+            except APIError as e:
+                refused.append(e.description or str(e))
+
+    async with anyio.create_task_group() as tg:
+        for i in range(1200):
+            tg.start_soon(watcher, i)
+    assert refused == [], refused[:3]
+    info = await jsm.stream_info(f"KV_{DECLARATIONS}")
+    assert info.state.consumer_count >= 1200
+    assert info.config.max_consumers == CONSUMERS
