@@ -22,7 +22,14 @@ class LoopLag:
         self.every = every
         self.window = window
         self.last = 0.0  # seconds late, at the last wake-up
+        self.before = 0.0  # seconds late, at the wake-up before it
         self._seen: deque[tuple[float, float]] = deque()  # (monotonic time, lag), newest last
+
+    def behind(self, threshold: float) -> float | None:
+        """How late the loop runs, if it has run later than `threshold` at its last two
+        wake-ups: work arriving faster than it is done. One late wake-up alone is one long
+        piece of work that has ended; refusing requests after it would help nothing."""
+        return self.last if min(self.last, self.before) > threshold else None
 
     def worst(self) -> float:
         """The largest lag seen in the last `window` seconds (0 before the first wake-up)."""
@@ -39,7 +46,7 @@ class LoopLag:
             asked = time.monotonic()
             await anyio.sleep(self.every)
             now = time.monotonic()
-            self.last = max(0.0, now - asked - self.every)
+            self.before, self.last = self.last, max(0.0, now - asked - self.every)
             # Keep only what could be the worst: a smaller lag before a larger one never is.
             while self._seen and self._seen[-1][1] <= self.last:
                 self._seen.pop()

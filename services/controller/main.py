@@ -65,8 +65,8 @@ SHED_LAG = 0.5  # seconds the event loop runs its timers late
 
 
 def _overloaded() -> str | None:
-    lag = metrics.LOOP_LAG.last
-    return f"its event loop runs {lag:.1f}s late" if lag > SHED_LAG else None
+    lag = metrics.LOOP_LAG.behind(SHED_LAG)
+    return f"its event loop runs {lag:.1f}s late" if lag is not None else None
 
 
 class BusLost(MeshError):

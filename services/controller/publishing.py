@@ -10,6 +10,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 
 import anyio
+import anyio.lowlevel
 import asyncpg
 import msgspec
 from nats.js.kv import KeyValue
@@ -26,6 +27,7 @@ from services.controller import metrics
 log = logging.getLogger(__name__)
 
 MAX_DECLARATION = 768 * 1024  # bytes of one declaration: with its envelope, under 1 MiB
+YIELD_EVERY = 500  # machines composed between two turns of the event loop
 PUT_IN_FLIGHT = 64  # KV puts at once: one at a time, a tier of 900 took most of a second
 PARSED_KEPT = 256  # manifests kept parsed (by version id): enough for every module's current one
 
@@ -71,7 +73,11 @@ class Publisher:
         versions = await secrets.secret_versions(conn)
         prepared: dict[str, Prepared] = {}  # each module version once, for all machines
         composed: dict[str, tuple[str, bytes]] = {}
-        for machine in sorted(set(machines)):
+        for n, machine in enumerate(sorted(set(machines))):
+            if n % YIELD_EVERY == YIELD_EVERY - 1:
+                # Ten thousand machines take most of a second: let the seat's pings and the
+                # beats in between (the transaction waits, nothing else sees it).
+                await anyio.lowlevel.checkpoint()
             mine = []
             for name in sorted(assigned.get(machine, ())):
                 if name not in prepared:
