@@ -278,3 +278,5 @@ def test_the_console_in_a_browser(tmp_path: Path) -> None:
         for path in shots:
             print(f"screenshot: {path}")
         dev.kill()
+        dev.drain()  # what `mesh dev up` said, shown by pytest when the test fails
+        print("mesh dev up said:", *dev.seen[-400:], sep="\n")

@@ -281,7 +281,10 @@ async function fetch_plan(id) {
   if (state.plans_by_id.has(id) || asked_plans.has(id)) return;
   asked_plans.add(id);
   try {
-    state.plans_by_id.set(id, await fetch_json(`/api/plan/${id}`));
+    const plan = await fetch_json(`/api/plan/${id}`);
+    // A `plan` event that came while this was asked is as new or newer: an answer that was
+    // slower to arrive must not put an older state back (nothing may come after it to fix it).
+    if (!state.plans_by_id.has(id)) state.plans_by_id.set(id, plan);
     state.problems.delete("plan");
   } catch (e) {
     asked_plans.delete(id); // asked again at the next event
