@@ -75,6 +75,11 @@ class BlobTooLarge(BlobCorrupt):
     """Larger than the reader accepts: refused before it is fetched."""
 
 
+def declaration_subject(machine: str) -> str:
+    """The subject a machine's declaration is put on in the declarations' bucket."""
+    return f"$KV.{DECLARATIONS}.{machine}"
+
+
 def digest(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
 

@@ -259,14 +259,14 @@ class Hold:
             open_bus=lambda: open_bus(self.nc), bus_answered=lambda: self.link.answered_at,
         )  # fmt: skip
         await fleet.load()
-        kv, obs = await blobs.ensure(self.nc)
+        _, obs = await blobs.ensure(self.nc)
         held = msgspec.structs.replace(self.me, since=row.since, epoch=row.epoch,
                                        register_within=fleet.registration_window())  # fmt: skip
         try:
             async with anyio.create_task_group() as background:
                 manifests = Manifests()
-                publisher = Publisher(pool=self.pool, kv=kv, epoch=row.epoch, manifests=manifests,
-                                      holder=self.me.instance)  # fmt: skip
+                publisher = Publisher(pool=self.pool, js=self.nc.jetstream(), epoch=row.epoch,
+                                      manifests=manifests, holder=self.me.instance)  # fmt: skip
                 changes = Changes(
                     pool=self.pool, nc=self.nc, obs=obs, fleet=fleet, epoch=row.epoch,
                     manifests=manifests, publisher=publisher, wake=lambda: planner.wake(),

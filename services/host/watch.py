@@ -29,7 +29,7 @@ from nats.errors import Error as NatsError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, Header
 
-from mesh.blobs import DECLARATIONS
+from mesh.blobs import DECLARATIONS, declaration_subject
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ def consumer(key: str, *, deliver: str) -> ConsumerConfig:
     its filter against the host's permissions), the newest value first, in memory."""
     return ConsumerConfig(
         name=f"{key}-{secrets.token_hex(6)}",
-        filter_subject=f"$KV.{DECLARATIONS}.{key}",
+        filter_subject=declaration_subject(key),
         deliver_subject=deliver,
         deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
         ack_policy=AckPolicy.NONE,
@@ -61,7 +61,7 @@ def consumer(key: str, *, deliver: str) -> ConsumerConfig:
 async def values(nc: Client, key: str) -> AsyncIterator[bytes]:
     """Every value of `key` (deleted or purged ones skipped), the current one first."""
     stream = f"KV_{DECLARATIONS}"
-    subject = f"$KV.{DECLARATIONS}.{key}"
+    subject = declaration_subject(key)
     waiting = False
     last = 0  # the stream sequence of the last value yielded
     while True:
