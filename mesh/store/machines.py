@@ -67,6 +67,7 @@ async def register_many(
     back in no given order."""
     if not registrations:
         return []
+    registrations = sorted(registrations, key=lambda r: r.name)  # rows locked in one order
     rows = await conn.fetch(
         """
         WITH input AS (

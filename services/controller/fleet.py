@@ -206,7 +206,17 @@ class Fleet:
 
     async def _register_batch(self, reqs: list[Register]) -> dict[str, MachineRow]:
         async with self._changing:
-            return await self._write_registrations(reqs)
+            try:
+                return await self._write_registrations(reqs)
+            except (*db.GONE, asyncpg.PostgresError) as e:
+                # Said once for the batch; every host of it hears `unavailable` and asks again
+                # after its pause (services/host/registration.py).
+                log.warning("could not write %d registration(s); they will be asked again: "
+                            "%s: %s", len(reqs), type(e).__name__, e)  # fmt: skip
+                raise wire.BadRequest(
+                    f"the store did not take the registration ({type(e).__name__}); try again",
+                    code="unavailable",
+                ) from None
 
     async def _write_registrations(self, reqs: list[Register]) -> dict[str, MachineRow]:
         trusted = self._open_bus()
@@ -429,7 +439,10 @@ class Fleet:
         if not seen:
             return
         try:
-            async with self._pool.acquire() as conn:
+            # With the other writes of many machines' rows, one at a time: two statements
+            # locking the same rows in different orders deadlock (a takeover's registrations
+            # beside this flush did, bench/scale.py at 10,000 machines).
+            async with self._changing, self._pool.acquire() as conn:
                 await machines.touch_many(conn, seen)
         except (*db.GONE, asyncpg.PostgresError) as e:
             log.warning("could not write %d last-seen time(s); with the next: %s", len(seen), e)
