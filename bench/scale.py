@@ -115,6 +115,7 @@ class Sim:
     tier: int
     nc: Client
     epoch: int = 0  # the epoch of the holder it last registered with
+    started: bool = False  # booted: it beats from then on
     registered_at: float = 0.0  # wall time
     applied: str | None = None
 
@@ -227,14 +228,15 @@ class SimProcess:
         await sim.nc.publish(f"mesh.event.{sim.name}.applied", wire.encode(applied))
 
     async def beat(self) -> None:
-        """Every registered host beats once per interval, spread over ten slices of it."""
+        """Every host that has started beats once per interval, spread over ten slices of
+        it (a host beats from its start, registered or not: services/host/main.py)."""
         slices, seq = 10, 0
         while True:
             seq += 1
             start = time.monotonic()
             for k in range(slices):
                 for sim in self.sims[k::slices]:
-                    if sim.epoch:
+                    if sim.started:
                         beat = Beat(name=sim.name, seq=seq, interval=self.interval)
                         await sim.nc.publish(f"mesh.host.{sim.name}.beat", wire.encode(beat))
                 wake = start + (k + 1) * self.interval / slices
@@ -243,6 +245,7 @@ class SimProcess:
     async def boot(self, sim: Sim, after: float) -> None:
         """One host starting `after` seconds into the ramp: watch, hear `held`, register."""
         await asyncio.sleep(after)
+        sim.started = True
         async with asyncio.TaskGroup() as tg:
             tg.create_task(self.held(sim))
             tg.create_task(self.watch(sim))

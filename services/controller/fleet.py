@@ -35,7 +35,7 @@ REGISTER_BATCH = 1000
 # `held` announcement gives (services/host/registration.py): this many a second, at most
 # REGISTER_WINDOW seconds in all; a fleet that fits in one batch asks at once.
 REGISTER_RATE = 2000.0
-TRANSITIONS_LOGGED = 10  # machines named a batch of ups or downs; the rest counted
+TRANSITIONS_LOGGED = 10  # machines named a batch of registrations, ups or downs; the rest counted
 REGISTER_WINDOW = 5.0
 MAX_LABELS = 64  # as a registration could carry (mesh.model.Labels)
 
@@ -110,6 +110,7 @@ class Fleet:
         self._beat_at: dict[str, float] = {}  # monotonic time of the last beat (or takeover)
         self._unflushed: dict[str, datetime] = {}
         self._unknown_logged: set[str] = set()
+        self._unknown_heard: list[str] = []  # beating before registering: not logged yet
         self._claims_logged: set[str] = set()  # machines whose own tier/labels were not taken
         # Registrations and up/down transitions come from three tasks (verbs, beats, watch);
         # one at a time keeps memory, the store and the event order in agreement.
@@ -243,7 +244,7 @@ class Fleet:
                     recorded.append(("machine.up", req.name, self._epoch, {}))
             await events.record_many(conn, recorded)
         now = time.monotonic()
-        again = 0
+        again, new = 0, 0
         for req in reqs:
             row, before = by_name[req.name], was[req.name]
             self.machines[req.name] = row
@@ -257,8 +258,13 @@ class Fleet:
             if before is not None and before.up and before.tier == row.tier:
                 again += 1  # a known machine saying hello to a new holder: counted, not logged
             else:
-                log.info("machine %s registered (tier %d, pid %d)", req.name, row.tier, req.pid)
+                new += 1  # named up to TRANSITIONS_LOGGED a batch: a cold start of thousands
+                if new <= TRANSITIONS_LOGGED:
+                    log.info("machine %s registered (tier %d, pid %d)", req.name, row.tier,
+                             req.pid)  # fmt: skip
             self._log_claims(req, row)
+        if new > TRANSITIONS_LOGGED:
+            log.info("... and %d more machine(s) registered", new - TRANSITIONS_LOGGED)
         if again:
             log.info("%d machine(s) registered again%s", again,
                      f" (in a batch of {len(reqs)})" if len(reqs) > again else "")  # fmt: skip
@@ -347,9 +353,9 @@ class Fleet:
     def beat(self, beat: Beat) -> None:
         m = self.machines.get(beat.name)
         if m is None:
-            if beat.name not in self._unknown_logged:
+            if beat.name not in self._unknown_logged:  # said by `watch`, many in one line
                 self._unknown_logged.add(beat.name)
-                log.info("beat from unregistered machine %s ignored until it registers", beat.name)
+                self._unknown_heard.append(beat.name)
             return
         now = datetime.now(UTC)
         self._beat_at[beat.name] = time.monotonic()
@@ -418,6 +424,7 @@ class Fleet:
                 log.info("this controller stalled for %.1fs: heartbeat clocks restart", now - tick)
                 self.forgive()
             tick = now
+            self._log_unknown()
             self.arrivals.mark(now)
             # Judged at the last time at which both hold: NATS answered our round trip (so
             # every beat sent before it had reached us), and we had handled every beat that
@@ -431,6 +438,20 @@ class Fleet:
             if now - flushed >= FLUSH_EVERY:
                 await self.flush()
                 flushed = now
+
+    def _log_unknown(self) -> None:
+        """Hosts beat from their start, before they have registered: in a cold start of ten
+        thousand, one line for them all, not one each."""
+        heard, self._unknown_heard = self._unknown_heard, []
+        if heard:
+            shown = ", ".join(heard[:TRANSITIONS_LOGGED])
+            more = (
+                f" and {len(heard) - TRANSITIONS_LOGGED} more"
+                if len(heard) > TRANSITIONS_LOGGED
+                else ""
+            )
+            log.info("beats from unregistered machine(s) %s%s ignored until they register",
+                     shown, more)  # fmt: skip
 
     async def flush(self) -> None:
         """Last-seen times to the store. One that cannot be written now goes with the next

@@ -189,6 +189,9 @@ async def run(
             early = heir is None and applier.digest is not None
             if early:
                 tg.start_soon(applier.watch)
+            # Beating from the start: a registration the controller wrote but whose answer
+            # came too late (a takeover's storm) must not leave it judging us silent.
+            tg.start_soon(_beat, nc, name, beat_interval)
             await registration.register(nc, lambda: replace(registering, applied=applier.digest),
                                         status)  # fmt: skip
             await report_processes()
@@ -198,7 +201,6 @@ async def run(
                 heir.running()  # registered, serving, adopted: the old agent may go
             else:
                 successor.notify_manager()  # under systemd: started (programs/units.py)
-            tg.start_soon(_beat, nc, name, beat_interval)
             if not early:
                 tg.start_soon(applier.watch)
 
@@ -244,6 +246,6 @@ async def _beat(nc: Client, name: str, interval: float) -> None:
     subject = subjects.host(name, "beat")
     seq = 0
     while True:
+        await anyio.sleep(interval)  # the first after one interval: registered by then, mostly
         seq += 1
         await nc.publish(subject, wire.encode(Beat(name=name, seq=seq, interval=interval)))
-        await anyio.sleep(interval)
