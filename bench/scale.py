@@ -130,6 +130,9 @@ class SimStats:
     heartbeats: int = 0  # the watch consumers' idle heartbeats heard
     watch_retries: int = 0  # consumer creations that failed and were tried again
     watch_error: str = ""  # why the last one failed
+    # The most this process's beat loop ran behind its schedule since asked to reset (a
+    # machine whose beats come more than 2 intervals late is down, whoever is to blame)
+    beat_late_max: float = 0.0
 
 
 class SimProcess:
@@ -240,7 +243,9 @@ class SimProcess:
                         beat = Beat(name=sim.name, seq=seq, interval=self.interval)
                         await sim.nc.publish(f"mesh.host.{sim.name}.beat", wire.encode(beat))
                 wake = start + (k + 1) * self.interval / slices
-                await asyncio.sleep(max(0.0, wake - time.monotonic()))
+                late = time.monotonic() - wake
+                self.stats.beat_late_max = max(self.stats.beat_late_max, late)
+                await asyncio.sleep(max(0.0, -late))
 
     async def boot(self, sim: Sim, after: float) -> None:
         """One host starting `after` seconds into the ramp: watch, hear `held`, register."""
@@ -275,6 +280,8 @@ async def sims_main(args: argparse.Namespace) -> None:
 
     async def answer(msg: Msg) -> None:
         await msg.respond(msgspec.json.encode(proc.stats))
+        if msg.data == b"reset":
+            proc.stats.beat_late_max = 0.0
 
     await conns[0].subscribe(f"bench.sims.{args.sims_index}.stats", cb=answer)
     await conns[0].flush()
@@ -359,6 +366,7 @@ class Figures:
     takeover_registered_s: float = float("nan")
     takeover_up: dict[int, int] = field(default_factory=dict)
     down_events: int = 0
+    takeover_sims_late_s: float = float("nan")  # the simulator's own beat loop, behind
     flood_requests: int = 0
     flood_busy: int = 0
     flood_seat_kept: bool | None = None
@@ -430,12 +438,14 @@ class Run:
                     "--ramp", str(self.args.ramp)]  # fmt: skip
             self.sims.append(await self.pieces._start(f"sims-{k}", argv))
 
-    async def sim_stats(self) -> list[SimStats]:
+    async def sim_stats(self, *, reset: bool = False) -> list[SimStats]:
+        """Each simulator process's counters; `reset`: its beat lateness starts again after."""
         assert self.nc is not None
         found = []
         for k in range(len(self.sims)):
             try:
-                msg = await self.nc.request(f"bench.sims.{k}.stats", b"", timeout=5)
+                msg = await self.nc.request(f"bench.sims.{k}.stats", b"reset" if reset else b"",
+                                            timeout=5)  # fmt: skip
                 found.append(msgspec.json.decode(msg.data, type=SimStats))
             except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
                 found.append(SimStats())
@@ -606,6 +616,7 @@ class Run:
         finally:
             await conn.close()
         holder = self.controllers["ctl-a"]
+        await self.sim_stats(reset=True)
         t0 = time.monotonic()
         os.kill(holder.pid, signal.SIGKILL)
         ups = asyncio.create_task(self.up_over(t0, (1, 5, 10)))
@@ -638,9 +649,12 @@ class Run:
             )
         finally:
             await conn.close()
+        self.f.takeover_sims_late_s = max(st.beat_late_max for st in await self.sim_stats())
         say(f"  takeover after kill -9: answered in {self.f.takeover_answered_s:.2f} s, "
             f"all re-registered in {self.f.takeover_registered_s:.1f} s, up after 1/5/10 s: "
-            f"{self._ups(self.f.takeover_up)}, reported down: {self.f.down_events}")  # fmt: skip
+            f"{self._ups(self.f.takeover_up)}, reported down: {self.f.down_events}; the "
+            f"simulated hosts' beats ran up to {self.f.takeover_sims_late_s:.2f} s late "
+            "(down past 2 s)")  # fmt: skip
         # the killed controller stands by again, for the flood's holder to keep its seat from
         self.controllers["ctl-a-again"] = await self.pieces._start(
             "ctl-a-again",
@@ -751,6 +765,7 @@ def report(all_figures: list[Figures], args: argparse.Namespace) -> None:
         ("takeover: all registered, s", lambda f: f"{f.takeover_registered_s:.1f}"),
         ("takeover: up 1/5/10 s", lambda f: _marks(f.takeover_up)),
         ("reported down (takeover)", lambda f: str(f.down_events)),
+        ("sims' beats late (takeover), s", lambda f: f"{f.takeover_sims_late_s:.2f}"),
         ("flood: answered (busy)", lambda f: f"{f.flood_requests} ({f.flood_busy})"),
         ("flood: seat kept", lambda f: {None: "-", True: "yes", False: "NO"}[f.flood_seat_kept]),
         ("seat taken, times", lambda f: str(f.seat_takeovers)),

@@ -111,6 +111,7 @@ class Fleet:
         self._unflushed: dict[str, datetime] = {}
         self._unknown_logged: set[str] = set()
         self._unknown_heard: list[str] = []  # beating before registering: not logged yet
+        self._registered: dict[str, Register] = {}  # machine -> its last registration written
         self._claims_logged: set[str] = set()  # machines whose own tier/labels were not taken
         # Registrations and up/down transitions come from three tasks (verbs, beats, watch);
         # one at a time keeps memory, the store and the event order in agreement.
@@ -202,7 +203,13 @@ class Fleet:
         self._beat_at = dict.fromkeys(self.machines, time.monotonic())
 
     async def register(self, req: Register) -> MachineRow:
-        """Register a machine: written with the others that came meanwhile, in one batch."""
+        """Register a machine: written with the others that came meanwhile, in one batch. The
+        same registration again, while the machine is up, is answered from memory: a host
+        asking again because our answer came after its window (a cold start of ten thousand)
+        would otherwise be written again, and again, each retry more work than the last."""
+        if self._registered.get(req.name) == req and req.name in self._up:
+            self._beat_at[req.name] = time.monotonic()  # registering is a sign of life
+            return self.machines[req.name]
         return await self._registrations.submit(req)
 
     async def _register_batch(self, reqs: list[Register]) -> dict[str, MachineRow]:
@@ -255,6 +262,7 @@ class Fleet:
             self._up.add(req.name)  # registering is a sign of life
             self._beat_at[req.name] = now
             self._unknown_logged.discard(req.name)
+            self._registered[req.name] = req
             if before is not None and before.up and before.tier == row.tier:
                 again += 1  # a known machine saying hello to a new holder: counted, not logged
             else:

@@ -29,7 +29,7 @@ from services.controller import metrics
 log = logging.getLogger(__name__)
 
 MAX_DECLARATION = 768 * 1024  # bytes of one declaration: with its envelope, under 1 MiB
-YIELD_EVERY = 500  # machines composed between two turns of the event loop
+YIELD_EVERY = 500  # machines composed or sent between two turns of the event loop
 PUT_WITHIN = 30.0  # seconds for the server to acknowledge every put of one publish
 PARSED_KEPT = 256  # manifests kept parsed (by version id): enough for every module's current one
 
@@ -111,7 +111,9 @@ class Publisher:
         tier of 9,000 machines at 3,000 puts a second (bench/rollout.py)."""
         sent: list[tuple[str, str, asyncio.Future[PubAck]]] = []
         failed: dict[str, str] = {}  # machine -> why
-        for machine, (d, body) in sorted(bodies.items()):
+        for n, (machine, (d, body)) in enumerate(sorted(bodies.items())):
+            if n % YIELD_EVERY == YIELD_EVERY - 1:
+                await anyio.lowlevel.checkpoint()  # a send rarely waits: let the loop turn
             envelope = DeclarationReply(
                 machine=machine, digest=d, epoch=self._epoch, declaration=msgspec.Raw(body),
                 holder=self._holder,
