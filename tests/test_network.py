@@ -268,8 +268,9 @@ async def kv_value(nc, key: str, within: float = 30) -> bytes:
 
 async def assert_declarations_newest(nc, plan: dict) -> None:
     """Every host's key is in the bucket, with the plan's declaration and the newest epoch."""
-    taken = await status(nc)
-    assert taken is not None
+    # Asked until answered: one status of 1 s went unanswered once on a loaded CI machine
+    # just after the plan ended; what this checks is the bucket, not how fast status is.
+    taken = await await_until(lambda: status(nc), within=30, what="status to answer")
     for step in plan["steps"]:
         entry = json.loads(await kv_value(nc, step["machine"]))
         assert entry["digest"] == step["after"], (step, entry)
