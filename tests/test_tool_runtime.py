@@ -26,19 +26,20 @@ EXAMPLES = Path(__file__).parent.parent / "docs" / "examples"
 FILES = EXAMPLES / "files" / "src"
 
 BAD = {
-    # each prints something that is not MCP where an answer to initialize should be
-    "garbage": "import sys, time\nsys.stdin.readline()\nprint('hello, I am not MCP', flush=True)\n"
-    "time.sleep(60)\n",
-    "huge": "import sys, time\nsys.stdin.readline()\nsys.stdout.write('x' * (5 * 2**20))\n"
-    "sys.stdout.flush()\ntime.sleep(60)\n",
-    "silent": "import sys, time\nsys.stdin.readline()\ntime.sleep(60)\n",
-    "wrong-id": "import sys, time\nsys.stdin.readline()\n"
-    'print(\'{"jsonrpc": "2.0", "id": 999, "result": {}}\', flush=True)\ntime.sleep(60)\n',
+    # each prints something that is not MCP where an answer to initialize should be, then
+    # stays until the host closes its stdin (or kills it)
+    "garbage": "import sys\nsys.stdin.readline()\nprint('hello, I am not MCP', flush=True)\n"
+    "sys.stdin.read()\n",
+    "huge": "import sys\nsys.stdin.readline()\nsys.stdout.write('x' * (5 * 2**20))\n"
+    "sys.stdout.flush()\nsys.stdin.read()\n",
+    "silent": "import sys\nsys.stdin.readline()\nsys.stdin.read()\n",
+    "wrong-id": "import sys\nsys.stdin.readline()\n"
+    'print(\'{"jsonrpc": "2.0", "id": 999, "result": {}}\', flush=True)\nsys.stdin.read()\n',
     "exits": "import sys\nsys.exit(3)\n",
-    "bool-id": "import sys, time\nsys.stdin.readline()\n"
-    'print(\'{"jsonrpc": "2.0", "id": true, "result": {}}\', flush=True)\ntime.sleep(60)\n',
-    "not-utf8": "import sys, time\nsys.stdin.readline()\n"
-    "sys.stdout.buffer.write(b'\\xff\\xfe{}\\n')\nsys.stdout.flush()\ntime.sleep(60)\n",
+    "bool-id": "import sys\nsys.stdin.readline()\n"
+    'print(\'{"jsonrpc": "2.0", "id": true, "result": {}}\', flush=True)\nsys.stdin.read()\n',
+    "not-utf8": "import sys\nsys.stdin.readline()\n"
+    "sys.stdout.buffer.write(b'\\xff\\xfe{}\\n')\nsys.stdout.flush()\nsys.stdin.read()\n",
 }
 WHY = {
     "garbage": "does not speak MCP: it wrote something that is not JSON on stdout: 'hello, I am",
