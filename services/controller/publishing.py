@@ -107,8 +107,8 @@ class Publisher:
         """After the commit. A put that fails is logged, not raised: the change is stored, and
         `keep_published` puts it again (the store is the truth, the KV its copy). Every put is
         sent before any acknowledgement is awaited (JetStream's asynchronous publish, bounded
-        by the client's pending limit): one request at a time, or 64 in flight as tasks, kept a
-        tier of 9,000 machines at 3,000 puts a second (bench/rollout.py)."""
+        by the client's pending limit): as 64 requests in flight, a tier of 9,000 machines
+        published at 3,000 puts a second, half this rate (bench/rollout.py)."""
         sent: list[tuple[str, str, asyncio.Future[PubAck]]] = []
         failed: dict[str, str] = {}  # machine -> why
         for n, (machine, (d, body)) in enumerate(sorted(bodies.items())):

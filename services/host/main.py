@@ -190,7 +190,7 @@ async def run(
             if early:
                 tg.start_soon(applier.watch)
             # Beating from the start: a registration the controller wrote but whose answer
-            # came too late (a takeover's storm) must not leave it judging us silent.
+            # came too late for us (a storm of thousands) must not leave it judging us silent.
             tg.start_soon(_beat, nc, name, beat_interval)
             await registration.register(nc, lambda: replace(registering, applied=applier.digest),
                                         status)  # fmt: skip
