@@ -252,10 +252,13 @@ class StatusEvery10ms:
 
     async def run(self, nc: Client, stop: anyio.Event) -> None:
         async def one() -> None:
+            sent = time.time()
             try:
                 msg = await nc.request("mesh.ctl.status", b"{}", timeout=5)
             except (NoRespondersError, NatsTimeout) as e:
-                self.unanswered.append(f"{type(e).__name__} at {time.strftime('%H:%M:%S')}")
+                at = time.strftime("%H:%M:%S", time.localtime(sent))
+                at += f".{int(sent % 1 * 1000):03d}"
+                self.unanswered.append(f"{type(e).__name__}, sent at {at}")
                 return
             reply = json.loads(msg.data)
             if "error" in reply:

@@ -5,13 +5,18 @@ Real controllers, NATS and PostgreSQL; each request is sent once, never retried.
 import json
 import signal
 import time
+from datetime import UTC, datetime
 
 import anyio
+import msgspec
 import pytest
 from helpers import ask, await_until, mesh_cli
 from nats.aio.client import Client
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
+
+from mesh import subjects, wire
+from mesh.model import SeatAnnounce
 
 
 class StatusClient:
@@ -109,6 +114,43 @@ async def test_handover_and_sigterm_leave_no_request_unanswered(two, nc, nats_ur
     assert client.failures == [], client.failures[:5]
     assert client.holders == ["ctl-a", "ctl-b", "ctl-a"]
     assert a.poll() is None  # still serving
+
+
+async def test_a_standby_stopped_while_in_the_verb_group_passes_on_what_it_holds(two, nc) -> None:
+    """A handover announced but never finished (its holder kept the seat, as one that died
+    between the two would leave it): the standby has joined the verb group and holds every
+    request it gets until the seat comes (at most EARLY_FOR, 15 s). SIGTERM to it then must not
+    take them with it: it passes them on to the holder as it leaves."""
+    a, b = two
+    ready = await nc.subscribe(subjects.seat("ready"))
+    announce = SeatAnnounce(instance="ctl-test", pid=0, host="test", since=datetime.now(UTC))
+    await nc.publish(subjects.seat("handover"), wire.encode(announce))
+    said = msgspec.json.decode((await ready.next_msg(timeout=10)).data, type=SeatAnnounce)
+    assert said.instance == "ctl-b"  # in the group now: about half the requests are its
+    await ready.unsubscribe()
+
+    answers: list[str] = []
+
+    async def one() -> None:
+        try:  # well within EARLY_FOR: a request b holds is answered only if b passes it on
+            msg = await nc.request("mesh.ctl.status", b"{}", timeout=10)
+        except (NoRespondersError, NatsTimeout) as e:
+            answers.append(type(e).__name__)
+            return
+        reply = json.loads(msg.data)
+        answers.append(str(reply["error"]) if "error" in reply else reply["seat"]["holder"])
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(20):
+            tg.start_soon(one)
+        await anyio.lowlevel.checkpoint()
+        await nc.flush()  # all 20 are with the server, and so with ctl-a or ctl-b
+        b.send_signal(signal.SIGTERM)
+        assert await anyio.to_thread.run_sync(lambda: b.wait(timeout=30)) == 0
+    assert answers == ["ctl-a"] * 20, answers
+    assert a.poll() is None
+    left = [line for line in b.log_path.read_text().splitlines() if "left the verb group" in line]
+    assert len(left) == 1 and " 0 request(s)" not in left[0], left  # it held some, and sent them
 
 
 async def test_handover_without_a_standby_is_refused(nc, start_controller, nats_url) -> None:

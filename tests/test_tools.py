@@ -18,8 +18,10 @@ import pytest
 from helpers import MESH, ask, await_until, mesh_cli, ok, one_line_error, wait_until
 from mcp import ClientSession, StdioServerParameters, stdio_client
 from mcp.client.streamable_http import streamable_http_client
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
 
-from mesh import bus
+from mesh import bus, subjects
 from mesh.embedded import ports
 from programs.cli.tools import ToolCallFailed, call_tool
 
@@ -159,7 +161,9 @@ async def test_a_tool_module_on_two_hosts_is_listed_and_called_from_the_cli(
     await await_until(back, within=30, what="files on node-2 to be back")
 
 
-async def test_mesh_mcp_lists_and_calls_the_fleets_tools(fleet, nats_url, tmp_path, procs) -> None:
+async def test_mesh_mcp_lists_and_calls_the_fleets_tools(
+    fleet, nc, nats_url, tmp_path, procs
+) -> None:
     ok(cli(nats_url, "push", str(files_module(tmp_path / "files"))))
     ok(cli(nats_url, "assign", "files", "node-1", "node-2", "--wait"))
     await listed(nats_url, machines={"node-1", "node-2"})
@@ -221,6 +225,20 @@ async def test_mesh_mcp_lists_and_calls_the_fleets_tools(fleet, nats_url, tmp_pa
                 host = fleet["node-1"]
                 os.killpg(host.pid, signal.SIGKILL)
                 host.wait(timeout=10)
+
+                async def nobody_subscribed():
+                    # The process is gone at once; the NATS server drops its connection (and
+                    # with it the subscription) a moment later. A call in between is routed to
+                    # the dead connection and times out: another case than "does not answer".
+                    try:
+                        await nc.request(subjects.host("node-1", "tool"), b"{}", timeout=2)
+                    except NoRespondersError:
+                        return True
+                    except NatsTimeout:
+                        pass
+                    return False
+
+                await await_until(nobody_subscribed, within=30, what="node-1's subscription gone")
                 with anyio.fail_after(30):
                     down = await session.call_tool("node-1.files.echo", {"text": "x"})
                 assert down.is_error

@@ -57,6 +57,8 @@ class VerbSubscriptions:
         self._fresh: Callable[[], bool] = lambda: True
         self._ready = anyio.Event()
         self._elsewhere = anyio.Event()  # another controller took the seat: pass verbs on
+        self.holding = 0  # requests received before the seat was ours, waiting for it
+        self.passed_on = 0  # requests sent on to the group again, over this object's life
 
     @property
     def active(self) -> bool:
@@ -90,14 +92,25 @@ class VerbSubscriptions:
             await self._pass_on(msg)
             return
         try:
-            self._tasks.start_soon(self._later, endpoint, msg)
-        except RuntimeError:  # stopping
-            pass
+            # The event as it is now: `leave` starts a new one once it is done, and the task
+            # may first run after that.
+            self._tasks.start_soon(self._later, endpoint, msg, self._elsewhere)
+        except RuntimeError:  # stopping: whoever holds the seat answers it
+            await self._pass_on(msg)
 
-    async def _later(self, endpoint: Endpoint, msg: Msg) -> None:
-        elsewhere = self._elsewhere  # `leave` starts a new one once it is done
-        with anyio.move_on_after(SEAT_WAIT):
-            await first_of(self._ready, elsewhere)
+    async def _later(self, endpoint: Endpoint, msg: Msg, elsewhere: anyio.Event) -> None:
+        self.holding += 1
+        try:
+            with anyio.move_on_after(SEAT_WAIT):
+                await first_of(self._ready, elsewhere)
+        except anyio.get_cancelled_exc_class():
+            # This standby stops (cancelled after `leave`, so the group cannot give it back
+            # to us): the request goes to whoever holds the seat.
+            with anyio.CancelScope(shield=True), anyio.move_on_after(1):
+                await self._pass_on(msg)
+            raise
+        finally:
+            self.holding -= 1
         if self._holder is None and elsewhere.is_set():
             await self._pass_on(msg)
             return
@@ -115,13 +128,18 @@ class VerbSubscriptions:
     async def _pass_on(self, msg: Msg) -> None:
         """Send a request we hold on to the group again, with its reply subject: the holder
         answers the client directly (we have left the group, so it cannot come back to us)."""
+        self.passed_on += 1
         await self._nc.publish(msg.subject, msg.data, reply=msg.reply)
 
-    async def leave(self) -> None:
-        """Another controller holds the seat: leave the group and pass on what we hold."""
+    async def leave(self) -> int:
+        """Another controller holds the seat (or this one stops): leave the group and pass on
+        what we hold; how many requests were passed on."""
+        before = self.passed_on
         self._elsewhere.set()
         await self.stop(drain=True)  # what is still queued for us goes through on_message
         self._elsewhere = anyio.Event()
+        await anyio.lowlevel.checkpoint()  # the held requests woken by `_elsewhere` go first
+        return self.passed_on - before
 
     async def stop(self, *, drain: bool) -> None:
         """Drain (answer what is in flight) or, without a connection, just unsubscribe."""
@@ -161,9 +179,10 @@ async def stand_ready(nc: Client, me: SeatAnnounce, verbs: VerbSubscriptions) ->
                 except wire.BadRequest:
                     continue
                 if event == "held" and other.instance != me.instance and verbs.active:
-                    log.info("controller %s: %s holds the seat; passing verbs on to it",
-                             me.instance, other.instance)  # fmt: skip
-                    await verbs.leave()
+                    passed = await verbs.leave()
+                    log.info("controller %s: %s holds the seat; left the verb group, %d "
+                             "request(s) passed on to it", me.instance, other.instance,
+                             passed)  # fmt: skip
                 elif event == "handover" and not verbs.active:
                     await verbs.subscribe()
                     await nc.publish(subjects.seat("ready"), wire.encode(me))
@@ -185,6 +204,6 @@ async def _leave_if_not_seated(
     `stand_ready` and this with it are cancelled)."""
     await anyio.sleep(max(0.0, (since or time.monotonic()) + EARLY_FOR - time.monotonic()))
     if verbs.active and verbs.since == since:
-        log.info("controller %s: the seat did not come within %gs; leaving the verb group",
-                 me.instance, EARLY_FOR)  # fmt: skip
-        await verbs.leave()
+        passed = await verbs.leave()
+        log.info("controller %s: the seat did not come within %gs; left the verb group, %d "
+                 "request(s) passed on", me.instance, EARLY_FOR, passed)  # fmt: skip

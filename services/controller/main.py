@@ -53,6 +53,7 @@ log = logging.getLogger("mesh.controller")
 SERVING = ("holding", "handing-over")  # readiness states in which this controller serves verbs
 BUS_GRACE = 3.0  # a holder cut off from NATS this long steps down (docs/design.md, the seat)
 ROUND_TRIP_EVERY = 1.0  # how often the holder checks that NATS answers
+STANDBY_LEAVE_WITHIN = 5.0  # a stopping standby's leave of the verb group (two drains)
 
 
 # Past this, every verb and host request is answered `busy` before any work is done, until
@@ -156,11 +157,13 @@ async def run(
             tg.start_soon(ready.keep_writing)
             tg.start_soon(metrics.LOOP_LAG.run)
             holding: list[Stop] = []  # the current hold's Stop, while this controller holds
+            current: list[VerbSubscriptions] = []  # this controller's verb subscriptions
             signalled = anyio.Event()
-            tg.start_soon(_signals, tg.cancel_scope, holding, signalled)
+            tg.start_soon(_signals, tg.cancel_scope, holding, current, signalled)
             while True:
                 verbs = VerbSubscriptions(nc=nc, tasks=tg, endpoints=ENDPOINTS, stats=stats,
                                           overloaded=_overloaded)  # fmt: skip
+                current[:] = [verbs]
                 if not await lock.try_acquire():
                     log.info("controller %s standing by for the seat %s", instance, subjects.SEAT)
                     ready.set("standby")
@@ -194,14 +197,24 @@ async def run(
             await _attempt("close the store pool", pool.close())
 
 
-async def _signals(scope: anyio.CancelScope, holding: list[Stop], signalled: anyio.Event) -> None:
+async def _signals(
+    scope: anyio.CancelScope,
+    holding: list[Stop],
+    current: list[VerbSubscriptions],
+    signalled: anyio.Event,
+) -> None:
     """SIGTERM/SIGINT to the holder starts a handover, then the process exits; to a standby, or
-    a second time, it stops at once."""
+    a second time, it stops at once: a standby in the verb group (a handover under way) leaves
+    it first, passing on the requests it holds, so none is left unanswered."""
     with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as received:
         async for signum in received:
             name = signal.Signals(signum).name
             if signalled.is_set() or not holding:
                 log.info("received %s: stopping", name)
+                if not holding and current and current[0].active:
+                    with anyio.move_on_after(STANDBY_LEAVE_WITHIN):
+                        passed = await current[0].leave()
+                        log.info("left the verb group, %d request(s) passed on", passed)
                 scope.cancel()
                 return
             log.info("received %s: handing the seat over, then stopping", name)

@@ -93,6 +93,9 @@ class SeatLock:
         assert self.conn is not None
         with anyio.fail_after(PING_DEADLINE):
             await self.conn.execute(f"SET idle_session_timeout = {int(IDLE_LIMIT * 1000)}")
+        # An answer of the session like any ping: a takeover that took seconds to load must
+        # not leave the seat looking stale until the first ping.
+        self._confirmed = time.monotonic()
         while True:
             await anyio.sleep(PING_EVERY)
             with anyio.fail_after(PING_DEADLINE):
