@@ -26,7 +26,7 @@ from nats.errors import (
     StaleConnectionError,
 )
 from nats.errors import TimeoutError as NatsTimeout
-from nats.js.api import ObjectStoreConfig
+from nats.js.api import ObjectMeta, ObjectMetaOptions, ObjectStoreConfig
 from nats.js.errors import (
     APIError,
     BadObjectMetaError,
@@ -57,6 +57,8 @@ CONSUMERS = 100_000
 # JetStream's answers to "too many replicas for this cluster": no suitable peers, insufficient
 # resources, replicas > 1 on a lone server. Anything else is raised, not taken for a small cluster.
 _TOO_FEW_SERVERS = {10005, 10023, 10074}
+CHUNK = 128 * 1024  # an object's chunk, as nats-py cuts them, on a server that takes that much
+CHUNK_HEADROOM = 1024  # a chunk's message carries headers and a subject besides its bytes
 
 
 class BlobMissing(Exception):
@@ -244,8 +246,17 @@ async def put(obs: ObjectStore, data: bytes) -> str:
             return d
     except (ObjectNotFoundError, NotFoundError):
         pass
-    await obs.put(_object_name(d), data)
+    await _put(obs, _object_name(d), data)
     return d
+
+
+async def _put(obs: ObjectStore, name: str, data: bytes) -> None:
+    """Put in chunks the server takes: nats-py cuts 128 KiB ones whatever the server's
+    max_payload, and a server that takes less refuses every object larger than it."""
+    max_payload = obs._js._nc.max_payload  # the connection the store was opened on
+    chunk = max(1024, min(CHUNK, max_payload - CHUNK_HEADROOM))
+    options = ObjectMetaOptions(max_chunk_size=chunk)
+    await obs.put(name, data, meta=ObjectMeta(name=name, options=options))
 
 
 async def has(obs: ObjectStore, d: str) -> bool:
@@ -281,7 +292,7 @@ async def get(obs: ObjectStore, d: str, *, limit: int = archive.MAX_ARCHIVE) -> 
 
 async def put_named(obs: ObjectStore, name: str, data: bytes) -> None:
     """A named object (a build log), replaced on every put."""
-    await obs.put(name, data)
+    await _put(obs, name, data)
 
 
 async def get_named(obs: ObjectStore, name: str) -> bytes:

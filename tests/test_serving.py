@@ -8,6 +8,7 @@ locks a table the verb reads, in its own session, and lets go when it has seen w
 
 import json
 import logging
+import os
 import re
 import subprocess
 import time
@@ -87,13 +88,14 @@ async def test_a_reply_past_max_payload_is_too_large_and_the_holder_stays(
     for name in names:
         reply = await ask(nc, f"mesh.ctl.host.{name}.register", _registration(name), timeout=10)
         assert reply is not None and "error" not in reply, reply
-    # Its declaration: 450 words of its name, ~30 KB, from a push of ~6 KB (its archive under
-    # the 16 KiB too: the object store does not cut it into smaller chunks); its plan rolls
+    # Its declaration: 450 words of its name, ~30 KB, from a push of ~6 KB; its plan rolls
     # (tier 0) at once, storing it.
     _module(tmp_path / "wide", "wide", words=450)
     ok(mesh_cli("push", str(tmp_path / "wide"), nats_url=nats_url))
     ok(mesh_cli("assign", "wide", long, nats_url=nats_url))
     _module(tmp_path / "big", "big")
+    # ...and an archive of 48 KiB that does not compress: stored in chunks the server takes
+    (tmp_path / "big" / "src" / "noise.bin").write_bytes(os.urandom(48 * 1024))
     ok(mesh_cli("push", str(tmp_path / "big"), nats_url=nats_url))
     assigned = json.loads(ok(mesh_cli("--json", "assign", "big", "--tier", "0", nats_url=nats_url)))
     assert assigned["changed"] == len(names), assigned
