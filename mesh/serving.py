@@ -136,7 +136,7 @@ class Server:
     # then answered `busy` before it is decoded (the controller sheds when its event loop runs
     # late, so the seat's own pings stay on time).
     overloaded: Callable[[], str | None] | None = None
-    _subs: list[Subscription] = field(default_factory=list)
+    _subs: dict[str, Subscription] = field(default_factory=dict)  # by endpoint name
     _served: Any = None
     _tasks: TaskGroup | None = None
     _limiters: dict[Bound, anyio.CapacityLimiter] = field(default_factory=dict)
@@ -151,22 +151,23 @@ class Server:
         self._tasks = tasks
 
     async def subscribe(self, deliver: Deliver | None = None) -> None:
-        if self._subs:
+        """Subscribe every endpoint not subscribed yet: one cancelled half-way (a standby
+        that got the seat while it was joining the verb group) is completed by the next call."""
+        missing = [e for e in self.endpoints if e.name not in self._subs]
+        if not missing:
             return
         route = deliver or self.answer
-        for endpoint in self.endpoints:
-            self._subs.append(
-                await self.nc.subscribe(
-                    endpoint.subject, queue=endpoint.queue or "", cb=_callback(route, endpoint)
-                )
+        for endpoint in missing:
+            self._subs[endpoint.name] = await self.nc.subscribe(
+                endpoint.subject, queue=endpoint.queue or "", cb=_callback(route, endpoint)
             )
         await self.nc.flush()
         self.since = time.monotonic()
 
     async def stop(self, *, drain: bool) -> None:
         """Drain (answer what is in flight) or, without a connection, just unsubscribe."""
-        subs, self._subs = self._subs, []
-        for sub in subs:
+        subs, self._subs = self._subs, {}
+        for sub in subs.values():
             try:
                 with anyio.fail_after(STOP_WITHIN):
                     await (sub.drain() if drain else sub.unsubscribe())

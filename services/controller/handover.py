@@ -57,7 +57,6 @@ class VerbSubscriptions:
         self._fresh: Callable[[], bool] = lambda: True
         self._ready = anyio.Event()
         self._elsewhere = anyio.Event()  # another controller took the seat: pass verbs on
-        self.holding = 0  # requests received before the seat was ours, waiting for it
         self.passed_on = 0  # requests sent on to the group again, over this object's life
 
     @property
@@ -99,7 +98,6 @@ class VerbSubscriptions:
             await self._pass_on(msg)
 
     async def _later(self, endpoint: Endpoint, msg: Msg, elsewhere: anyio.Event) -> None:
-        self.holding += 1
         try:
             with anyio.move_on_after(SEAT_WAIT):
                 await first_of(self._ready, elsewhere)
@@ -109,8 +107,6 @@ class VerbSubscriptions:
             with anyio.CancelScope(shield=True), anyio.move_on_after(1):
                 await self._pass_on(msg)
             raise
-        finally:
-            self.holding -= 1
         if self._holder is None and elsewhere.is_set():
             await self._pass_on(msg)
             return
