@@ -102,8 +102,8 @@ class VerbSubscriptions:
             with anyio.move_on_after(SEAT_WAIT):
                 await first_of(self._ready, elsewhere)
         except anyio.get_cancelled_exc_class():
-            # This standby stops (cancelled after `leave`, so the group cannot give it back
-            # to us): the request goes to whoever holds the seat.
+            # This standby stops without having left the group in time (a second signal,
+            # a leave past its deadline): the request still goes to whoever holds the seat.
             with anyio.CancelScope(shield=True), anyio.move_on_after(1):
                 await self._pass_on(msg)
             raise
