@@ -22,7 +22,7 @@ from nats.errors import TimeoutError as NatsTimeout
 from mesh import config, wire
 from mesh.auth import creds as credentials
 from mesh.auth import tls
-from mesh.errors import MeshError
+from mesh.errors import MeshError, reason
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +122,11 @@ class Link:
         """NATS is there to hear us: connected, and not silent to our round trips (draining
         on a silent link would only time out)."""
         return nc.is_connected and not self.silent
+
+    def unanswered(self) -> None:
+        """A drain or flush of ours ran out of time: that says what a round trip would."""
+        self.silent = True
+        self._kick()
 
     async def silent_for(self) -> None:
         """Return once the round trips find the server silent."""
@@ -229,7 +234,7 @@ async def connect(
     try:
         await nc.connect(**options)
     except (NoServersError, OSError, NatsTimeout) as e:
-        raise Unreachable(f"cannot reach NATS at {url}: {e or type(e).__name__}") from None
+        raise Unreachable(f"cannot reach NATS at {url}: {reason(e)}") from None
     except Unauthorized:
         await _discard(nc)
         raise
@@ -344,7 +349,7 @@ async def close(nc: Client, *, drain: bool = True) -> None:
         elif not nc.is_closed:
             await nc.close()
     except Exception as e:
-        log.warning("closing the NATS connection: %s", e or type(e).__name__)
+        log.warning("closing the NATS connection: %s", reason(e))
 
 
 async def request(

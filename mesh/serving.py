@@ -27,6 +27,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from mesh import bus, subjects, wire
+from mesh.errors import reason
 
 log = logging.getLogger(__name__)
 
@@ -164,15 +165,24 @@ class Server:
         await self.nc.flush()
         self.since = time.monotonic()
 
-    async def stop(self, *, drain: bool) -> None:
-        """Drain (answer what is in flight) or, without a connection, just unsubscribe."""
+    async def stop(self, *, drain: bool) -> bool:
+        """Drain (answer what is in flight) or, without a connection, just unsubscribe; False
+        if any of them ran out of time or failed."""
         subs, self._subs = self._subs, {}
-        for sub in subs.values():
+        failed: list[str] = []
+
+        async def stop(name: str, sub: Subscription) -> None:
             try:
                 with anyio.fail_after(STOP_WITHIN):
                     await (sub.drain() if drain else sub.unsubscribe())
             except Exception as e:
-                log.warning("could not stop a verb subscription: %s", e or type(e).__name__)
+                failed.append(name)
+                log.warning("could not stop the %s subscription: %s", name, reason(e))
+
+        async with anyio.create_task_group() as tg:  # at once: a cut link costs one deadline
+            for name, sub in subs.items():
+                tg.start_soon(stop, name, sub)
+        return not failed
 
     async def answer(self, endpoint: Endpoint, msg: Msg) -> None:
         """Route one request of `endpoint` and answer it (now, or from a bounded verb's task)."""

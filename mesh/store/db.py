@@ -9,13 +9,27 @@ every server tried and why each was refused. Never point it at a transaction-poo
 seat's advisory lock belongs to one session.
 """
 
+import logging
 import socket
 import urllib.parse
 from typing import Any
 
 import asyncpg
 
-from mesh.errors import MeshError
+from mesh.errors import MeshError, reason
+
+
+class _OneLine(logging.Filter):
+    # asyncpg's pool logs each failed reconnect with a traceback (a store away for 20 s wrote
+    # a hundred lines of it); the reason says it all, on the line of the event.
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and record.exc_info[1] is not None:
+            record.msg, record.args = f"{record.getMessage()}: {reason(record.exc_info[1])}", ()
+            record.exc_info = record.exc_text = None
+        return True
+
+
+logging.getLogger("asyncpg.pool").addFilter(_OneLine())
 
 # Server-side TCP keepalives: a controller that vanished without closing its socket loses its
 # session (and the seat's advisory lock) within about idle + interval * count seconds.
@@ -80,7 +94,7 @@ def _why(e: BaseException) -> str:
         return "a read-only server (a standby), closed"
     if isinstance(e, TimeoutError):
         return "no answer in time"
-    return str(e) or type(e).__name__
+    return reason(e)
 
 
 async def _open(url: str, *, timeout: float, **kwargs: Any) -> asyncpg.Connection:

@@ -9,14 +9,13 @@ import argparse
 import logging
 import os
 import sys
-from asyncio import CancelledError
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import anyio
 
-from mesh import config
+from mesh import config, errors
 from mesh.errors import MeshError
 from mesh.model import HandoverReply, NodesReply, NodesRequest, StatusReply
 from mesh.names import check_name
@@ -276,23 +275,6 @@ def _key(args: argparse.Namespace) -> tuple[str, ...]:
     return (args.command, sub) if sub else (args.command,)
 
 
-def _leaf(e: BaseException) -> BaseException:
-    """The one exception inside nested groups (anyio wraps task failures). Where several tasks
-    failed with errors we name (a holder woken from a pause finds both its store session and
-    NATS gone), one MeshError says them all."""
-    while isinstance(e, BaseExceptionGroup) and len(e.exceptions) == 1:
-        e = e.exceptions[0]
-    if isinstance(e, BaseExceptionGroup):
-        # Cancellations are what the first failure did to the other tasks, not a cause.
-        leaves = [x for x in map(_leaf, e.exceptions) if not isinstance(x, CancelledError)]
-        if len(leaves) == 1:
-            return leaves[0]
-        if all(isinstance(x, MeshError) for x in leaves):
-            return MeshError("; ".join(dict.fromkeys(str(x) for x in leaves)))
-        return next((x for x in leaves if not isinstance(x, MeshError)), e)
-    return e
-
-
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     args.json = getattr(args, "json", False)
@@ -313,7 +295,7 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         sys.exit(130)
     except BaseException as e:
-        leaf = _leaf(e)
+        leaf = errors.leaf(e)
         if isinstance(leaf, SystemExit):
             raise leaf from None
         if isinstance(leaf, KeyboardInterrupt):

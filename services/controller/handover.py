@@ -137,9 +137,10 @@ class VerbSubscriptions:
         await anyio.lowlevel.checkpoint()  # the held requests woken by `_elsewhere` go first
         return self.passed_on - before
 
-    async def stop(self, *, drain: bool) -> None:
-        """Drain (answer what is in flight) or, without a connection, just unsubscribe."""
-        await self._server.stop(drain=drain)
+    async def stop(self, *, drain: bool) -> bool:
+        """Drain (answer what is in flight) or, without a connection, just unsubscribe; False
+        if any subscription ran out of time or failed."""
+        return await self._server.stop(drain=drain)
 
 
 async def announce(nc: Client, me: SeatAnnounce) -> str | None:

@@ -27,10 +27,10 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.kv import KeyValue
 
-from mesh import blobs, bus, paging, subjects, version, wire
+from mesh import blobs, bus, errors, paging, subjects, version, wire
 from mesh import metrics as served_metrics
 from mesh.discovery import Discovery
-from mesh.errors import MeshError
+from mesh.errors import MeshError, reason
 from mesh.model import Handover, SeatAnnounce, SeatInfo
 from mesh.serving import Stats
 from mesh.store import db, events, replication, seats
@@ -312,6 +312,11 @@ class Hold:
                     await self._hand_over(held=held, plans=plans)
                     serving.cancel_scope.deadline = anyio.current_time() + 10  # slow verbs finish
                 background.cancel_scope.cancel()
+        except BaseException as e:
+            cause = errors.leaf(e)
+            if isinstance(cause, Exception):  # said when it happens, not only at the exit
+                log.warning("controller %s steps down: %s", self.me.instance, reason(cause))
+            raise
         finally:
             await self._release(fleet=fleet, held=held)
 
@@ -406,19 +411,28 @@ class Hold:
         with anyio.CancelScope(shield=True):
             if not answers:
                 await lock.release()  # nobody can hear us: let the standby have the seat now
-            await self.verbs.stop(drain=answers)
-            for sub in self.reports:
-                await _attempt("stop", sub.drain() if answers else sub.unsubscribe())
-            await _attempt("flush heartbeats", fleet.flush())
-            await _attempt(
-                "record release",
-                events.record(self.pool, "seat.released", epoch=held.epoch,
-                              holder=self.me.instance),
-            )  # fmt: skip
+
+            # The bus's steps and the store's at once: a link cut both ways costs one deadline,
+            # not one per step (it was 15 s of them, one after another).
+            async def on_bus(stopped: Awaitable[bool]) -> None:
+                if not await stopped and answers:
+                    self.link.unanswered()  # then neither announce nor drain at the close
+
+            async with anyio.create_task_group() as steps:
+                steps.start_soon(on_bus, self.verbs.stop(drain=answers))
+                for sub in self.reports:
+                    stopping = sub.drain() if answers else sub.unsubscribe()
+                    steps.start_soon(on_bus, _attempt(f"stop {sub.subject}", stopping))
+                steps.start_soon(_attempt, "flush heartbeats", fleet.flush())
+                steps.start_soon(
+                    _attempt, "record release",
+                    events.record(self.pool, "seat.released", epoch=held.epoch,
+                                  holder=self.me.instance),
+                )  # fmt: skip
             # Said before the lock goes, so the standby that gets it has heard it: its takeover
             # is known to be a handover, and the gap is measured from here.
             gone = msgspec.structs.replace(held, at=datetime.now(UTC))
-            if answers:
+            if self.link.answers(nc):
                 await _attempt("announce release", _publish_flushed(
                     nc, subjects.seat("released"), wire.encode(gone)))  # fmt: skip
             await lock.release()
@@ -460,9 +474,12 @@ async def _unanswered(link: bus.Link) -> None:
     )
 
 
-async def _attempt(what: str, step: Awaitable[object], *, within: float = 3.0) -> None:
+async def _attempt(what: str, step: Awaitable[object], *, within: float = 3.0) -> bool:
+    """Whether `step` was done within its deadline (if not, a warning says why)."""
     try:
         with anyio.fail_after(within):
             await step
     except Exception as e:
-        log.warning("while stopping, could not %s: %s", what, e or type(e).__name__)
+        log.warning("while stopping, could not %s: %s", what, reason(e))
+        return False
+    return True

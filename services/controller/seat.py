@@ -14,7 +14,7 @@ import time
 import anyio
 import asyncpg
 
-from mesh.errors import MeshError
+from mesh.errors import MeshError, reason
 from mesh.store import db
 
 log = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ class SeatLock:
             except db.GONE as e:
                 if not told:
                     log.info("standby: the store session failed (%s); connecting again",
-                             e or type(e).__name__)  # fmt: skip
+                             reason(e))  # fmt: skip
                     told = True
                 if self.conn is not None:
                     self.conn.terminate()
@@ -86,7 +86,7 @@ class SeatLock:
                 await self._ping()
             except Exception as e:  # any failure: a session closed by the server while we
                 # were paused fails the next query with asyncpg's InternalClientError
-                raise SeatLost(f"the seat's store session failed: {e or type(e).__name__}") from e
+                raise SeatLost(f"the seat's store session failed: {reason(e)}") from e
         raise SeatLost("the seat's store session failed: its connection ended")
 
     async def _ping(self) -> None:

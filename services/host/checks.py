@@ -11,6 +11,7 @@ import anyio
 import httpx
 from nats.aio.client import Client
 
+from mesh.errors import reason
 from mesh.modules.compose import DProcess
 from mesh.modules.gate import duration
 from services.host import sockets
@@ -53,7 +54,7 @@ async def once(
     except (TimeoutError, httpx.TimeoutException):
         return False, f"no answer within {c.timeout}"
     except (OSError, httpx.HTTPError) as e:
-        return False, str(e) or type(e).__name__
+        return False, reason(e)
     except Exception as e:  # a nats error: no responders, timeout
         return False, type(e).__name__
     return False, "no check"

@@ -30,6 +30,7 @@ from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, Header
 
 from mesh.blobs import DECLARATIONS, declaration_subject
+from mesh.errors import reason
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +73,7 @@ async def values(nc: Client, key: str) -> AsyncIterator[bytes]:
                 await nc.jsm().add_consumer(stream, config=consumer(key, deliver=deliver))
             except (NatsError, OSError) as e:  # no bucket yet (no seat held yet), no connection
                 if not waiting:
-                    log.info("cannot watch %s yet (%s); retrying", subject, e or type(e).__name__)
+                    log.info("cannot watch %s yet (%s); retrying", subject, reason(e))
                     waiting = True
                 await anyio.sleep(RETRY)
                 continue
