@@ -5,6 +5,7 @@ from asyncio import CancelledError
 
 import pytest
 
+from mesh import bus
 from mesh.errors import MeshError, leaf, reason
 from mesh.store import db
 
@@ -43,3 +44,18 @@ def test_the_store_pools_reconnect_failures_are_one_line(caplog: pytest.LogCaptu
         "cannot reach PostgreSQL at 10.0.0.1:5432/mesh: no answer"
     )
     assert "Traceback" not in caplog.text
+
+
+def test_a_drain_cut_at_its_deadline_leaves_no_traceback(caplog: pytest.LogCaptureFixture) -> None:
+    assert bus.__name__  # importing the bus installs the filter on asyncio's logger
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        unread = CancelledError()  # what nats-py's drain gather holds once we cancel the drain
+        logging.getLogger("asyncio").error(
+            "_GatheringFuture exception was never retrieved\nfuture: <_GatheringFuture>",
+            exc_info=(CancelledError, unread, None),
+        )
+        real = RuntimeError("boom")  # a real failure nobody read is still said
+        logging.getLogger("asyncio").error(
+            "Future exception was never retrieved", exc_info=(RuntimeError, real, None)
+        )
+    assert [r.exc_info[1] for r in caplog.records if r.exc_info] == [real]

@@ -43,7 +43,7 @@ from services.controller.planner import Planner
 from services.controller.publishing import Manifests, Publisher
 from services.controller.readiness import Readiness
 from services.controller.reports import HostReports
-from services.controller.seat import SeatLock
+from services.controller.seat import SeatLock, SeatLost
 from services.controller.standbys import ANNOUNCE_EVERY, Releases, Standbys
 from services.controller.verbs import ENDPOINTS, Holder
 from services.controller.views import Views
@@ -68,6 +68,13 @@ SHED_LAG = 0.5  # seconds the event loop runs its timers late
 def _overloaded() -> str | None:
     lag = metrics.LOOP_LAG.behind(SHED_LAG)
     return f"its event loop runs {lag:.1f}s late" if lag is not None else None
+
+
+# A store session that ended under us, as asyncpg says it.
+_SESSION_ENDED = (
+    asyncpg.InterfaceError, asyncpg.PostgresConnectionError,
+    asyncpg.exceptions.OperatorInterventionError,
+)  # fmt: skip
 
 
 class BusLost(MeshError):
@@ -265,7 +272,10 @@ class Hold:
         self.warnings: list[str] = []  # what the takeover found wrong with the store
 
     async def run(self) -> None:
-        row, taken = await self._take()
+        try:
+            row, taken = await self._take()
+        except _SESSION_ENDED as e:  # the store went (a restart, a dropped database) as we took
+            raise SeatLost(f"the store failed as the seat was taken: {reason(e)}") from e
         self.link.answered_at = time.monotonic()  # the round trips start with the hold
         fleet = Fleet(
             pool=self.pool, epoch=row.epoch, down_after=self.down_after,
