@@ -19,6 +19,11 @@ from mesh import subjects, wire
 from mesh.model import SeatAnnounce
 
 
+def _clock() -> str:
+    """Now, as the controllers' logs say it (to the ms): to find a failure in them."""
+    return datetime.now().strftime("%H:%M:%S.%f")[:-3]
+
+
 class StatusClient:
     """Workers sending `status`, each request once with a 2 s timeout."""
 
@@ -27,19 +32,21 @@ class StatusClient:
         self.failures: list[str] = []
         self.worst = 0.0
         self.holders: list[str] = []
+        self.phase = ""  # what the test was doing, said with each failure
+        self.moves: list[str] = []  # when each holder's first answer came
 
     async def run(self, nc: Client, stop: anyio.Event, workers: int = 4) -> None:
         async def worker() -> None:
             while not stop.is_set():
-                started = time.monotonic()
+                started, sent_at = time.monotonic(), _clock()
                 self.sent += 1
                 try:
                     msg = await nc.request("mesh.ctl.status", b"{}", timeout=2)
                 except NoRespondersError:
-                    self.failures.append("no responders")
+                    self.failures.append(f"no responders, sent at {sent_at} {self.phase}")
                     continue
                 except NatsTimeout:
-                    self.failures.append("timeout")
+                    self.failures.append(f"timeout, sent at {sent_at} {self.phase}")
                     continue
                 self.worst = max(self.worst, time.monotonic() - started)
                 reply = json.loads(msg.data)
@@ -47,6 +54,7 @@ class StatusClient:
                     self.failures.append(str(reply["error"]))
                 elif not self.holders or self.holders[-1] != reply["seat"]["holder"]:
                     self.holders.append(reply["seat"]["holder"])
+                    self.moves.append(f"{reply['seat']['holder']} answered from {_clock()}")
 
         async with anyio.create_task_group() as tg:
             for _ in range(workers):
@@ -81,6 +89,7 @@ async def test_handover_and_sigterm_leave_no_request_unanswered(two, nc, nats_ur
         await await_until(lambda: _true(client.sent > 50), within=10, what="requests flowing")
 
         # 1. `mesh handover`: ctl-b takes the seat; ctl-a stands by again.
+        client.phase = "during `mesh handover`"
         # In a thread: the client's workers must keep sending while the command runs.
         done = await anyio.to_thread.run_sync(lambda: mesh_cli("handover", nats_url=nats_url))
         assert done.returncode == 0, done.stderr
@@ -100,9 +109,11 @@ async def test_handover_and_sigterm_leave_no_request_unanswered(two, nc, nats_ur
             return s if s and [x["instance"] for x in s["standbys"]] == ["ctl-a"] else None
 
         await await_until(a_stands_by, within=15, what="ctl-a standing by again")
+        client.phase = "with ctl-a standing by again"
         sent_before = client.sent
 
         # 2. SIGTERM to the holder: it hands over to ctl-a and exits 0.
+        client.phase = "after SIGTERM to ctl-b"
         b.send_signal(signal.SIGTERM)
         s = await await_until(lambda: moved_to("ctl-a", s["seat"]["epoch"]), within=15,
                               what="ctl-a holds again")  # fmt: skip
@@ -111,7 +122,8 @@ async def test_handover_and_sigterm_leave_no_request_unanswered(two, nc, nats_ur
         await await_until(lambda: _true(client.sent > sent_before + 50), within=10,
                           what="requests after the second handover")  # fmt: skip
         stop.set()
-    assert client.failures == [], client.failures[:5]
+    logs = [proc.log_path.read_text()[-2000:] for proc in (a, b)]
+    assert client.failures == [], (client.failures[:5], client.moves, logs)
     assert client.holders == ["ctl-a", "ctl-b", "ctl-a"]
     assert a.poll() is None  # still serving
 

@@ -424,9 +424,11 @@ class Hold:
 
             # The bus's steps and the store's at once: a link cut both ways costs one deadline,
             # not one per step (it was 15 s of them, one after another).
+            unfinished: list[bool] = []
+
             async def on_bus(stopped: Awaitable[bool]) -> None:
-                if not await stopped and answers:
-                    self.link.unanswered()  # then neither announce nor drain at the close
+                if not await stopped:
+                    unfinished.append(True)
 
             async with anyio.create_task_group() as steps:
                 steps.start_soon(on_bus, self.verbs.stop(drain=answers))
@@ -439,6 +441,9 @@ class Hold:
                     events.record(self.pool, "seat.released", epoch=held.epoch,
                                   holder=self.me.instance),
                 )  # fmt: skip
+            # A drain cut at its deadline: a slow callback, or a silent link? A round trip says.
+            if unfinished and answers and not await _attempt("reach NATS", nc.flush(1), within=1):
+                self.link.unanswered()  # then neither announce nor drain at the close
             # Said before the lock goes, so the standby that gets it has heard it: its takeover
             # is known to be a handover, and the gap is measured from here.
             gone = msgspec.structs.replace(held, at=datetime.now(UTC))
