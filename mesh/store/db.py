@@ -20,8 +20,8 @@ from mesh.errors import MeshError, reason
 
 
 class _OneLine(logging.Filter):
-    # asyncpg's pool logs each failed reconnect with a traceback (a store away for 20 s wrote
-    # a hundred lines of it); the reason says it all, on the line of the event.
+    # asyncpg's pool logs each failed reconnect with a traceback (ten lines every few seconds
+    # while the store is away); the reason says it all, on the line of the event.
     def filter(self, record: logging.LogRecord) -> bool:
         if record.exc_info and record.exc_info[1] is not None:
             record.msg, record.args = f"{record.getMessage()}: {reason(record.exc_info[1])}", ()
