@@ -526,6 +526,9 @@ class BuildReply(msgspec.Struct):
     tail: str  # the last lines of the build's output
     log: str  # the object holding the whole log
     error: str = ""
+    # The bundle and the log were left in `mesh-builds` for the controller to adopt (a builder
+    # from before writes them into `mesh-builds`' place, the bundle store, where it may).
+    staged: bool = False
 
 
 # --- applying declarations (host -> controller) -------------------------------------------------

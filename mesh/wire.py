@@ -12,6 +12,11 @@ MAX_BODY = 64 * 1024  # verb bodies are small; anything larger is refused before
 MAX_REPORT = 1024 * 1024  # a host's report (its tools: services/host/tools.py keeps them smaller)
 
 _encoder = msgspec.json.Encoder()
+# How every answer of the JetStream API starts. Anyone who may ask it can name any subject as
+# the reply (nats-server does not check reply subjects), so its answers can be made to land on
+# a subject of ours, with attacker-chosen parts (a consumer's name): never taken as a message
+# of ours, whatever fields it happens to have (mesh/origin.py).
+_JETSTREAM_ANSWER = b'{"type":"io.nats.'
 
 
 class BadRequest(Exception):
@@ -26,6 +31,8 @@ def decode(data: bytes, into: type[T], *, limit: int = MAX_BODY) -> T:
     """Decode a JSON body into `into`, strictly. An empty body is an empty object."""
     if len(data) > limit:
         raise BadRequest(f"body is {len(data)} bytes, at most {limit}", code="too_large")
+    if data.startswith(_JETSTREAM_ANSWER):
+        raise BadRequest("body is an answer of the JetStream API, not a message of the mesh")
     try:
         return msgspec.json.decode(data or b"{}", type=into)
     except msgspec.ValidationError as e:

@@ -30,6 +30,7 @@ from nats.aio.client import Client
 from nats.js.object_store import ObjectStore
 
 from mesh import blobs, wire
+from mesh.auth.signing import Signing
 from mesh.model import (
     CHANGED_LISTED,
     AssignRequest,
@@ -81,16 +82,14 @@ class ToBuild(msgspec.Struct, frozen=True):
 # --- a push's steps before anything is stored (the dry run takes them too) -------------------
 
 
-async def read_source(
-    *, obs: ObjectStore, manifest_text: str, source: str
-) -> tuple[Manifest, bytes]:
+async def read_source(*, nc: Client, manifest_text: str, source: str) -> tuple[Manifest, bytes]:
     """The pushed manifest, gated, and its source archive, checked against it."""
     try:
         manifest = gate.parse(manifest_text)
     except gate.Refused as e:
         raise wire.BadRequest(str(e), code="refused") from None
     try:
-        data = await blobs.get(obs, source)
+        data = await blobs.get(nc, source)
     except (blobs.BlobMissing, blobs.BlobCorrupt) as e:
         raise wire.BadRequest(f"source: {e}", code="not_found") from None
     try:
@@ -220,8 +219,10 @@ class Changes:
         epoch: int,
         manifests: Manifests,
         publisher: Publisher,
+        signing: Signing,
         wake: Callable[[], None] = lambda: None,
     ) -> None:
+        self._signing = signing  # builds are requested signed (mesh.auth.signing)
         self._wake = wake  # tells the planner a plan was recorded
         self._pool = pool
         self._nc = nc
@@ -302,7 +303,8 @@ class Changes:
         digests: dict[str, str] = {}
         for b in todo:
             digests[b.name] = await build_requests.build(
-                nc=self._nc, pool=self._pool, obs=self._obs, fleet=self._fleet, key=b.key,
+                nc=self._nc, signing=self._signing, pool=self._pool, obs=self._obs,
+                fleet=self._fleet, key=b.key,
                 module=module, name=b.name, bundle=b.bundle, source=b.source,
             )  # fmt: skip
         return digests
@@ -375,7 +377,7 @@ class Changes:
 
     async def push(self, req: PushRequest) -> ChangeReply:
         manifest, data = await read_source(
-            obs=self._obs, manifest_text=req.manifest, source=req.source
+            nc=self._nc, manifest_text=req.manifest, source=req.source
         )
         name = manifest.module.name
         unchanged = replied(plan=None, changed=[], message="no change", version=req.source)

@@ -1,6 +1,7 @@
 """What the holder hears from hosts without answering: beats, and each host's `applied`,
 `processes` and `tools` reports. A machine speaks only for itself: a report whose subject names
-another machine than its body is ignored, as is a malformed one (noise, not a reason to stop)."""
+another machine than its body is ignored, as is a malformed one (noise, not a reason to stop),
+and one that did not arrive as a report's subject (mesh/origin.py)."""
 
 import logging
 
@@ -8,7 +9,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from mesh import subjects, wire
+from mesh import origin, subjects, wire
 from mesh.model import Applied, Beat, ProcessesEvent, ToolsEvent
 from services.controller.fleet import Fleet
 from services.controller.publishing import Publisher
@@ -24,13 +25,13 @@ class HostReports:
     async def subscribe(self, nc: Client) -> list[Subscription]:
         # Not in a queue group: a paused old holder that NATS has not dropped yet
         # must not take every other beat and report (docs/design.md, the seat).
-        beats = await nc.subscribe(subjects.HOST_BEATS, cb=self.on_beat)
+        beats = await origin.subscribe(nc, subjects.HOST_BEATS, cb=self.on_beat)
         self._fleet.arrivals.sub = beats  # beats are judged by when they came (fleet.py)
         return [
             beats,
             # One subscription for both: a host's `applied` and `processes` reports are
             # handled in the order it sent them (an older snapshot never wins).
-            await nc.subscribe(subjects.EVENTS, cb=self.on_event),
+            await origin.subscribe(nc, subjects.EVENTS, cb=self.on_event),
         ]
 
     async def on_beat(self, msg: Msg) -> None:

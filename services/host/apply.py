@@ -475,7 +475,7 @@ class Applier:
             )
 
     async def _bundle(self, key: str, bundle: DBundle) -> None:
-        await bundles.ensure(await blobs.store(self._nc), self._root, key, bundle)
+        await bundles.ensure(self._nc, self._root, key, bundle)
 
     async def _secret(self, name: str | None, *, keep: bool = False) -> bytes | None:
         """The secret from the controller; None if none answers and `keep`: the file on disk
