@@ -37,8 +37,9 @@ class HostReports:
     async def on_beat(self, msg: Msg) -> None:
         try:
             beat = wire.decode(msg.data, Beat)
-        except wire.BadRequest:
-            return  # a malformed beat is noise, not a reason to stop
+        except wire.BadRequest as e:  # noise, not a reason to stop
+            origin.STRAYS.refused(subjects.HOST_BEATS, msg, str(e))
+            return
         if msg.subject != subjects.host(beat.name, "beat"):
             return  # a machine speaks only for itself
         self._fleet.beat(beat)
@@ -55,7 +56,8 @@ class HostReports:
     def _tools(self, msg: Msg) -> None:
         try:
             event = wire.decode(msg.data, ToolsEvent, limit=wire.MAX_REPORT)
-        except wire.BadRequest:
+        except wire.BadRequest as e:
+            origin.STRAYS.refused(subjects.EVENTS, msg, str(e))
             return
         if msg.subject == subjects.event(event.name, "tools"):  # only for itself
             self._fleet.heard_tools(event.name, event.servers)
@@ -63,7 +65,8 @@ class HostReports:
     def _processes(self, msg: Msg) -> None:
         try:
             event = wire.decode(msg.data, ProcessesEvent)
-        except wire.BadRequest:
+        except wire.BadRequest as e:
+            origin.STRAYS.refused(subjects.EVENTS, msg, str(e))
             return
         if msg.subject == subjects.event(event.name, "processes"):  # only for itself
             self._fleet.heard_processes(event.name, event.processes)
@@ -71,7 +74,8 @@ class HostReports:
     def _applied(self, msg: Msg) -> None:
         try:
             applied = wire.decode(msg.data, Applied)
-        except wire.BadRequest:
+        except wire.BadRequest as e:
+            origin.STRAYS.refused(subjects.EVENTS, msg, str(e))
             return
         if msg.subject != subjects.event(applied.name, "applied"):
             return  # a machine speaks only for itself
