@@ -24,6 +24,7 @@ import hashlib
 import io
 import json
 import logging
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -389,27 +390,28 @@ async def staged(nc: Client) -> ObjectStore:
     return await _open(nc, BUILDS)
 
 
-async def stage(builds: ObjectStore, name: str, data: bytes) -> None:
-    """Leave `data` in the builds' bucket under `name` for the controller to adopt; kept as it
-    is when that name already has these bytes (a builder may not replace, only add)."""
-    try:
-        found = await builds.get_info(name)
-        if found.digest == _nats_digest(data) and not found.deleted:
-            return
-    except (ObjectNotFoundError, NotFoundError):
-        pass
+async def stage(builds: ObjectStore, what: str, data: bytes) -> str:
+    """Leave `data` in the builds' bucket for the controller to adopt, under a name of its own
+    (`what` and a random part: a builder may add there, never replace, since replacing purges);
+    the name."""
+    name = f"{what}.{secrets.token_hex(8)}"
     await _put(builds, name, data)
+    return name
 
 
-async def adopt(nc: Client, obs: ObjectStore, name: str, *, d: str | None = None) -> bytes:
-    """Controller: take `name` out of the builds' bucket into the bundle store, checked (by
-    digest `d` when given: then stored under it; else under `name`), and return its bytes."""
+async def adopt(
+    nc: Client, obs: ObjectStore, name: str, *, d: str | None = None, keep_as: str = ""
+) -> bytes:
+    """Controller: take `name` out of the builds' bucket into the bundle store and return its
+    bytes: checked against digest `d` and stored under it, or else stored as `keep_as`."""
     if d is not None:
-        data = await get(nc, d, bucket=BUILDS)
+        data = await _read(nc, name, bucket=BUILDS, limit=archive.MAX_ARCHIVE, what=d)
+        if digest(data) != d:
+            raise BlobCorrupt(f"{d}: the stored bytes have digest {digest(data)}")
         await put(obs, data)
     else:
         data = await get_named(nc, name, bucket=BUILDS)
-        await put_named(obs, name, data)
+        await put_named(obs, keep_as or name, data)
     try:
         await (await staged(nc)).delete(name)
     except Exception as e:  # what is left there is dropped at its age (BUILDS_MAX_AGE)

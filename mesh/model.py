@@ -527,8 +527,9 @@ class BuildReply(msgspec.Struct):
     log: str  # the object holding the whole log
     error: str = ""
     # The bundle and the log were left in `mesh-builds` for the controller to adopt (a builder
-    # from before writes them into `mesh-builds`' place, the bundle store, where it may).
+    # from before wrote them into the bundle store itself): the bundle as `staged_as`.
     staged: bool = False
+    staged_as: str = ""
 
 
 # --- applying declarations (host -> controller) -------------------------------------------------

@@ -247,3 +247,42 @@ async def test_hosts_credentials_name_the_controllers_key(secured: Secured):
     assert renewed is not None and renewed.public != controller.public
     for name in ("node-1", "node-2"):
         assert credentials.read(secured.creds("host", name)).controller == renewed.public
+
+
+async def test_the_bundle_store_heals_from_a_push(fleet, secured, tmp_path):
+    """Row 4, after a purge (JetStream's data lost, or purged by the one identity that still
+    may): plans reverted one by one (`sha256:… is not in mesh-bundles`) and a push answered
+    `no change`. Now a plan that would need a missing bundle stops before any machine, saying
+    what to run, and a push of the same folder stores (and builds) what is missing again."""
+    admin = fleet
+    built = tmp_path / "built"
+    (built / "src").mkdir(parents=True)
+    (built / "src" / "build.sh").write_text(
+        "set -e\nmkdir -p out\nprintf '#!/bin/sh\\necho built\\n' > out/app\n"
+    )
+    (built / "module.toml").write_text(
+        '[module]\nname = "built"\n'
+        '[bundle.app]\nkind = "binary"\nsource = "src"\nbuild = ["sh", "build.sh"]\n'
+        'output = "out/app"\ntimeout = "60s"\n'
+    )
+    await _hello_on(secured, admin, "node-2")
+    ok(cli(secured, secured.admin, "push", str(built), "--timeout", "120"))
+    await admin.jsm().purge_stream("OBJ_mesh-bundles")
+
+    assigned = cli(secured, secured.admin, "--json", "assign", "hello", "node-1", "--wait",
+                   "--timeout", "120")  # fmt: skip
+    assert assigned.returncode != 0
+    plan = json.loads(ok(cli(secured, secured.viewer, "--json", "plan",
+                             str(json.loads(assigned.stdout)["plan"]))))  # fmt: skip
+    assert plan["state"] == "reverted", plan
+    assert "not in the bundle store" in plan["failure"] and "mesh push" in plan["failure"], plan
+    assert all(s["state"] == "pending" for s in plan["steps"]), plan  # no machine touched
+
+    for folder in (HELLO, built):
+        pushed = json.loads(ok(cli(secured, secured.admin, "--json", "push", str(folder),
+                                   "--timeout", "120")))  # fmt: skip
+        assert "restored" in pushed["message"] and pushed["plan"] is None, pushed
+    ok(cli(secured, secured.admin, "assign", "hello", "node-1", "--wait", "--timeout", "120"))
+    await await_until(lambda: _applied(admin, "node-1"), within=60, what="node-1 to apply")
+    again = json.loads(ok(cli(secured, secured.admin, "--json", "push", str(HELLO))))
+    assert again["plan"] is None and again["message"] == "no change", again

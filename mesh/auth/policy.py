@@ -167,6 +167,7 @@ def _controller(user: User) -> Permissions:
             f"{KV_SUBJECTS}.>",
             f"$KV.{SEAT}.>",  # the seat's epoch on the bus (services/controller/epochs.py)
             f"{OBJ_SUBJECTS}.>",
+            f"{BUILDS_SUBJECTS}.>",  # what builders left there, deleted once adopted
         ],
         subscribe=[
             subjects.ctl(">"),

@@ -108,7 +108,7 @@ async def build(
         ) from None
     reply = msgspec.structs.replace(reply, tail=builds.clip_tail(reply.tail))
     if reply.staged:
-        reply = await _adopt(nc, obs, reply)
+        reply = await _adopt(nc, obs, reply, log_as="build-log-" + key.replace(":", "-"))
     if reply.ok and (reply.digest is None or not await blobs.has(obs, reply.digest)):
         reply = msgspec.structs.replace(reply, ok=False, error="the builder stored no bundle")
     await builds.finish_build(
@@ -126,17 +126,21 @@ async def build(
     return reply.digest
 
 
-async def _adopt(nc: Client, obs: ObjectStore, reply: BuildReply) -> BuildReply:
-    """Take what the builder left in `mesh-builds` into the bundle store: the log (best
-    effort: a build is not failed for its log) and the bundle, checked against its digest."""
+async def _adopt(nc: Client, obs: ObjectStore, reply: BuildReply, *, log_as: str) -> BuildReply:
+    """Take what the builder left in `mesh-builds` into the bundle store: the log as `log_as`
+    (best effort: a build is not failed for its log) and the bundle, checked against its
+    digest. The reply then names the log as it is kept."""
+    log_object = ""
     if reply.log:
         try:
-            await blobs.adopt(nc, obs, reply.log)
+            await blobs.adopt(nc, obs, reply.log, keep_as=log_as)
+            log_object = log_as
         except Exception as e:
             log.warning("the log %s of a build could not be kept: %s", reply.log, e)
+    reply = msgspec.structs.replace(reply, log=log_object)
     if reply.ok and reply.digest is not None:
         try:
-            await blobs.adopt(nc, obs, blobs.object_name(reply.digest), d=reply.digest)
+            await blobs.adopt(nc, obs, reply.staged_as, d=reply.digest)
         except (blobs.BlobMissing, blobs.BlobCorrupt) as e:
             return msgspec.structs.replace(
                 reply, ok=False, error=f"what the builder left is not its bundle: {e}"

@@ -373,6 +373,51 @@ class Changes:
                     building=building,
                 )  # fmt: skip
 
+    async def _restore(
+        self, manifest: Manifest, req: PushRequest, data: bytes, current: modules.StoredVersion
+    ) -> ChangeReply | None:
+        """The current version pushed again, with bundles of it missing from the bundle store
+        (lost with JetStream's data, or purged): stored again from the source, built again
+        where they were built. A build that gives other bytes than before changes the
+        version's bundles, and its machines get them in a plan. None: nothing was missing."""
+        name = manifest.module.name
+        missing = [
+            b for b, d in sorted(current.bundles.items())
+            if d.startswith("sha256:") and not await blobs.has(self._obs, d)
+        ]  # fmt: skip
+        if not missing:
+            return None
+        bundles, todo = await pack_bundles(
+            pool=self._pool, obs=self._obs, manifest=manifest, data=data, dry=False
+        )
+        # What is still stored stays as it is; only what is missing is stored or built again.
+        bundles |= {b: d for b, d in current.bundles.items() if b not in missing}
+        bundles |= await self._build(name, [b for b in todo if b.name in missing])
+        log.info("push of %s %s: restored %s missing from the bundle store", name,
+                 req.source[:19], named(missing))  # fmt: skip
+        what = f"{name} {req.source[:19]}: restored {len(missing)} bundle(s) ({named(missing)})"
+        changed = {b: d for b, d in bundles.items() if current.bundles.get(b) != d}
+        if not changed:
+            return replied(plan=None, changed=[], message=f"{what}; no machine changes",
+                           version=req.source)  # fmt: skip
+        async with self._one_change:
+            async with self._pool.acquire() as conn, conn.transaction():
+                await seats.fence(conn, epoch=self._epoch)
+                await modules.rebundle(conn, version_id=current.id, bundles=bundles)
+                targets = sorted(m for m, mods in (await modules.assignments(conn)).items()
+                                 if name in mods)  # fmt: skip
+                plan, machines = await self._plan(
+                    conn, targets, trigger="push", subject=name, by=req.by,
+                    settings=settings_of(manifest),
+                    undo={"module": name, "from": current.id, "to": current.id},
+                    builds=[PlanBuild(bundle=b, digest=d, built=b in changed)
+                            for b, d in sorted(bundles.items())],
+                )  # fmt: skip
+        self._wake()
+        return replied(plan=plan, changed=machines, version=req.source,
+                       message=f"{what}, built again as other bytes; plan {plan} changes "
+                       f"{len(machines)} machine(s)")  # fmt: skip
+
     # --- verbs -----------------------------------------------------------------------------
 
     async def push(self, req: PushRequest) -> ChangeReply:
@@ -387,7 +432,7 @@ class Changes:
             async with self._pool.acquire() as conn:
                 current = (await modules.current_modules(conn)).get(name)
             if current is not None and current.version == req.source:
-                return unchanged
+                return await self._restore(manifest, req, data, current) or unchanged
             bundles, todo = await pack_bundles(
                 pool=self._pool, obs=self._obs, manifest=manifest, data=data, dry=False
             )

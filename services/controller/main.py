@@ -315,7 +315,7 @@ class Hold:
                     budget=lambda: paging.budget(self.nc.max_payload),
                 )  # fmt: skip
                 planner = Planner(pool=self.pool, publisher=publisher, fleet=fleet, epoch=row.epoch,
-                                  nc=self.nc)  # fmt: skip
+                                  nc=self.nc, obs=obs)  # fmt: skip
                 # Slow verbs run in `serving`, answered before we go.
                 async with anyio.create_task_group() as serving:
                     assert row.since is not None

@@ -113,17 +113,18 @@ async def _build(nc: Client, req: BuildRequest, *, root: Path) -> BuildReply:
         log.info("building %s/%s in %s: %s", req.module, req.bundle, workdir, req.argv)
         code, timed_out = await _run(req, workdir=workdir, output=output, credentials=credentials)
         text = _read_log(output)
-        await blobs.stage(obs, log_name, text.encode())
+        staged_log = await blobs.stage(obs, log_name, text.encode())
         if timed_out:
-            return _failed(text, log_name, f"timed out after {req.timeout:g}s")
+            return _failed(text, staged_log, f"timed out after {req.timeout:g}s")
         if code != 0:
-            return _failed(text, log_name, f"exit code {code}")
+            return _failed(text, staged_log, f"exit code {code}")
         result = _inside(workdir, req.output)
         if not result.exists():
-            return _failed(text, log_name, f"the build left no {req.output!r}")
-        digest = await _stage_bundle(obs, await anyio.to_thread.run_sync(archive.pack, result))
-        log.info("built %s/%s: %s", req.module, req.bundle, digest)
-        return BuildReply(ok=True, digest=digest, tail=_tail(text), log=log_name, staged=True)
+            return _failed(text, staged_log, f"the build left no {req.output!r}")
+        packed = await anyio.to_thread.run_sync(archive.pack, result)
+        reply = await _built(obs, packed, tail=_tail(text), staged_log=staged_log)
+        log.info("built %s/%s: %s", req.module, req.bundle, reply.digest)
+        return reply
     except (blobs.BlobMissing, blobs.BlobCorrupt, archive.ArchiveRefused, ValueError, OSError) as e:
         return BuildReply(ok=False, digest=None, tail="", log="", error=str(e))
     finally:
@@ -139,30 +140,33 @@ async def _build_mesh(obs: Any, req: BuildRequest, source: Path, log_name: str) 
         lines = await anyio.to_thread.run_sync(meshbuild.make, source, made)
         packed = await anyio.to_thread.run_sync(archive.pack, made)
     except meshbuild.MeshBuildFailed as e:
-        await blobs.stage(obs, log_name, str(e).encode())
+        staged_log = await blobs.stage(obs, log_name, str(e).encode())
         return BuildReply(
-            ok=False, digest=None, tail=str(e), log=log_name, error=str(e), staged=True
+            ok=False, digest=None, tail=str(e), log=staged_log, error=str(e), staged=True
         )
     finally:
         await anyio.to_thread.run_sync(lambda: shutil.rmtree(made, ignore_errors=True))
     lines.append(f"bundle: {len(packed) // 1024} KiB packed")
     text = "\n".join(lines)
-    await blobs.stage(obs, log_name, text.encode())
-    digest = await _stage_bundle(obs, packed)
-    log.info("built %s/%s: %s (%d KiB)", req.module, req.bundle, digest, len(packed) // 1024)
-    return BuildReply(ok=True, digest=digest, tail=_tail(text), log=log_name, staged=True)
+    staged_log = await blobs.stage(obs, log_name, text.encode())
+    reply = await _built(obs, packed, tail=_tail(text), staged_log=staged_log)
+    log.info("built %s/%s: %s (%d KiB)", req.module, req.bundle, reply.digest,
+             len(packed) // 1024)  # fmt: skip
+    return reply
 
 
-def _failed(text: str, log_name: str, error: str) -> BuildReply:
+def _failed(text: str, staged_log: str, error: str) -> BuildReply:
     """A build that ran and failed: its log is staged (the controller adopts it)."""
-    return BuildReply(ok=False, digest=None, tail=_tail(text), log=log_name, error=error,
+    return BuildReply(ok=False, digest=None, tail=_tail(text), log=staged_log, error=error,
                       staged=True)  # fmt: skip
 
 
-async def _stage_bundle(obs: Any, packed: bytes) -> str:
+async def _built(obs: Any, packed: bytes, *, tail: str, staged_log: str) -> BuildReply:
+    """The bundle staged beside its log, for the controller to check and adopt."""
     d = blobs.digest(packed)
-    await blobs.stage(obs, blobs.object_name(d), packed)
-    return d
+    staged_as = await blobs.stage(obs, blobs.object_name(d), packed)
+    return BuildReply(ok=True, digest=d, tail=tail, log=staged_log, staged=True,
+                      staged_as=staged_as)  # fmt: skip
 
 
 async def _run(
