@@ -12,7 +12,8 @@ import msgspec
 Name = Annotated[
     str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]*\Z")
 ]
-Tier = Annotated[int, msgspec.Meta(ge=0, le=9)]
+MAX_TIER = 9  # tiers are 0 to 9
+Tier = Annotated[int, msgspec.Meta(ge=0, le=MAX_TIER)]
 # What a machine or a client says in words: one printable line, never a NUL (PostgreSQL's text
 # and jsonb refuse it, and a control character in a log or a table is a lie waiting to happen).
 Word = Annotated[str, msgspec.Meta(max_length=256, pattern=r"^[^\x00-\x1f\x7f]*\Z")]

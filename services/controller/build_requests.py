@@ -89,7 +89,7 @@ async def build(
     )
     try:
         msg = await nc.request(subjects.host(on, "build"), wire.encode(req), timeout=timeout + 30)
-        reply = msgspec.json.decode(msg.data, type=BuildReply)
+        reply = wire.decode_json(msg.data, BuildReply)
     except (NoRespondersError, NatsTimeout, msgspec.DecodeError) as e:
         metrics.BUILDS.labels("no_answer").inc()
         await builds.finish_build(pool, key=key, ok=False, digest=None, tail="", log_object=None)

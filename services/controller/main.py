@@ -126,7 +126,7 @@ async def run(
 
         async def on_seat_event(msg: Msg) -> None:
             try:
-                announce = msgspec.json.decode(msg.data, type=SeatAnnounce)
+                announce = wire.decode_json(msg.data, SeatAnnounce)
             except msgspec.DecodeError:
                 return
             if msg.subject.endswith(".standby"):

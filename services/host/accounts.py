@@ -40,11 +40,18 @@ def current() -> Identity:
 
 
 def ensure(name: str, account: DAccount) -> Identity:
-    """The account, created if absent. Idempotent; in dev mode, the current user."""
+    """The account, created if absent. Idempotent; in dev mode, the current user. A privileged
+    account or group is refused first, in dev mode too, by the gate's rules: a declaration that
+    did not come through the gate is held to them all the same."""
+    privileged = account.privileged_groups or []
+    refused = osaccounts.refusal(name, groups=account.groups, privileged_groups=privileged)
+    if refused is not None:
+        field, why = refused
+        raise osaccounts.AccountError(f"account {name}{'.' + field if field else ''}: {why}")
     if dev_mode():
         return current()
     created = osaccounts.ensure_system_account(
-        name, home=account.home, shell=account.shell, groups=account.groups
+        name, home=account.home, shell=account.shell, groups=[*account.groups, *privileged]
     )
     if created:
         log.info("created account %s", name)
