@@ -69,11 +69,13 @@ async def test_json_nested_5000_deep_is_a_bad_request_and_the_holder_goes_on(
     await await_until(lambda: ask(nc, "mesh.ctl.status"), within=20, what="the controller")
     registered = await ask(nc, "mesh.ctl.host.node-x.register", _register())
     assert registered is not None and "error" not in registered, registered
-    # An operator's verb, and a host's own request (its registration), nested 5,000 deep.
-    host_body = json.dumps(_register()).encode().replace(b'"labels": {}', b'"labels": ' + DEEP)
+    # A host's own request (its registration), nested 5,000 deep in a field a newer host might
+    # add (skipped, as a Peer's unknown fields are: the decoder recursed into it all the same,
+    # an `internal` error), and an operator's verb nested as deep where a word belongs.
+    later = json.dumps(_register()).encode()[:-1] + b', "added_later": ' + DEEP + b"}"
     for subject, body in [
+        ("mesh.ctl.host.node-x.register", later),
         ("mesh.ctl.label", b'{"machine": "node-x", "set": {"a": ' + DEEP + b"}}"),
-        ("mesh.ctl.host.node-x.register", host_body),
     ]:
         reply = await ask(nc, subject, body)
         assert reply is not None, f"{subject}: no answer"
@@ -83,8 +85,8 @@ async def test_json_nested_5000_deep_is_a_bad_request_and_the_holder_goes_on(
         assert re.fullmatch(said, reply["error"]["message"]), (subject, reply)
     # A host's reports (nobody answers them): ignored as any malformed report, in the order
     # they came, so once the good report after them is heard they have been read.
-    await nc.publish("mesh.event.node-x.tools", b'{"name": "node-x", "servers": ' + DEEP + b"}")
-    await nc.publish("mesh.event.node-x.applied", b'{"name": "node-x", "digest": ' + DEEP + b"}")
+    await nc.publish("mesh.event.node-x.tools", b'{"name": "node-x", "later": ' + DEEP + b"}")
+    await nc.publish("mesh.event.node-x.applied", b'{"name": "node-x", "later": ' + DEEP + b"}")
     server = {"name": "s", "state": "ready", "tools": [{"name": "t"}]}
     good = {"name": "node-x", "servers": [server]}
     await nc.publish("mesh.event.node-x.tools", json.dumps(good).encode())
@@ -222,18 +224,19 @@ async def test_tools_takes_the_limits_its_docs_say(nc, start_controller) -> None
     said = re.search(r'"limit" \((\d+)\u2013(\d+), (\d+)\)', section)  # an en dash
     assert said, "docs/verbs.md's tools section no longer says its limit as it did"
     low, high, _ = (int(n) for n in said.groups())
-    # ... and what every page says, and the table of limits, is the same range
-    assert f"items at most in the page: {low} to {high};" in docs
-    assert f"`limit` {low} to {high} and" in docs
     start_controller("ctl-a")
     await await_until(lambda: ask(nc, "mesh.ctl.status"), within=20, what="the controller")
     fine = await ask(nc, "mesh.ctl.tools", {"limit": high})
     assert fine is not None and "error" not in fine, fine
     for limit in (low - 1, high + 1):
         reply = await ask(nc, "mesh.ctl.tools", {"limit": limit})
+        assert reply is not None and "error" in reply, f"limit {limit} was taken: {reply}"
         assert reply["error"]["code"] == "bad_request", reply
         said_back = f"limit: {limit} is out of range ({low} to {high})"
         assert said_back in reply["error"]["message"], reply
+    # ... and what the docs say of every page, and their table of limits, is the same range
+    assert f"items at most in the page: {low} to {high};" in docs
+    assert f"`limit` {low} to {high} and" in docs
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="accounts with groups are made only as root")
