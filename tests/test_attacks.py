@@ -19,7 +19,7 @@ import pytest
 from helpers import MESH, ask, await_until, next_failure, ok
 
 from mesh import wire
-from mesh.modules import archive
+from mesh.modules import archive, compose, gate
 from services.host import mcpstdio
 
 ROOT = Path(__file__).parent.parent
@@ -288,3 +288,17 @@ async def test_a_privileged_group_is_taken_only_when_named_so_by_gate_and_host(
     assert event["error"].startswith(f"account {intruder}.groups: 'disk' is a privileged group")
     found = subprocess.run(["getent", "passwd", intruder], capture_output=True)
     assert found.returncode == 2, "the host made the account anyway"
+
+
+def test_privileged_groups_pass_the_gate_into_the_declaration_and_nothing_else_changes() -> None:
+    manifest = gate.parse(_manifest(account='privileged_groups = ["adm", "adm"]\n'))
+    mv = compose.ModuleVersion(name="attack", version="sha256:" + "1" * 64, manifest=manifest,
+                               bundles={"b": "sha256:" + "2" * 64})  # fmt: skip
+    decl = compose.compose("node-1", [mv])
+    assert decl.accounts["app"].privileged_groups == ["adm"]
+    # An account without them has no such key: its bytes, and every digest, are as before.
+    plain = gate.parse(_manifest())
+    bytes_ = compose.canonical(
+        compose.compose("node-1", [msgspec.structs.replace(mv, manifest=plain)])
+    )
+    assert b'"app":{"groups":[],"home":null,"shell":"/usr/sbin/nologin"}' in bytes_
