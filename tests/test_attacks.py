@@ -6,27 +6,36 @@ the piece it was aimed at refuses what arrived (and says so in its log), and not
 docs/security.md, "Threat model", lists what each compromised piece can and cannot do.
 """
 
+import grp
 import json
+import os
+import re
+import resource
 import shutil
+import subprocess
+import sys
 import tempfile
+import threading
+import uuid
 from datetime import UTC, datetime
 from pathlib import Path
 
+import anyio
+import msgspec
 import pytest
-from helpers import await_until, ok
+from helpers import MESH, ask, await_until, next_failure, ok
 from nats.aio.client import Client
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-from secured import Secured, ask, cli
+from secured import Secured, cli
 
 from mesh import blobs, wire
 from mesh.auth import creds as credentials
 from mesh.auth import registry
 from mesh.auth.signing import Signing
 from mesh.model import SeatAnnounce
-from mesh.modules import archive
-
-pytestmark = pytest.mark.slow
+from mesh.modules import archive, compose, gate
+from services.host import mcpstdio
 
 ROOT = Path(__file__).parent.parent
 HELLO = ROOT / "docs" / "examples" / "hello"
@@ -286,3 +295,283 @@ async def test_the_bundle_store_heals_from_a_push(fleet, secured, tmp_path):
     await await_until(lambda: _applied(admin, "node-1"), within=60, what="node-1 to apply")
     again = json.loads(ok(cli(secured, secured.admin, "--json", "push", str(HELLO))))
     assert again["plan"] is None and again["message"] == "no change", again
+
+
+# --- the gate and the wire ---
+# JSON nested thousands deep (the decoder's recursion: an `internal` error and a traceback in
+# the holder's log), NUL bytes and privileged accounts and groups that only a host refused (or
+# nobody), numbers out of any range, the CLI reading a module's whole folder into memory
+# before measuring it, and a verb whose limit was not what its docs said.
+
+DEEP = b"[" * 5000 + b"]" * 5000  # what the attack sent: 10 KB, under every verb's limit
+NOWHERE = "sha256:" + "0" * 64  # a source nobody uploaded: the gate refuses before it is read
+FACTS = {"os": "linux", "arch": "x86_64", "cpus": 1, "memory": 1, "mesh_version": "0"}
+
+
+def _register(name: str = "node-x") -> dict:
+    return {"name": name, "tier": 1, "labels": {}, "facts": FACTS, "beat_interval": 1, "pid": 1}
+
+
+@pytest.mark.parametrize(
+    ("body", "deepest"),
+    [
+        (b"[" * 64 + b"]" * 64, None),  # the limit itself is fine
+        (b"[" * 65 + b"]" * 65, 65),
+        (b'{"a": ' * 65 + b"1" + b"}" * 65, 65),
+        (b"[]" * 100_000, None),  # many, side by side, is not deep
+        (b'["' + b"[" * 5000 + b'"]', None),  # brackets in a string are text
+        (b'["\\"' + b"{" * 5000 + b'\\\\", 1]', None),  # ... escaped quotes and all
+        (b"[" * 5000, 5000),  # never closed: the decoder would still recurse into each
+        (DEEP, 5000),
+    ],
+)
+def test_nesting_is_measured_on_the_bytes_before_decoding(body: bytes, deepest: int) -> None:
+    if deepest is None:
+        wire.check_depth(body)
+        return
+    with pytest.raises(wire.TooDeep) as e:
+        wire.decode_json(body)
+    assert str(e.value) == f"arrays and objects nested {deepest} deep, at most {wire.MAX_DEPTH}"
+    assert isinstance(e.value, msgspec.DecodeError)  # so refused wherever malformed JSON is
+
+
+async def test_json_nested_5000_deep_is_a_bad_request_and_the_holder_goes_on(
+    nc, start_controller
+) -> None:
+    ctl = start_controller("ctl-a")
+    await await_until(lambda: ask(nc, "mesh.ctl.status"), within=20, what="the controller")
+    registered = await ask(nc, "mesh.ctl.host.node-x.register", _register())
+    assert registered is not None and "error" not in registered, registered
+    # A host's own request (its registration), nested 5,000 deep in a field a newer host might
+    # add (skipped, as a Peer's unknown fields are: the decoder recursed into it all the same,
+    # an `internal` error), and an operator's verb nested as deep where a word belongs.
+    later = json.dumps(_register()).encode()[:-1] + b', "added_later": ' + DEEP + b"}"
+    for subject, body in [
+        ("mesh.ctl.host.node-x.register", later),
+        ("mesh.ctl.label", b'{"machine": "node-x", "set": {"a": ' + DEEP + b"}}"),
+    ]:
+        reply = await ask(nc, subject, body)
+        assert reply is not None, f"{subject}: no answer"
+        assert reply["error"]["code"] == "bad_request", (subject, reply)
+        # DEEP and the object (or two) it lies in
+        said = "body: arrays and objects nested 500[12] deep, at most 64"
+        assert re.fullmatch(said, reply["error"]["message"]), (subject, reply)
+    # A host's reports (nobody answers them): ignored as any malformed report, in the order
+    # they came, so once the good report after them is heard they have been read.
+    await nc.publish("mesh.event.node-x.tools", b'{"name": "node-x", "later": ' + DEEP + b"}")
+    await nc.publish("mesh.event.node-x.applied", b'{"name": "node-x", "later": ' + DEEP + b"}")
+    server = {"name": "s", "state": "ready", "tools": [{"name": "t"}]}
+    good = {"name": "node-x", "servers": [server]}
+    await nc.publish("mesh.event.node-x.tools", json.dumps(good).encode())
+
+    async def heard() -> bool:
+        listed = await ask(nc, "mesh.ctl.tools", {"machine": "node-x"})
+        return bool(listed and [t["name"] for t in listed.get("tools", [])] == ["t"])
+
+    await await_until(heard, within=10, what="the good report after the deep ones")
+    status = await ask(nc, "mesh.ctl.status")
+    assert status["seat"]["holder"] == "ctl-a"
+    log = ctl.log_path.read_text()
+    assert "RecursionError" not in log and "Traceback" not in log, log[-3000:]
+
+
+async def test_a_tool_server_writing_json_5000_deep_does_not_speak_mcp() -> None:
+    # A tool server's messages are bounded by the same rule as the bus's (one helper).
+    line = b'{"jsonrpc": "2.0", "id": 1, "result": ' + DEEP + b"}\n"
+    server = subprocess.Popen(
+        [sys.executable, "-c", f"import sys; sys.stdout.write({line.decode()!r}); "
+         "sys.stdout.flush(); sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        assert server.stdin is not None and server.stdout is not None
+        os.set_blocking(server.stdout.fileno(), False)
+        session = mcpstdio.Session(stdin=server.stdin.fileno(), stdout=server.stdout.fileno())
+        with pytest.raises(mcpstdio.ProtocolError) as e, anyio.fail_after(20):
+            await session.run()
+        assert str(e.value) == "it wrote JSON nested 5001 deep on stdout, at most 64"
+    finally:
+        server.kill()
+        server.wait()
+
+
+def _manifest(*, account: str = "", process: str = "", extra: str = "") -> str:
+    return (
+        '[module]\nname = "attack"\n'
+        '[bundle.b]\nkind = "files"\nsource = "src"\n'
+        f"[account.app]\n{account}"
+        f'[process.p]\nbundle = "b"\naccount = "app"\ncommand = ["./app"]\n{process}'
+        f"{extra}"
+    )
+
+
+REFUSED_AT_THE_GATE = [
+    # (what the attack pushed, the field named, the value named)
+    (_manifest(process='prepare = ["./app", "a\\u0000b"]\n'), "process.p.prepare", r"'a\x00b'"),
+    (_manifest().replace('["./app"]', '["./app", "--x=\\u0000"]'), "process.p.command",
+     r"'--x=\x00'"),
+    (_manifest(process='env = { A = "x\\u0000" }\n'), "process.p.env.A", r"'x\x00'"),
+    (_manifest(process='files = { "a\\u0000b" = { text = "x" } }\n'), r"process.p.files.a\x00b",
+     r"'a\x00b'"),
+    (_manifest(extra="[account.root]\n"), "account.root", "'root'"),
+    (_manifest(account='groups = ["root"]\n'), "account.app.groups", "'root'"),
+    (_manifest(account='groups = ["disk"]\n'), "account.app.groups", "'disk'"),
+    (_manifest(account='groups = ["docker"]\n'), "account.app.groups", "'docker'"),
+    (_manifest(account='groups = ["sudo"]\n'), "account.app.groups", "'sudo'"),
+    (_manifest(account='privileged_groups = ["root"]\n'), "account.app.privileged_groups",
+     "'root'"),
+    (_manifest(extra="[assign]\ntiers = [-1, 99999999999999]\n"), "assign.tiers", "-1"),
+    (_manifest(extra="[assign]\ntiers = [2, 99999999999999]\n"), "assign.tiers",
+     "99999999999999"),
+    (_manifest(extra="[rollout]\nmax_parallel = 99999999999999999999\n"),
+     "rollout.max_parallel", "99999999999999999999"),
+]  # fmt: skip
+
+
+async def test_the_gate_refuses_what_only_a_host_refused_or_nobody(nc, start_controller) -> None:
+    start_controller("ctl-a")
+    await await_until(lambda: ask(nc, "mesh.ctl.status"), within=20, what="the controller")
+    wrong = []
+    for manifest, field, value in REFUSED_AT_THE_GATE:
+        reply = await ask(nc, "mesh.ctl.push", {"manifest": manifest, "source": NOWHERE})
+        error = (reply or {}).get("error", {})
+        message = error.get("message", "")
+        named = message.startswith(f"module attack: {field}: ") and value in message
+        if error.get("code") != "refused" or not named:
+            wrong.append(f"{field} {value}: {reply}")
+    assert wrong == []
+    status = await ask(nc, "mesh.ctl.status")
+    assert status["seat"]["holder"] == "ctl-a"
+
+
+def _run_measured(argv: list[str], *, env: dict[str, str], stderr: Path) -> tuple[int, int]:
+    """Run `argv`; its exit code and its peak resident memory in bytes (of it alone: wait4).
+    Its address space is capped at 2 GiB, so a CLI that reads a huge file fails at once with
+    a MemoryError instead of taking the machine's memory."""
+
+    def cap() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (2 * 2**30, 2 * 2**30))
+
+    with stderr.open("wb") as err:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=err, env=env, preexec_fn=cap)  # fmt: skip
+    watchdog = threading.Timer(120, proc.kill)
+    watchdog.start()
+    try:
+        _, status, usage = os.wait4(proc.pid, 0)
+    finally:
+        watchdog.cancel()
+    proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here, not by Popen
+    return proc.returncode, usage.ru_maxrss * 1024
+
+
+async def test_mesh_push_of_a_10_gib_file_refuses_it_unread(
+    nc, start_controller, nats_url, tmp_path
+) -> None:
+    start_controller("ctl-a")
+    await await_until(lambda: ask(nc, "mesh.ctl.status"), within=20, what="the controller")
+    folder = tmp_path / "big"
+    (folder / "src").mkdir(parents=True)
+    (folder / "module.toml").write_text(
+        '[module]\nname = "big"\n[bundle.big]\nkind = "files"\nsource = "src"\n'
+    )
+    (folder / "src" / "a.txt").write_text("small\n")
+    huge = folder / "src" / "huge.bin"
+    with huge.open("wb") as f:
+        f.truncate(10 * 2**30)  # sparse: 10 GiB that take no disk
+    env = {**os.environ, "MESH_NATS_URL": nats_url}
+    code, peak = await anyio.to_thread.run_sync(
+        lambda: _run_measured([*MESH, "push", str(folder)], env=env, stderr=tmp_path / "err")
+    )
+    text = (tmp_path / "err").read_text()
+    lines = text.strip().splitlines()
+    assert code != 0 and len(lines) == 1 and "Traceback" not in text, text
+    assert f"src/huge.bin is {10 * 2**30} bytes" in lines[0], lines[0]
+    assert f"{archive.MAX_ARCHIVE} bytes at most" in lines[0], lines[0]
+    assert peak < 256 * 2**20, f"the CLI's peak memory was {peak} bytes"
+
+
+async def test_tools_takes_the_limits_its_docs_say(nc, start_controller) -> None:
+    docs = (ROOT / "docs" / "verbs.md").read_text()
+    section = docs[docs.index("## `tools`") : docs.index("## What hosts ask")]
+    said = re.search(r'"limit" \((\d+)\u2013(\d+), (\d+)\)', section)  # an en dash
+    assert said, "docs/verbs.md's tools section no longer says its limit as it did"
+    low, high, _ = (int(n) for n in said.groups())
+    start_controller("ctl-a")
+    await await_until(lambda: ask(nc, "mesh.ctl.status"), within=20, what="the controller")
+    fine = await ask(nc, "mesh.ctl.tools", {"limit": high})
+    assert fine is not None and "error" not in fine, fine
+    for limit in (high + 1, low - 1):
+        reply = await ask(nc, "mesh.ctl.tools", {"limit": limit})
+        assert reply is not None and "error" in reply, f"limit {limit} was taken: {reply}"
+        assert reply["error"]["code"] == "bad_request", reply
+        said_back = f"limit: {limit} is out of range ({low} to {high})"
+        assert said_back in reply["error"]["message"], reply
+    # ... and what the docs say of every page, and their table of limits, is the same range
+    assert f"items at most in the page: {low} to {high};" in docs
+    assert f"`limit` {low} to {high} and" in docs
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="accounts with groups are made only as root")
+async def test_a_privileged_group_is_taken_only_when_named_so_by_gate_and_host(
+    host, nc, nats_url, tmp_path
+) -> None:
+    # The opt-in: `privileged_groups` passes the gate, and the process has the group.
+    tag = uuid.uuid4().hex[:6]
+    account = f"logs-{tag}"
+    folder = tmp_path / "logship"
+    (folder / "src").mkdir(parents=True)
+    (folder / "src" / "keep").write_text("")
+    (folder / "module.toml").write_text(
+        '[module]\nname = "logship"\n[bundle.b]\nkind = "files"\nsource = "src"\n'
+        f'[account.{account}]\nprivileged_groups = ["adm"]\n'
+        f'[process.logship]\nbundle = "b"\naccount = "{account}"\n'
+        'command = ["python3", "-c", "import signal; signal.pause()"]\n'
+        '[assign]\nmachines = ["node-1"]\n'
+    )
+    ok(subprocess.run([*MESH, "push", str(folder), "--nats-url", nats_url, "--timeout", "120"],
+                      capture_output=True, text=True, timeout=180))  # fmt: skip
+
+    async def running() -> dict | None:
+        status = await ask(nc, "mesh.host.node-1.status")
+        found = [p for p in (status or {}).get("processes", []) if p["name"] == "logship"]
+        return found[0] if found and found[0]["pid"] else None
+
+    p = await await_until(running, within=60, what="logship running")
+    status = Path(f"/proc/{p['pid']}/status").read_text()
+    groups = next(line for line in status.splitlines() if line.startswith("Groups:")).split()
+    assert str(grp.getgrnam("adm").gr_gid) in groups
+
+    # A declaration that did not come through the gate (put in the bucket straight) is held to
+    # the same rules by the host: a privileged group in `groups` is refused, with the reason,
+    # before any account is made.
+    events = await nc.subscribe("mesh.event.node-1.applied")
+    await nc.flush()
+    kv = await nc.jetstream().key_value("mesh-declarations")
+    current = json.loads((await kv.get("node-1")).value)
+    forged = {**current, "digest": "sha256:" + "2" * 64}
+    intruder = f"intr-{tag}"
+    forged["declaration"] = {
+        **current["declaration"],
+        "accounts": {intruder: {"home": None, "groups": ["disk"], "shell": "/bin/sh"}},
+    }
+    await kv.put("node-1", json.dumps(forged).encode())
+    event = await next_failure(events, within=30)
+    assert event["step"] == f"account {intruder}", event
+    assert event["error"].startswith(f"account {intruder}.groups: 'disk' is a privileged group")
+    found = subprocess.run(["getent", "passwd", intruder], capture_output=True)
+    assert found.returncode == 2, "the host made the account anyway"
+
+
+def test_privileged_groups_pass_the_gate_into_the_declaration_and_nothing_else_changes() -> None:
+    manifest = gate.parse(_manifest(account='privileged_groups = ["adm", "adm"]\n'))
+    mv = compose.ModuleVersion(name="attack", version="sha256:" + "1" * 64, manifest=manifest,
+                               bundles={"b": "sha256:" + "2" * 64})  # fmt: skip
+    decl = compose.compose("node-1", [mv])
+    assert decl.accounts["app"].privileged_groups == ["adm"]
+    # An account without them has no such key: its bytes, and every digest, are as before.
+    plain = gate.parse(_manifest())
+    bytes_ = compose.canonical(
+        compose.compose("node-1", [msgspec.structs.replace(mv, manifest=plain)])
+    )
+    assert b'"app":{"groups":[],"home":null,"shell":"/usr/sbin/nologin"}' in bytes_

@@ -26,7 +26,7 @@ from mesh.errors import MeshError
 from mesh.names import check_name
 from mesh.paths import open_path_to
 
-PG_ACCOUNT = "mesh-postgres"
+PG_ACCOUNT = osaccounts.PG_ACCOUNT  # no module may declare it (the gate)
 PG_USER = "postgres"  # the database superuser, not the OS account
 REPLICATION_USER = "replicator"  # the standby's role on the primary (REPLICATION, no superuser)
 STANDBY_NAME = "standby1"  # its application_name, the one synchronous_standby_names names

@@ -98,7 +98,7 @@ async def build(
         msg = await nc.request(
             subject, body, timeout=timeout + 30, headers=signing.headers(subject, body)
         )
-        reply = msgspec.json.decode(msg.data, type=BuildReply)
+        reply = wire.decode_json(msg.data, BuildReply)
     except (NoRespondersError, NatsTimeout, msgspec.DecodeError) as e:
         metrics.BUILDS.labels("no_answer").inc()
         await builds.finish_build(pool, key=key, ok=False, digest=None, tail="", log_object=None)

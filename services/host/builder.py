@@ -30,7 +30,7 @@ from services.host import meshbuild
 
 log = logging.getLogger(__name__)
 
-BUILD_ACCOUNT = "mesh-build"
+BUILD_ACCOUNT = osaccounts.BUILD_ACCOUNT  # no module may declare it (the gate)
 TAIL_LINES = 20
 TAIL_BYTES = 4096  # of those lines: they travel in the reply and an error message
 LOG_KEEP = 256 * 1024  # of a build's output, its end is kept: a chatty build costs no memory
