@@ -1,4 +1,5 @@
-"""The event log: one row per meaningful thing that happened (seat taken, machine up/down, ...)."""
+"""The event log: one row per meaningful thing that happened (seat taken, machine up/down, ...),
+and its pruning by age and count (the holder runs it: services/controller/pruning.py)."""
 
 import json
 from typing import Any
