@@ -53,15 +53,16 @@ async def prune(
     newest `keep`: at most `most` of each, oldest first; how many went for each reason. None
     keeps all. "The newest `keep`" are those whose id is within `keep` of the highest: ids are
     unique, so never more than `keep` remain (fewer where a rolled-back insert left a gap),
-    and finding them costs an index lookup, not a count of the table."""
+    and finding them costs an index lookup, not a count of the table. (`= ANY(ARRAY(…))`, not
+    `IN (…)`: PostgreSQL joins an `IN` against the whole table, 250 ms at a million rows.)"""
     by_age = by_count = 0
     if older_than is not None:
         by_age = _deleted(
             await conn.execute(
                 """
-                DELETE FROM events WHERE id IN (
+                DELETE FROM events WHERE id = ANY(ARRAY(
                     SELECT id FROM events WHERE at < now() - make_interval(secs => $1)
-                    ORDER BY at LIMIT $2)
+                    ORDER BY at LIMIT $2))
                 """,
                 older_than,
                 most,
@@ -71,9 +72,9 @@ async def prune(
         by_count = _deleted(
             await conn.execute(
                 """
-                DELETE FROM events WHERE id IN (
+                DELETE FROM events WHERE id = ANY(ARRAY(
                     SELECT id FROM events WHERE id <= (SELECT max(id) FROM events) - $1
-                    ORDER BY id LIMIT $2)
+                    ORDER BY id LIMIT $2))
                 """,
                 keep,
                 most,
