@@ -2,7 +2,9 @@
 
 Heartbeats are kept in memory and written to the store in batches; only registrations and
 up/down transitions are written at once, each with an event. A machine is down after
-`down_after` of its own beat intervals without a beat, and up again at its next beat.
+`down_after` of its own beat intervals without a beat, and up again at its next beat. What one
+machine can make us write is bounded (REGISTER_BURST, CHANGE_BURST): a host that registers or
+comes and goes in a loop costs a few rows and one log line a window, not one of each per message.
 """
 
 import bisect
