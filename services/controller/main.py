@@ -30,13 +30,14 @@ from nats.js.kv import KeyValue
 from mesh import blobs, bus, errors, origin, paging, subjects, version, wire
 from mesh import metrics as served_metrics
 from mesh.auth.signing import Signing
+from mesh.config import EventsKept, events_kept
 from mesh.discovery import Discovery
 from mesh.errors import MeshError, reason
 from mesh.model import Handover, SeatAnnounce, SeatInfo
 from mesh.serving import Stats
 from mesh.store import db, events, replication, seats
 from mesh.store.migrate import migrate
-from services.controller import epochs, handover, metrics, readiness
+from services.controller import epochs, handover, metrics, pruning, readiness
 from services.controller.changes import Changes
 from services.controller.fleet import Fleet, open_bus
 from services.controller.handover import VerbSubscriptions
@@ -103,7 +104,9 @@ async def run(
     creds: str | None = None,
     down_after: int = 3,
     metrics_on: served_metrics.Listen | None = None,
+    events: EventsKept | None = None,
 ) -> None:
+    events = events or events_kept()
     host = socket.gethostname()
     pid = os.getpid()
     # Run by a host as a process: named after the machine (MESH_MACHINE), not the OS's hostname.
@@ -192,7 +195,7 @@ async def run(
                     await Hold(
                         nc=nc, link=link, pool=pool, lock=lock, me=me, standbys=standbys,
                         down_after=down_after, verbs=verbs, stop=stop, released=released,
-                        ready=ready, signing=signing,
+                        ready=ready, signing=signing, events=events,
                     ).run()  # fmt: skip
                 finally:
                     holding.clear()
@@ -268,6 +271,7 @@ class Hold:
         released: Releases,
         ready: Readiness,
         signing: Signing,
+        events: EventsKept,
     ) -> None:
         self.nc = nc
         self.signing = signing
@@ -281,6 +285,7 @@ class Hold:
         self.stop = stop
         self.released = released
         self.ready = ready
+        self.events = events  # how much history the store keeps (pruning.py)
         self.reports: list[Subscription] = []  # the hosts' reports, once subscribed
         self.seat_kv: KeyValue | None = None  # the bus's record of the seat (epochs)
         self.warnings: list[str] = []  # what the takeover found wrong with the store
@@ -416,6 +421,9 @@ class Hold:
         assert self.seat_kv is not None
         background.start_soon(lambda: epochs.watch(self.seat_kv, epoch=held.epoch))
         background.start_soon(holder.fleet.run)
+        background.start_soon(
+            lambda: pruning.keep_pruned(self.pool, epoch=held.epoch, kept=self.events)
+        )
         background.start_soon(holder.publisher.keep_published)
         background.start_soon(metrics.HELD.holding, holder.fleet, self.pool)
         background.start_soon(_step_down_without_bus, self.link, nc)

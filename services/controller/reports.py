@@ -11,16 +11,24 @@ from nats.aio.subscription import Subscription
 
 from mesh import origin, subjects, wire
 from mesh.model import Applied, Beat, ProcessesEvent, ToolsEvent
+from mesh.ratelimit import PerKey
 from services.controller.fleet import Fleet
 from services.controller.publishing import Publisher
 
 log = logging.getLogger("mesh.controller")
+
+# A host reports each apply that fails, and one may report as fast as it can send: a machine's
+# failures are logged FAILURES_SAID at once, then one each FAILURES_EVERY seconds with how many
+# were not (`mesh nodes` shows the last one of each machine, whatever was logged).
+FAILURES_SAID = 3
+FAILURES_EVERY = 10.0
 
 
 class HostReports:
     def __init__(self, *, fleet: Fleet, publisher: Publisher) -> None:
         self._fleet = fleet
         self._publisher = publisher
+        self._failures = PerKey[str](burst=FAILURES_SAID, every=FAILURES_EVERY)
 
     async def subscribe(self, nc: Client) -> list[Subscription]:
         # Not in a queue group: a paused old holder that NATS has not dropped yet
@@ -89,5 +97,14 @@ class HostReports:
                 )  # fmt: skip
             else:  # the key's newest value may be a stale put: put the stored one again
                 self._publisher.wanted.pop(applied.name, None)
-            log.info("machine %s could not apply %s: %s: %s", applied.name,
-                     applied.digest[:19], applied.step, applied.error)  # fmt: skip
+            self._say_failure(applied)
+
+    def _say_failure(self, applied: Applied) -> None:
+        if not self._failures.take(applied.name):
+            self._failures.hold(applied.name)
+            return
+        unsaid = self._failures.held_for(applied.name)
+        log.info("machine %s could not apply %s: %s: %s%s", applied.name, applied.digest[:19],
+                 applied.step, applied.error,
+                 f" (and {unsaid} more failure(s) not logged since the last said)"
+                 if unsaid else "")  # fmt: skip
