@@ -614,7 +614,7 @@ async def _holding(nc) -> dict | None:
     return s if s and s.get("seat") else None
 
 
-async def _register(nc, req: Register) -> dict:
+async def _registered_as(nc, req: Register) -> dict:
     msg = await nc.request(f"mesh.ctl.host.{req.name}.register", wire.encode(req), timeout=10)
     return json.loads(msg.data)
 
@@ -650,7 +650,7 @@ async def test_a_host_registering_in_a_loop_adds_a_row_and_a_line_per_window(
 
     async def attacker() -> None:
         for i in sent:
-            reply = await _register(nc, msgspec.structs.replace(base, pid=100_000 + i))
+            reply = await _registered_as(nc, msgspec.structs.replace(base, pid=100_000 + i))
             code = reply["error"]["code"] if "error" in reply else "ok"
             answers[code] = answers.get(code, 0) + 1
             if i % 500 == 0:
@@ -713,7 +713,7 @@ async def test_a_machine_flapping_on_purpose_is_written_a_bounded_number_of_time
     beats steadily it is up again, in memory and the store."""
     start_controller("ctl-a")
     await await_until(lambda: _holding(nc), within=30, what="ctl-a to hold the seat")
-    reply = await _register(nc, Register(name="node-9", tier=None, labels={}, facts=HOST_FACTS,
+    reply = await _registered_as(nc, Register(name="node-9", tier=None, labels={}, facts=HOST_FACTS,
                                          beat_interval=0.01, pid=9))  # fmt: skip
     assert reply.get("name") == "node-9", reply
     changes = (
@@ -756,7 +756,7 @@ async def test_failed_apply_reports_in_a_flood_are_logged_a_few_times_with_a_cou
     shows it) and logs FAILURES_SAID (3) at once, then one each FAILURES_EVERY with a count."""
     start_controller("ctl-a")
     await await_until(lambda: _holding(nc), within=30, what="ctl-a to hold the seat")
-    await _register(nc, Register(name="node-8", tier=None, labels={}, facts=HOST_FACTS,
+    await _registered_as(nc, Register(name="node-8", tier=None, labels={}, facts=HOST_FACTS,
                                  beat_interval=3600, pid=8))  # fmt: skip
     log_path = procs.folder / "ctl-a.log"
     log_start = log_path.stat().st_size
