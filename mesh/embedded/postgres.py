@@ -381,11 +381,12 @@ def standby_settings(
 
 async def start_standby(
     data: Path, *, primary_port: int, log: Path, passwords: pgauth.Passwords,
-    detached: bool = False, name: str = STANDBY_NAME,
+    detached: bool = False, name: str = STANDBY_NAME, port: int | None = None,
 ) -> tuple[Child, int]:  # fmt: skip
     """Copy the primary into `data` if it is new (`base_backup`), run it as a hot standby
-    streaming from the primary on a free local port, and wait until it answers (read-only).
-    Returns the running child and its port; `wait_synchronous` waits for the streaming."""
+    streaming from the primary on `port` (a free local one if None), and wait until it
+    answers (read-only). Returns the running child and its port; `wait_synchronous` waits for
+    the streaming."""
     password = passwords.of(REPLICATION_USER)
     await anyio.to_thread.run_sync(
         lambda: base_backup(data, primary_port=primary_port, password=password)
@@ -393,7 +394,7 @@ async def start_standby(
     # A standby an older mesh copied carries its primary's pg_hba.conf of then (`trust`).
     pgauth.write_hba(data)
     pgauth.write_passfile(pgauth.passfile(data), password, owner=os_account())
-    port = free_port()
+    port = port or free_port()
     settings = standby_settings(primary_port=primary_port, name=name,
                                 passfile=pgauth.passfile(data))  # fmt: skip
     child = await spawn(
