@@ -62,8 +62,8 @@ BUSY_OTHERS = 0.15  # cores used by other processes above which a run is flagged
 
 # Accounts several modules declare identically (merged by composition, never a conflict).
 SHARED_ACCOUNTS = {
-    "metrics": Account(home="/var/lib/metrics", groups=["adm"]),
-    "logship": Account(home="/var/lib/logship", groups=["adm", "systemd-journal"]),
+    "metrics": Account(home="/var/lib/metrics", privileged_groups=["adm"]),
+    "logship": Account(home="/var/lib/logship", privileged_groups=["adm", "systemd-journal"]),
     "backup": Account(home="/var/backups/mesh"),
 }
 

@@ -648,7 +648,7 @@ async def fetch(mesh: Mesh, digest: str, times: int, top: int) -> Fetch:
         name = digest.replace(":", "-")
         for i in range(times):
             t, used = time.perf_counter(), cpu_times()
-            data = await blobs.get(obs, digest)
+            data = await blobs.get(nc, digest)
             f.blobs_get.append(time.perf_counter() - t)
             f.cpu.setdefault("blobs.get", []).append(cpu_times(used))
             buf = io.BytesIO()
@@ -682,7 +682,7 @@ async def fetch(mesh: Mesh, digest: str, times: int, top: int) -> Fetch:
                 f"{f.members[-1]:.2f} s, unpack {f.unpack[-1]:.2f} s, read-only "
                 f"{f.read_only[-1]:.2f} s")  # fmt: skip
         for what, call in (
-            ("blobs.get", lambda: blobs.get(obs, digest)),
+            ("blobs.get", lambda: blobs.get(nc, digest)),
             ("ObjectStore.get(writeinto=BytesIO)", lambda: obs.get(name, writeinto=io.BytesIO())),
         ):
             profile = cProfile.Profile()

@@ -2,23 +2,35 @@
 bundles and build logs, content-addressed) and the KV bucket `mesh-declarations`.
 
 The declarations can be rebuilt from PostgreSQL (a new holder republishes them); bundles and
-module sources live only here, which is why they are replicated. The controller creates both
-at takeover, with as many replicas as the NATS cluster allows up to 3 (NATS's guidance for what
-must survive the loss of a server): one on a lone server, 2 on two, 3 on three or more. On a
-cluster that has grown (2 servers to 3, 3 to 5), the next takeover raises the replicas of both
-and JetStream copies the data over. A lone server's JetStream does not join a cluster: grown
-from one server, the buckets start empty (docs/operations.md).
+module sources live only here, which is why they are replicated. A builder never writes the
+bundle store: it leaves what it built in `mesh-builds` (bounded in size and age), and the
+controller checks it and stores it here (`adopt`).
+
+Objects are read message by message through the stream's `STREAM.MSG.GET` (`get`), never by a
+consumer or a direct get: a consumer's deliver subject and a direct get's reply land stored
+bytes, raw, on any subject their asker names (docs/security.md, the bus), while a MSG.GET answer
+is a JSON envelope no part of the mesh takes for a message of its own (mesh/wire.py).
+
+The controller creates the buckets at takeover, with as many replicas as the NATS cluster
+allows up to 3 (NATS's guidance for what must survive the loss of a server): one on a lone
+server, 2 on two, 3 on three or more. On a cluster that has grown (2 servers to 3, 3 to 5), the
+next takeover raises the replicas of both and JetStream copies the data over. A lone server's
+JetStream does not join a cluster: grown from one server, the buckets start empty
+(docs/operations.md).
 """
 
 import base64
 import hashlib
 import io
+import json
 import logging
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import anyio
+import msgspec
 from nats.aio.client import Client
 from nats.errors import (
     ConnectionReconnectingError,
@@ -26,12 +38,10 @@ from nats.errors import (
     StaleConnectionError,
 )
 from nats.errors import TimeoutError as NatsTimeout
-from nats.js.api import ObjectMeta, ObjectMetaOptions, ObjectStoreConfig
+from nats.js.api import ObjectInfo, ObjectMeta, ObjectMetaOptions, ObjectStoreConfig
 from nats.js.errors import (
     APIError,
-    BadObjectMetaError,
     BucketNotFoundError,
-    DigestMismatchError,
     NotFoundError,
     ObjectNotFoundError,
     ServiceUnavailableError,
@@ -46,6 +56,9 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 BUNDLES = "mesh-bundles"
+BUILDS = "mesh-builds"  # what builders built, until the controller has adopted it
+BUILDS_MAX_BYTES = 1024 * 2**20  # at most: a builder can fill this, and only this
+BUILDS_MAX_AGE = 24 * 3600.0  # seconds: what no controller adopted is dropped after this
 DECLARATIONS = "mesh-declarations"
 SEAT = "mesh-seat"  # the seat's epoch as the bus knows it (services/controller/epochs.py)
 REPLICAS = 3  # at most; fewer where the cluster has fewer servers
@@ -59,6 +72,7 @@ CONSUMERS = 100_000
 _TOO_FEW_SERVERS = {10005, 10023, 10074}
 CHUNK = 128 * 1024  # an object's chunk, as nats-py cuts them, on a server that takes that much
 CHUNK_HEADROOM = 1024  # a chunk's message carries headers and a subject besides its bytes
+_NO_BUCKET = "no object store {bucket}: has a controller held the seat yet?"
 
 
 class BlobMissing(Exception):
@@ -86,7 +100,7 @@ def digest(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
-def _object_name(d: str) -> str:
+def object_name(d: str) -> str:
     return d.replace(":", "-")  # object names become subject tokens inside JetStream
 
 
@@ -157,6 +171,11 @@ async def _ensure(nc: Client) -> tuple[KeyValue, ObjectStore]:
             BUNDLES,
             lambda r: js.create_object_store(BUNDLES, config=ObjectStoreConfig(replicas=r)),
         )
+    try:
+        await js.object_store(BUILDS)
+    except (BucketNotFoundError, NotFoundError):
+        await _most(BUILDS, lambda r: js.create_object_store(BUILDS, config=ObjectStoreConfig(
+            replicas=r, max_bytes=BUILDS_MAX_BYTES, ttl=BUILDS_MAX_AGE)))  # fmt: skip
     for stream in (f"KV_{DECLARATIONS}", f"OBJ_{BUNDLES}"):
         await _grow(nc, stream)
         await _room_for_consumers(nc, stream)
@@ -223,12 +242,14 @@ async def _room_for_consumers(nc: Client, stream: str) -> None:
 
 async def store(nc: Client) -> ObjectStore:
     """The bundle store, for clients and hosts: it exists once a controller has held the seat."""
+    return await _open(nc, BUNDLES)
+
+
+async def _open(nc: Client, bucket: str) -> ObjectStore:
     try:
-        return await nc.jetstream().object_store(BUNDLES)
+        return await nc.jetstream().object_store(bucket)
     except (BucketNotFoundError, NotFoundError):
-        raise BlobMissing(
-            f"no object store {BUNDLES}: has a controller held the seat yet?"
-        ) from None
+        raise BlobMissing(_NO_BUCKET.format(bucket=bucket)) from None
 
 
 def _nats_digest(data: bytes) -> str:
@@ -241,12 +262,12 @@ async def put(obs: ObjectStore, data: bytes) -> str:
     name is kept only if it really has those bytes: nobody can squat a digest with garbage."""
     d = digest(data)
     try:
-        info = await obs.get_info(_object_name(d))
+        info = await obs.get_info(object_name(d))
         if info.digest == _nats_digest(data) and not info.deleted:
             return d
     except (ObjectNotFoundError, NotFoundError):
         pass
-    await _put(obs, _object_name(d), data)
+    await _put(obs, object_name(d), data)
     return d
 
 
@@ -261,32 +282,140 @@ async def _put(obs: ObjectStore, name: str, data: bytes) -> None:
 
 async def has(obs: ObjectStore, d: str) -> bool:
     try:
-        info = await obs.get_info(_object_name(d))
+        info = await obs.get_info(object_name(d))
     except (ObjectNotFoundError, NotFoundError):
         return False
     return not info.deleted
 
 
-async def get(obs: ObjectStore, d: str, *, limit: int = archive.MAX_ARCHIVE) -> bytes:
+class _Stored(msgspec.Struct):
+    seq: int
+    data: bytes = b""  # base64 in the envelope; msgspec decodes it
+
+
+class _Refusal(msgspec.Struct):
+    code: int
+    err_code: int = 0
+    description: str = ""
+
+
+class _Got(msgspec.Struct):
+    """STREAM.MSG.GET's answer: the message, or why not."""
+
+    message: _Stored | None = None
+    error: _Refusal | None = None
+
+
+_NO_MESSAGE = 10037  # JetStream's "no message found"
+_STREAM_GONE = 10059  # "stream not found"
+GET_WITHIN = 10.0  # seconds for one message of a stream to come back
+
+
+async def _message(nc: Client, bucket: str, query: dict[str, object]) -> _Stored | None:
+    """One message of the bucket's stream (None: there is none such)."""
+    stream = f"OBJ_{bucket}"
+    answer = await nc.request(f"$JS.API.STREAM.MSG.GET.{stream}", json.dumps(query).encode(),
+                              timeout=GET_WITHIN)  # fmt: skip
+    try:
+        got = msgspec.json.decode(answer.data, type=_Got)
+    except msgspec.DecodeError as e:
+        raise BlobCorrupt(f"{stream}: JetStream answered what is not a message: {e}") from None
+    if got.error is not None:
+        if got.error.err_code == _NO_MESSAGE:
+            return None
+        if got.error.err_code == _STREAM_GONE:
+            raise BlobMissing(_NO_BUCKET.format(bucket=bucket))
+        if got.error.code == 503:  # no leader yet, a server lost: worth asking again
+            raise ServiceUnavailableError(
+                code=503, err_code=got.error.err_code, description=got.error.description
+            )
+        raise BlobCorrupt(f"{stream}: {got.error.description} ({got.error.err_code})")
+    return got.message
+
+
+async def info(nc: Client, name: str, *, bucket: str = BUNDLES) -> ObjectInfo | None:
+    """What the bucket says of the object `name` (None: absent or deleted)."""
+    meta = f"$O.{bucket}.M.{base64.urlsafe_b64encode(name.encode()).decode()}"
+    stored = await _message(nc, bucket, {"last_by_subj": meta})
+    if stored is None:
+        return None
+    try:
+        found = ObjectInfo.from_response(json.loads(stored.data))
+    except Exception as e:
+        raise BlobCorrupt(f"{name}: its description in {bucket} is damaged ({e})") from None
+    return None if found.deleted else found
+
+
+async def _read(nc: Client, name: str, *, bucket: str, limit: int, what: str = "") -> bytes:
+    """The object's bytes, checked against the digest its description gives. `what` names it
+    in errors (a digest, rather than the object's name)."""
+    what = what or name
+    found = await info(nc, name, bucket=bucket)
+    if found is None:
+        raise BlobMissing(f"{what} is not in {bucket}")
+    if found.is_link():
+        raise BlobCorrupt(f"{what}: the stored object is a link, not a blob")
+    if (found.size or 0) > limit:
+        raise BlobTooLarge(f"{what} is {found.size} bytes, at most {limit}")
+    chunks = f"$O.{bucket}.C.{found.nuid}"
+    buffer = io.BytesIO()
+    after = 0
+    for _ in range(found.chunks or 0):
+        stored = await _message(nc, bucket, {"seq": after + 1, "next_by_subj": chunks})
+        if stored is None:
+            raise BlobCorrupt(f"{what}: a chunk is missing from {bucket}")
+        buffer.write(stored.data)
+        if buffer.tell() > limit:
+            raise BlobTooLarge(f"{what} is more than {limit} bytes")
+        after = stored.seq
+    data = buffer.getvalue()
+    if len(data) != (found.size or 0) or _nats_digest(data) != found.digest:
+        raise BlobCorrupt(f"{what}: the stored object is damaged (size or digest)")
+    return data
+
+
+async def get(
+    nc: Client, d: str, *, bucket: str = BUNDLES, limit: int = archive.MAX_ARCHIVE
+) -> bytes:
     """Fetch by digest and verify it: a corrupt or substituted blob is refused, and so is one
     larger than `limit` (every blob is an archive), before it is read into memory."""
-    try:
-        info = await obs.get_info(_object_name(d))
-        if info.is_link():  # get() would follow it into another bucket
-            raise BlobCorrupt(f"{d}: the stored object is a link, not a blob")
-        if (info.size or 0) > limit:
-            raise BlobTooLarge(f"{d} is {info.size} bytes, at most {limit}")
-        # Into a buffer: without one, nats-py appends each chunk to an immutable bytes, copying
-        # everything received so far every time (5 s instead of 1 s for 50 MiB; nats.py #703).
-        buffer = io.BytesIO()
-        await obs.get(_object_name(d), writeinto=buffer)
-    except (ObjectNotFoundError, NotFoundError):
-        raise BlobMissing(f"{d} is not in {BUNDLES}") from None
-    except (DigestMismatchError, BadObjectMetaError) as e:
-        raise BlobCorrupt(f"{d}: the stored object is damaged ({type(e).__name__})") from None
-    data = buffer.getvalue()
+    data = await _read(nc, object_name(d), bucket=bucket, limit=limit, what=d)
     if digest(data) != d:
         raise BlobCorrupt(f"{d}: the stored bytes have digest {digest(data)}")
+    return data
+
+
+async def staged(nc: Client) -> ObjectStore:
+    """Where a builder leaves what it built (it may write there and nowhere else)."""
+    return await _open(nc, BUILDS)
+
+
+async def stage(builds: ObjectStore, what: str, data: bytes) -> str:
+    """Leave `data` in the builds' bucket for the controller to adopt, under a name of its own
+    (`what` and a random part: a builder may add there, never replace, since replacing purges);
+    the name."""
+    name = f"{what}.{secrets.token_hex(8)}"
+    await _put(builds, name, data)
+    return name
+
+
+async def adopt(
+    nc: Client, obs: ObjectStore, name: str, *, d: str | None = None, keep_as: str = ""
+) -> bytes:
+    """Controller: take `name` out of the builds' bucket into the bundle store and return its
+    bytes: checked against digest `d` and stored under it, or else stored as `keep_as`."""
+    if d is not None:
+        data = await _read(nc, name, bucket=BUILDS, limit=archive.MAX_ARCHIVE, what=d)
+        if digest(data) != d:
+            raise BlobCorrupt(f"{d}: the stored bytes have digest {digest(data)}")
+        await put(obs, data)
+    else:
+        data = await get_named(nc, name, bucket=BUILDS)
+        await put_named(obs, keep_as or name, data)
+    try:
+        await (await staged(nc)).delete(name)
+    except Exception as e:  # what is left there is dropped at its age (BUILDS_MAX_AGE)
+        log.info("could not delete %s from %s: %s", name, BUILDS, e)
     return data
 
 
@@ -295,8 +424,6 @@ async def put_named(obs: ObjectStore, name: str, data: bytes) -> None:
     await _put(obs, name, data)
 
 
-async def get_named(obs: ObjectStore, name: str) -> bytes:
-    try:
-        return (await obs.get(name)).data or b""
-    except (ObjectNotFoundError, NotFoundError):
-        raise BlobMissing(f"{name} is not in {BUNDLES}") from None
+async def get_named(nc: Client, name: str, *, bucket: str = BUNDLES) -> bytes:
+    """A named object (a build log), checked against its description's digest."""
+    return await _read(nc, name, bucket=bucket, limit=archive.MAX_ARCHIVE)

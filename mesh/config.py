@@ -1,6 +1,12 @@
-"""Where to find the bus and the store: flags override the environment, which overrides defaults."""
+"""Where to find the bus and the store, and the controller's settings: flags override the
+environment, which overrides defaults."""
 
 import os
+import re
+
+import msgspec
+
+from mesh.errors import MeshError
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 
@@ -64,3 +70,79 @@ def _from_files(name: str) -> str | None:
             return f.read().strip() or None
     except OSError:
         return None
+
+
+class ConfigError(MeshError):
+    """A setting whose value cannot be used; the message names the setting and the value."""
+
+
+# How much history the holder keeps in the store's `events` table (services/controller/
+# pruning.py); docs/operations.md, "Keeping the store's size", says what each means.
+EVENTS_MAX_AGE = "30d"
+EVENTS_MAX_COUNT = "1000000"
+EVENTS_PRUNE_EVERY = "1m"
+_SPAN = re.compile(r"(\d+(?:\.\d+)?)(s|m|h|d)")
+_SPAN_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+_AGE_MOST = 3650 * 86400.0  # ten years: further back than the store's clock arithmetic cares to
+_EVERY = (0.1, 86400.0)
+_COUNT_MOST = 10**12
+
+
+class EventsKept(msgspec.Struct, frozen=True):
+    """Events older than `max_age` seconds, and all but the newest `max_count`, are deleted by
+    the holder every `every` seconds; None keeps them all."""
+
+    max_age: float | None
+    max_count: int | None
+    every: float
+
+
+def events_kept(
+    *, max_age: str | None = None, max_count: str | None = None, every: str | None = None
+) -> EventsKept:
+    """The flags' values (None: not given), else MESH_EVENTS_MAX_AGE, MESH_EVENTS_MAX_COUNT,
+    MESH_EVENTS_PRUNE_EVERY, else the defaults. `off` keeps events of any age, or any number."""
+    age_name, age = _setting("--events-max-age", "MESH_EVENTS_MAX_AGE", max_age, EVENTS_MAX_AGE)
+    count_name, count = _setting(
+        "--events-max-count", "MESH_EVENTS_MAX_COUNT", max_count, EVENTS_MAX_COUNT
+    )
+    every_name, every_text = _setting(
+        "--events-prune-every", "MESH_EVENTS_PRUNE_EVERY", every, EVENTS_PRUNE_EVERY
+    )
+    kept_age = None if age == "off" else _span(age_name, age, most=_AGE_MOST, off=True)
+    kept_count: int | None = None
+    if count != "off":
+        if not count.isascii() or not count.isdigit() or int(count) > _COUNT_MOST:
+            raise ConfigError(
+                f"{count_name}: {count[:40]!r} is not a number of events (0 to {_COUNT_MOST}, "
+                "or off)"
+            )
+        kept_count = int(count)
+    prune_every = _span(every_name, every_text, most=_EVERY[1])
+    if prune_every < _EVERY[0]:
+        raise ConfigError(f"{every_name}: {every_text!r} is shorter than {_EVERY[0]:g}s")
+    return EventsKept(max_age=kept_age, max_count=kept_count, every=prune_every)
+
+
+def _setting(flag: str, env: str, given: str | None, default: str) -> tuple[str, str]:
+    """(the name to cite in an error, the value): the flag's, else the environment's."""
+    if given is not None:
+        return flag, given.strip()
+    from_env = os.environ.get(env)
+    if from_env is not None and from_env.strip():
+        return env, from_env.strip()
+    return flag, default
+
+
+def _span(name: str, text: str, *, most: float, off: bool = False) -> float:
+    """'90s', '15m', '12h', '30d' (or '0') as seconds."""
+    if text == "0":
+        return 0.0
+    m = _SPAN.fullmatch(text)
+    if not m:
+        raise ConfigError(f"{name}: {text[:40]!r} is not a duration (like 90s, 15m, 12h, 30d"
+                          f"{', or off' if off else ''})")  # fmt: skip
+    seconds = float(m.group(1)) * _SPAN_UNITS[m.group(2)]
+    if seconds > most:
+        raise ConfigError(f"{name}: {text!r} is longer than {most / 86400:g}d")
+    return seconds

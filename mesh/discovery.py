@@ -25,7 +25,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from mesh import subjects, wire
+from mesh import origin, subjects, wire
 from mesh.serving import Endpoint, Stats
 
 log = logging.getLogger(__name__)
@@ -134,7 +134,7 @@ class Discovery:
                 subjects.srv(verb, self.name),
                 subjects.srv(verb, self.name, self.id),
             ):
-                self._subs.append(await self._nc.subscribe(subject, cb=_answering(reply)))
+                self._subs.append(await origin.subscribe(self._nc, subject, cb=_answering(reply)))
         await self._nc.flush()
         log.info("%s %s answers service discovery ($SRV)", self.name, self.id)
 
@@ -178,7 +178,7 @@ class Discovery:
 
 def _answering(reply: Callable[[], msgspec.Struct]) -> Callable[[Msg], Any]:
     async def on_message(msg: Msg) -> None:
-        if not msg.reply:
+        if not origin.asked(msg):  # answered to inboxes only: never reflected (mesh/origin.py)
             return
         try:
             await msg.respond(wire.encode(reply()))

@@ -12,7 +12,8 @@ import msgspec
 Name = Annotated[
     str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]*\Z")
 ]
-Tier = Annotated[int, msgspec.Meta(ge=0, le=9)]
+MAX_TIER = 9  # tiers are 0 to 9
+Tier = Annotated[int, msgspec.Meta(ge=0, le=MAX_TIER)]
 # What a machine or a client says in words: one printable line, never a NUL (PostgreSQL's text
 # and jsonb refuse it, and a control character in a log or a table is a lie waiting to happen).
 Word = Annotated[str, msgspec.Meta(max_length=256, pattern=r"^[^\x00-\x1f\x7f]*\Z")]
@@ -526,6 +527,10 @@ class BuildReply(msgspec.Struct):
     tail: str  # the last lines of the build's output
     log: str  # the object holding the whole log
     error: str = ""
+    # The bundle and the log were left in `mesh-builds` for the controller to adopt (a builder
+    # from before wrote them into the bundle store itself): the bundle as `staged_as`.
+    staged: bool = False
+    staged_as: str = ""
 
 
 # --- applying declarations (host -> controller) -------------------------------------------------
@@ -595,7 +600,9 @@ class ProcessesEvent(Peer):
 ToolName = Annotated[
     str, msgspec.Meta(min_length=1, max_length=128, pattern=r"^[^\x00-\x1f\x7f]*\Z")
 ]
-Cursor = Annotated[str, msgspec.Meta(max_length=1024, pattern=r"^[A-Za-z0-9_=-]*\Z")]
+# A `tools` cursor carries a machine's, a server's and a tool's name (up to 128 characters,
+# JSON-escaped) as base64url: longer than the other verbs' (docs/verbs.md, tools).
+ToolCursor = Annotated[str, msgspec.Meta(max_length=1024, pattern=r"^[A-Za-z0-9_=-]*\Z")]
 
 
 class ToolInfo(msgspec.Struct):
@@ -626,7 +633,7 @@ class ToolsEvent(Peer):
 
 class ToolsRequest(Request, omit_defaults=True):
     machine: Name | None = None  # one machine's tools; all machines' without
-    after: Cursor | None = None  # the previous page's `next`; None: the first page
+    after: ToolCursor | None = None  # the previous page's `next`; None: the first page
     limit: int = PAGE_LIMIT
 
     def __post_init__(self) -> None:

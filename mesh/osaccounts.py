@@ -1,13 +1,81 @@
 """System accounts and groups, created with the system's tools. Whether one exists is decided by
 `getent`'s exit code (0 found, 2 absent), never by reading message text: reading text is how the
-seed's host took a missing account for a user database that did not answer."""
+seed's host took a missing account for a user database that did not answer.
+
+And which accounts and groups a module may not have (docs/modules.md, privileged accounts and
+groups): the registration gate refuses them at push and the host again before it creates an
+account, by the same rules (`refusal`), so a declaration that came some other way is refused too.
+"""
 
 import subprocess
 from collections.abc import Sequence
 
+PG_ACCOUNT = "mesh-postgres"  # the embedded PostgreSQL's (mesh/embedded/postgres.py)
+BUILD_ACCOUNT = "mesh-build"  # a builder's builds' (services/host/builder.py)
+CONTROLLER = "mesh-controller"  # the controller's account, and the module that declares it
+
+# Accounts no module may declare, and why.
+RESERVED_ACCOUNTS = {
+    "root": "the superuser's account: a process runs as root only with `root = true` (and no "
+    "account)",
+    PG_ACCOUNT: "the mesh's store runs as it and owns its data",
+    BUILD_ACCOUNT: "every build of the fleet runs as it: a process of it could change what "
+    "other modules build",
+}
+# Accounts only one module may declare: CONTROLLER reads the store's password and the
+# controller's NATS credentials.
+OWNED_ACCOUNTS = {CONTROLLER: CONTROLLER}
+# Groups no account of a module may join: gid 0 owns much of the system (`root = true` is how a
+# process is root).
+NEVER_GROUPS = {"root": "gid 0, root's own group: a process runs as root only with `root = true`"}
+# Groups whose members are root, or read what only root should, in all but name. An account
+# joins one only when its module names it in `privileged_groups`, never through `groups`.
+PRIVILEGED_GROUPS = {
+    "sudo": "sudo grants it root",
+    "wheel": "sudo and su grant it root",
+    "admin": "sudo grants it root (older Ubuntu)",
+    "disk": "it reads and writes the disks' block devices, so every file on them",
+    "docker": "the Docker engine's socket: a container with / mounted is root on the machine",
+    "lxd": "LXD's socket: a privileged container is root on the machine",
+    "incus-admin": "Incus's socket: a privileged container is root on the machine",
+    "libvirt": "it starts virtual machines with the machine's disks and devices",
+    "shadow": "it reads /etc/shadow: every account's password hash",
+    "adm": "it reads the system's logs, with what other services wrote there",
+    "systemd-journal": "it reads every service's journal",
+    "kmem": "it reads the kernel's memory",
+    "staff": "it writes /usr/local, which comes first on root's PATH (Debian)",
+}
+
 
 class AccountError(Exception):
     pass
+
+
+def refusal(
+    name: str, *, groups: Sequence[str], privileged_groups: Sequence[str]
+) -> tuple[str, str] | None:
+    """Why an account must not be created or run as: (the field at fault, the sentence); None
+    when it may. `privileged_groups` is the module's explicit word for each privileged group."""
+    if name in RESERVED_ACCOUNTS:
+        return "", f"{name!r} is reserved: {RESERVED_ACCOUNTS[name]}"
+    for field, names in (("groups", groups), ("privileged_groups", privileged_groups)):
+        for group in names:
+            if group in NEVER_GROUPS:
+                why = NEVER_GROUPS[group]
+                return field, f"{group!r} is never given to a module's account: {why}"
+    for group in groups:
+        if group in PRIVILEGED_GROUPS:
+            return "groups", (
+                f"{group!r} is a privileged group ({PRIVILEGED_GROUPS[group]}): name it in "
+                "privileged_groups if this account truly needs it"
+            )
+    for group in privileged_groups:
+        if group not in PRIVILEGED_GROUPS:
+            return "privileged_groups", (
+                f"{group!r} is not a privileged group: name it in groups (privileged groups: "
+                f"{', '.join(sorted(PRIVILEGED_GROUPS))})"
+            )
+    return None
 
 
 def _exists(database: str, name: str) -> bool:

@@ -35,6 +35,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+import msgspec
+
 from mesh import wire
 
 T = TypeVar("T")
@@ -69,8 +71,8 @@ def after(text: str | None, *, verb: str, shape: tuple[type, ...]) -> Key | None
     if text is None:
         return None
     try:
-        decoded = json.loads(base64.urlsafe_b64decode(text + "=" * (-len(text) % 4)))
-    except (ValueError, binascii.Error):  # not base64, not UTF-8, not JSON
+        decoded = wire.decode_json(base64.urlsafe_b64decode(text + "=" * (-len(text) % 4)))
+    except (ValueError, binascii.Error, msgspec.DecodeError):  # not base64, not JSON
         decoded = None
     fits = (
         isinstance(decoded, list)

@@ -26,7 +26,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from mesh import bus, subjects, wire
+from mesh import bus, origin, subjects, wire
 from mesh.errors import reason
 
 log = logging.getLogger(__name__)
@@ -116,6 +116,9 @@ class Endpoint:
     queue: str | None = None
     caller: Callable[[Any, str], Any] = _as_is
     what: str = "verb"  # "unknown verb 'x'", "unknown host verb 'x'"
+    # Whether the controllers signed a request (mesh.auth.signing): for what a host obeys
+    # from them only (builds); None for verbs anyone the server lets publish may ask.
+    genuine: Callable[[Msg], bool] | None = None
 
 
 Deliver = Callable[[Endpoint, Msg], Awaitable[None]]
@@ -276,7 +279,19 @@ class Server:
 
 
 def _callback(route: Deliver, endpoint: Endpoint) -> Callable[[Msg], Awaitable[None]]:
+    """What reaches the endpoint's route: requests someone made on its own subjects (never a
+    JetStream delivery aimed here, nor an answer reflected here: mesh/origin.py), signed where
+    the endpoint asks for it. Anything else is dropped unanswered, and said."""
+
     async def on_message(msg: Msg) -> None:
+        if not origin.expected(endpoint.subject, msg):
+            return
+        if not origin.asked(msg):
+            origin.STRAYS.refused(endpoint.subject, msg, "not a request (its reply is no inbox)")
+            return
+        if endpoint.genuine is not None and not endpoint.genuine(msg):
+            origin.STRAYS.refused(endpoint.subject, msg, "not signed by the controllers")
+            return
         await route(endpoint, msg)
 
     return on_message

@@ -456,7 +456,7 @@ async def _registered(nc: Client, name: str, epoch: int) -> bool:
         data = await bus.request(
             nc, subjects.host(name, "status"), b"{}", deadline=time.monotonic() + 1
         )
-        host = msgspec.json.decode(data, type=_HostRegistration)
+        host = wire.decode_json(data, _HostRegistration)
     except (bus.NoAnswer, msgspec.DecodeError):
         return False
     return host.registered and host.epoch >= epoch

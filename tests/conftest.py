@@ -20,6 +20,7 @@ import asyncpg
 import nats
 import pytest
 from helpers import MESH, ask, await_until, wait_until
+from secured import as_identity, fleet, secured  # noqa: F401 (fixtures: tests/secured.py)
 
 from mesh.embedded import natsd, pgauth, ports, postgres
 from mesh.embedded.children import remove_containers, stop_agents, stop_supervised

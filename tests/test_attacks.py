@@ -1,30 +1,852 @@
-"""Issue 25: the attacks on `mesh dev up` that got through, each done again the way the attacker
-did it, with that piece's real credentials against the real servers; each must be refused or
-harmless now. One section per hole."""
+"""Attacks on a running mesh, each made as the attack on `mesh dev up` made it: with that piece's
+own credentials, its raw subjects and the JetStream API, against a real nats-server, real
+controllers, hosts and PostgreSQL. Each shows the hole closed: the server refuses the action, or
+the piece it was aimed at refuses what arrived (and says so in its log), and nothing moved.
 
+docs/security.md, "Threat model", lists what each compromised piece can and cannot do.
+"""
+
+import grp
+import json
 import os
+import re
+import resource
 import shlex
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
+import threading
+import time
+import uuid
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 
+import anyio
 import asyncpg
+import msgspec
 import pytest
-from helpers import DevUp, await_until, mesh_cli
+from helpers import MESH, DevUp, ask, await_until, mesh_cli, next_failure, ok, one_line_error
+from nats.aio.client import Client
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from secured import Secured, cli
 
+from mesh import blobs, wire
+from mesh.auth import creds as credentials
+from mesh.auth import registry
+from mesh.auth.signing import Signing
 from mesh.embedded import ports, postgres
+from mesh.model import Applied, Beat, Facts, Register, SeatAnnounce
+from mesh.modules import archive, compose, gate
 from mesh.store import db
 from mesh.store.migrate import migrate
+from services.host import mcpstdio
+
+ROOT = Path(__file__).parent.parent
+HELLO = ROOT / "docs" / "examples" / "hello"
+SECRET = "s3cr3t-attack-51f0"
+
+
+# --- the bus: deliveries, reflections, the seat and the bundle store ---------------------------
+
+
+async def _logged(path: Path, *words: str, within: float, what: str) -> None:
+    """Wait until a line of `path` has all `words` (the event loop runs meanwhile: what we
+    published goes out)."""
+
+    async def said() -> bool:
+        return any(all(w in line for w in words) for line in path.read_text().splitlines())
+
+    await await_until(said, within=within, what=what)
+
+
+async def _applied(admin: Client, machine: str) -> dict | None:
+    reply = await ask(admin, "mesh.ctl.nodes")
+    node = next((n for n in (reply or {}).get("nodes", []) if n["name"] == machine), None)
+    if node and node["digest_wanted"] and node["digest_applied"] == node["digest_wanted"]:
+        return node
+    return None
+
+
+async def _hello_on(secured: Secured, admin: Client, machine: str) -> None:
+    """node-1 with a declaration in the bucket: what its own watch consumer can deliver."""
+    ok(cli(secured, secured.admin, "push", str(HELLO), "--timeout", "120"))
+    ok(cli(secured, secured.admin, "secret", "set", "hello-token", stdin=SECRET))
+    ok(cli(secured, secured.admin, "assign", "hello", machine, "--timeout", "120"))
+    await await_until(lambda: _applied(admin, machine), within=60, what=f"{machine} to apply")
+
+
+async def _consumer(nc: Client, stream: str, **config) -> str:
+    """Create a push consumer as `nc`: its name, or why not ("refused": never answered)."""
+    try:
+        made = await nc.jsm().add_consumer(stream, config=ConsumerConfig(**config), timeout=2)
+    except NatsTimeout:
+        return "refused"
+    return made.name or "made"
+
+
+@pytest.fixture
+def marker_dir(tmp_path: Path):
+    """A folder any account may write in (a build runs as `mesh-build`): where a command that
+    an attacker got run would leave its mark."""
+    folder = Path(tempfile.mkdtemp(prefix="mesh-attack-", dir=tmp_path / "hosts"))
+    folder.chmod(0o1777)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+async def test_a_builder_cannot_make_another_host_run_a_command(
+    fleet, secured, as_identity, tmp_path, marker_dir
+):
+    """Rows 1 and 2: a build request stored in the bundle store by the builder (node-1) and
+    delivered to node-2's `build` verb by a push consumer whose deliver subject the server does
+    not check; and a host's own watch consumer aimed at another host's verbs."""
+    admin = fleet
+    marker = marker_dir / "ran"
+    source_dir = tmp_path / "src"
+    source_dir.mkdir()
+    (source_dir / "x").write_text("x\n")
+    source = await blobs.put(await blobs.store(admin), archive.pack(source_dir))
+    request = wire.encode({
+        "key": blobs.digest(b"evil"), "module": "evil", "bundle": "x", "source": source,
+        "path": ".", "argv": ["touch", str(marker)], "output": ".", "timeout": 10,
+        "kind": "command",
+    })  # fmt: skip
+    builder = await as_identity(secured.creds("host", "node-1"))
+
+    # The attack as it was made: refused by the server at each step now.
+    assert await builder.publish_refused("$O.mesh-bundles.C.build", request)
+    made = await _consumer(
+        builder.nc, "OBJ_mesh-bundles", name="x", filter_subject="$O.mesh-bundles.C.build",
+        deliver_subject="mesh.host.node-2.build", ack_policy=AckPolicy.NONE,
+    )  # fmt: skip
+    assert made == "refused"
+    # What a builder may write (its builds' bucket) it cannot have delivered or read back raw.
+    assert not await builder.publish_refused("$O.mesh-builds.C.build", request)
+    made = await _consumer(
+        builder.nc, "OBJ_mesh-builds", name="y", filter_subject="$O.mesh-builds.C.build",
+        deliver_subject="mesh.host.node-2.build", ack_policy=AckPolicy.NONE,
+    )  # fmt: skip
+    assert made == "refused"
+    assert await builder.publish_refused("$JS.API.DIRECT.GET.OBJ_mesh-builds.$O.mesh-builds.C.>")
+    assert await builder.publish_refused("$JS.API.DIRECT.GET.OBJ_mesh-bundles")
+
+    # The one consumer a host may still make, on its own key, aimed at node-2's verbs: it
+    # arrives, under the subject it was stored as, and node-2 refuses it.
+    await _hello_on(secured, admin, "node-1")
+    made = await _consumer(
+        builder.nc, "KV_mesh-declarations", name="aimed",
+        filter_subject="$KV.mesh-declarations.node-1", deliver_subject="mesh.host.node-2.build",
+        deliver_policy=DeliverPolicy.LAST_PER_SUBJECT, ack_policy=AckPolicy.NONE,
+    )  # fmt: skip
+    assert made == "aimed"
+    node2_log = tmp_path / "node-2.log"
+    await _logged(
+        node2_log, "refused a message on mesh.host.node-2.build", "$KV.mesh-declarations.node-1",
+        within=20, what="node-2 to refuse the delivery aimed at its build verb",
+    )  # fmt: skip
+    assert not marker.exists(), "node-2 ran a command a builder sent it"
+    # node-2 is none the worse: it answers, and ran no build.
+    status = await ask(admin, "mesh.host.node-2.status")
+    assert status is not None and status["name"] == "node-2", status
+    assert "building evil/x" not in node2_log.read_text()
+
+
+async def test_a_forged_seat_announcement_moves_no_host(fleet, secured, as_identity):
+    """Row 3: a forged `held` of epoch 99 sent every host registering again and again, its
+    loop stuck waiting for a holder of that epoch. The builder can no longer store one where a
+    consumer would deliver it; and one that reaches the subject unsigned (here: published with
+    the controllers' own credentials, without their signature) is refused by every host."""
+    admin = fleet
+    before = await ask(admin, "mesh.host.node-2.status")
+    assert before is not None and before["epoch"] >= 1
+    forged = wire.encode(SeatAnnounce(instance="evil", pid=1, host="evil",
+                                      since=datetime.now(UTC), epoch=99))  # fmt: skip
+    builder = await as_identity(secured.creds("host", "node-1"))
+    assert await builder.publish_refused("$O.mesh-bundles.C.held", forged)
+    assert not await builder.publish_refused("$O.mesh-builds.C.held", forged)
+    made = await _consumer(
+        builder.nc, "OBJ_mesh-builds", name="seat", filter_subject="$O.mesh-builds.C.held",
+        deliver_subject="mesh.seat.mesh-controller.held", ack_policy=AckPolicy.NONE,
+    )  # fmt: skip
+    assert made == "refused"
+
+    # Unsigned, then a genuine `held` of the current epoch from the same connection (so in
+    # that order): a host not stuck on the forged one answers the genuine one by reporting
+    # its processes again.
+    controller_creds = secured.creds("controller", registry.CONTROLLER)
+    current = wire.encode(SeatAnnounce(instance="ctl-a", pid=1, host="ctl",
+                                       since=datetime.now(UTC), epoch=before["epoch"]))  # fmt: skip
+    reports = await admin.subscribe("mesh.event.node-2.processes", max_msgs=1)
+    await admin.flush()
+    ctl = await secured.connect(controller_creds)
+    try:
+        await ctl.publish("mesh.seat.mesh-controller.held", forged)
+        subject = "mesh.seat.mesh-controller.held"
+        signed = Signing.controller(controller_creds).headers(subject, current)
+        await ctl.publish(subject, current, headers=signed)
+        await ctl.flush()
+        await reports.next_msg(timeout=20)  # node-2 handled both, in order
+    finally:
+        await ctl.close()
+    for name in ("node-1", "node-2"):
+        now = await ask(admin, f"mesh.host.{name}.status")
+        assert now is not None and now["epoch"] == before["epoch"], (name, now)
+    status = await ask(admin, "mesh.ctl.status")
+    assert status["seat"]["epoch"] == before["epoch"] and status["nodes"]["up"] == 2, status
+
+
+async def test_a_reflected_answer_is_no_hosts_report(fleet, secured, as_identity, tmp_path):
+    """Reflection into the controller's reports: node-2 asks the JetStream API to make a
+    consumer named `node-1`, with node-1's tools report as the reply subject; the answer (its
+    top level has `"name": "node-1"`) would read as node-1 reporting no tool servers."""
+    admin = fleet
+    ok(cli(secured, secured.admin, "push", str(ROOT / "docs" / "examples" / "files"),
+           "--timeout", "120"))  # fmt: skip
+    ok(cli(secured, secured.admin, "assign", "files", "node-1", "--timeout", "120"))
+
+    async def servers() -> list:
+        reply = await ask(admin, "mesh.ctl.tools", {"machine": "node-1"})
+        return [t for t in (reply or {}).get("tools", []) if t["state"] == "ready"]
+
+    await await_until(servers, within=60, what="node-1's tool server ready")
+    host = await as_identity(secured.creds("host", "node-2"))
+    await host.nc.publish(
+        "$JS.API.CONSUMER.CREATE.KV_mesh-declarations.node-1.$KV.mesh-declarations.node-2",
+        json.dumps({"stream_name": "KV_mesh-declarations", "config": {
+            "name": "node-1", "filter_subject": "$KV.mesh-declarations.node-2",
+            "deliver_subject": "_INBOX_node-2.nowhere", "ack_policy": "none",
+            "inactive_threshold": 5_000_000_000}}).encode(),
+        reply="mesh.event.node-1.tools",
+    )  # fmt: skip
+    await host.nc.flush()
+    await _logged(
+        tmp_path / "ctl-a.log", "refused a message on mesh.event.*.*",
+        "answer of the JetStream API", within=20, what="the controller to refuse the answer",
+    )  # fmt: skip
+    assert await servers(), "node-1's tools were taken away by an answer reflected as its report"
+
+
+async def test_no_host_purges_or_overwrites_the_bundle_store(fleet, secured, as_identity):
+    """Row 4: the builder purged the bundle store (302 objects gone, plans reverted). Now
+    neither a builder nor another host may purge, roll up or write it; hosts still read it,
+    one message per request."""
+    admin = fleet
+    obs = await blobs.store(admin)
+    kept = await blobs.put(obs, b"a bundle that must stay")
+    info = await admin.jsm().stream_info("OBJ_mesh-bundles")
+    for name in ("node-1", "node-2"):
+        host = await as_identity(secured.creds("host", name))
+        assert await host.publish_refused("$JS.API.STREAM.PURGE.OBJ_mesh-bundles")
+        assert await host.publish_refused("$O.mesh-bundles.M.x")  # a rollup would purge too
+        assert await host.publish_refused("$O.mesh-bundles.C.x")
+        assert await host.publish_refused("$JS.API.CONSUMER.CREATE.OBJ_mesh-bundles")
+        assert await blobs.get(host.nc, kept) == b"a bundle that must stay"
+    after = await admin.jsm().stream_info("OBJ_mesh-bundles")
+    assert after.state.messages == info.state.messages
+
+
+async def test_hosts_credentials_name_the_controllers_key(secured: Secured):
+    """What hosts check signatures with is in the one file a machine is given, and follows the
+    controllers' identity when it is issued again."""
+    users = registry.Registry.load(secured.dir)
+    controller = users.get("controller", registry.CONTROLLER)
+    assert controller is not None
+    for name in ("node-1", "node-2"):
+        assert credentials.read(secured.creds("host", name)).controller == controller.public
+    with registry.locked(secured.dir) as users:
+        users.issue("controller", registry.CONTROLLER)
+        users.save()
+        renewed = users.get("controller", registry.CONTROLLER)
+    assert renewed is not None and renewed.public != controller.public
+    for name in ("node-1", "node-2"):
+        assert credentials.read(secured.creds("host", name)).controller == renewed.public
+
+
+async def test_the_bundle_store_heals_from_a_push(fleet, secured, tmp_path):
+    """Row 4, after a purge (JetStream's data lost, or purged by the one identity that still
+    may): plans reverted one by one (`sha256:… is not in mesh-bundles`) and a push answered
+    `no change`. Now a plan that would need a missing bundle stops before any machine, saying
+    what to run, and a push of the same folder stores (and builds) what is missing again."""
+    admin = fleet
+    built = tmp_path / "built"
+    (built / "src").mkdir(parents=True)
+    (built / "src" / "build.sh").write_text(
+        "set -e\nmkdir -p out\nprintf '#!/bin/sh\\necho built\\n' > out/app\n"
+    )
+    (built / "module.toml").write_text(
+        '[module]\nname = "built"\n'
+        '[bundle.app]\nkind = "binary"\nsource = "src"\nbuild = ["sh", "build.sh"]\n'
+        'output = "out/app"\ntimeout = "60s"\n'
+    )
+    await _hello_on(secured, admin, "node-2")
+    ok(cli(secured, secured.admin, "push", str(built), "--timeout", "120"))
+    await admin.jsm().purge_stream("OBJ_mesh-bundles")
+
+    assigned = cli(secured, secured.admin, "--json", "assign", "hello", "node-1", "--wait",
+                   "--timeout", "120")  # fmt: skip
+    assert assigned.returncode != 0
+    plan = json.loads(ok(cli(secured, secured.viewer, "--json", "plan",
+                             str(json.loads(assigned.stdout)["plan"]))))  # fmt: skip
+    assert plan["state"] == "reverted", plan
+    assert "not in the bundle store" in plan["failure"] and "mesh push" in plan["failure"], plan
+    assert all(s["state"] == "pending" for s in plan["steps"]), plan  # no machine touched
+
+    for folder in (HELLO, built):
+        pushed = json.loads(ok(cli(secured, secured.admin, "--json", "push", str(folder),
+                                   "--timeout", "120")))  # fmt: skip
+        assert "restored" in pushed["message"] and pushed["plan"] is None, pushed
+    ok(cli(secured, secured.admin, "assign", "hello", "node-1", "--wait", "--timeout", "120"))
+    await await_until(lambda: _applied(admin, "node-1"), within=60, what="node-1 to apply")
+    again = json.loads(ok(cli(secured, secured.admin, "--json", "push", str(HELLO))))
+    assert again["plan"] is None and again["message"] == "no change", again
+
+
+# --- the gate and the wire ---
+# JSON nested thousands deep (the decoder's recursion: an `internal` error and a traceback in
+# the holder's log), NUL bytes and privileged accounts and groups that only a host refused (or
+# nobody), numbers out of any range, the CLI reading a module's whole folder into memory
+# before measuring it, and a verb whose limit was not what its docs said.
+
+DEEP = b"[" * 5000 + b"]" * 5000  # what the attack sent: 10 KB, under every verb's limit
+NOWHERE = "sha256:" + "0" * 64  # a source nobody uploaded: the gate refuses before it is read
+FACTS = {"os": "linux", "arch": "x86_64", "cpus": 1, "memory": 1, "mesh_version": "0"}
+
+
+def _register(name: str = "node-x") -> dict:
+    return {"name": name, "tier": 1, "labels": {}, "facts": FACTS, "beat_interval": 1, "pid": 1}
+
+
+@pytest.mark.parametrize(
+    ("body", "deepest"),
+    [
+        (b"[" * 64 + b"]" * 64, None),  # the limit itself is fine
+        (b"[" * 65 + b"]" * 65, 65),
+        (b'{"a": ' * 65 + b"1" + b"}" * 65, 65),
+        (b"[]" * 100_000, None),  # many, side by side, is not deep
+        (b'["' + b"[" * 5000 + b'"]', None),  # brackets in a string are text
+        (b'["\\"' + b"{" * 5000 + b'\\\\", 1]', None),  # ... escaped quotes and all
+        (b"[" * 5000, 5000),  # never closed: the decoder would still recurse into each
+        (DEEP, 5000),
+    ],
+)
+def test_nesting_is_measured_on_the_bytes_before_decoding(body: bytes, deepest: int) -> None:
+    if deepest is None:
+        wire.check_depth(body)
+        return
+    with pytest.raises(wire.TooDeep) as e:
+        wire.decode_json(body)
+    assert str(e.value) == f"arrays and objects nested {deepest} deep, at most {wire.MAX_DEPTH}"
+    assert isinstance(e.value, msgspec.DecodeError)  # so refused wherever malformed JSON is
+
+
+async def test_json_nested_5000_deep_is_a_bad_request_and_the_holder_goes_on(
+    nc, start_controller
+) -> None:
+    ctl = start_controller("ctl-a")
+    await await_until(lambda: ask(nc, "mesh.ctl.status"), within=20, what="the controller")
+    registered = await ask(nc, "mesh.ctl.host.node-x.register", _register())
+    assert registered is not None and "error" not in registered, registered
+    # A host's own request (its registration), nested 5,000 deep in a field a newer host might
+    # add (skipped, as a Peer's unknown fields are: the decoder recursed into it all the same,
+    # an `internal` error), and an operator's verb nested as deep where a word belongs.
+    later = json.dumps(_register()).encode()[:-1] + b', "added_later": ' + DEEP + b"}"
+    for subject, body in [
+        ("mesh.ctl.host.node-x.register", later),
+        ("mesh.ctl.label", b'{"machine": "node-x", "set": {"a": ' + DEEP + b"}}"),
+    ]:
+        reply = await ask(nc, subject, body)
+        assert reply is not None, f"{subject}: no answer"
+        assert reply["error"]["code"] == "bad_request", (subject, reply)
+        # DEEP and the object (or two) it lies in
+        said = "body: arrays and objects nested 500[12] deep, at most 64"
+        assert re.fullmatch(said, reply["error"]["message"]), (subject, reply)
+    # A host's reports (nobody answers them): ignored as any malformed report, in the order
+    # they came, so once the good report after them is heard they have been read.
+    await nc.publish("mesh.event.node-x.tools", b'{"name": "node-x", "later": ' + DEEP + b"}")
+    await nc.publish("mesh.event.node-x.applied", b'{"name": "node-x", "later": ' + DEEP + b"}")
+    server = {"name": "s", "state": "ready", "tools": [{"name": "t"}]}
+    good = {"name": "node-x", "servers": [server]}
+    await nc.publish("mesh.event.node-x.tools", json.dumps(good).encode())
+
+    async def heard() -> bool:
+        listed = await ask(nc, "mesh.ctl.tools", {"machine": "node-x"})
+        return bool(listed and [t["name"] for t in listed.get("tools", [])] == ["t"])
+
+    await await_until(heard, within=10, what="the good report after the deep ones")
+    status = await ask(nc, "mesh.ctl.status")
+    assert status["seat"]["holder"] == "ctl-a"
+    log = ctl.log_path.read_text()
+    assert "RecursionError" not in log and "Traceback" not in log, log[-3000:]
+
+
+async def test_a_tool_server_writing_json_5000_deep_does_not_speak_mcp() -> None:
+    # A tool server's messages are bounded by the same rule as the bus's (one helper).
+    line = b'{"jsonrpc": "2.0", "id": 1, "result": ' + DEEP + b"}\n"
+    server = subprocess.Popen(
+        [sys.executable, "-c", f"import sys; sys.stdout.write({line.decode()!r}); "
+         "sys.stdout.flush(); sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        assert server.stdin is not None and server.stdout is not None
+        os.set_blocking(server.stdout.fileno(), False)
+        session = mcpstdio.Session(stdin=server.stdin.fileno(), stdout=server.stdout.fileno())
+        with pytest.raises(mcpstdio.ProtocolError) as e, anyio.fail_after(20):
+            await session.run()
+        assert str(e.value) == "it wrote JSON nested 5001 deep on stdout, at most 64"
+    finally:
+        server.kill()
+        server.wait()
+
+
+def _manifest(*, account: str = "", process: str = "", extra: str = "") -> str:
+    return (
+        '[module]\nname = "attack"\n'
+        '[bundle.b]\nkind = "files"\nsource = "src"\n'
+        f"[account.app]\n{account}"
+        f'[process.p]\nbundle = "b"\naccount = "app"\ncommand = ["./app"]\n{process}'
+        f"{extra}"
+    )
+
+
+REFUSED_AT_THE_GATE = [
+    # (what the attack pushed, the field named, the value named)
+    (_manifest(process='prepare = ["./app", "a\\u0000b"]\n'), "process.p.prepare", r"'a\x00b'"),
+    (_manifest().replace('["./app"]', '["./app", "--x=\\u0000"]'), "process.p.command",
+     r"'--x=\x00'"),
+    (_manifest(process='env = { A = "x\\u0000" }\n'), "process.p.env.A", r"'x\x00'"),
+    (_manifest(process='files = { "a\\u0000b" = { text = "x" } }\n'), r"process.p.files.a\x00b",
+     r"'a\x00b'"),
+    (_manifest(extra="[account.root]\n"), "account.root", "'root'"),
+    (_manifest(account='groups = ["root"]\n'), "account.app.groups", "'root'"),
+    (_manifest(account='groups = ["disk"]\n'), "account.app.groups", "'disk'"),
+    (_manifest(account='groups = ["docker"]\n'), "account.app.groups", "'docker'"),
+    (_manifest(account='groups = ["sudo"]\n'), "account.app.groups", "'sudo'"),
+    (_manifest(account='privileged_groups = ["root"]\n'), "account.app.privileged_groups",
+     "'root'"),
+    (_manifest(extra="[assign]\ntiers = [-1, 99999999999999]\n"), "assign.tiers", "-1"),
+    (_manifest(extra="[assign]\ntiers = [2, 99999999999999]\n"), "assign.tiers",
+     "99999999999999"),
+    (_manifest(extra="[rollout]\nmax_parallel = 99999999999999999999\n"),
+     "rollout.max_parallel", "99999999999999999999"),
+]  # fmt: skip
+
+
+async def test_the_gate_refuses_what_only_a_host_refused_or_nobody(nc, start_controller) -> None:
+    start_controller("ctl-a")
+    await await_until(lambda: ask(nc, "mesh.ctl.status"), within=20, what="the controller")
+    wrong = []
+    for manifest, field, value in REFUSED_AT_THE_GATE:
+        reply = await ask(nc, "mesh.ctl.push", {"manifest": manifest, "source": NOWHERE})
+        error = (reply or {}).get("error", {})
+        message = error.get("message", "")
+        named = message.startswith(f"module attack: {field}: ") and value in message
+        if error.get("code") != "refused" or not named:
+            wrong.append(f"{field} {value}: {reply}")
+    assert wrong == []
+    status = await ask(nc, "mesh.ctl.status")
+    assert status["seat"]["holder"] == "ctl-a"
+
+
+def _run_measured(argv: list[str], *, env: dict[str, str], stderr: Path) -> tuple[int, int]:
+    """Run `argv`; its exit code and its peak resident memory in bytes (of it alone: wait4).
+    Its address space is capped at 2 GiB, so a CLI that reads a huge file fails at once with
+    a MemoryError instead of taking the machine's memory."""
+
+    def cap() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (2 * 2**30, 2 * 2**30))
+
+    with stderr.open("wb") as err:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=err, env=env, preexec_fn=cap)  # fmt: skip
+    watchdog = threading.Timer(120, proc.kill)
+    watchdog.start()
+    try:
+        _, status, usage = os.wait4(proc.pid, 0)
+    finally:
+        watchdog.cancel()
+    proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here, not by Popen
+    return proc.returncode, usage.ru_maxrss * 1024
+
+
+async def test_mesh_push_of_a_10_gib_file_refuses_it_unread(
+    nc, start_controller, nats_url, tmp_path
+) -> None:
+    start_controller("ctl-a")
+    await await_until(lambda: ask(nc, "mesh.ctl.status"), within=20, what="the controller")
+    folder = tmp_path / "big"
+    (folder / "src").mkdir(parents=True)
+    (folder / "module.toml").write_text(
+        '[module]\nname = "big"\n[bundle.big]\nkind = "files"\nsource = "src"\n'
+    )
+    (folder / "src" / "a.txt").write_text("small\n")
+    huge = folder / "src" / "huge.bin"
+    with huge.open("wb") as f:
+        f.truncate(10 * 2**30)  # sparse: 10 GiB that take no disk
+    env = {**os.environ, "MESH_NATS_URL": nats_url}
+    code, peak = await anyio.to_thread.run_sync(
+        lambda: _run_measured([*MESH, "push", str(folder)], env=env, stderr=tmp_path / "err")
+    )
+    text = (tmp_path / "err").read_text()
+    lines = text.strip().splitlines()
+    assert code != 0 and len(lines) == 1 and "Traceback" not in text, text
+    assert f"src/huge.bin is {10 * 2**30} bytes" in lines[0], lines[0]
+    assert f"{archive.MAX_ARCHIVE} bytes at most" in lines[0], lines[0]
+    assert peak < 256 * 2**20, f"the CLI's peak memory was {peak} bytes"
+
+
+async def test_tools_takes_the_limits_its_docs_say(nc, start_controller) -> None:
+    docs = (ROOT / "docs" / "verbs.md").read_text()
+    section = docs[docs.index("## `tools`") : docs.index("## What hosts ask")]
+    said = re.search(r'"limit" \((\d+)\u2013(\d+), (\d+)\)', section)  # an en dash
+    assert said, "docs/verbs.md's tools section no longer says its limit as it did"
+    low, high, _ = (int(n) for n in said.groups())
+    start_controller("ctl-a")
+    await await_until(lambda: ask(nc, "mesh.ctl.status"), within=20, what="the controller")
+    fine = await ask(nc, "mesh.ctl.tools", {"limit": high})
+    assert fine is not None and "error" not in fine, fine
+    for limit in (high + 1, low - 1):
+        reply = await ask(nc, "mesh.ctl.tools", {"limit": limit})
+        assert reply is not None and "error" in reply, f"limit {limit} was taken: {reply}"
+        assert reply["error"]["code"] == "bad_request", reply
+        said_back = f"limit: {limit} is out of range ({low} to {high})"
+        assert said_back in reply["error"]["message"], reply
+    # ... and what the docs say of every page, and their table of limits, is the same range
+    assert f"items at most in the page: {low} to {high};" in docs
+    assert f"`limit` {low} to {high} and" in docs
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="accounts with groups are made only as root")
+async def test_a_privileged_group_is_taken_only_when_named_so_by_gate_and_host(
+    host, nc, nats_url, tmp_path
+) -> None:
+    # The opt-in: `privileged_groups` passes the gate, and the process has the group.
+    tag = uuid.uuid4().hex[:6]
+    account = f"logs-{tag}"
+    folder = tmp_path / "logship"
+    (folder / "src").mkdir(parents=True)
+    (folder / "src" / "keep").write_text("")
+    (folder / "module.toml").write_text(
+        '[module]\nname = "logship"\n[bundle.b]\nkind = "files"\nsource = "src"\n'
+        f'[account.{account}]\nprivileged_groups = ["adm"]\n'
+        f'[process.logship]\nbundle = "b"\naccount = "{account}"\n'
+        'command = ["python3", "-c", "import signal; signal.pause()"]\n'
+        '[assign]\nmachines = ["node-1"]\n'
+    )
+    ok(subprocess.run([*MESH, "push", str(folder), "--nats-url", nats_url, "--timeout", "120"],
+                      capture_output=True, text=True, timeout=180))  # fmt: skip
+
+    async def running() -> dict | None:
+        status = await ask(nc, "mesh.host.node-1.status")
+        found = [p for p in (status or {}).get("processes", []) if p["name"] == "logship"]
+        return found[0] if found and found[0]["pid"] else None
+
+    p = await await_until(running, within=60, what="logship running")
+    status = Path(f"/proc/{p['pid']}/status").read_text()
+    groups = next(line for line in status.splitlines() if line.startswith("Groups:")).split()
+    assert str(grp.getgrnam("adm").gr_gid) in groups
+
+    # A declaration that did not come through the gate (put in the bucket straight) is held to
+    # the same rules by the host: a privileged group in `groups` is refused, with the reason,
+    # before any account is made.
+    events = await nc.subscribe("mesh.event.node-1.applied")
+    await nc.flush()
+    kv = await nc.jetstream().key_value("mesh-declarations")
+    current = json.loads((await kv.get("node-1")).value)
+    forged = {**current, "digest": "sha256:" + "2" * 64}
+    intruder = f"intr-{tag}"
+    forged["declaration"] = {
+        **current["declaration"],
+        "accounts": {intruder: {"home": None, "groups": ["disk"], "shell": "/bin/sh"}},
+    }
+    await kv.put("node-1", json.dumps(forged).encode())
+    event = await next_failure(events, within=30)
+    assert event["step"] == f"account {intruder}", event
+    assert event["error"].startswith(f"account {intruder}.groups: 'disk' is a privileged group")
+    found = subprocess.run(["getent", "passwd", intruder], capture_output=True)
+    assert found.returncode == 2, "the host made the account anyway"
+
+
+def test_privileged_groups_pass_the_gate_into_the_declaration_and_nothing_else_changes() -> None:
+    manifest = gate.parse(_manifest(account='privileged_groups = ["adm", "adm"]\n'))
+    mv = compose.ModuleVersion(name="attack", version="sha256:" + "1" * 64, manifest=manifest,
+                               bundles={"b": "sha256:" + "2" * 64})  # fmt: skip
+    decl = compose.compose("node-1", [mv])
+    assert decl.accounts["app"].privileged_groups == ["adm"]
+    # An account without them has no such key: its bytes, and every digest, are as before.
+    plain = gate.parse(_manifest())
+    bytes_ = compose.canonical(
+        compose.compose("node-1", [msgspec.structs.replace(mv, manifest=plain)])
+    )
+    assert b'"app":{"groups":[],"home":null,"shell":"/usr/sbin/nologin"}' in bytes_
+
+
+# --- bounded growth ---
+# Row 6: one host grew the store and the holder's log without bound (5,000 registrations with a
+# changed body were 5,000 `machine.registered` rows and 5,000 log lines; nothing pruned events).
+
+FLOOD = 5000
+# What one machine may make the holder write or log, as docs/operations.md says (services/
+# controller/fleet.py and reports.py): so many at once, then one each so many seconds.
+REGISTER_BURST, REGISTER_EVERY = 3, 10.0  # registrations written
+CHANGE_BURST, CHANGE_EVERY = 4, 10.0  # changes between up and down written
+FAILURES_SAID, FAILURES_EVERY = 3, 10.0  # failed applies logged
+HOST_FACTS = Facts(os="linux", arch="x86_64", cpus=1, memory=1 << 30, mesh_version="test")
+
+
+def _log_since(path: Path, start: int) -> list[str]:
+    return path.read_bytes()[start:].decode(errors="replace").splitlines()
+
+
+async def _events(database_url: str, query: str, *args: object) -> list[asyncpg.Record]:
+    conn = await asyncpg.connect(database_url)
+    try:
+        return await conn.fetch(query, *args)
+    finally:
+        await conn.close()
+
+
+async def _node(nc, name: str) -> dict | None:
+    reply = await ask(nc, "mesh.ctl.nodes")
+    return next((n for n in reply["nodes"] if n["name"] == name), None) if reply else None
+
+
+async def _holding(nc) -> dict | None:
+    s = await ask(nc, "mesh.ctl.status")
+    return s if s and s.get("seat") else None
+
+
+async def _register(nc, req: Register) -> dict:
+    msg = await nc.request(f"mesh.ctl.host.{req.name}.register", wire.encode(req), timeout=10)
+    return json.loads(msg.data)
+
+
+@pytest.mark.slow
+async def test_a_host_registering_in_a_loop_adds_a_row_and_a_line_per_window(
+    nc, procs, start_controller, start_host, database_url
+) -> None:
+    """node-1's own host runs; its name then registers 5,000 times, each with another pid (as a
+    host restarting in a loop would, so none is the remembered registration). The store gets
+    at most REGISTER_BURST (3) rows at once and one each REGISTER_EVERY (10 s) after: here at
+    most 3 + 1 + one per 10 s the test took. The log says it in one line per window with the
+    count; every registration is answered (from memory), `status` is answered throughout, and
+    node-1 stays registered and up, its beats still taken."""
+    start_controller("ctl-a")
+    start_host("node-1", "--tier", "0")
+
+    async def up():
+        n = await _node(nc, "node-1")
+        return n if n and n["up"] else None
+
+    await await_until(up, within=30, what="node-1 up")
+    log_path = procs.folder / "ctl-a.log"
+    log_start = log_path.stat().st_size
+    count = "SELECT count(*) AS n FROM events WHERE machine = 'node-1'"
+    before = (await _events(database_url, count))[0]["n"]
+    base = Register(name="node-1", tier=0, labels={}, facts=HOST_FACTS, beat_interval=1.0, pid=1)
+
+    started = time.monotonic()
+    answers: dict[str, int] = {}
+    statuses: list[bool] = []
+    sent = iter(range(FLOOD))
+
+    async def attacker() -> None:
+        for i in sent:
+            reply = await _register(nc, msgspec.structs.replace(base, pid=100_000 + i))
+            code = reply["error"]["code"] if "error" in reply else "ok"
+            answers[code] = answers.get(code, 0) + 1
+            if i % 500 == 0:
+                statuses.append(await _holding(nc) is not None)
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(4):  # a few in flight, as a tight loop with retries keeps them
+            tg.start_soon(attacker)
+    flooded = time.monotonic()
+    print(f"{FLOOD} registrations in {flooded - started:.1f}s: {answers}")
+    assert answers == {"ok": FLOOD}  # an honest host restarting is answered, not refused
+    assert statuses and all(statuses), statuses
+
+    rows = (await _events(database_url, count))[0]["n"] - before
+    windows = int((time.monotonic() - started) // REGISTER_EVERY) + 1
+    bound = REGISTER_BURST + 1 + windows
+    assert rows <= bound, f"{rows} events for node-1 from {FLOOD} registrations (at most {bound})"
+
+    said = re.compile(r".*machine node-1: (\d+) registration\(s\) in the last \S+ answered from")
+
+    def counted() -> int:
+        return sum(int(m.group(1)) for m in map(said.match, _log_since(log_path, log_start)) if m)
+
+    async def all_counted():
+        # Each one not written is said in a count, but for those that joined a write in
+        # flight (a few: the attacker's requests in flight as its allowance ran out).
+        return counted() >= FLOOD - bound - 20
+
+    await await_until(all_counted, within=3 * REGISTER_EVERY,
+                      what="the held-back registrations counted in the log")  # fmt: skip
+    lines = [line for line in _log_since(log_path, log_start) if "regist" in line]
+    windows = int((time.monotonic() - started) // REGISTER_EVERY) + 1
+    # A line for each row written ("registered again"), and one count per window.
+    assert len(lines) <= REGISTER_BURST + 2 * windows, "\n".join(lines)
+
+    async def beating_after_the_flood():
+        n = await _node(nc, "node-1")
+        seen = n and n["up"] and n["last_seen"]
+        return n if seen and _at(seen) > time.time() - (time.monotonic() - flooded) else None
+
+    node = await await_until(beating_after_the_flood, within=20, what="node-1's beats taken")
+    assert node["tier"] == 0
+    status = await ask(nc, "mesh.ctl.status")
+    assert status["nodes"] == {"total": 1, "up": 1, "down": 0}
+    host_log = (procs.folder / "node-1.log").read_text()
+    assert "registration refused" not in host_log
+
+
+def _at(iso: str) -> float:
+    return datetime.fromisoformat(iso).timestamp()
+
+
+@pytest.mark.slow
+async def test_a_machine_flapping_on_purpose_is_written_a_bounded_number_of_times(
+    nc, start_controller, database_url
+) -> None:
+    """A machine that beats with a tiny interval, then falls silent, then beats again, as fast
+    as the holder judges it (it judges up to its last NATS round trip, one a second): up and
+    down at most CHANGE_BURST (4) times at once, then once each CHANGE_EVERY (10 s); once it
+    beats steadily it is up again, in memory and the store."""
+    start_controller("ctl-a")
+    await await_until(lambda: _holding(nc), within=30, what="ctl-a to hold the seat")
+    reply = await _register(nc, Register(name="node-9", tier=None, labels={}, facts=HOST_FACTS,
+                                         beat_interval=0.01, pid=9))  # fmt: skip
+    assert reply.get("name") == "node-9", reply
+    changes = (
+        "SELECT count(*) AS n FROM events WHERE machine = 'node-9' "
+        "AND kind IN ('machine.up', 'machine.down')"
+    )
+    started = time.monotonic()
+    seq = 0
+
+    async def beat(interval: float) -> None:
+        nonlocal seq
+        seq += 1
+        await nc.publish("mesh.host.node-9.beat",
+                         wire.encode(Beat(name="node-9", seq=seq, interval=interval)))  # fmt: skip
+        await nc.flush()
+
+    while time.monotonic() - started < 15:
+        await beat(0.01)
+        await anyio.sleep(1.2)  # ok: the attack's own rhythm, silent past a round trip
+    flapped = (await _events(database_url, changes))[0]["n"]
+    windows = int((time.monotonic() - started) // CHANGE_EVERY) + 1
+    bound = CHANGE_BURST + windows
+    assert flapped <= bound, f"{flapped} up/down events in 15 s (at most {bound})"
+
+    async def steadily_up():
+        await beat(1.0)
+        n = await _node(nc, "node-9")
+        return n if n and n["up"] else None
+
+    await await_until(steadily_up, within=3 * CHANGE_EVERY, what="node-9 up again")
+    rows = await _events(database_url, "SELECT up FROM machines WHERE name = 'node-9'")
+    assert rows[0]["up"] is True
+
+
+@pytest.mark.slow
+async def test_failed_apply_reports_in_a_flood_are_logged_a_few_times_with_a_count(
+    nc, procs, start_controller
+) -> None:
+    """5,000 failed `applied` reports from one machine: the holder keeps the last (`nodes`
+    shows it) and logs FAILURES_SAID (3) at once, then one each FAILURES_EVERY with a count."""
+    start_controller("ctl-a")
+    await await_until(lambda: _holding(nc), within=30, what="ctl-a to hold the seat")
+    await _register(nc, Register(name="node-8", tier=None, labels={}, facts=HOST_FACTS,
+                                 beat_interval=3600, pid=8))  # fmt: skip
+    log_path = procs.folder / "ctl-a.log"
+    log_start = log_path.stat().st_size
+    started = time.monotonic()
+    for i in range(FLOOD):
+        failure = Applied(name="node-8", digest="sha256:" + "0" * 64, epoch=1, ok=False,
+                          step="prepare", error=f"boom {i}")  # fmt: skip
+        await nc.publish("mesh.event.node-8.applied", wire.encode(failure))
+    await nc.flush()
+
+    async def last_heard():
+        n = await _node(nc, "node-8")
+        return n if n and n.get("apply_error") == f"prepare: boom {FLOOD - 1}" else None
+
+    await await_until(last_heard, within=30, what="the last report heard")
+    lines = [line for line in _log_since(log_path, log_start) if "could not apply" in line]
+    windows = int((time.monotonic() - started) // FAILURES_EVERY) + 1
+    assert 1 <= len(lines) <= FAILURES_SAID + windows, "\n".join(lines)
+
+
+@pytest.mark.slow
+async def test_the_holder_prunes_events_by_age_and_by_count(
+    nc, procs, nats_url, database_url
+) -> None:
+    """With MESH_EVENTS_MAX_AGE=1h, MESH_EVENTS_MAX_COUNT=50 and a prune each 0.5 s: rows put
+    in the store two hours in the past are gone after the holder's next prune, as is all but
+    the newest 50; the newest rows stay."""
+    procs.start(
+        "ctl-a",
+        [*MESH, "controller", "run", "--instance", "ctl-a"],
+        env={"MESH_NATS_URL": nats_url, "MESH_DATABASE_URL": database_url,
+             "MESH_EVENTS_MAX_AGE": "1h", "MESH_EVENTS_MAX_COUNT": "50",
+             "MESH_EVENTS_PRUNE_EVERY": "0.5s"},
+    )  # fmt: skip
+    await await_until(lambda: _holding(nc), within=30, what="ctl-a to hold the seat")
+    conn = await asyncpg.connect(database_url)
+    try:
+        await conn.execute(
+            "INSERT INTO events (at, kind, machine) SELECT now() - interval '2 hours', "
+            "'test.old', 'old-' || n FROM generate_series(1, 20) AS n"
+        )
+        await conn.execute(
+            "INSERT INTO events (kind, machine) SELECT 'test.new', 'new-' || n "
+            "FROM generate_series(1, 120) AS n"
+        )
+        newest = await conn.fetchval("SELECT max(id) FROM events")
+
+        async def pruned():
+            old = await conn.fetchval("SELECT count(*) FROM events WHERE kind = 'test.old'")
+            total = await conn.fetchval("SELECT count(*) FROM events")
+            return (old, total) if old == 0 and total <= 50 else None
+
+        await await_until(pruned, within=30, what="old events and all but the newest 50 gone")
+        kept = await conn.fetch("SELECT id FROM events ORDER BY id")
+        assert kept[-1]["id"] == newest  # the newest stay
+        assert len(kept) >= 40  # only the oldest went (ids of one insert have no gaps)
+    finally:
+        await conn.close()
+    log = (procs.folder / "ctl-a.log").read_text()
+    assert re.search(r"pruned \d+ event\(s\): 20 older than 1h, \d+ beyond the newest 50", log)
+
+
+def test_a_bad_pruning_setting_is_one_line_naming_it() -> None:
+    """Refused before anything is reached (the store's URL goes nowhere)."""
+    cases = [
+        (["--events-max-age", "3x"], {}, "--events-max-age: '3x' is not a duration"),
+        (["--events-max-count", "-5"], {}, "--events-max-count: '-5' is not a number of events"),
+        (["--events-prune-every", "0"], {}, "--events-prune-every: '0' is shorter than 0.1s"),
+        ([], {"MESH_EVENTS_MAX_AGE": "forever"}, "MESH_EVENTS_MAX_AGE: 'forever' is not a"),
+    ]
+    for flags, env, says in cases:
+        done = subprocess.run(
+            [*MESH, "controller", "run", *flags, "--database-url", "postgresql://127.0.0.1:9/x"],
+            capture_output=True, text=True, timeout=60, env={**os.environ, **env},
+        )  # fmt: skip
+        assert says in one_line_error(done)
+
 
 # --- the store ----------------------------------------------------------------------------------
 # Row 5: the embedded PostgreSQL trusted loopback, so any account on the control machine (every
 # module's account is one) connected as the superuser, read every secret and ran programs as
 # `mesh-postgres` (`COPY … TO PROGRAM`).
 
-SECRETS = "select name, convert_from(value, 'UTF8') from secrets"  # what the attack read
+READ_SECRETS = "select name, convert_from(value, 'UTF8') from secrets"  # what the attack read
 
 
 @pytest.fixture
@@ -119,7 +941,7 @@ async def test_the_store_refuses_local_accounts_and_its_role_is_no_superuser(
             psql = postgres.bin("psql")
             for user in ("postgres", "mesh"):
                 read = _as_nobody(psql, "-w", f"postgresql://{user}@127.0.0.1:{port}/mesh",
-                                  "-Atc", SECRETS)  # fmt: skip
+                                  "-Atc", READ_SECRETS)  # fmt: skip
                 assert read.returncode != 0 and "hello-token" not in read.stdout, read
                 assert "no password supplied" in read.stderr, read.stderr
             for path in (store_dir / "env", store_dir / "creds" / "store" / "postgres.password"):
@@ -191,7 +1013,7 @@ async def test_a_store_an_older_mesh_made_with_trust_is_converted_not_broken(
         assert status.returncode == 0 and "held by ctl-" in status.stdout, status
         conn = await asyncpg.connect(_exported(store_dir)["MESH_DATABASE_URL"])
         try:
-            assert await conn.fetch(SECRETS) == [("hello-token", "s3cret")]
+            assert await conn.fetch(READ_SECRETS) == [("hello-token", "s3cret")]
             owners = await conn.fetch(
                 "select distinct tableowner from pg_tables where schemaname = 'public'"
             )

@@ -10,7 +10,6 @@ import pytest
 from helpers import ask, await_until
 from nats.aio.client import Client
 from nats.micro.service import ServiceInfo, ServicePing, ServiceStats
-from test_security import as_identity, fleet, secured  # noqa: F401 (fixtures used here)
 
 from mesh import discovery, subjects, wire
 from mesh.serving import Endpoint, Stats, Verb
@@ -160,7 +159,7 @@ async def test_ping_info_and_stats_show_the_controllers_and_the_hosts(nc, mesh_o
 # --- who may ask, with real credentials ----------------------------------------------------------
 
 
-async def test_operators_may_ask_and_hosts_only_answer_for_themselves(fleet, secured, as_identity):  # noqa: F811
+async def test_operators_may_ask_and_hosts_only_answer_for_themselves(fleet, secured, as_identity):
     # The services answer under their own credentials; a viewer asks and hears them all.
     viewer = await secured.connect(secured.viewer)
     try:

@@ -200,9 +200,9 @@ def test_a_module_toml_that_is_not_utf8_or_too_large_is_refused(tmp_path: Path) 
 async def test_a_blob_larger_than_the_reader_takes_is_refused_before_reading(nc) -> None:
     _, store = await blobs.ensure(nc)
     digest = await blobs.put(store, b"x" * 1000)
-    assert await blobs.get(store, digest, limit=1000) == b"x" * 1000
+    assert await blobs.get(nc, digest, limit=1000) == b"x" * 1000
     with pytest.raises(blobs.BlobTooLarge, match=f"{digest} is 1000 bytes, at most 999"):
-        await blobs.get(store, digest, limit=999)
+        await blobs.get(nc, digest, limit=999)
 
 
 async def test_a_blob_whose_bytes_are_not_its_digest_is_refused(nc) -> None:
@@ -212,7 +212,7 @@ async def test_a_blob_whose_bytes_are_not_its_digest_is_refused(nc) -> None:
     wanted = blobs.digest(b"the real bundle")
     await store.put(wanted.replace(":", "-"), b"something else")
     with pytest.raises(blobs.BlobCorrupt, match="the stored bytes have digest"):
-        await blobs.get(store, wanted)
+        await blobs.get(nc, wanted)
 
 
 # --- through a real controller -------------------------------------------------------------

@@ -9,29 +9,25 @@ import base64
 import json
 import os
 import shlex
-import socket
 import stat
-import subprocess
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import anyio
 import msgspec
 import pytest
-from helpers import MESH, await_until, ok, one_line_error, wait_until
+from helpers import MESH, await_until, ok, one_line_error
 from nats.aio.client import Client
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import ConsumerConfig, DeliverPolicy
 from nats.js.errors import APIError
+from secured import Secured, ask, cli
 
 from mesh import blobs, bus
 from mesh.auth import creds as credentials
 from mesh.auth import registry
 from mesh.auth.keys import new_user
 from mesh.auth.policy import OPERATOR_WATCH, READ_VERBS
-from mesh.embedded import natsd, ports
 from mesh.meshdir import MeshDir
-from programs.placement import place
 from services.controller.verbs import VERBS
 from services.host.facts import gather
 
@@ -41,141 +37,7 @@ CONTROLLER_MODULE = ROOT / "services" / "controller"
 SECRET = "s3cr3t-auth-2c9e"
 # Verbs that change the fleet: never a viewer's, whatever the verb table holds today.
 ADMIN_VERBS = ("push", "assign", "unassign", "secret-set", "tier", "label", "handover", "diff")
-NODES = ("node-1", "node-2")  # the secured fleet's hosts
-
-
-class Secured:
-    """A nats-server that admits only the identities in a mesh folder."""
-
-    def __init__(self, folder: MeshDir, url: str, start) -> None:
-        self.dir = folder
-        self.url = url
-        self.start = start  # starts the server (again), returns its process
-        self.proc = start()
-
-    def creds(self, kind: str, name: str) -> str:
-        return str(self.dir.creds_file(kind, name))
-
-    @property
-    def admin(self) -> str:
-        return self.creds("operator", "admin")
-
-    @property
-    def viewer(self) -> str:
-        return self.creds("operator", "viewer")
-
-    @property
-    def tools(self) -> str:
-        return self.creds("operator", "tools")
-
-    async def connect(self, creds: str | None, *, denials: list[str] | None = None) -> Client:
-        return await bus.connect(
-            self.url,
-            name="test",
-            creds=creds,
-            reconnect=False,
-            denied=denials.append if denials is not None else None,
-        )
-
-
-def _listening(port: int) -> bool:
-    with socket.socket() as s:
-        s.settimeout(0.2)
-        return s.connect_ex(("127.0.0.1", port)) == 0
-
-
-@pytest.fixture
-def secured(tmp_path: Path, procs) -> Secured:
-    folder = MeshDir(tmp_path / "mesh")
-    with registry.locked(folder) as users:
-        users.ensure("operator", "admin", role="admin")
-        users.ensure("operator", "viewer", role="viewer")
-        users.ensure("operator", "tools", role="tools")
-        users.ensure("controller", registry.CONTROLLER)
-        users.ensure("host", "node-1", builder=True)
-        users.ensure("host", "node-2")
-        users.save()
-    port = ports.free_port()
-    conf = natsd.write_config(
-        folder.server("n1"), port=port, name=f"secure-{port}", auth=folder.auth_conf
-    )
-    url = f"nats://127.0.0.1:{port}"
-    folder.url_file.write_text(url + "\n")
-
-    def start():
-        proc = procs.start("nats-server", natsd.argv(conf))
-        wait_until(
-            lambda: proc.poll() is not None or _listening(port), within=10, what="nats-server"
-        )
-        assert proc.poll() is None, (tmp_path / "nats-server.log").read_text()
-        return proc
-
-    return Secured(folder, url, start)
-
-
-def cli(
-    secured: Secured, creds: str | None, *args: str, stdin: str | None = None
-) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "MESH_CREDS"}
-    return subprocess.run(
-        [*MESH, *args, "--nats-url", secured.url, *(["--creds", creds] if creds else [])],
-        capture_output=True, text=True, input=stdin, timeout=180,
-        env={**env, "MESH_NATS_URL": secured.url},
-    )  # fmt: skip
-
-
-class Refusals:
-    """A connection's permissions violations, as the server reports them.
-
-    The server reports them asynchronously (a flush may return before the report), but in
-    the order it handled the connection's messages: an action is followed by a publish on a
-    subject nobody may use, and once that one's refusal is in, the action's would be too."""
-
-    def __init__(self, nc: Client, seen: list[str]) -> None:
-        self.nc = nc
-        self.seen = seen
-        self._sentinels = 0
-
-    async def _refused(self, subject: str, act) -> bool:
-        before = len(self.seen)
-        await act()
-        self._sentinels += 1
-        sentinel = f"mesh.sentinel.{self._sentinels}"
-        await self.nc.publish(sentinel, b"")
-
-        async def reported():
-            return any(sentinel in s for s in self.seen[before:])
-
-        await await_until(reported, within=10, what=f"the refusal of {sentinel}")
-        return any(s.endswith(" " + subject.lower()) for s in self.seen[before:])
-
-    async def publish_refused(self, subject: str) -> bool:
-        return await self._refused(subject, lambda: self.nc.publish(subject, b"{}"))
-
-    async def subscribe_refused(self, subject: str) -> bool:
-        subs = []
-
-        async def act() -> None:
-            subs.append(await self.nc.subscribe(subject))
-
-        refused = await self._refused(subject, act)
-        await subs[0].unsubscribe()
-        return refused
-
-
-@pytest.fixture
-async def as_identity(secured: Secured) -> AsyncIterator:
-    opened: list[Client] = []
-
-    async def open_as(creds: str) -> Refusals:
-        seen: list[str] = []
-        nc = await secured.connect(creds, denials=seen)
-        opened.append(nc)
-        return Refusals(nc, seen)
-
-    yield open_as
-    for nc in opened:
-        await nc.close()
+NODES = ("node-1", "node-2")  # the secured fleet's hosts (tests/secured.py)
 
 
 # --- connecting --------------------------------------------------------------------------------
@@ -227,53 +89,6 @@ async def test_a_viewer_may_only_read_and_an_admin_may_call_every_verb(secured, 
         assert await who.subscribe_refused("_INBOX.>")
         assert await who.subscribe_refused("mesh.>")
         assert not await who.subscribe_refused(f"{who.nc._inbox_prefix.decode()}.x")
-
-
-# --- a secured fleet: a controller and two hosts, every piece with its own credentials ----------
-
-
-@pytest.fixture
-async def fleet(secured: Secured, procs, database_url: str, tmp_path: Path):
-    procs.start(
-        "ctl-a",
-        [*MESH, "controller", "run", "--instance", "ctl-a",
-         "--creds", secured.creds("controller", registry.CONTROLLER)],
-        env={"MESH_NATS_URL": secured.url, "MESH_DATABASE_URL": database_url},
-    )  # fmt: skip
-    nc = await secured.connect(secured.admin)
-    # Placed by the operator before they first register: a host never chooses its own.
-    await place(nc, url=secured.url, machine="node-1", tier=0, labels={"builder": "true"},
-                timeout=40)  # fmt: skip
-    await place(nc, url=secured.url, machine="node-2", tier=1, labels={}, timeout=40)
-    for name in ("node-1", "node-2"):
-        start_host(procs, secured, tmp_path, name)
-
-    async def up():
-        s = await ask(nc, "mesh.ctl.status")
-        return s if s and s["nodes"]["up"] == 2 else None
-
-    await await_until(up, within=40, what="two hosts up under credentials")
-    yield nc
-    await nc.close()
-
-
-def start_host(procs, secured: Secured, tmp_path: Path, name: str, *extra: str):
-    return procs.start(
-        name,
-        [*MESH, "host", "run", "--name", name, "--root", str(tmp_path / "hosts" / name),
-         "--creds", secured.creds("host", name), *extra],
-        env={"MESH_NATS_URL": secured.url},
-    )  # fmt: skip
-
-
-async def ask(nc: Client, subject: str, body: dict | None = None) -> dict | None:
-    try:
-        data = await bus.request(
-            nc, subject, json.dumps(body or {}).encode(), deadline=anyio.current_time() + 2
-        )
-    except bus.NoAnswer:
-        return None
-    return json.loads(data)
 
 
 async def _node(nc: Client, name: str) -> dict | None:

@@ -23,6 +23,7 @@ _SEED_END = "------END USER NKEY SEED------"
 _INBOX_LINE = re.compile(r"^# mesh-inbox: (\S+)\s*$", re.MULTILINE)
 _SEED_LINE = re.compile(r"^\s*(SU[A-Z2-7]+)\s*$", re.MULTILINE)
 _SERVERS_LINE = re.compile(r"^# mesh-nats-url: (\S+)\s*$", re.MULTILINE)
+_CONTROLLER_LINE = re.compile(r"^# mesh-controller: (U[A-Z2-7]+)\s*$", re.MULTILINE)
 _CERT = re.compile(
     r"-----BEGIN CERTIFICATE-----\s+[A-Za-z0-9+/=\s]+?-----END CERTIFICATE-----", re.MULTILINE
 )
@@ -39,11 +40,14 @@ class Creds(msgspec.Struct, frozen=True):
     jwt: bool = False
     ca: str | None = None  # the mesh's CA certificate (PEM), when the file carries it
     servers: str | None = None  # the NATS URL(s), comma-separated, when the file carries them
+    # The controllers' public key: what they sign, a host checks with it (mesh.auth.signing).
+    controller: str | None = None
 
 
 def render(
-    *, who: str, seed: str, inbox: str, ca: str | None = None, servers: str | None = None
-) -> str:
+    *, who: str, seed: str, inbox: str, ca: str | None = None, servers: str | None = None,
+    controller: str | None = None,
+) -> str:  # fmt: skip
     lines = [
         f"# mesh credentials: {who}",
         "# Whoever holds this file connects to the mesh's NATS as this identity:",
@@ -52,6 +56,8 @@ def render(
     ]
     if servers:
         lines.append(f"# mesh-nats-url: {servers}")
+    if controller:
+        lines.append(f"# mesh-controller: {controller}")
     lines += [_SEED_BEGIN, seed, _SEED_END]
     if ca:
         lines += [
@@ -64,7 +70,7 @@ def render(
 
 def write(
     path: Path, *, who: str, seed: str, inbox: str, ca: str | None = None,
-    servers: str | None = None,
+    servers: str | None = None, controller: str | None = None,
 ) -> None:  # fmt: skip
     """Write the file readable by its owner alone (0600), atomically: never a moment when it is
     readable by others or half written."""
@@ -73,7 +79,8 @@ def write(
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
         os.fchmod(fd, 0o600)  # whatever the umask
-        text = render(who=who, seed=seed, inbox=inbox, ca=ca, servers=servers)
+        text = render(who=who, seed=seed, inbox=inbox, ca=ca, servers=servers,
+                      controller=controller)  # fmt: skip
         os.write(fd, text.encode())
         os.fsync(fd)
     finally:
@@ -100,6 +107,7 @@ def read(path: str | Path) -> Creds:
         raise CredsError(f"credentials {path}: {e}") from None
     inbox = _INBOX_LINE.search(text)
     servers = _SERVERS_LINE.search(text)
+    controller = _CONTROLLER_LINE.search(text)
     certs = _CERT.findall(text)
     return Creds(
         path=str(path),
@@ -107,4 +115,5 @@ def read(path: str | Path) -> Creds:
         inbox=inbox.group(1) if inbox else DEFAULT_INBOX,
         ca="\n".join(certs) + "\n" if certs else None,
         servers=servers.group(1) if servers else None,
+        controller=controller.group(1) if controller else None,
     )

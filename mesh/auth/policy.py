@@ -19,7 +19,7 @@ from typing import Literal
 import msgspec
 
 from mesh import subjects
-from mesh.blobs import BUNDLES, DECLARATIONS, SEAT
+from mesh.blobs import BUILDS, BUNDLES, DECLARATIONS, SEAT
 
 Kind = Literal["host", "controller", "operator"]
 Role = Literal["admin", "viewer", "tools"]
@@ -58,6 +58,8 @@ KV_STREAM = f"KV_{DECLARATIONS}"
 OBJ_STREAM = f"OBJ_{BUNDLES}"
 KV_SUBJECTS = f"$KV.{DECLARATIONS}"
 OBJ_SUBJECTS = f"$O.{BUNDLES}"
+BUILDS_STREAM = f"OBJ_{BUILDS}"
+BUILDS_SUBJECTS = f"$O.{BUILDS}"
 
 
 class User(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -92,19 +94,26 @@ def inbox(user: User) -> str:
 
 def _bundle_reads() -> list[str]:
     # Objects are chunked under random names ($O.<bucket>.C.<nuid>): reads cannot be narrowed
-    # to "the bundles this host was told to fetch"; a host checks every digest instead.
+    # to "the bundles this host was told to fetch"; a host checks every digest instead. One
+    # message per request (mesh.blobs.get): no consumer (its deliver subject is not checked
+    # against the creator's permissions) and no direct get (its answer is the stored bytes,
+    # raw, on whatever reply subject the asker names). docs/security.md, the bus.
+    return [f"{_API}.STREAM.MSG.GET.{OBJ_STREAM}"]
+
+
+def _build_writes() -> list[str]:
+    """A builder's: what it built, left in the builds' bucket for the controller to adopt
+    (mesh.blobs.stage); nothing of the bundle store, which it cannot purge or overwrite."""
     return [
-        f"{_API}.STREAM.NAMES",
-        f"{_API}.STREAM.INFO.{OBJ_STREAM}",
-        f"{_API}.STREAM.MSG.GET.{OBJ_STREAM}",
-        f"{_API}.DIRECT.GET.{OBJ_STREAM}.>",
-        f"{_API}.CONSUMER.CREATE.{OBJ_STREAM}",
-        f"{_API}.CONSUMER.CREATE.{OBJ_STREAM}.>",
-        f"{_API}.CONSUMER.INFO.{OBJ_STREAM}.*",
+        f"{BUILDS_SUBJECTS}.>",
+        f"{_API}.STREAM.INFO.{BUILDS_STREAM}",
+        f"{_API}.STREAM.MSG.GET.{BUILDS_STREAM}",
     ]
 
 
 def _bundle_writes() -> list[str]:
+    """An admin's: module sources at push and plan diff; a digest squatted with other bytes
+    is replaced (mesh.blobs.put), which purges the old chunks."""
     return [f"{OBJ_SUBJECTS}.>", f"{_API}.STREAM.PURGE.{OBJ_STREAM}"]
 
 
@@ -135,7 +144,7 @@ def _host(user: User) -> Permissions:
         *_bundle_reads(),
     ]
     if user.builder:
-        publish += _bundle_writes()
+        publish += _build_writes()
     return Permissions(
         publish=publish,
         subscribe=[
@@ -158,6 +167,7 @@ def _controller(user: User) -> Permissions:
             f"{KV_SUBJECTS}.>",
             f"$KV.{SEAT}.>",  # the seat's epoch on the bus (services/controller/epochs.py)
             f"{OBJ_SUBJECTS}.>",
+            f"{BUILDS_SUBJECTS}.>",  # what builders left there, deleted once adopted
         ],
         subscribe=[
             subjects.ctl(">"),
@@ -197,7 +207,12 @@ def _operator(user: User) -> Permissions:
                 for v in (*HOST_READ_VERBS, *HOST_ADMIN_VERBS, *HOST_TOOL_VERBS)
             ),
             # uploads of module sources (push, plan diff) and reading what JetStream holds
-            *_bundle_reads(),
+            f"{_API}.STREAM.NAMES",
+            f"{_API}.STREAM.MSG.GET.{OBJ_STREAM}",
+            f"{_API}.DIRECT.GET.{OBJ_STREAM}.>",
+            f"{_API}.CONSUMER.CREATE.{OBJ_STREAM}",
+            f"{_API}.CONSUMER.CREATE.{OBJ_STREAM}.>",
+            f"{_API}.CONSUMER.INFO.{OBJ_STREAM}.*",
             *_bundle_writes(),
             f"{_API}.INFO",
             f"{_API}.STREAM.INFO.*",

@@ -70,13 +70,37 @@ class Registry:
 
     def _write(self, path: Path, user: User, seed: str) -> None:
         """The credentials file, carrying the mesh's CA and NATS URL(s) where the folder has
-        them: the one file a machine needs to connect."""
+        them: the one file a machine needs to connect; a host's also names the controllers'
+        public key, which it checks what they sign with (mesh.auth.signing)."""
         try:
             ca = self.dir.ca.read_text()
         except FileNotFoundError:
             ca = None
         creds.write(path, who=user.describe(), seed=seed, inbox=inbox(user), ca=ca,
-                    servers=self.dir.nats_url())  # fmt: skip
+                    servers=self.dir.nats_url(),
+                    controller=self._controller_key() if user.kind == "host" else None)  # fmt: skip
+
+    def _controller_key(self) -> str | None:
+        controller = self.get("controller", CONTROLLER)
+        return controller.public if controller is not None else None
+
+    def _refresh_hosts(self) -> None:
+        """Hosts' files that name another controllers' key than the folder's (issued before
+        the controllers' identity was, or before it was issued anew) are written again, with
+        the same key of their own."""
+        key = self._controller_key()
+        if key is None:
+            return
+        for user in self.users.values():
+            if user.kind != "host":
+                continue
+            path = self.dir.creds_file("host", user.name)
+            try:
+                held = creds.read(path)
+            except creds.CredsError:
+                continue  # a missing or broken file is issued again by `ensure`, not here
+            if held.seed and held.controller != key and public_of(held.seed) == user.public:
+                self._write(path, user, held.seed)
 
     def ensure(
         self, kind: Kind, name: str, *, role: Role | None = None, builder: bool = False
@@ -107,7 +131,9 @@ class Registry:
         return path
 
     def save(self) -> None:
-        """Write users.json and the server's authorization block."""
+        """Write users.json and the server's authorization block (and hosts' files whose
+        controllers' key is not the folder's)."""
+        self._refresh_hosts()
         self.dir.creds.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(self.dir.creds, 0o700)
         body = msgspec.json.format(

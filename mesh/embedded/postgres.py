@@ -34,7 +34,7 @@ from mesh.errors import MeshError
 from mesh.names import check_name
 from mesh.paths import open_path_to
 
-PG_ACCOUNT = "mesh-postgres"
+PG_ACCOUNT = osaccounts.PG_ACCOUNT  # no module may declare it (the gate)
 PG_USER = pgauth.SUPERUSER  # the database superuser, not the OS account
 CONTROLLER_USER = pgauth.CONTROLLER  # the controllers' role: owns the database, no superuser
 REPLICATION_USER = pgauth.REPLICATION  # the standby's role on the primary (REPLICATION only)

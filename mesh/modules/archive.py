@@ -2,6 +2,9 @@
 
 Entries are sorted, owners and times zeroed, modes reduced to 0755/0644, and nothing but
 regular files, folders and symlinks that stay inside the tree is accepted, packing or reading.
+Packing streams each file into the archive and measures it before reading a byte of it: a tree
+too large for an archive is refused at the first file that would take it past the limit,
+named, whatever its size (a 10 GiB file was read whole first: a MemoryError).
 """
 
 import hashlib
@@ -135,9 +138,17 @@ def _add_file(tar: tarfile.TarFile, path: Path, name: str) -> None:
         st = os.fstat(f.fileno())
         if not stat.S_ISREG(st.st_mode):
             raise ArchiveRefused(f"{name}: not a regular file")
-        data = f.read()
-    mode = 0o755 if st.st_mode & 0o111 else 0o644
-    tar.addfile(_info(name, kind=tarfile.REGTYPE, mode=mode, size=len(data)), io.BytesIO(data))
+        before = tar.offset  # the archive's bytes so far
+        if before + tarfile.BLOCKSIZE + st.st_size > MAX_ARCHIVE:
+            so_far = f", {before} packed before it" if before else ""
+            raise ArchiveRefused(f"{name} is {st.st_size} bytes: more than the archive may "
+                                 f"hold ({MAX_ARCHIVE} bytes at most{so_far})")  # fmt: skip
+        mode = 0o755 if st.st_mode & 0o111 else 0o644
+        info = _info(name, kind=tarfile.REGTYPE, mode=mode, size=st.st_size)
+        try:
+            tar.addfile(info, f)  # copied in chunks: never the whole file in memory
+        except OSError as e:  # tarfile's "unexpected end of data": it shrank meanwhile
+            raise ArchiveRefused(f"{name}: changed while it was packed ({e})") from None
 
 
 def _walk(root: Path) -> list[str]:
@@ -148,6 +159,8 @@ def _walk(root: Path) -> list[str]:
         for name in dirs + sorted(files):
             rel = name if base == "." else f"{base}/{name}"
             found.append(rel)
+        if len(found) > MAX_ENTRIES:  # stop walking: the archive would be refused anyway
+            raise ArchiveRefused(f"more than {MAX_ENTRIES} entries")
     return sorted(found)
 
 

@@ -37,6 +37,9 @@ class DAccount(msgspec.Struct):
     home: str | None
     groups: list[str]
     shell: str
+    # UNSET (left out of the bytes) when none: an account without them keeps its digest. The
+    # host adds them to `groups`, and refuses a privileged group that is not here.
+    privileged_groups: list[str] | UnsetType = UNSET
 
 
 class DRuns(msgspec.Struct):
@@ -164,9 +167,11 @@ def prepare(mv: ModuleVersion, secrets: dict[str, int] | None = None) -> Prepare
         ports={},
     )  # fmt: skip
     for name, a in m.account.items():
+        privileged = sorted(set(a.privileged_groups)) or UNSET
         out.accounts[name] = _piece(
-            DAccount(home=a.home, groups=sorted(set(a.groups)), shell=a.shell)
-        )
+            DAccount(home=a.home, groups=sorted(set(a.groups)), shell=a.shell,
+                     privileged_groups=privileged)
+        )  # fmt: skip
     for name, p in m.process.items():
         key = _bundle(out, mv, p.bundle)
         if p.check is not None and p.check.tcp is not None:

@@ -1,9 +1,12 @@
 """The registration gate: what `push` refuses, each refusal naming module, field and value.
 
-Refused: unknown fields; a shell string where argv is required; a container built from the
-module's own source (a module's own code is bundles, never an image); a process naming an
-unknown bundle or account; a path that escapes its root (`..`, absolute, symlink out);
-durations and modes that do not parse; names that are not valid subject tokens.
+Refused: unknown fields; a NUL byte in any string or key; a shell string where argv is
+required; a container built from the module's own source (a module's own code is bundles, never
+an image); a process naming an unknown bundle or account; a path that escapes its root (`..`,
+absolute, symlink out); durations and modes that do not parse; names that are not valid subject
+tokens; numbers out of their range (tiers, `max_parallel`); privileged accounts and groups
+(mesh.osaccounts: `root`, the mesh's own accounts, groups such as `sudo` or `docker` unless named
+in `privileged_groups`).
 """
 
 import posixpath
@@ -14,9 +17,12 @@ from typing import Any
 
 import msgspec
 
+from mesh import osaccounts
+from mesh.model import MACHINES_NAMED, MAX_TIER, LabelKey, Word
 from mesh.modules.manifest import (
     ON_THE_MACHINE,
     Account,
+    Assign,
     Bundle,
     Check,
     Container,
@@ -39,6 +45,8 @@ MAX_FILES = 64  # files of one process
 MAX_ENV = 256  # environment variables of one process or container
 MAX_ARGV = 1024  # words of one command
 MAX_DURATION = 7 * 24 * 3600.0  # a week, in seconds: any timeout, interval or deadline
+MAX_PARALLEL = 10_000  # machines at once within a tier (`[rollout] max_parallel`; 0: all)
+MAX_LABELS = 64  # of `[assign] labels`, as of a machine
 SHELLS = {"sh", "bash", "dash", "zsh", "ksh", "ash", "fish", "csh", "tcsh"}  # by basename
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h)")
 _MODE = re.compile(r"0?[0-7]{3}")
@@ -87,10 +95,13 @@ def parse(text: str, *, origin: str = "module.toml") -> Manifest:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise Refused("?", origin, f"not valid TOML: {e}") from None
+    except ValueError as e:  # Python's own limit: "Exceeds the limit (4300 digits) … ; use sys…"
+        raise Refused("?", origin, f"not valid TOML: {str(e).split(';')[0]}") from None
     except RecursionError:
         raise Refused("?", origin, "arrays or tables nested too deeply") from None
     name = raw.get("module", {}).get("name", "?") if isinstance(raw.get("module"), dict) else "?"
     module = str(name)[:64]
+    _refuse_nul(module, raw)
     _refuse_shell_strings(module, raw)
     try:
         manifest = msgspec.convert(raw, Manifest)
@@ -132,6 +143,28 @@ def _split(message: str) -> tuple[str, str, str]:
     if not sep:
         return "module.toml", "", message
     return field or "module.toml", "", why
+
+
+def _refuse_nul(module: str, raw: dict[str, Any]) -> None:
+    """No string or key holds a NUL byte: the OS takes none in an argument, an environment
+    variable or a file name (the host would fail at start, and the plan wait out its deadline),
+    nor does PostgreSQL in text."""
+    todo: list[tuple[str, Any]] = [("", raw)]
+    while todo:
+        field, value = todo.pop()
+        if isinstance(value, dict):
+            for key, inner in reversed(value.items()):
+                at = f"{field}.{key}" if field else key
+                if "\0" in key:
+                    raise Refused(module, at, f"the key {key[:64]!r} holds a NUL byte")
+                todo.append((at, inner))
+        elif isinstance(value, list):
+            todo.extend((field, inner) for inner in reversed(value))
+        elif isinstance(value, str) and "\0" in value:
+            raise Refused(
+                module, field, f"{value[:64]!r} holds a NUL byte, which no argument, "
+                "environment variable, file name or text the mesh stores can carry",
+            )  # fmt: skip
 
 
 def _argv_fields(raw: dict[str, Any]) -> list[tuple[str, Any]]:
@@ -272,17 +305,13 @@ def check(m: Manifest) -> None:
             raise Refused(mod, f"{f}.output", "a bundle with build must say which output it keeps")
         _duration(mod, f"{f}.timeout", b.timeout)
     _duration(mod, "rollout.deadline", m.rollout.deadline)
-    if m.rollout.max_parallel < 0:
-        raise Refused(mod, "rollout.max_parallel", "0 (all of a tier) or more")
+    if not 0 <= m.rollout.max_parallel <= MAX_PARALLEL:
+        raise Refused(
+            mod, "rollout.max_parallel", f"{m.rollout.max_parallel} is out of range (0 to "
+            f"{MAX_PARALLEL}; 0: the whole tier at once)",
+        )  # fmt: skip
     for name, a in m.account.items():
-        f = f"account.{name}"
-        if not _ACCOUNT.fullmatch(name):
-            raise Refused(mod, f, f"{name!r} is not a valid account name ([a-z_][a-z0-9_-], ≤32)")
-        if a.home:
-            _absolute(mod, f"{f}.home", a.home)
-        for g in a.groups:
-            if not _ACCOUNT.fullmatch(g):
-                raise Refused(mod, f"{f}.groups", f"{g!r} is not a valid group name")
+        _account(mod, name, a)
     ports: dict[int, str] = {}
     for name, p in m.process.items():
         _process(mod, name, p, m, ports)
@@ -311,8 +340,44 @@ def check(m: Manifest) -> None:
             if not found or not all(1 <= n <= 65535 for n in numbers):
                 raise Refused(mod, f"{f}.ports", f'{port!r} is not like "8080:80"')
     if m.assign:
-        for machine in m.assign.machines:
-            _name(mod, "assign.machines", machine)
+        _assign(mod, m.assign)
+
+
+def _account(mod: str, name: str, a: Account) -> None:
+    f = f"account.{name}"
+    if not _ACCOUNT.fullmatch(name):
+        raise Refused(mod, f, f"{name!r} is not a valid account name ([a-z_][a-z0-9_-], ≤32)")
+    if a.home:
+        _absolute(mod, f"{f}.home", a.home)
+    for field, groups in (("groups", a.groups), ("privileged_groups", a.privileged_groups)):
+        for g in groups:
+            if not _ACCOUNT.fullmatch(g):
+                raise Refused(mod, f"{f}.{field}", f"{g!r} is not a valid group name")
+    owner = osaccounts.OWNED_ACCOUNTS.get(name)
+    if owner is not None and owner != mod:
+        raise Refused(mod, f, f"{name!r} is module {owner}'s alone: it reads that module's "
+                      "credentials")  # fmt: skip
+    refused = osaccounts.refusal(name, groups=a.groups, privileged_groups=a.privileged_groups)
+    if refused is not None:
+        field, why = refused
+        raise Refused(mod, f"{f}.{field}" if field else f, why)
+
+
+def _assign(mod: str, a: Assign) -> None:
+    _count(mod, "assign.machines", a.machines, MACHINES_NAMED, "machines")
+    for machine in a.machines:
+        _name(mod, "assign.machines", machine)
+    for t in a.tiers:
+        if not 0 <= t <= MAX_TIER:
+            raise Refused(mod, "assign.tiers", f"{t} is not a tier (0 to {MAX_TIER})")
+    _count(mod, "assign.labels", a.labels, MAX_LABELS, "labels")
+    for key, value in a.labels.items():
+        for kind, word in ((LabelKey, key), (Word, value)):
+            try:
+                msgspec.convert(word, kind)
+            except msgspec.ValidationError as e:
+                why = str(e).split(" - at ")[0]
+                raise Refused(mod, f"assign.labels.{key}", f"{word[:64]!r}: {why}") from None
 
 
 AGENT = "mesh-host"  # the host agent itself (services/host/module.toml): see _agent

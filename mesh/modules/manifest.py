@@ -39,6 +39,9 @@ class Bundle(Strict):
 class Account(Strict):
     home: str | None = None
     groups: list[str] = []
+    # Groups whose members are root in all but name (mesh.osaccounts.PRIVILEGED_GROUPS: sudo,
+    # docker, disk, adm, ...): refused in `groups`, taken only here, where the module says so.
+    privileged_groups: list[str] = []
     shell: str = "/usr/sbin/nologin"
 
 

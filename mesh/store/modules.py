@@ -33,6 +33,16 @@ def _version(r: asyncpg.Record) -> StoredVersion:
 _VERSION = "v.id, v.module, v.version, v.manifest, v.bundles, v.pushed_at, v.pushed_by"
 
 
+async def rebundle(conn: asyncpg.Connection, *, version_id: int, bundles: dict[str, str]) -> None:
+    """A version's bundles, stored again (a bundle lost from the store and built again as
+    other bytes: the same source, another digest)."""
+    await conn.execute(
+        "UPDATE module_versions SET bundles = $2::jsonb WHERE id = $1",
+        version_id,
+        json.dumps(bundles, sort_keys=True),
+    )
+
+
 async def current_modules(conn: asyncpg.Connection) -> dict[str, StoredVersion]:
     rows = await conn.fetch(
         f"SELECT {_VERSION} FROM modules m JOIN module_versions v ON v.id = m.version_id"

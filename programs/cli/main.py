@@ -99,6 +99,22 @@ def parser() -> argparse.ArgumentParser:
         "--down-after", type=int, default=3, metavar="N", help="missed beats before down (3)"
     )
     ctl_run.add_argument("--metrics", type=listen, metavar="ADDR:PORT", help=METRICS_HELP)
+    # Read by mesh.config.events_kept, which names the flag (or variable) of a bad value.
+    ctl_run.add_argument(
+        "--events-max-age", metavar="AGE",
+        help=f"events older than this are pruned: 90s, 12h, 30d or off "
+        f"(env MESH_EVENTS_MAX_AGE; {config.EVENTS_MAX_AGE})",
+    )  # fmt: skip
+    ctl_run.add_argument(
+        "--events-max-count", metavar="N",
+        help=f"the newest N events are kept, or off (env MESH_EVENTS_MAX_COUNT; "
+        f"{config.EVENTS_MAX_COUNT})",
+    )  # fmt: skip
+    ctl_run.add_argument(
+        "--events-prune-every", metavar="SPAN",
+        help=f"how often the holder prunes (env MESH_EVENTS_PRUNE_EVERY; "
+        f"{config.EVENTS_PRUNE_EVERY})",
+    )  # fmt: skip
 
     ready = ctl_verbs.add_parser(
         "ready", parents=[common], help="exit 0 if this machine's controller holds or stands by"
@@ -215,6 +231,10 @@ async def cmd_controller_run(args: argparse.Namespace) -> None:
         raise CliError("no database: set MESH_DATABASE_URL or pass --database-url")
     if args.instance:
         check_name(args.instance, field="--instance")
+    events = config.events_kept(
+        max_age=args.events_max_age, max_count=args.events_max_count,
+        every=args.events_prune_every,
+    )  # fmt: skip
     await run(
         nats_url=config.nats_url(
             getattr(args, "nats_url", None), config.creds(getattr(args, "creds", None))
@@ -224,6 +244,7 @@ async def cmd_controller_run(args: argparse.Namespace) -> None:
         creds=config.creds(getattr(args, "creds", None)),
         down_after=args.down_after,
         metrics_on=args.metrics,
+        events=events,
     )
 
 

@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 import anyio
+import msgspec
 from nats.aio.client import Client
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
@@ -129,8 +130,10 @@ async def call_tool(
 
 def arguments_of(text: str) -> dict[str, Any]:
     try:
-        value = json.loads(text)
-    except ValueError as e:
+        value = wire.decode_json(text.encode(errors="surrogateescape"))
+    except wire.TooDeep as e:
+        raise CliError(f"--args: {e}") from None
+    except msgspec.DecodeError as e:
         raise CliError(f"--args: not JSON: {e}") from None
     if not isinstance(value, dict):
         raise CliError(f"--args: {text[:60]!r} is not a JSON object")

@@ -3,6 +3,10 @@
 
 Keyed by the digest of the bundle's source folder, its argv and its output: the same inputs
 reuse the cached bundle. A failed build fails the change with the build's last lines.
+
+The request is signed by the controllers (mesh.auth.signing): a builder runs nothing else. The
+builder leaves the bundle and its log in `mesh-builds`, the one place it may write; the
+controller checks the bundle against its digest and stores both in the bundle store.
 """
 
 import hashlib
@@ -17,6 +21,7 @@ from nats.errors import TimeoutError as NatsTimeout
 from nats.js.object_store import ObjectStore
 
 from mesh import blobs, subjects, wire
+from mesh.auth.signing import Signing
 from mesh.model import BuildReply, BuildRequest
 from mesh.modules import gate
 from mesh.modules.manifest import Bundle
@@ -60,6 +65,7 @@ async def cached(pool: asyncpg.Pool, obs: ObjectStore, key: str) -> str | None:
 async def build(
     *,
     nc: Client,
+    signing: Signing,
     pool: asyncpg.Pool,
     obs: ObjectStore,
     fleet: Fleet,
@@ -87,9 +93,12 @@ async def build(
         timeout=timeout,
         kind="mesh" if mesh else "command",
     )
+    subject, body = subjects.host(on, "build"), wire.encode(req)
     try:
-        msg = await nc.request(subjects.host(on, "build"), wire.encode(req), timeout=timeout + 30)
-        reply = msgspec.json.decode(msg.data, type=BuildReply)
+        msg = await nc.request(
+            subject, body, timeout=timeout + 30, headers=signing.headers(subject, body)
+        )
+        reply = wire.decode_json(msg.data, BuildReply)
     except (NoRespondersError, NatsTimeout, msgspec.DecodeError) as e:
         metrics.BUILDS.labels("no_answer").inc()
         await builds.finish_build(pool, key=key, ok=False, digest=None, tail="", log_object=None)
@@ -98,6 +107,8 @@ async def build(
             code="build_failed",
         ) from None
     reply = msgspec.structs.replace(reply, tail=builds.clip_tail(reply.tail))
+    if reply.staged:
+        reply = await _adopt(nc, obs, reply, log_as="build-log-" + key.replace(":", "-"))
     if reply.ok and (reply.digest is None or not await blobs.has(obs, reply.digest)):
         reply = msgspec.structs.replace(reply, ok=False, error="the builder stored no bundle")
     await builds.finish_build(
@@ -113,3 +124,25 @@ async def build(
         )
     log.info("built %s/%s on %s: %s", module, name, on, reply.digest[:19])
     return reply.digest
+
+
+async def _adopt(nc: Client, obs: ObjectStore, reply: BuildReply, *, log_as: str) -> BuildReply:
+    """Take what the builder left in `mesh-builds` into the bundle store: the log as `log_as`
+    (best effort: a build is not failed for its log) and the bundle, checked against its
+    digest. The reply then names the log as it is kept."""
+    log_object = ""
+    if reply.log:
+        try:
+            await blobs.adopt(nc, obs, reply.log, keep_as=log_as)
+            log_object = log_as
+        except Exception as e:
+            log.warning("the log %s of a build could not be kept: %s", reply.log, e)
+    reply = msgspec.structs.replace(reply, log=log_object)
+    if reply.ok and reply.digest is not None:
+        try:
+            await blobs.adopt(nc, obs, reply.staged_as, d=reply.digest)
+        except (blobs.BlobMissing, blobs.BlobCorrupt) as e:
+            return msgspec.structs.replace(
+                reply, ok=False, error=f"what the builder left is not its bundle: {e}"
+            )
+    return reply

@@ -30,6 +30,7 @@ from nats.aio.client import Client
 from nats.js.object_store import ObjectStore
 
 from mesh import blobs, wire
+from mesh.auth.signing import Signing
 from mesh.model import (
     CHANGED_LISTED,
     AssignRequest,
@@ -81,16 +82,14 @@ class ToBuild(msgspec.Struct, frozen=True):
 # --- a push's steps before anything is stored (the dry run takes them too) -------------------
 
 
-async def read_source(
-    *, obs: ObjectStore, manifest_text: str, source: str
-) -> tuple[Manifest, bytes]:
+async def read_source(*, nc: Client, manifest_text: str, source: str) -> tuple[Manifest, bytes]:
     """The pushed manifest, gated, and its source archive, checked against it."""
     try:
         manifest = gate.parse(manifest_text)
     except gate.Refused as e:
         raise wire.BadRequest(str(e), code="refused") from None
     try:
-        data = await blobs.get(obs, source)
+        data = await blobs.get(nc, source)
     except (blobs.BlobMissing, blobs.BlobCorrupt) as e:
         raise wire.BadRequest(f"source: {e}", code="not_found") from None
     try:
@@ -220,8 +219,10 @@ class Changes:
         epoch: int,
         manifests: Manifests,
         publisher: Publisher,
+        signing: Signing,
         wake: Callable[[], None] = lambda: None,
     ) -> None:
+        self._signing = signing  # builds are requested signed (mesh.auth.signing)
         self._wake = wake  # tells the planner a plan was recorded
         self._pool = pool
         self._nc = nc
@@ -302,7 +303,8 @@ class Changes:
         digests: dict[str, str] = {}
         for b in todo:
             digests[b.name] = await build_requests.build(
-                nc=self._nc, pool=self._pool, obs=self._obs, fleet=self._fleet, key=b.key,
+                nc=self._nc, signing=self._signing, pool=self._pool, obs=self._obs,
+                fleet=self._fleet, key=b.key,
                 module=module, name=b.name, bundle=b.bundle, source=b.source,
             )  # fmt: skip
         return digests
@@ -371,11 +373,56 @@ class Changes:
                     building=building,
                 )  # fmt: skip
 
+    async def _restore(
+        self, manifest: Manifest, req: PushRequest, data: bytes, current: modules.StoredVersion
+    ) -> ChangeReply | None:
+        """The current version pushed again, with bundles of it missing from the bundle store
+        (lost with JetStream's data, or purged): stored again from the source, built again
+        where they were built. A build that gives other bytes than before changes the
+        version's bundles, and its machines get them in a plan. None: nothing was missing."""
+        name = manifest.module.name
+        missing = [
+            b for b, d in sorted(current.bundles.items())
+            if d.startswith("sha256:") and not await blobs.has(self._obs, d)
+        ]  # fmt: skip
+        if not missing:
+            return None
+        bundles, todo = await pack_bundles(
+            pool=self._pool, obs=self._obs, manifest=manifest, data=data, dry=False
+        )
+        # What is still stored stays as it is; only what is missing is stored or built again.
+        bundles |= {b: d for b, d in current.bundles.items() if b not in missing}
+        bundles |= await self._build(name, [b for b in todo if b.name in missing])
+        log.info("push of %s %s: restored %s missing from the bundle store", name,
+                 req.source[:19], named(missing))  # fmt: skip
+        what = f"{name} {req.source[:19]}: restored {len(missing)} bundle(s) ({named(missing)})"
+        changed = {b: d for b, d in bundles.items() if current.bundles.get(b) != d}
+        if not changed:
+            return replied(plan=None, changed=[], message=f"{what}; no machine changes",
+                           version=req.source)  # fmt: skip
+        async with self._one_change:
+            async with self._pool.acquire() as conn, conn.transaction():
+                await seats.fence(conn, epoch=self._epoch)
+                await modules.rebundle(conn, version_id=current.id, bundles=bundles)
+                targets = sorted(m for m, mods in (await modules.assignments(conn)).items()
+                                 if name in mods)  # fmt: skip
+                plan, machines = await self._plan(
+                    conn, targets, trigger="push", subject=name, by=req.by,
+                    settings=settings_of(manifest),
+                    undo={"module": name, "from": current.id, "to": current.id},
+                    builds=[PlanBuild(bundle=b, digest=d, built=b in changed)
+                            for b, d in sorted(bundles.items())],
+                )  # fmt: skip
+        self._wake()
+        return replied(plan=plan, changed=machines, version=req.source,
+                       message=f"{what}, built again as other bytes; plan {plan} changes "
+                       f"{len(machines)} machine(s)")  # fmt: skip
+
     # --- verbs -----------------------------------------------------------------------------
 
     async def push(self, req: PushRequest) -> ChangeReply:
         manifest, data = await read_source(
-            obs=self._obs, manifest_text=req.manifest, source=req.source
+            nc=self._nc, manifest_text=req.manifest, source=req.source
         )
         name = manifest.module.name
         unchanged = replied(plan=None, changed=[], message="no change", version=req.source)
@@ -385,7 +432,7 @@ class Changes:
             async with self._pool.acquire() as conn:
                 current = (await modules.current_modules(conn)).get(name)
             if current is not None and current.version == req.source:
-                return unchanged
+                return await self._restore(manifest, req, data, current) or unchanged
             bundles, todo = await pack_bundles(
                 pool=self._pool, obs=self._obs, manifest=manifest, data=data, dry=False
             )

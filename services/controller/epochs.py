@@ -17,7 +17,7 @@ from nats.errors import TimeoutError as NatsTimeout
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
-from mesh import subjects
+from mesh import subjects, wire
 from mesh.errors import MeshError
 
 log = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ async def read(kv: KeyValue) -> Seen:
     except KeyNotFoundError:
         return Seen(record=None, revision=0)
     try:
-        record = msgspec.json.decode(entry.value or b"", type=BusEpoch)
+        record = wire.decode_json(entry.value or b"", BusEpoch)
     except msgspec.DecodeError:
         record = None  # unreadable: its revision still orders the writes
     return Seen(record=record, revision=entry.revision or 0)

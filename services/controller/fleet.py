@@ -2,7 +2,9 @@
 
 Heartbeats are kept in memory and written to the store in batches; only registrations and
 up/down transitions are written at once, each with an event. A machine is down after
-`down_after` of its own beat intervals without a beat, and up again at its next beat.
+`down_after` of its own beat intervals without a beat, and up again at its next beat. What one
+machine can make us write is bounded (REGISTER_BURST, CHANGE_BURST): a host that registers or
+comes and goes in a loop costs a few rows and one log line a window, not one of each per message.
 """
 
 import bisect
@@ -20,6 +22,7 @@ from nats.aio.subscription import Subscription
 from mesh import wire
 from mesh.batching import Batches
 from mesh.model import Beat, Node, NodeCounts, ProcessState, Register, ToolServerReport
+from mesh.ratelimit import PerKey
 from mesh.store import db, events, machines, seats
 from mesh.store.machines import MachineRow
 from services.controller.rollout import Report
@@ -38,6 +41,17 @@ REGISTER_RATE = 2000.0
 TRANSITIONS_LOGGED = 10  # machines named a batch of registrations, ups or downs; the rest counted
 REGISTER_WINDOW = 5.0
 MAX_LABELS = 64  # as a registration could carry (mesh.model.Labels)
+# What one machine can make the holder write and log (mesh/ratelimit.py). A host registers at
+# its start and once per new holder; one registering in a loop (a crash loop, or a compromised
+# machine: 5,000 registrations were 5,000 rows and log lines) has REGISTER_BURST written at
+# once, then one each REGISTER_EVERY seconds. The rest are answered from memory, the newest
+# written when its turn comes, and counted in one line per window.
+REGISTER_BURST = 3
+REGISTER_EVERY = 10.0
+# Likewise its changes between up and down (each a row, an event and a line): a machine that
+# comes and goes faster than this is held in its state until its next turn.
+CHANGE_BURST = 4  # two whole outages
+CHANGE_EVERY = 10.0
 
 
 def open_bus(nc: Client) -> bool:
@@ -112,6 +126,10 @@ class Fleet:
         self._unknown_logged: set[str] = set()
         self._unknown_heard: list[str] = []  # beating before registering: not logged yet
         self._registered: dict[str, Register] = {}  # machine -> its last registration written
+        self._registering = PerKey[str](burst=REGISTER_BURST, every=REGISTER_EVERY)
+        self._held_back: dict[str, Register] = {}  # machine -> its newest registration not written
+        self._late: set[str] = set()  # held-back registrations being written: said in the count
+        self._changing_state = PerKey[str](burst=CHANGE_BURST, every=CHANGE_EVERY)
         self._claims_logged: set[str] = set()  # machines whose own tier/labels were not taken
         # Registrations and up/down transitions come from three tasks (verbs, beats, watch);
         # one at a time keeps memory, the store and the event order in agreement.
@@ -206,11 +224,29 @@ class Fleet:
         """Register a machine: written with the others that came meanwhile, in one batch. The
         same registration again, while the machine is up, is answered from memory: a host
         asking again because our answer came after its window (a cold start of ten thousand)
-        would otherwise be written again, and again, each retry more work than the last."""
+        would otherwise be written again, and again, each retry more work than the last. A
+        known machine past its allowance (REGISTER_BURST) is answered from memory too, and its
+        newest registration is written when its turn comes (`_write_held_back`)."""
         if self._registered.get(req.name) == req and req.name in self._up:
             self._beat_at[req.name] = time.monotonic()  # registering is a sign of life
             return self.machines[req.name]
+        known = self.machines.get(req.name)
+        if known is not None and not self._registering.allows(req.name):
+            self._held_back[req.name] = req
+            self._registering.hold(req.name)
+            self._beat_at[req.name] = time.monotonic()
+            return known  # its tier and labels are the operator's: the answer is the same
+        self._held_back.pop(req.name, None)  # this one is newer
         return await self._registrations.submit(req)
+
+    def _write_held_back(self) -> None:
+        """Held-back registrations whose machine has its turn again, into the next batch
+        (whose writer says its own failures: nobody waits for these)."""
+        for name in [n for n in self._held_back if self._registering.allows(n)]:
+            req = self._held_back.pop(name)
+            if self._registrations.put(req) is None:
+                return  # no longer writing: the seat's next holder hears from the host
+            self._late.add(name)
 
     async def _register_batch(self, reqs: list[Register]) -> dict[str, MachineRow]:
         async with self._changing:
@@ -253,6 +289,7 @@ class Fleet:
         now = time.monotonic()
         again, new = 0, 0
         for req in reqs:
+            self._registering.spend(req.name)  # what was written counts, whoever asked for it
             row, before = by_name[req.name], was[req.name]
             self.machines[req.name] = row
             self._place(req.name, was=before.tier if before is not None else None, tier=row.tier)
@@ -263,7 +300,9 @@ class Fleet:
             self._beat_at[req.name] = now
             self._unknown_logged.discard(req.name)
             self._registered[req.name] = req
-            if before is not None and before.up and before.tier == row.tier:
+            if req.name in self._late:
+                self._late.discard(req.name)  # said in its window's count (`_say_held_back`)
+            elif before is not None and before.up and before.tier == row.tier:
                 again += 1  # a known machine saying hello to a new holder: counted, not logged
             else:
                 new += 1  # named up to TRANSITIONS_LOGGED a batch: a cold start of thousands
@@ -370,9 +409,17 @@ class Fleet:
         m.last_seen = now
         m.beat_interval = beat.interval
         if not m.up:
-            self._transitions.put((beat.name, True, now))  # never waits: beats keep flowing
+            self._change(beat.name, True, now)
         else:
             self._unflushed[beat.name] = now
+
+    def _change(self, name: str, up: bool, at: datetime) -> None:
+        """Up or down, into the next batch, if the machine has its turn (CHANGE_BURST): else
+        it stays as it is until then (its next beat, or check, asks again). Never waits."""
+        if self._changing_state.allows(name):
+            self._transitions.put((name, up, at))
+        else:
+            self._changing_state.hold(name)
 
     async def _write_transitions(
         self, changes: list[tuple[str, bool, datetime]]
@@ -401,6 +448,7 @@ class Fleet:
                 log.warning("could not record %d machine(s) up or down: %s", len(todo), e)
                 return {}
             for m, up, _ in todo:
+                self._changing_state.spend(m.name)
                 m.up = up  # only once the store has it
                 (self._up.add if up else self._up.discard)(m.name)
                 self.touch(m.name)
@@ -442,10 +490,40 @@ class Fleet:
             for m in self.machines.values():
                 due = self._beat_at.get(m.name, now) + self._down_after * m.beat_interval
                 if m.up and due < judged:
-                    self._transitions.put((m.name, False, at))
+                    self._change(m.name, False, at)
+            self._write_held_back()
+            self._say_held_back()
             if now - flushed >= FLUSH_EVERY:
                 await self.flush()
                 flushed = now
+
+    def _say_held_back(self) -> None:
+        """Once per window, the machines held back in it: one line for each of the first few,
+        with how many of its registrations were answered from memory; one for the rest."""
+        registered = self._registering.held()
+        if registered:
+            named = sorted(registered.items(), key=lambda kv: -kv[1])
+            for name, n in named[:TRANSITIONS_LOGGED]:
+                log.warning(
+                    "machine %s: %d registration(s) in the last %gs answered from memory, "
+                    "not written (a machine's are written %d at once, then one each %gs, its "
+                    "newest in turn): a host restarting in a loop, or one not behaving as a host",
+                    name, n, REGISTER_EVERY, REGISTER_BURST, REGISTER_EVERY,
+                )  # fmt: skip
+            if len(named) > TRANSITIONS_LOGGED:
+                log.warning("... and %d more machine(s) (%d registrations) held back likewise",
+                            len(named) - TRANSITIONS_LOGGED,
+                            sum(n for _, n in named[TRANSITIONS_LOGGED:]))  # fmt: skip
+        changed = self._changing_state.held()
+        if changed:
+            names = sorted(changed)
+            more = len(names) - TRANSITIONS_LOGGED
+            log.warning(
+                "machine(s) %s went up and down more than %d times within %gs: each is "
+                "written up or down at most once each %gs until it settles",
+                ", ".join(names[:TRANSITIONS_LOGGED]) + (f" and {more} more" if more > 0 else ""),
+                CHANGE_BURST, CHANGE_EVERY, CHANGE_EVERY,
+            )  # fmt: skip
 
     def _log_unknown(self) -> None:
         """Hosts beat from their start, before they have registered: in a cold start of ten

@@ -23,7 +23,8 @@ from anyio.abc import TaskGroup
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from mesh import bus, subjects, wire
+from mesh import bus, origin, subjects, wire
+from mesh.auth.signing import Signing
 from mesh.lifetime import first_of
 from mesh.model import SeatAnnounce
 from mesh.serving import Endpoint, Server, Stats
@@ -143,33 +144,41 @@ class VerbSubscriptions:
         return await self._server.stop(drain=drain)
 
 
-async def announce(nc: Client, me: SeatAnnounce) -> str | None:
+async def announce(nc: Client, me: SeatAnnounce, signing: Signing) -> str | None:
     """Holder: say a handover starts; the standby that is ready to take the seat, if any."""
     ready = await nc.subscribe(subjects.seat("ready"))
     try:
-        await nc.publish(subjects.seat("handover"), wire.encode(me))
+        await signing.publish(nc, subjects.seat("handover"), wire.encode(me))
         await nc.flush()
-        msg = await ready.next_msg(timeout=READY_WAIT)
-    except TimeoutError:
+        with anyio.move_on_after(READY_WAIT):
+            async for msg in origin.arrivals(ready):
+                if not signing.genuine(msg):
+                    origin.STRAYS.refused(ready.subject, msg, "not signed by the controllers")
+                    continue
+                try:
+                    return wire.decode(msg.data, SeatAnnounce).instance
+                except wire.BadRequest:
+                    return "?"
         return None
     finally:
         await ready.unsubscribe()
-    try:
-        return wire.decode(msg.data, SeatAnnounce).instance
-    except wire.BadRequest:
-        return "?"
 
 
-async def stand_ready(nc: Client, me: SeatAnnounce, verbs: VerbSubscriptions) -> None:
+async def stand_ready(
+    nc: Client, me: SeatAnnounce, verbs: VerbSubscriptions, signing: Signing
+) -> None:
     """Standby: on each `handover`, join the verb queue group and say so. When another standby
     takes the seat (its `held`), or none does within EARLY_FOR, leave the group again, passing
     on the requests held meanwhile. Cancelled from outside once the seat is ours."""
     seat = await nc.subscribe(subjects.seat("*"))
     try:
         async with anyio.create_task_group() as tg:
-            async for msg in seat.messages:
+            async for msg in origin.arrivals(seat):
                 event = subjects.last(msg.subject)
                 if event not in ("handover", "held"):
+                    continue
+                if not signing.genuine(msg):
+                    origin.STRAYS.refused(seat.subject, msg, "not signed by the controllers")
                     continue
                 try:
                     other = wire.decode(msg.data, SeatAnnounce)
@@ -182,7 +191,7 @@ async def stand_ready(nc: Client, me: SeatAnnounce, verbs: VerbSubscriptions) ->
                              passed)  # fmt: skip
                 elif event == "handover" and not verbs.active:
                     await verbs.subscribe()
-                    await nc.publish(subjects.seat("ready"), wire.encode(me))
+                    await signing.publish(nc, subjects.seat("ready"), wire.encode(me))
                     log.info("controller %s: %s hands over; subscribed to verbs, ready",
                              me.instance, other.instance)  # fmt: skip
                     # A deadline of its own: a `held` we missed (or a holder that died before

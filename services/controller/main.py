@@ -27,15 +27,17 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.kv import KeyValue
 
-from mesh import blobs, bus, errors, paging, subjects, version, wire
+from mesh import blobs, bus, errors, origin, paging, subjects, version, wire
 from mesh import metrics as served_metrics
+from mesh.auth.signing import Signing
+from mesh.config import EventsKept, events_kept
 from mesh.discovery import Discovery
 from mesh.errors import MeshError, reason
 from mesh.model import Handover, SeatAnnounce, SeatInfo
 from mesh.serving import Stats
 from mesh.store import db, events, replication, seats
 from mesh.store.migrate import migrate
-from services.controller import epochs, handover, metrics, readiness
+from services.controller import epochs, handover, metrics, pruning, readiness
 from services.controller.changes import Changes
 from services.controller.fleet import Fleet, open_bus
 from services.controller.handover import VerbSubscriptions
@@ -102,7 +104,9 @@ async def run(
     creds: str | None = None,
     down_after: int = 3,
     metrics_on: served_metrics.Listen | None = None,
+    events: EventsKept | None = None,
 ) -> None:
+    events = events or events_kept()
     host = socket.gethostname()
     pid = os.getpid()
     # Run by a host as a process: named after the machine (MESH_MACHINE), not the OS's hostname.
@@ -121,13 +125,17 @@ async def run(
     link = bus.Link()
     try:
         nc = await bus.connect(nats_url, name=f"mesh-controller {instance}", creds=creds, link=link)
+        signing = Signing.controller(creds)  # what we announce, signed; what we hear, checked
         standbys = Standbys(own_instance=instance)
         released = Releases()  # holder instance -> when we heard it let go
 
         async def on_seat_event(msg: Msg) -> None:
+            if not signing.genuine(msg):
+                origin.STRAYS.refused(subjects.SEAT_EVENTS, msg, "not signed by the controllers")
+                return
             try:
-                announce = msgspec.json.decode(msg.data, type=SeatAnnounce)
-            except msgspec.DecodeError:
+                announce = wire.decode(msg.data, SeatAnnounce)
+            except wire.BadRequest:
                 return
             if msg.subject.endswith(".standby"):
                 standbys.heard(announce)
@@ -136,7 +144,7 @@ async def run(
                 if msg.subject.endswith(".released"):
                     released.heard(announce.instance)
 
-        await nc.subscribe(subjects.SEAT_EVENTS, cb=on_seat_event)
+        await origin.subscribe(nc, subjects.SEAT_EVENTS, cb=on_seat_event)
         me = SeatAnnounce(
             instance=instance, pid=pid, host=host, since=started, version=version.running()
         )
@@ -175,8 +183,8 @@ async def run(
                     log.info("controller %s standing by for the seat %s", instance, subjects.SEAT)
                     ready.set("standby")
                     async with anyio.create_task_group() as waiting:
-                        waiting.start_soon(_announce_standby, nc, me)
-                        waiting.start_soon(handover.stand_ready, nc, me, verbs)
+                        waiting.start_soon(_announce_standby, nc, me, signing)
+                        waiting.start_soon(handover.stand_ready, nc, me, verbs, signing)
                         await lock.wait()
                         waiting.cancel_scope.cancel()
                 stop = Stop()
@@ -187,7 +195,7 @@ async def run(
                     await Hold(
                         nc=nc, link=link, pool=pool, lock=lock, me=me, standbys=standbys,
                         down_after=down_after, verbs=verbs, stop=stop, released=released,
-                        ready=ready,
+                        ready=ready, signing=signing, events=events,
                     ).run()  # fmt: skip
                 finally:
                     holding.clear()
@@ -229,11 +237,18 @@ async def _signals(
             holding[0].requested.set()
 
 
-async def _announce_standby(nc: Client, me: SeatAnnounce) -> None:
+async def _announce_standby(nc: Client, me: SeatAnnounce, signing: Signing) -> None:
+    subject = subjects.seat("standby")
     body = wire.encode(me)
+    headers = signing.headers(subject, body)
     while True:
-        await nc.publish(subjects.seat("standby"), body)
+        await nc.publish(subject, body, headers=headers)
         await anyio.sleep(ANNOUNCE_EVERY)
+
+
+async def _say(nc: Client, signing: Signing, event: str, what: SeatAnnounce) -> None:
+    """Say a seat event, signed (mesh.auth.signing): hosts and controllers act on no other."""
+    await signing.publish(nc, subjects.seat(event), wire.encode(what))
 
 
 class Hold:
@@ -255,8 +270,11 @@ class Hold:
         stop: Stop,
         released: Releases,
         ready: Readiness,
+        signing: Signing,
+        events: EventsKept,
     ) -> None:
         self.nc = nc
+        self.signing = signing
         self.link = link
         self.pool = pool
         self.lock = lock
@@ -267,6 +285,7 @@ class Hold:
         self.stop = stop
         self.released = released
         self.ready = ready
+        self.events = events  # how much history the store keeps (pruning.py)
         self.reports: list[Subscription] = []  # the hosts' reports, once subscribed
         self.seat_kv: KeyValue | None = None  # the bus's record of the seat (epochs)
         self.warnings: list[str] = []  # what the takeover found wrong with the store
@@ -292,14 +311,16 @@ class Hold:
                                       manifests=manifests, holder=self.me.instance)  # fmt: skip
                 changes = Changes(
                     pool=self.pool, nc=self.nc, obs=obs, fleet=fleet, epoch=row.epoch,
+                    signing=self.signing,
                     manifests=manifests, publisher=publisher, wake=lambda: planner.wake(),
                 )  # fmt: skip
                 views = Views(
-                    pool=self.pool, obs=obs, fleet=fleet, manifests=manifests, publisher=publisher,
+                    pool=self.pool, nc=self.nc, obs=obs, fleet=fleet, manifests=manifests,
+                    publisher=publisher,
                     budget=lambda: paging.budget(self.nc.max_payload),
                 )  # fmt: skip
                 planner = Planner(pool=self.pool, publisher=publisher, fleet=fleet, epoch=row.epoch,
-                                  nc=self.nc)  # fmt: skip
+                                  nc=self.nc, obs=obs)  # fmt: skip
                 # Slow verbs run in `serving`, answered before we go.
                 async with anyio.create_task_group() as serving:
                     assert row.since is not None
@@ -387,19 +408,22 @@ class Hold:
         self.verbs.serve(holder=holder, tasks=holder.tasks, fresh=self.lock.fresh)
         self.reports = await reports.subscribe(nc)
         await nc.flush()
-        await nc.publish(subjects.seat("held"), wire.encode(held))
+        await _say(nc, self.signing, "held", held)
 
         def back_on_nats() -> None:
             holder.fleet.forgive()  # beats lost while we were away are not theirs
             # ...and reports may have been lost too: `held` again asks every host for them.
             background.start_soon(_attempt, "announce held again",
-                                  nc.publish(subjects.seat("held"), wire.encode(held)))  # fmt: skip
+                                  _say(nc, self.signing, "held", held))  # fmt: skip
 
         self.link.on_up = back_on_nats
         background.start_soon(self.lock.watch)
         assert self.seat_kv is not None
         background.start_soon(lambda: epochs.watch(self.seat_kv, epoch=held.epoch))
         background.start_soon(holder.fleet.run)
+        background.start_soon(
+            lambda: pruning.keep_pruned(self.pool, epoch=held.epoch, kept=self.events)
+        )
         background.start_soon(holder.publisher.keep_published)
         background.start_soon(metrics.HELD.holding, holder.fleet, self.pool)
         background.start_soon(_step_down_without_bus, self.link, nc)
@@ -408,7 +432,8 @@ class Hold:
         nc = self.nc
         self.ready.set("handing-over", held.epoch)
         # The handover (docs/design.md, the seat): a standby joins the verb group first.
-        successor = await handover.announce(nc, held) if self.link.answers(self.nc) else None
+        answers = self.link.answers(self.nc)
+        successor = await handover.announce(nc, held, self.signing) if answers else None
         log.info("controller %s hands over the seat%s", self.me.instance,
                  f" to {successor}" if successor else " (no standby answered)")  # fmt: skip
         plans.cancel()  # every plan write is a fenced transaction: the next holder goes on
@@ -448,15 +473,14 @@ class Hold:
             # is known to be a handover, and the gap is measured from here.
             gone = msgspec.structs.replace(held, at=datetime.now(UTC))
             if self.link.answers(nc):
-                await _attempt("announce release", _publish_flushed(
-                    nc, subjects.seat("released"), wire.encode(gone)))  # fmt: skip
+                await _attempt("announce release", _announce_flushed(nc, self.signing, gone))
             await lock.release()
             metrics.left_seat()
             log.info("controller %s released the seat, epoch %d", self.me.instance, held.epoch)
 
 
-async def _publish_flushed(nc: Client, subject: str, body: bytes) -> None:
-    await nc.publish(subject, body)
+async def _announce_flushed(nc: Client, signing: Signing, gone: SeatAnnounce) -> None:
+    await _say(nc, signing, "released", gone)
     await nc.flush()
 
 

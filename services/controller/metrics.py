@@ -57,6 +57,11 @@ DECLARATIONS_PUBLISHED = Counter(
     "Declarations this controller put in the KV bucket mesh-declarations",
     registry=REGISTRY,
 )  # fmt: skip
+EVENTS_PRUNED = Counter(
+    "mesh_events_pruned", "Events this controller deleted from the store as their holder, by "
+    "reason: age (older than --events-max-age), count (beyond --events-max-count)",
+    ["reason"], registry=REGISTRY,
+)  # fmt: skip
 BUILDS = Counter(
     "mesh_builds", "Builds this controller asked of a builder host, by outcome "
     "(built, failed, no_answer)", ["outcome"], registry=REGISTRY,

@@ -24,8 +24,9 @@ import anyio
 import asyncpg
 import msgspec
 from nats.aio.client import Client
+from nats.js.object_store import ObjectStore
 
-from mesh import subjects, wire
+from mesh import blobs, subjects, wire
 from mesh.model import PlanState, PlanSummary
 from mesh.modules.compose import Declaration, tools_of
 from mesh.store import declarations, events, modules, plans, seats
@@ -46,10 +47,11 @@ LOOK_EVERY = 1.0  # the longest the planner waits without judging deadlines
 class Planner:
     def __init__(
         self, *, pool: asyncpg.Pool, publisher: Publisher, fleet: Fleet, epoch: int,
-        nc: Client | None = None,
+        nc: Client | None = None, obs: ObjectStore | None = None,
     ) -> None:  # fmt: skip
         self._pool = pool
         self._nc = nc  # where progress is told (mesh.plan.<id>); None: nowhere
+        self._obs = obs  # the bundle store, checked before a plan starts; None: not checked
         self._publisher = publisher
         self._fleet = fleet
         self._epoch = epoch
@@ -83,6 +85,10 @@ class Planner:
         self._tier = None  # not the last plan's
         await self._show(p)
         if p.state == "pending":
+            missing = await self._missing_bundle(p)
+            if missing is not None:  # no machine is touched for a bundle it cannot fetch
+                await self._finish(p, "reverted" if p.settings.auto_revert else "failed", missing)
+                return
             try:
                 await self._start(p)
             except seats.Fenced:
@@ -131,6 +137,25 @@ class Planner:
         log.info("plan %d (%s %s): %d machine(s) in tier(s) %s", p.id, p.trigger, p.subject,
                  len(p.steps), ", ".join(map(str, tiers)))  # fmt: skip
         await self._show(p)
+
+    async def _missing_bundle(self, p: plans.Plan) -> str | None:
+        """Why the plan cannot start, if a bundle its module needs is not in the bundle store
+        (lost with JetStream's data, or purged): then every machine would fail to fetch it.
+        A push of the module's folder stores it again (changes.Changes.push)."""
+        if self._obs is None or p.trigger not in ("push", "assign"):
+            return None
+        async with self._pool.acquire() as conn:
+            current = (await modules.current_modules(conn)).get(p.subject)
+        if current is None:
+            return None
+        for name, digest in sorted(current.bundles.items()):
+            if digest.startswith("sha256:") and not await blobs.has(self._obs, digest):
+                return (
+                    f"bundle {name} of module {p.subject} ({digest[:19]}…) is not in the "
+                    f"bundle store: push the module's folder again (mesh push DIR) to store "
+                    "it, then ask again"
+                )
+        return None
 
     async def _finish(self, p: plans.Plan, state: PlanState, error: str | None) -> None:
         now = datetime.now(UTC)

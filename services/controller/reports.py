@@ -1,6 +1,7 @@
 """What the holder hears from hosts without answering: beats, and each host's `applied`,
 `processes` and `tools` reports. A machine speaks only for itself: a report whose subject names
-another machine than its body is ignored, as is a malformed one (noise, not a reason to stop)."""
+another machine than its body is ignored, as is a malformed one (noise, not a reason to stop),
+and one that did not arrive as a report's subject (mesh/origin.py)."""
 
 import logging
 
@@ -8,36 +9,45 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from mesh import subjects, wire
+from mesh import origin, subjects, wire
 from mesh.model import Applied, Beat, ProcessesEvent, ToolsEvent
+from mesh.ratelimit import PerKey
 from services.controller.fleet import Fleet
 from services.controller.publishing import Publisher
 
 log = logging.getLogger("mesh.controller")
+
+# A host reports each apply that fails, and one may report as fast as it can send: a machine's
+# failures are logged FAILURES_SAID at once, then one each FAILURES_EVERY seconds with how many
+# were not (`mesh nodes` shows the last one of each machine, whatever was logged).
+FAILURES_SAID = 3
+FAILURES_EVERY = 10.0
 
 
 class HostReports:
     def __init__(self, *, fleet: Fleet, publisher: Publisher) -> None:
         self._fleet = fleet
         self._publisher = publisher
+        self._failures = PerKey[str](burst=FAILURES_SAID, every=FAILURES_EVERY)
 
     async def subscribe(self, nc: Client) -> list[Subscription]:
         # Not in a queue group: a paused old holder that NATS has not dropped yet
         # must not take every other beat and report (docs/design.md, the seat).
-        beats = await nc.subscribe(subjects.HOST_BEATS, cb=self.on_beat)
+        beats = await origin.subscribe(nc, subjects.HOST_BEATS, cb=self.on_beat)
         self._fleet.arrivals.sub = beats  # beats are judged by when they came (fleet.py)
         return [
             beats,
             # One subscription for both: a host's `applied` and `processes` reports are
             # handled in the order it sent them (an older snapshot never wins).
-            await nc.subscribe(subjects.EVENTS, cb=self.on_event),
+            await origin.subscribe(nc, subjects.EVENTS, cb=self.on_event),
         ]
 
     async def on_beat(self, msg: Msg) -> None:
         try:
             beat = wire.decode(msg.data, Beat)
-        except wire.BadRequest:
-            return  # a malformed beat is noise, not a reason to stop
+        except wire.BadRequest as e:  # noise, not a reason to stop
+            origin.STRAYS.refused(subjects.HOST_BEATS, msg, str(e))
+            return
         if msg.subject != subjects.host(beat.name, "beat"):
             return  # a machine speaks only for itself
         self._fleet.beat(beat)
@@ -54,7 +64,8 @@ class HostReports:
     def _tools(self, msg: Msg) -> None:
         try:
             event = wire.decode(msg.data, ToolsEvent, limit=wire.MAX_REPORT)
-        except wire.BadRequest:
+        except wire.BadRequest as e:
+            origin.STRAYS.refused(subjects.EVENTS, msg, str(e))
             return
         if msg.subject == subjects.event(event.name, "tools"):  # only for itself
             self._fleet.heard_tools(event.name, event.servers)
@@ -62,7 +73,8 @@ class HostReports:
     def _processes(self, msg: Msg) -> None:
         try:
             event = wire.decode(msg.data, ProcessesEvent)
-        except wire.BadRequest:
+        except wire.BadRequest as e:
+            origin.STRAYS.refused(subjects.EVENTS, msg, str(e))
             return
         if msg.subject == subjects.event(event.name, "processes"):  # only for itself
             self._fleet.heard_processes(event.name, event.processes)
@@ -70,7 +82,8 @@ class HostReports:
     def _applied(self, msg: Msg) -> None:
         try:
             applied = wire.decode(msg.data, Applied)
-        except wire.BadRequest:
+        except wire.BadRequest as e:
+            origin.STRAYS.refused(subjects.EVENTS, msg, str(e))
             return
         if msg.subject != subjects.event(applied.name, "applied"):
             return  # a machine speaks only for itself
@@ -84,5 +97,14 @@ class HostReports:
                 )  # fmt: skip
             else:  # the key's newest value may be a stale put: put the stored one again
                 self._publisher.wanted.pop(applied.name, None)
-            log.info("machine %s could not apply %s: %s: %s", applied.name,
-                     applied.digest[:19], applied.step, applied.error)  # fmt: skip
+            self._say_failure(applied)
+
+    def _say_failure(self, applied: Applied) -> None:
+        if not self._failures.take(applied.name):
+            self._failures.hold(applied.name)
+            return
+        unsaid = self._failures.held_for(applied.name)
+        log.info("machine %s could not apply %s: %s: %s%s", applied.name, applied.digest[:19],
+                 applied.step, applied.error,
+                 f" (and {unsaid} more failure(s) not logged since the last said)"
+                 if unsaid else "")  # fmt: skip

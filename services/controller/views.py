@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 
 import asyncpg
 import msgspec
+from nats.aio.client import Client
 from nats.js.object_store import ObjectStore
 
 from mesh import blobs, paging, wire
@@ -67,6 +68,7 @@ class Views:
         self,
         *,
         pool: asyncpg.Pool,
+        nc: Client,
         obs: ObjectStore,
         fleet: Fleet,
         manifests: Manifests,
@@ -74,6 +76,7 @@ class Views:
         budget: Callable[[], int] = lambda: paging.PAGE_BYTES,
     ) -> None:
         self._pool = pool
+        self._nc = nc
         self._obs = obs
         self._fleet = fleet  # `nodes`; the dry run assigns a first push as its manifest says
         self._manifests = manifests
@@ -155,7 +158,7 @@ class Views:
         the changes of its own machines only."""
         at = paging.after(req.after, verb="diff", shape=(str,))
         manifest, data = await changes.read_source(
-            obs=self._obs, manifest_text=req.manifest, source=req.source
+            nc=self._nc, manifest_text=req.manifest, source=req.source
         )
         name = manifest.module.name
         bundles, todo = await changes.pack_bundles(
@@ -289,7 +292,7 @@ class Views:
         text = row.log_tail
         if row.log_object:
             try:
-                text = (await blobs.get_named(self._obs, row.log_object)).decode(errors="replace")
+                text = (await blobs.get_named(self._nc, row.log_object)).decode(errors="replace")
             except blobs.BlobMissing:
                 pass
         reply = BuildLogsReply(key=row.key, module=row.module, bundle=row.bundle,

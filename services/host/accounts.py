@@ -40,11 +40,23 @@ def current() -> Identity:
 
 
 def ensure(name: str, account: DAccount) -> Identity:
-    """The account, created if absent. Idempotent; in dev mode, the current user."""
+    """The account, created if absent. Idempotent; in dev mode, the current user.
+
+    The gate's rules hold here too, for a declaration that did not come through the gate: a
+    reserved account (root, the mesh's own) is always refused; a privileged group not named in
+    `privileged_groups` is refused when the account would be made with it (and in dev mode, as
+    it would be). An account that exists is used as it is, its groups never changed, so one an
+    older agent made is not refused after an upgrade: refusing it would stop every apply,
+    the revert's too, at this first step."""
+    privileged = account.privileged_groups or []
+    refused = osaccounts.refusal(name, groups=account.groups, privileged_groups=privileged)
+    if refused is not None and (not refused[0] or dev_mode() or not osaccounts.exists(name)):
+        field, why = refused
+        raise osaccounts.AccountError(f"account {name}{'.' + field if field else ''}: {why}")
     if dev_mode():
         return current()
     created = osaccounts.ensure_system_account(
-        name, home=account.home, shell=account.shell, groups=account.groups
+        name, home=account.home, shell=account.shell, groups=[*account.groups, *privileged]
     )
     if created:
         log.info("created account %s", name)

@@ -106,7 +106,7 @@ def fenced(epoch: int, holder: str, *, applied: int, by: str) -> str | None:
 
 def _head(value: bytes) -> _Head | None:
     try:
-        return msgspec.json.decode(value, type=_Head)
+        return wire.decode_json(value, _Head)
     except msgspec.DecodeError:
         return None
 
@@ -198,7 +198,7 @@ class Applier:
     async def apply(self, value: bytes) -> bool:
         """Apply one value of the key; False if a step failed (it is worth trying again)."""
         try:
-            env = msgspec.json.decode(value, type=Envelope)
+            env = wire.decode_json(value, Envelope)
         except msgspec.DecodeError as e:
             log.warning("host %s: a declaration that does not decode: %s", self.name, e)
             return True
@@ -475,7 +475,7 @@ class Applier:
             )
 
     async def _bundle(self, key: str, bundle: DBundle) -> None:
-        await bundles.ensure(await blobs.store(self._nc), self._root, key, bundle)
+        await bundles.ensure(self._nc, self._root, key, bundle)
 
     async def _secret(self, name: str | None, *, keep: bool = False) -> bytes | None:
         """The secret from the controller; None if none answers and `keep`: the file on disk

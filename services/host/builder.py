@@ -2,9 +2,11 @@
 
 The module's source is fetched by digest and verified, unpacked into a scratch folder, and the
 build's argv runs there as the unprivileged account `mesh-build` (the current user in dev mode),
-in its own process group, with a time limit. The output is packed canonically and stored by its
-digest; the log's last LOG_KEEP bytes are stored as `build-log-<key>` (a first line says how
-much was cut before them), its last lines (at most TAIL_BYTES) go back in the reply.
+in its own process group, with a time limit. The output is packed canonically and left in the
+builds' bucket under its digest, the log's last LOG_KEEP bytes as `build-log-<key>` (a first
+line says how much was cut before them); the controller checks both and stores them in the
+bundle store (a builder may write nowhere else: mesh/blobs.py). The log's last lines (at most
+TAIL_BYTES) go back in the reply.
 """
 
 import logging
@@ -28,7 +30,7 @@ from services.host import meshbuild
 
 log = logging.getLogger(__name__)
 
-BUILD_ACCOUNT = "mesh-build"
+BUILD_ACCOUNT = osaccounts.BUILD_ACCOUNT  # no module may declare it (the gate)
 TAIL_LINES = 20
 TAIL_BYTES = 4096  # of those lines: they travel in the reply and an error message
 LOG_KEEP = 256 * 1024  # of a build's output, its end is kept: a chatty build costs no memory
@@ -93,13 +95,13 @@ def _give(scratch: Path, account: str) -> None:
 
 async def _build(nc: Client, req: BuildRequest, *, root: Path) -> BuildReply:
     log_name = "build-log-" + req.key.replace(":", "-")
-    obs = await blobs.store(nc)
+    obs = await blobs.staged(nc)
     folder = root / "builds"
     folder.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f"{req.module}-{req.bundle}-", dir=folder))
     output = scratch.with_suffix(".log")
     try:
-        source = await blobs.get(obs, req.source)
+        source = await blobs.get(nc, req.source)
         await anyio.to_thread.run_sync(archive.unpack, source, scratch)
         workdir = _inside(scratch, req.path)
         if req.kind == "mesh":
@@ -111,20 +113,18 @@ async def _build(nc: Client, req: BuildRequest, *, root: Path) -> BuildReply:
         log.info("building %s/%s in %s: %s", req.module, req.bundle, workdir, req.argv)
         code, timed_out = await _run(req, workdir=workdir, output=output, credentials=credentials)
         text = _read_log(output)
-        await blobs.put_named(obs, log_name, text.encode())
+        staged_log = await blobs.stage(obs, log_name, text.encode())
         if timed_out:
-            return BuildReply(ok=False, digest=None, tail=_tail(text), log=log_name,
-                              error=f"timed out after {req.timeout:g}s")  # fmt: skip
+            return _failed(text, staged_log, f"timed out after {req.timeout:g}s")
         if code != 0:
-            return BuildReply(ok=False, digest=None, tail=_tail(text), log=log_name,
-                              error=f"exit code {code}")  # fmt: skip
+            return _failed(text, staged_log, f"exit code {code}")
         result = _inside(workdir, req.output)
         if not result.exists():
-            return BuildReply(ok=False, digest=None, tail=_tail(text), log=log_name,
-                              error=f"the build left no {req.output!r}")  # fmt: skip
-        digest = await blobs.put(obs, await anyio.to_thread.run_sync(archive.pack, result))
-        log.info("built %s/%s: %s", req.module, req.bundle, digest)
-        return BuildReply(ok=True, digest=digest, tail=_tail(text), log=log_name)
+            return _failed(text, staged_log, f"the build left no {req.output!r}")
+        packed = await anyio.to_thread.run_sync(archive.pack, result)
+        reply = await _built(obs, packed, tail=_tail(text), staged_log=staged_log)
+        log.info("built %s/%s: %s", req.module, req.bundle, reply.digest)
+        return reply
     except (blobs.BlobMissing, blobs.BlobCorrupt, archive.ArchiveRefused, ValueError, OSError) as e:
         return BuildReply(ok=False, digest=None, tail="", log="", error=str(e))
     finally:
@@ -140,16 +140,33 @@ async def _build_mesh(obs: Any, req: BuildRequest, source: Path, log_name: str) 
         lines = await anyio.to_thread.run_sync(meshbuild.make, source, made)
         packed = await anyio.to_thread.run_sync(archive.pack, made)
     except meshbuild.MeshBuildFailed as e:
-        await blobs.put_named(obs, log_name, str(e).encode())
-        return BuildReply(ok=False, digest=None, tail=str(e), log=log_name, error=str(e))
+        staged_log = await blobs.stage(obs, log_name, str(e).encode())
+        return BuildReply(
+            ok=False, digest=None, tail=str(e), log=staged_log, error=str(e), staged=True
+        )
     finally:
         await anyio.to_thread.run_sync(lambda: shutil.rmtree(made, ignore_errors=True))
     lines.append(f"bundle: {len(packed) // 1024} KiB packed")
     text = "\n".join(lines)
-    await blobs.put_named(obs, log_name, text.encode())
-    digest = await blobs.put(obs, packed)
-    log.info("built %s/%s: %s (%d KiB)", req.module, req.bundle, digest, len(packed) // 1024)
-    return BuildReply(ok=True, digest=digest, tail=_tail(text), log=log_name)
+    staged_log = await blobs.stage(obs, log_name, text.encode())
+    reply = await _built(obs, packed, tail=_tail(text), staged_log=staged_log)
+    log.info("built %s/%s: %s (%d KiB)", req.module, req.bundle, reply.digest,
+             len(packed) // 1024)  # fmt: skip
+    return reply
+
+
+def _failed(text: str, staged_log: str, error: str) -> BuildReply:
+    """A build that ran and failed: its log is staged (the controller adopts it)."""
+    return BuildReply(ok=False, digest=None, tail=_tail(text), log=staged_log, error=error,
+                      staged=True)  # fmt: skip
+
+
+async def _built(obs: Any, packed: bytes, *, tail: str, staged_log: str) -> BuildReply:
+    """The bundle staged beside its log, for the controller to check and adopt."""
+    d = blobs.digest(packed)
+    staged_as = await blobs.stage(obs, blobs.object_name(d), packed)
+    return BuildReply(ok=True, digest=d, tail=tail, log=staged_log, staged=True,
+                      staged_as=staged_as)  # fmt: skip
 
 
 async def _run(

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import anyio
 import anyio.to_thread
-from nats.js.object_store import ObjectStore
+from nats.aio.client import Client
 
 from mesh import blobs
 from mesh.modules import archive
@@ -42,7 +42,7 @@ def _unpack(data: bytes, scratch: Path, final: Path) -> None:
     os.rename(scratch, final)
 
 
-async def ensure(obs: ObjectStore, root: Path, key: str, bundle: DBundle) -> Path | None:
+async def ensure(nc: Client, root: Path, key: str, bundle: DBundle) -> Path | None:
     """The bundle's folder, fetched if absent; None for a `system` bundle (already here)."""
     if bundle.kind == "system" or bundle.digest is None:
         return None
@@ -51,7 +51,7 @@ async def ensure(obs: ObjectStore, root: Path, key: str, bundle: DBundle) -> Pat
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     try:
-        data = await blobs.get(obs, bundle.digest)  # verified against its digest
+        data = await blobs.get(nc, bundle.digest)  # verified against its digest
     except Exception:
         metrics.BUNDLE_FETCHES.labels("failed").inc()
         raise

@@ -14,8 +14,9 @@ import anyio
 from msgspec.structs import replace
 from nats.aio.client import Client
 
-from mesh import bus, subjects, version, wire
+from mesh import bus, origin, subjects, version, wire
 from mesh import metrics as served_metrics
+from mesh.auth.signing import Signing
 from mesh.discovery import Discovery
 from mesh.lifetime import stop_on_signals
 from mesh.model import (
@@ -90,6 +91,7 @@ async def run(
         version=status.version,
     )
     link = bus.Link()
+    signing = Signing.host(creds)  # the controllers' key: seat events and builds are theirs
     nc = await bus.connect(nats_url, name=f"mesh-host {name}", creds=creds, link=link)
     heir = successor.Successor(successor_fd) if successor_fd is not None else None
     if heir is not None:
@@ -169,6 +171,7 @@ async def run(
                     supervisor=supervisor,
                     tools=tools,
                     status=current_status,
+                    signing=signing,
                 ),
                 tasks=tg,
                 stats=stats,
@@ -211,7 +214,10 @@ async def run(
 
             # Reports published while a server died under us may be lost: say them again.
             link.on_up = lambda: tg.start_soon(report_again)
-            async for msg in held.messages:
+            async for msg in origin.arrivals(held):
+                if not signing.genuine(msg):  # a forged `held` would set every host registering
+                    origin.STRAYS.refused(held.subject, msg, "not signed by the controllers")
+                    continue
                 try:
                     announce = wire.decode(msg.data, SeatAnnounce)
                 except wire.BadRequest:

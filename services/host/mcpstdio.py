@@ -6,10 +6,11 @@ It knows JSON-RPC and the three things the host asks a tool server (`initialize`
 deadline), and nothing of any SDK or language: a tool server is whatever answers these on its
 stdio. Everything a server sends is bounded and checked, and anything wrong ends the session
 with a `ProtocolError` that says what it did, for that server alone: a line longer than
-MAX_LINE, something that is not a JSON-RPC message, an answer to an id never asked, too many
-tools or pages. A call that runs out of time is told to the server (`notifications/cancelled`)
-and its late answer ignored. The server's own requests are answered (`ping`; anything else
-"method not found"); its notifications are ignored but `notifications/tools/list_changed`.
+MAX_LINE, JSON nested deeper than mesh.wire.MAX_DEPTH, something that is not a JSON-RPC
+message, an answer to an id never asked, too many tools or pages. A call that runs out of
+time is told to the server (`notifications/cancelled`) and its late answer ignored. The
+server's own requests are answered (`ping`; anything else "method not found"); its
+notifications are ignored but `notifications/tools/list_changed`.
 """
 
 import itertools
@@ -21,6 +22,8 @@ from typing import Any
 
 import anyio
 import msgspec
+
+from mesh import wire
 
 log = logging.getLogger(__name__)
 
@@ -150,8 +153,12 @@ class Session:
 
     async def _received(self, line: bytes) -> None:
         try:
-            message = msgspec.json.decode(line)
-        except (msgspec.DecodeError, RecursionError):
+            message = wire.decode_json(line)
+        except wire.TooDeep as e:
+            raise ProtocolError(
+                f"it wrote JSON nested {e.depth} deep on stdout, at most {e.limit}"
+            ) from None
+        except msgspec.DecodeError:
             raise ProtocolError(
                 f"it wrote something that is not JSON on stdout: {_preview(line)}"
             ) from None

@@ -15,6 +15,7 @@ from anyio.abc import TaskGroup
 from nats.aio.client import Client
 
 from mesh import paging, subjects, wire
+from mesh.auth.signing import Signing
 from mesh.model import (
     BuildReply,
     BuildRequest,
@@ -60,6 +61,7 @@ class Host(msgspec.Struct):
     supervisor: Supervisor
     tools: ToolRuntime
     status: Callable[[], HostStatus]
+    signing: Signing = Signing()  # the controllers' key: a build is done only when they ask
 
 
 LOOK_EVERY = 0.1  # seconds between looks at a followed log, on this machine
@@ -154,6 +156,11 @@ VERBS: dict[str, Verb] = {
 }
 
 
+# What a host does only when the controllers ask (signed by them): operators' verbs are
+# scoped by the server's permissions alone (mesh.auth.policy).
+SIGNED = frozenset({"build"})
+
+
 async def serve(h: Host, *, tasks: TaskGroup, stats: Stats) -> Server:
     """Subscribe to this host's verbs, counted in `stats`; the caller stops (drains) the
     returned Server."""
@@ -161,7 +168,13 @@ async def serve(h: Host, *, tasks: TaskGroup, stats: Stats) -> Server:
     server = Server(
         nc=h.nc,
         endpoints=[
-            Endpoint(name, subjects.host(h.name, name), {name: verb}, what="host verb")
+            Endpoint(
+                name,
+                subjects.host(h.name, name),
+                {name: verb},
+                what="host verb",
+                genuine=h.signing.genuine if name in SIGNED else None,
+            )
             for name, verb in VERBS.items()
         ],
         service="host",

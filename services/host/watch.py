@@ -29,6 +29,7 @@ from nats.errors import Error as NatsError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, Header
 
+from mesh import origin
 from mesh.blobs import DECLARATIONS, declaration_subject
 from mesh.errors import reason
 
@@ -90,6 +91,9 @@ async def values(nc: Client, key: str) -> AsyncIterator[bytes]:
                     if told is not None and int(told) != seen:
                         log.info("missed a value of %s: watching again", subject)
                         break
+                    continue
+                if msg.subject != subject:  # a value of our key, or nothing (mesh/origin.py)
+                    origin.STRAYS.refused(deliver, msg, "not a value of this machine's key")
                     continue
                 sequence = msg.metadata.sequence.consumer
                 if sequence != seen + 1:

@@ -1,0 +1,109 @@
+"""Where a message came from, checked before anything acts on it (docs/security.md, the bus).
+
+nats-server checks who may publish to a subject, but two routes reach a subscription without
+that check, and both were used in an attack on a running mesh:
+
+- **Deliveries.** A JetStream push consumer delivers to a `deliver_subject` its creator chose,
+  which the server does not check against the creator's permissions (nor does a pull request's
+  reply subject). Such a message keeps the subject it was stored under (`$O.…`, `$KV.…`), so a
+  subscription refuses every message whose subject is not one it subscribed to (`expected`).
+  A verb is never taken from such a subject's last token.
+- **Reflections.** A request's reply subject is not checked either: whoever may ask a service
+  (the JetStream API, a controller's verb) can name any subject as the reply, and the answer
+  lands there with no reply subject of its own. So the mesh's services serve and answer only a
+  request whose reply is an inbox (`asked`); a JetStream API answer is never decoded as one of
+  the mesh's messages (`mesh.wire.decode`); and what hosts obey from the controllers is signed
+  (`mesh.auth.signing`).
+
+Refusals are logged once per window per subscription, with a count: a flood of them must not
+cost a log line each.
+"""
+
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+log = logging.getLogger(__name__)
+
+INBOX = "_INBOX"  # every identity's inbox prefix starts so (mesh.auth.policy.inbox)
+SAY_EVERY = 60.0  # seconds between log lines about refused messages of one subscription
+
+
+def matches(pattern: str, subject: str) -> bool:
+    """Whether `subject` is one that a subscription to `pattern` (NATS wildcards `*` and a
+    final `>`) asked for."""
+    want = pattern.split(".")
+    got = subject.split(".")
+    for i, token in enumerate(want):
+        if token == ">":
+            return len(got) > i
+        if i >= len(got) or (token != "*" and token != got[i]):
+            return False
+    return len(want) == len(got)
+
+
+def asked(msg: Msg) -> bool:
+    """A request someone made: its reply goes to an inbox. An answer reflected here (from the
+    JetStream API, or from a service asked with our subject as its reply) has no reply."""
+    return msg.reply.startswith(INBOX)
+
+
+class Strays:
+    """Messages a subscription refused: logged at the first of a window, then counted."""
+
+    def __init__(self) -> None:
+        self._seen: dict[str, tuple[int, float]] = {}
+
+    def refused(self, where: str, msg: Msg, why: str) -> None:
+        now = time.monotonic()
+        count, since = self._seen.get(where, (0, float("-inf")))
+        if now - since < SAY_EVERY:
+            self._seen[where] = (count + 1, since)
+            return
+        more = f" ({count} more since the last said)" if count else ""
+        log.warning("refused a message on %s: %s (it came as %s)%s", where, why,
+                    msg.subject[:128], more)  # fmt: skip
+        self._seen[where] = (0, now)
+
+
+STRAYS = Strays()  # one per process: every subscription's refusals
+
+
+def expected(pattern: str, msg: Msg) -> bool:
+    """`msg` arrived as a subject `pattern` asked for; otherwise it is refused (and said)."""
+    if matches(pattern, msg.subject):
+        return True
+    STRAYS.refused(pattern, msg, "not a subject it subscribed to: a delivery someone aimed here")
+    return False
+
+
+async def subscribe(
+    nc: Client,
+    subject: str,
+    *,
+    cb: Callable[[Msg], Awaitable[None]] | None = None,
+    queue: str = "",
+    **options: Any,
+) -> Subscription:
+    """`nc.subscribe`, refusing what did not arrive as `subject` asked (with `cb`; without,
+    read the messages through `arrivals`)."""
+    if cb is None:
+        return await nc.subscribe(subject, queue=queue, **options)
+
+    async def checked(msg: Msg) -> None:
+        if expected(subject, msg):
+            await cb(msg)
+
+    return await nc.subscribe(subject, queue=queue, cb=checked, **options)
+
+
+async def arrivals(sub: Subscription) -> AsyncIterator[Msg]:
+    """The messages of a subscription made without a callback, refusing strays."""
+    async for msg in sub.messages:
+        if expected(sub.subject, msg):
+            yield msg
