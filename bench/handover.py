@@ -88,7 +88,7 @@ from nats.aio.client import __version__ as nats_py_version
 from nats.aio.msg import Msg
 
 from mesh import subjects, wire
-from mesh.embedded import natsd, ports, postgres
+from mesh.embedded import natsd, pgauth, ports, postgres
 from mesh.embedded.children import Child, spawn
 from mesh.model import HandoverReply, SeatAnnounce, StatusReply
 
@@ -402,6 +402,7 @@ class Pieces:
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
+        self.passwords = pgauth.Passwords(folder / "passwords")  # the store's, as dev up's
         self.children: list[Child] = []
         self.controllers: dict[str, Child] = {}
         self.nats_url = ""
@@ -421,8 +422,9 @@ class Pieces:
     async def postgres(self) -> Child:
         try:
             child, self.database_url = await postgres.start(
-                self.folder / "pg", log=self.folder / "logs" / "postgres.log", database="mesh"
-            )
+                self.folder / "pg", log=self.folder / "logs" / "postgres.log", database="mesh",
+                passwords=self.passwords,
+            )  # fmt: skip
         except postgres.PostgresFailed as e:
             raise BenchError(str(e)) from None
         self.children.append(child)
@@ -673,15 +675,16 @@ class StorePair:
         try:
             self.primary, url = await postgres.start(
                 folder / "pg-0", log=folder / "logs" / "postgres-0.log", database="mesh",
-                settings=postgres.PRIMARY,
+                settings=postgres.PRIMARY, passwords=self.pieces.passwords,
             )  # fmt: skip
         except postgres.PostgresFailed as e:
             raise BenchError(str(e)) from None
         self.pieces.children.append(self.primary)
         self.primary_port, self.standby_port = _port_of(url), ports.free_port()
         self.pieces.database_url = postgres.multi_host_url(
-            [self.primary_port, self.standby_port], "mesh"
-        )
+            [self.primary_port, self.standby_port], "mesh", user=postgres.CONTROLLER_USER,
+            password=self.pieces.passwords.of(postgres.CONTROLLER_USER),
+        )  # fmt: skip
         await self.new_standby()
 
     async def new_standby(self) -> None:
@@ -692,17 +695,15 @@ class StorePair:
         self._copies += 1
         n, folder, primary_port = self._copies, self.pieces.folder, self.primary_port
         data = folder / f"pg-{n}"
+        superuser = self.pieces.passwords.of(postgres.PG_USER)
         try:
-            await asyncio.to_thread(postgres.base_backup, data, primary_port=primary_port)
-            settings = postgres.standby_settings(primary_port=primary_port)
-            child = await spawn(
-                "postgres-standby", postgres.argv(data, port=self.standby_port, settings=settings),
-                log=folder / "logs" / f"postgres-{n}.log", cwd=data, **postgres.run_as(),
+            child, _ = await postgres.start_standby(
+                data, primary_port=primary_port, log=folder / "logs" / f"postgres-{n}.log",
+                passwords=self.pieces.passwords, port=self.standby_port,
             )  # fmt: skip
             self.pieces.children.append(child)
             self.standby, self.standby_data = child, data
-            await postgres.wait_ready(self.standby_port, deadline=60, alive=lambda: child.running)
-            conn = await asyncpg.connect(postgres.url(primary_port), timeout=5)
+            conn = await asyncpg.connect(postgres.url(primary_port, password=superuser), timeout=5)
             try:
                 await conn.execute(
                     f"ALTER SYSTEM SET synchronous_standby_names = '{postgres.STANDBY_NAME}'"
@@ -710,7 +711,9 @@ class StorePair:
                 await conn.execute("SELECT pg_reload_conf()")
             finally:
                 await conn.close()
-            await postgres.wait_synchronous(primary_port, deadline=60, alive=lambda: child.running)
+            await postgres.wait_synchronous(
+                primary_port, password=superuser, deadline=60, alive=lambda: child.running
+            )
         except (postgres.PostgresFailed, OSError, asyncpg.PostgresError) as e:
             raise BenchError(f"standby {data.name}: {e}") from None
 
@@ -896,7 +899,7 @@ async def bench_store_standby(
     await paired.nats()
     pair = StorePair(paired)
     await pair.start()
-    say(f"  {paired.database_url}")
+    say(f"  {pgauth.without_password(paired.database_url)}")
     ncs = {
         name: await nats.connect(p.nats_url, name=f"bench {name}", allow_reconnect=False)
         for name, p in (("single", single), ("ctl", paired), ("load", paired))

@@ -72,7 +72,7 @@ from nats.js.errors import APIError
 
 from mesh import bus, wire
 from mesh.auth import tls as mesh_tls
-from mesh.embedded import natsd, ports, postgres
+from mesh.embedded import natsd, pgauth, ports, postgres
 from mesh.embedded.children import Child, spawn
 from mesh.model import Facts, Register, RegisterReply, StatusReply
 
@@ -434,8 +434,9 @@ class Pieces:
         data = self.folder / "pg"
         try:
             child, self.database_url = await postgres.start(
-                data, log=self.folder / "logs" / "postgres.log", database="mesh"
-            )
+                data, log=self.folder / "logs" / "postgres.log", database="mesh",
+                passwords=pgauth.Passwords(self.folder / "passwords"),
+            )  # fmt: skip
         except postgres.PostgresFailed as e:
             raise BenchError(str(e)) from None
         self.children.append(child)

@@ -6,6 +6,8 @@ one; `mesh init` is meant to make one the same way.
     DIR/creds/admin.creds    an operator's credentials (viewer.creds likewise), mode 0600
     DIR/creds/controller.creds
     DIR/creds/hosts/NAME.creds
+    DIR/creds/store/ROLE.password  the embedded PostgreSQL's passwords (postgres, mesh,
+                             replicator), mode 0600
     DIR/tls/ca.pem           the mesh's CA certificate, given to every client (MESH_CA)
     DIR/tls/ca.key           its key, mode 0600: it signs the servers' certificates
     DIR/nats/auth.conf       the authorization block, written from users.json
@@ -15,7 +17,7 @@ one; `mesh init` is meant to make one the same way.
     DIR/nats/nK/js           its JetStream store
     DIR/nats/url             the URL(s) clients use, comma-separated
     DIR/env                  shell lines for other terminals (MESH_NATS_URL, MESH_CA, MESH_DIR,
-                             MESH_CREDS, MESH_DATABASE_URL)
+                             MESH_CREDS, MESH_DATABASE_URL with its password), mode 0600
 """
 
 import os
@@ -36,6 +38,11 @@ class MeshDir:
     @property
     def users(self) -> Path:
         return self.creds / "users.json"
+
+    @property
+    def store_passwords(self) -> Path:
+        """The embedded PostgreSQL's passwords, a file per role (`mesh.embedded.pgauth`)."""
+        return self.creds / "store"
 
     @property
     def nats(self) -> Path:

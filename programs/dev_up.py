@@ -27,7 +27,7 @@ from nats.aio.client import Client
 
 from mesh import bus, metrics, subjects, wire
 from mesh.auth import registry, tls
-from mesh.embedded import natsd, ports, postgres
+from mesh.embedded import natsd, pgauth, ports, postgres
 from mesh.embedded.children import (
     Child,
     remove_containers,
@@ -39,6 +39,7 @@ from mesh.errors import MeshError
 from mesh.lifetime import stop_on_signals
 from mesh.meshdir import MeshDir
 from mesh.model import NodesReply, NodesRequest, StatusReply
+from mesh.paths import write_private
 from programs.cli.client import every_page, probing
 from programs.placement import place_new
 from services.host import successor
@@ -100,26 +101,30 @@ class DevMesh:
         self.store_standby = store_standby  # PostgreSQL with a synchronous streaming standby
         self.children: list[Child] = []
         self.nats_url = ""
-        self.database_url = ""
+        self.database_url = ""  # the controllers': their role's password in it
+        self.passwords = pgauth.Passwords(self.mesh.store_passwords)
         self.lost: str | None = None  # a server that died under us
         self.metrics: dict[str, metrics.Listen] = {}  # piece -> its --metrics, kept on restarts
 
     def _mesh_argv(self, *args: str) -> list[str]:
         return [sys.executable, "-P", "-m", "mesh", *args]  # -P: not the cwd's `mesh`
 
-    def _env(self) -> dict[str, str]:
+    def _env(self, *, store: bool = False) -> dict[str, str]:
+        """A piece's environment; the store's URL (and password) for controllers only."""
         env = dict(os.environ)
         env.pop("MESH_CREDS", None)  # each piece is given its own with --creds
+        env.pop("MESH_DATABASE_URL", None)
         env["MESH_NATS_URL"] = self.nats_url
         env["MESH_CA"] = str(self.mesh.ca)
         env["MESH_DIR"] = str(self.dir)
-        env["MESH_DATABASE_URL"] = self.database_url
+        if store:
+            env["MESH_DATABASE_URL"] = self.database_url
         env["PYTHONUNBUFFERED"] = "1"
         return env
 
-    async def _start(self, name: str, argv: list[str]) -> Child:
+    async def _start(self, name: str, argv: list[str], *, store: bool = False) -> Child:
         child = await spawn(
-            name, argv, log=self.dir / "logs" / f"{name}.log", env=self._env(),
+            name, argv, log=self.dir / "logs" / f"{name}.log", env=self._env(store=store),
             detached=self.detached,
         )  # fmt: skip
         self.children.append(child)
@@ -199,15 +204,23 @@ class DevMesh:
             say(f"nats-server {name} up on {url} (JetStream in {folder / 'js'}, pid {child.pid})")
 
     async def start_postgres(self) -> None:
-        """PostgreSQL in DIR/pg; with --store-standby, the primary there and a synchronous
-        streaming standby in DIR/pg-standby (copied from it the first time), and the URL lists
-        both, the pieces keeping only a session that lands on the primary."""
+        """PostgreSQL in DIR/pg, taking passwords only (DIR/creds/store); with --store-standby,
+        the primary there and a synchronous streaming standby in DIR/pg-standby (copied from it
+        the first time), and the URL lists both, the pieces keeping only a session that lands
+        on the primary. A folder of an older mesh, which trusted every local connection, is
+        converted first, and says so."""
         data = self.dir / "pg"
         if not (data / "PG_VERSION").exists():
             say(f"initialising PostgreSQL in {data}")
+        changed = await anyio.to_thread.run_sync(
+            lambda: postgres.init(data, passwords=self.passwords)
+        )
+        if changed:
+            say(changed)
         child, self.database_url = await postgres.start(
             data, log=self.dir / "logs" / "postgres.log", database=DATABASE,
-            detached=self.detached, settings=postgres.PRIMARY if self.store_standby else (),
+            passwords=self.passwords, detached=self.detached,
+            settings=postgres.PRIMARY if self.store_standby else (),
         )  # fmt: skip
         self.children.append(child)
         where = self.database_url.rsplit("@", 1)[-1].rsplit("/", 1)[0]
@@ -222,16 +235,20 @@ class DevMesh:
         try:
             standby, port = await postgres.start_standby(
                 standby_data, primary_port=primary_port, detached=self.detached,
-                log=self.dir / "logs" / "postgres-standby.log",
+                log=self.dir / "logs" / "postgres-standby.log", passwords=self.passwords,
             )  # fmt: skip
             self.children.append(standby)
             await postgres.wait_synchronous(
-                primary_port, deadline=60, alive=lambda: standby.running
-            )
+                primary_port, password=self.passwords.of(postgres.PG_USER), deadline=60,
+                alive=lambda: standby.running,
+            )  # fmt: skip
         except postgres.PostgresFailed as e:
             raise DevError(f"the store's standby: {e}") from None
         say(f"postgres standby up on 127.0.0.1:{port} (data in {standby_data}, pid {standby.pid})")
-        self.database_url = postgres.multi_host_url([primary_port, port], DATABASE)
+        self.database_url = postgres.multi_host_url(
+            [primary_port, port], DATABASE, user=postgres.CONTROLLER_USER,
+            password=self.passwords.of(postgres.CONTROLLER_USER),
+        )  # fmt: skip
 
     async def start_controllers(self) -> None:
         for i in (1, 2):
@@ -257,7 +274,7 @@ class DevMesh:
             "controller", "run", "--instance", name, "--creds", str(self.creds["ctl"]),
             *self._metrics_on(name),
         )  # fmt: skip
-        child = await self._start(name, argv)
+        child = await self._start(name, argv, store=True)
         say(f"controller {name} started (pid {child.pid}, metrics {self._metrics_url(name)})")
         return child
 
@@ -357,14 +374,15 @@ class DevMesh:
                 )
 
     def write_env(self) -> Path:
+        """DIR/env, mode 0600: MESH_DATABASE_URL carries the controllers' password."""
         env = self.dir / "env"
-        env.write_text(
+        write_private(env, (
             f"export MESH_NATS_URL={shlex.quote(self.nats_url)}\n"
             f"export MESH_CA={shlex.quote(str(self.mesh.ca))}\n"
             f"export MESH_DIR={shlex.quote(str(self.dir))}\n"
             f"export MESH_DATABASE_URL={shlex.quote(self.database_url)}\n"
             f"export MESH_CREDS={shlex.quote(str(self.creds['admin']))}\n"
-        )
+        ).encode())  # fmt: skip
         return env
 
     async def watch(self) -> None:

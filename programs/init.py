@@ -31,7 +31,7 @@ import anyio.to_thread
 import services.controller
 from mesh import bus, subjects, wire
 from mesh.auth import registry
-from mesh.embedded import postgres
+from mesh.embedded import pgauth, postgres
 from mesh.embedded.children import Child, spawn, stop_supervised
 from mesh.model import StatusReply
 from mesh.names import check_name
@@ -85,7 +85,7 @@ async def init(
             INIT_INSTANCE,
             mesh._mesh_argv("controller", "run", "--instance", INIT_INSTANCE,
                             "--creds", str(mesh.creds["ctl"])),
-            log=mesh.dir / "logs" / f"{INIT_INSTANCE}.log", env=mesh._env(),
+            log=mesh.dir / "logs" / f"{INIT_INSTANCE}.log", env=mesh._env(store=True),
         )  # fmt: skip
         await _until(mesh, lambda s: s.seat is not None and s.seat.holder == INIT_INSTANCE,
                      f"the seat held by {INIT_INSTANCE}")  # fmt: skip
@@ -103,6 +103,8 @@ async def init(
         await _until(mesh, lambda s: s.nodes.up >= 1, f"host {name} registered")
 
         admin = {**mesh._env(), "MESH_CREDS": str(mesh.creds["admin"])}
+        # The controllers' URL with their role's password: the host writes it as a file only
+        # the controller's account reads.
         _mesh(admin, "secret", "set", "mesh-database-url", stdin=mesh.database_url)
         _mesh(admin, "secret", "set", "mesh-controller-creds",
               stdin=mesh.creds["ctl"].read_text())  # fmt: skip
@@ -140,7 +142,8 @@ async def init(
     def save() -> None:
         record.write_text(json.dumps({
             "name": name, "made": datetime.now(UTC).isoformat(), "nats_url": mesh.nats_url,
-            "database_url": mesh.database_url, "pids": pids, "host_root": str(mesh.dir / "host"),
+            "database_url": pgauth.without_password(mesh.database_url), "pids": pids,
+            "host_root": str(mesh.dir / "host"),
         }, indent=2) + "\n")  # fmt: skip
 
     save()
@@ -157,7 +160,8 @@ async def init(
         f"  nats-server   {mesh.nats_url} (pid {', '.join(str(pids[c.name]) for c in servers)}), "
         f"TLS with the mesh's CA ({mesh.mesh.ca}), every connection authenticated; "
         f"credentials in {mesh.mesh.creds}\n"
-        f"  PostgreSQL    pid {pids['postgres']}, data in {mesh.dir / 'pg'}\n"
+        f"  PostgreSQL    pid {pids['postgres']}, data in {mesh.dir / 'pg'}, passwords only "
+        f"(in {mesh.mesh.store_passwords}; the controllers' role `mesh` is no superuser)\n"
         f"  host {name:<8} pid {pids[name]}, tier 0, builds bundles\n"
         f"  controller    a process the host runs from services/controller (pid {seat.pid})\n"
         f"use it:          source {env}; mesh status\n"
@@ -213,7 +217,10 @@ async def _to_systemd(mesh: DevMesh, units: list[Unit]) -> dict[str, int]:
             await _ready(f"nats-server on {url}", lambda u=url: _nats_answers(u, admin))
         elif unit.piece == "postgres":
             port = int(mesh.database_url.rsplit("@", 1)[-1].split("/")[0].rsplit(":", 1)[1])
-            await postgres.wait_ready(port, deadline=WITHIN, alive=lambda: True)
+            await postgres.wait_ready(
+                port, password=mesh.passwords.of(postgres.PG_USER), deadline=WITHIN,
+                alive=lambda: True,
+            )  # fmt: skip
         pids[unit.piece] = await anyio.to_thread.run_sync(main_pid, unit.name)
         say(f"{unit.piece} runs under systemd: {unit.name} (pid {pids[unit.piece]})")
     return pids

@@ -22,7 +22,7 @@ import pytest
 from helpers import MESH, ask, await_until, wait_until
 from secured import as_identity, fleet, secured  # noqa: F401 (fixtures: tests/secured.py)
 
-from mesh.embedded import natsd, ports, postgres
+from mesh.embedded import natsd, pgauth, ports, postgres
 from mesh.embedded.children import remove_containers, stop_agents, stop_supervised
 
 
@@ -149,7 +149,9 @@ def pg_admin_url() -> Iterator[str]:
     # (0700) whenever a session starts, which would cut PostgreSQL's account off its data.
     folder = Path(tempfile.mkdtemp(prefix="mesh-test-pg-"))
     data = folder / "data"
-    postgres.init(data)
+    passwords = pgauth.Passwords(folder / "passwords")
+    superuser = passwords.of(postgres.PG_USER)
+    postgres.init(data, passwords=passwords)
     port = ports.free_port()
     log = open(data.parent / "postgres.log", "ab")
     proc = subprocess.Popen(
@@ -161,8 +163,12 @@ def pg_admin_url() -> Iterator[str]:
         start_new_session=True,
     )
     try:
-        asyncio.run(postgres.wait_ready(port, deadline=30, alive=lambda: proc.poll() is None))
-        yield postgres.url(port)
+        asyncio.run(
+            postgres.wait_ready(
+                port, password=superuser, deadline=30, alive=lambda: proc.poll() is None
+            )
+        )
+        yield postgres.url(port, password=superuser)  # the superuser: it makes every test's db
     finally:
         proc.send_signal(signal.SIGINT)  # fast shutdown
         try:

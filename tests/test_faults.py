@@ -29,7 +29,7 @@ from helpers import MESH, ask, await_until, kv_history, kv_keys
 from test_plans import assert_tier_order, mesh, module, ok
 
 from mesh import bus, wire
-from mesh.embedded import natsd, ports, postgres
+from mesh.embedded import natsd, pgauth, ports, postgres
 from mesh.model import DeclarationReply
 from mesh.modules.compose import encode, merge
 from mesh.store import seats
@@ -419,17 +419,26 @@ class Servers:
         self.pg: subprocess.Popen | None = None
         self.nats: subprocess.Popen | None = None
         self.nats_url = f"nats://127.0.0.1:{self.nats_port}"
-        self.database_url = postgres.url(self.pg_port, "mesh")
+        self.passwords = pgauth.Passwords(self.pg_folder / "passwords")
+        self.superuser = self.passwords.of(postgres.PG_USER)
+        self.database_url = postgres.url(  # the controllers' role, as `mesh dev up` gives it
+            self.pg_port, "mesh", user=postgres.CONTROLLER_USER,
+            password=self.passwords.of(postgres.CONTROLLER_USER),
+        )  # fmt: skip
 
     async def start_postgres(self) -> None:
-        await anyio.to_thread.run_sync(postgres.init, self.pg_data)
+        await anyio.to_thread.run_sync(
+            lambda: postgres.init(self.pg_data, passwords=self.passwords)
+        )
         self.pg = self._procs.start(
             "postgres", postgres.argv(self.pg_data, port=self.pg_port), cwd=self.pg_data,
             **postgres.run_as(),
         )  # fmt: skip
         pg = self.pg
-        await postgres.wait_ready(self.pg_port, deadline=30, alive=lambda: pg.poll() is None)
-        await postgres.ensure_database(self.pg_port, "mesh")
+        await postgres.wait_ready(
+            self.pg_port, password=self.superuser, deadline=30, alive=lambda: pg.poll() is None
+        )
+        await postgres.ensure_store(self.pg_port, database="mesh", passwords=self.passwords)
 
     def stop_postgres(self) -> None:
         assert self.pg is not None

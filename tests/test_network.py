@@ -52,7 +52,7 @@ from test_plans import assert_tier_order, mesh, module, ok
 
 from mesh import bus
 from mesh.auth import tls
-from mesh.embedded import natsd, postgres
+from mesh.embedded import natsd, pgauth, postgres
 
 pytestmark = pytest.mark.slow
 
@@ -152,7 +152,9 @@ class NetMesh:
         # Not under pytest's folder, which is private to root (see conftest's pg_admin_url).
         self.pg_folder = Path(tempfile.mkdtemp(prefix="mesh-test-pg-"))
         data = self.pg_folder / "data"
-        await anyio.to_thread.run_sync(postgres.init, data)
+        # The subnet's line below lets the test's pieces in without a password.
+        passwords = pgauth.Passwords(self.pg_folder / "passwords")
+        await anyio.to_thread.run_sync(lambda: postgres.init(data, passwords=passwords))
         with open(data / "pg_hba.conf", "a") as hba:
             hba.write(f"host all all {self.net.subnet} trust\n")
         argv = [*postgres.argv(data, port=PG_PORT), "-c",

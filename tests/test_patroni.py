@@ -10,6 +10,7 @@ processes throughout; every one is stopped at teardown, even when the test fails
 import http.client
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -34,6 +35,8 @@ pytestmark = [
 ]
 
 TTL = 20  # Patroni's least: the leader key expires this long after the leader's last update
+# Passwords for every connection, as docs/operations.md's recipe has them (made per session).
+SUPERUSER, REPLICATOR, MESH_ROLE = (secrets.token_urlsafe(16) for _ in range(3))
 
 
 class Member:
@@ -73,10 +76,11 @@ class Member:
                             },
                         },
                     },
-                    "initdb": [{"encoding": "UTF8"}, {"auth": "trust"}],
+                    "initdb": [{"encoding": "UTF8"}, {"auth": "scram-sha-256"}],
                     "pg_hba": [
-                        "host replication replicator 127.0.0.1/32 trust",
-                        "host all all 127.0.0.1/32 trust",
+                        "local all all scram-sha-256",
+                        "host replication replicator 127.0.0.1/32 scram-sha-256",
+                        "host all all 127.0.0.1/32 scram-sha-256",
                     ],
                 },
                 "postgresql": {
@@ -88,8 +92,8 @@ class Member:
                     "basebackup": [{"checkpoint": "fast"}],
                     "bin_dir": str(postgres._bin_dir()),
                     "authentication": {
-                        "superuser": {"username": "postgres"},
-                        "replication": {"username": "replicator"},
+                        "superuser": {"username": "postgres", "password": SUPERUSER},
+                        "replication": {"username": "replicator", "password": REPLICATOR},
                     },
                     "parameters": {"unix_socket_directories": str(self.folder)},
                 },
@@ -192,7 +196,7 @@ def _psql(member: Member, sql: str) -> str:
     done = subprocess.run(
         [postgres.bin("psql"), "-h", "127.0.0.1", "-p", str(member.port), "-U", "postgres",
          "-Atc", sql],
-        capture_output=True, text=True,
+        capture_output=True, text=True, env={**os.environ, "PGPASSWORD": SUPERUSER},
     )  # fmt: skip
     return done.stdout.strip()
 
@@ -207,14 +211,18 @@ def test_a_controller_takes_the_seat_on_the_new_leader(
     first, second = members
     first.start(procs, etcd)
     wait_until(lambda: first.role() == "primary", within=60, what="pg1 to lead")
-    _psql(first, "CREATE DATABASE mesh")
+    # The role and the database, as the recipe makes them: the controllers' role no superuser.
+    _psql(first, f"CREATE ROLE mesh LOGIN PASSWORD '{MESH_ROLE}'")
+    _psql(first, "CREATE DATABASE mesh OWNER mesh")
+    _psql(first, "GRANT pg_read_all_stats TO mesh")  # to see whether the replica is synchronous
     second.start(procs, etcd)
     wait_until(
         lambda: _psql(first, "SELECT sync_state FROM pg_stat_replication") == "sync",
         within=60, what="pg2 streaming synchronously",
     )  # fmt: skip
 
-    url = postgres.multi_host_url([first.port, second.port], "mesh")
+    url = postgres.multi_host_url([first.port, second.port], "mesh", user="mesh",
+                                  password=MESH_ROLE)  # fmt: skip
     env = {"MESH_NATS_URL": nats_url, "MESH_DATABASE_URL": url}
     for name in ("ctl-a", "ctl-b"):
         procs.start(name, [*MESH, "controller", "run", "--instance", name], env=env)

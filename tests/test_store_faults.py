@@ -49,7 +49,7 @@ from test_faults import (
 from test_plans import assert_tier_order, mesh, module, ok
 from test_store_standby import DATABASE, Pair, _promote, _start_pair
 
-from mesh.embedded import natsd, postgres
+from mesh.embedded import natsd, pgauth, postgres
 from mesh.embedded.children import spawn
 from mesh.embedded.ports import free_port
 
@@ -80,8 +80,13 @@ async def pairs() -> AsyncIterator[list[Pair]]:
             await child.stop(sig=signal.SIGINT, timeout=20)
 
 
-def direct(port: int) -> str:
-    return postgres.url(port, DATABASE)
+def direct(pair: Pair, port: int) -> str:
+    """One server, as the controllers connect (their role owns the tables, and so the audit's
+    table and trigger, which the controllers' writes must be allowed to fill)."""
+    return postgres.url(
+        port, DATABASE, user=postgres.CONTROLLER_USER,
+        password=pair.passwords.of(postgres.CONTROLLER_USER),
+    )  # fmt: skip
 
 
 class Applied:
@@ -199,10 +204,12 @@ async def test_the_primary_killed_and_the_standby_promoted_during_a_plan(
     primary acknowledged (tier 0 done, the audit of every write) is on the new one."""
     pair = await _start_pair(store_folder, synchronous=True)
     pairs.append(pair)
-    await postgres.wait_synchronous(pair.primary_port, deadline=60)
+    await postgres.wait_synchronous(
+        pair.primary_port, password=pair.passwords.of(postgres.PG_USER), deadline=60
+    )
     start = controllers_on(procs, nats_url, pair.url(pair.primary_port, pair.standby_port))
     controllers = await fleet(nc, start, start_host, tmp_path, hosts=len(HOSTS))
-    await install_audit(direct(pair.primary_port))
+    await install_audit(direct(pair, pair.primary_port))
     roots = tmp_path / "hosts"
     plan_id, before_plan, before, applied = await rolling(nc, nats_url, tmp_path, deadline="90s")
     holder, epoch = before["seat"]["holder"], before["seat"]["epoch"]
@@ -248,7 +255,7 @@ async def test_the_primary_killed_and_the_standby_promoted_during_a_plan(
     node_1 = next(s for s in before_plan["steps"] if s["machine"] == "node-1")
     assert node_1 in plan["steps"], "tier 0's step as the old primary acknowledged it"
 
-    new = direct(pair.standby_port)
+    new = direct(pair, pair.standby_port)
     audit = await query(new, "SELECT max(epoch) AS top FROM fault_audit WHERE tbl = 'seats'")
     assert audit[0]["top"] == after["seat"]["epoch"]  # no epoch above the holder's, anywhere
     seen = await query(new, "SELECT epoch FROM fault_audit WHERE tbl = 'seats' ORDER BY id")
@@ -266,14 +273,14 @@ async def test_the_primary_killed_and_the_standby_promoted_during_a_plan(
 
 async def caught_up(pair: Pair, within: float = 60) -> None:
     """The standby has replayed everything the primary had written when this was called."""
-    conn = await asyncpg.connect(direct(pair.primary_port))
+    conn = await asyncpg.connect(direct(pair, pair.primary_port))
     try:
         lsn = await conn.fetchval("SELECT pg_current_wal_lsn()::text")
     finally:
         await conn.close()
 
     async def replayed():
-        standby = await asyncpg.connect(direct(pair.standby_port))
+        standby = await asyncpg.connect(direct(pair, pair.standby_port))
         try:
             return await standby.fetchval(
                 "SELECT pg_last_wal_replay_lsn() >= $1::text::pg_lsn", lsn
@@ -287,7 +294,7 @@ async def caught_up(pair: Pair, within: float = 60) -> None:
 async def streaming(pair: Pair, within: float = 60) -> None:
     async def there():
         sql = "SELECT 1 FROM pg_stat_replication WHERE state = 'streaming'"
-        rows = await query(direct(pair.primary_port), sql)
+        rows = await query(direct(pair, pair.primary_port), sql)
         return bool(rows)
 
     await await_until(there, within=within, what="the standby streaming")
@@ -305,7 +312,10 @@ async def cut_off(pair: Pair, data: Path) -> None:
     )  # fmt: skip
     pair.standby = child
     pair.children.append(child)
-    await postgres.wait_ready(pair.standby_port, deadline=60, alive=lambda: child.running)
+    await postgres.wait_ready(
+        pair.standby_port, password=pair.passwords.of(postgres.PG_USER), deadline=60,
+        alive=lambda: child.running,
+    )  # fmt: skip
 
 
 async def test_a_promoted_asynchronous_standby_without_the_last_takeover(
@@ -322,7 +332,7 @@ async def test_a_promoted_asynchronous_standby_without_the_last_takeover(
     await streaming(pair)
     start = controllers_on(procs, nats_url, pair.url(pair.primary_port, pair.standby_port))
     controllers = await fleet(nc, start, start_host, tmp_path, hosts=len(HOSTS))
-    await install_audit(direct(pair.primary_port))
+    await install_audit(direct(pair, pair.primary_port))
     roots = tmp_path / "hosts"
     plan_id, _, first, applied = await rolling(nc, nats_url, tmp_path, deadline="90s")
     assert first["seat"]["holder"] == "ctl-0"
@@ -365,7 +375,7 @@ async def test_a_promoted_asynchronous_standby_without_the_last_takeover(
           f"{verbs.worst:.2f}s")  # fmt: skip
     assert code == (1,), controllers["ctl-1"].log_path.read_text()[-3000:]
     assert verbs.failures == [], verbs.failures[:5]
-    new = direct(pair.standby_port)
+    new = direct(pair, pair.standby_port)
     store_seen = await query(new, "SELECT epoch FROM fault_audit WHERE tbl = 'seats' ORDER BY id")
     assert epoch + 1 not in [r["epoch"] for r in store_seen], "the standby got E+1 after all"
     assert after["seat"]["epoch"] == epoch + 2, after["seat"]  # above the bus's, not E+1 again
@@ -479,7 +489,9 @@ class StoreNet:
     async def start_store(self) -> None:
         """pg1 a primary with pg2 its synchronous standby, copied with pg_basebackup."""
         primary, standby = self.folder / "pg1", self.folder / "pg2"
-        await anyio.to_thread.run_sync(postgres.init, primary)
+        # The subnet's lines below let the test's pieces in without a password.
+        passwords = pgauth.Passwords(self.folder / "passwords")
+        await anyio.to_thread.run_sync(lambda: postgres.init(primary, passwords=passwords))
         with open(primary / "pg_hba.conf", "a") as hba:
             hba.write(f"host all all {self.net.subnet} trust\n")
             hba.write(f"host replication {postgres.REPLICATION_USER} {self.net.subnet} trust\n")

@@ -21,7 +21,7 @@ import asyncpg
 import pytest
 from helpers import DevUp, await_until, mesh_cli, wait_until
 
-from mesh.embedded import postgres
+from mesh.embedded import pgauth, postgres
 from mesh.embedded.children import Child
 from mesh.store import db, replication
 
@@ -35,12 +35,21 @@ class Pair:
     folder: Path
     primary: Child
     primary_port: int
+    passwords: pgauth.Passwords
     standby: Child | None = None
     standby_port: int = 0
     children: list[Child] = field(default_factory=list)
 
     def url(self, *ports: int) -> str:
-        return postgres.multi_host_url(list(ports), DATABASE)
+        """The controllers' URL, as `mesh dev up --store-standby` gives it (their role)."""
+        return postgres.multi_host_url(
+            list(ports), DATABASE, user=postgres.CONTROLLER_USER,
+            password=self.passwords.of(postgres.CONTROLLER_USER),
+        )  # fmt: skip
+
+    def admin(self, port: int) -> str:
+        """The superuser's, on one server: the test's own look inside."""
+        return postgres.url(port, DATABASE, password=self.passwords.of(postgres.PG_USER))
 
 
 async def _start_pair(folder: Path, *, synchronous: bool) -> Pair:
@@ -49,14 +58,17 @@ async def _start_pair(folder: Path, *, synchronous: bool) -> Pair:
         if synchronous
         else tuple(s for s in postgres.PRIMARY if not s.startswith("synchronous_"))
     )
+    passwords = pgauth.Passwords(folder / "passwords")
     primary, url = await postgres.start(
-        folder / "pg", log=folder / "primary.log", database=DATABASE, settings=settings
-    )
+        folder / "pg", log=folder / "primary.log", database=DATABASE, settings=settings,
+        passwords=passwords,
+    )  # fmt: skip
     port = int(url.rsplit(":", 1)[1].split("/")[0])
-    pair = Pair(folder, primary, port, children=[primary])
+    pair = Pair(folder, primary, port, passwords, children=[primary])
     standby, standby_port = await postgres.start_standby(
-        folder / "pg-standby", primary_port=port, log=folder / "standby.log"
-    )
+        folder / "pg-standby", primary_port=port, log=folder / "standby.log",
+        passwords=passwords,
+    )  # fmt: skip
     pair.standby, pair.standby_port = standby, standby_port
     pair.children.append(standby)
     return pair
@@ -83,7 +95,9 @@ async def pairs(folder: Path) -> AsyncIterator[list[Pair]]:
 async def _sync_pair(folder: Path, pairs: list[Pair]) -> Pair:
     pair = await _start_pair(folder, synchronous=True)
     pairs.append(pair)
-    await postgres.wait_synchronous(pair.primary_port, deadline=60)
+    await postgres.wait_synchronous(
+        pair.primary_port, password=pair.passwords.of(postgres.PG_USER), deadline=60
+    )
     return pair
 
 
@@ -94,7 +108,7 @@ async def _server_of(conn: asyncpg.Connection) -> tuple[int, bool]:
 
 async def test_the_standby_streams_synchronously(folder: Path, pairs: list[Pair]) -> None:
     pair = await _sync_pair(folder, pairs)
-    conn = await asyncpg.connect(postgres.url(pair.primary_port, DATABASE))
+    conn = await asyncpg.connect(pair.admin(pair.primary_port))
     try:
         row = await conn.fetchrow(
             "SELECT application_name, state, sync_state FROM pg_stat_replication"
@@ -107,7 +121,7 @@ async def test_the_standby_streams_synchronously(folder: Path, pairs: list[Pair]
         await conn.execute("INSERT INTO marks VALUES (1)")
     finally:
         await conn.close()
-    standby = await asyncpg.connect(postgres.url(pair.standby_port, DATABASE))
+    standby = await asyncpg.connect(pair.admin(pair.standby_port))
     try:
         assert await standby.fetchval("SELECT pg_is_in_recovery()")
         assert await standby.fetchval("SELECT count(*) FROM marks") == 1
@@ -134,7 +148,7 @@ async def test_the_multi_host_url_reaches_the_primary_whichever_order(
         finally:
             await pool.close()
     # The standby's session was closed, not kept: only the walreceiver's remains on it.
-    standby = await asyncpg.connect(postgres.url(pair.standby_port, DATABASE))
+    standby = await asyncpg.connect(pair.admin(pair.standby_port))
     try:
         others = await standby.fetchval(
             "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'mesh'"
@@ -195,7 +209,7 @@ async def test_the_replication_check_warns_about_an_asynchronous_standby(
     pairs.append(lax)
 
     async def streaming() -> replication.Replication | None:
-        pool = await db.pool(postgres.url(lax.primary_port, DATABASE), size=1)
+        pool = await db.pool(lax.url(lax.primary_port), size=1)  # as the controllers
         try:
             said = await replication.check(pool)  # a pool answers as well as a session
         finally:
@@ -208,7 +222,7 @@ async def test_the_replication_check_warns_about_an_asynchronous_standby(
     assert postgres.STANDBY_NAME in said.warning
 
     # Connected to a standby itself: said too.
-    conn = await asyncpg.connect(postgres.url(lax.standby_port, DATABASE))
+    conn = await asyncpg.connect(lax.admin(lax.standby_port))
     try:
         said = await replication.check(conn)
     finally:
@@ -269,8 +283,9 @@ def test_dev_up_with_a_store_standby(folder: Path) -> None:
             assert copied == (run == 1), dev.seen
             assert not any(line.startswith("postgres up on") for line in dev.seen)
             env = _env_file(dir)
-            assert env["MESH_DATABASE_URL"] == (
-                f"postgresql://postgres@127.0.0.1:{primary},127.0.0.1:{standby}/mesh"
+            password = (dir / "creds" / "store" / "mesh.password").read_text().strip()
+            assert env["MESH_DATABASE_URL"] == (  # the controllers' role, not the superuser
+                f"postgresql://mesh:{password}@127.0.0.1:{primary},127.0.0.1:{standby}/mesh"
                 "?target_session_attrs=read-write"
             )
             done = mesh_cli("--json", "status", nats_url=url, creds=env["MESH_CREDS"])

@@ -23,6 +23,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from mesh.errors import MeshError
+from mesh.paths import write_private
 
 CA_DAYS = 3650
 SERVER_DAYS = 825  # what browsers accept at most; rotation: `mesh cert rotate` (docs/security.md)
@@ -34,20 +35,6 @@ class TlsError(MeshError):
 
 def _now() -> datetime.datetime:
     return datetime.datetime.now(datetime.UTC)
-
-
-def _write_private(path: Path, data: bytes) -> None:
-    """Written 0600 whatever the umask, atomically: never readable by others, never half."""
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-    try:
-        os.fchmod(fd, 0o600)
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
 
 
 def _write_public(path: Path, data: bytes) -> None:
@@ -94,7 +81,7 @@ def ensure_ca(folder: Path, *, name: str = "mesh") -> Path:
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
         .sign(key, hashes.SHA256())
     )
-    _write_private(key_path, _key_pem(key))
+    write_private(key_path, _key_pem(key))
     _write_public(cert_path, cert.public_bytes(serialization.Encoding.PEM))
     return cert_path
 
@@ -148,7 +135,7 @@ def issue_server(
         )
         .sign(ca_key, hashes.SHA256())
     )
-    _write_private(key_path, _key_pem(key))
+    write_private(key_path, _key_pem(key))
     _write_public(cert_path, cert.public_bytes(serialization.Encoding.PEM))
 
 

@@ -3,6 +3,11 @@
 PostgreSQL refuses to run as root; as root, the server runs as the system account
 `mesh-postgres`, created with the system's tools (`mesh.osaccounts`).
 
+It takes passwords only (scram-sha-256), loopback included; the controllers connect as the
+role `mesh`, which owns the mesh's database and is not a superuser (`mesh.embedded.pgauth`
+says who may connect and where the passwords are). A cluster made by an older mesh, which
+trusted every local connection, is locked the same way when it is next started (`init`).
+
 A primary with a synchronous streaming standby (`mesh dev up --store-standby`): `start` with
 `settings=PRIMARY`, then `start_standby`, a copy of it (`pg_basebackup -R`) in a folder of its
 own, streaming as `standby1`, which every commit on the primary waits for.
@@ -10,8 +15,10 @@ own, streaming as `standby1`, which every commit on the primary waits for.
 
 import importlib.util
 import os
+import re
 import signal
 import subprocess
+import urllib.parse
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,6 +27,7 @@ import anyio
 import asyncpg
 
 from mesh import osaccounts
+from mesh.embedded import pgauth
 from mesh.embedded.children import Child, spawn
 from mesh.embedded.ports import free_port
 from mesh.errors import MeshError
@@ -27,8 +35,9 @@ from mesh.names import check_name
 from mesh.paths import open_path_to
 
 PG_ACCOUNT = osaccounts.PG_ACCOUNT  # no module may declare it (the gate)
-PG_USER = "postgres"  # the database superuser, not the OS account
-REPLICATION_USER = "replicator"  # the standby's role on the primary (REPLICATION, no superuser)
+PG_USER = pgauth.SUPERUSER  # the database superuser, not the OS account
+CONTROLLER_USER = pgauth.CONTROLLER  # the controllers' role: owns the database, no superuser
+REPLICATION_USER = pgauth.REPLICATION  # the standby's role on the primary (REPLICATION only)
 STANDBY_NAME = "standby1"  # its application_name, the one synchronous_standby_names names
 # The primary's settings with a synchronous standby, on its command line only (not in its
 # configuration files, which pg_basebackup copies): a promoted standby does not wait for a
@@ -85,29 +94,75 @@ def _grant_access(data: Path, account: str) -> None:
     os.chown(data, entry.pw_uid, entry.pw_gid)
 
 
-def init(data: Path) -> bool:
-    """Create the cluster in `data` unless it exists; True if it was created now."""
+def init(data: Path, *, passwords: pgauth.Passwords) -> str | None:
+    """Create the cluster in `data` unless it exists, and lock it: its pg_hba.conf takes
+    passwords only, and its superuser has the password in `passwords`. Returns what that
+    changed in a cluster that was there already, in words (one made by an older mesh trusted
+    every local connection); None when nothing changed or the cluster is new."""
     init_folder(data)
-    if (data / "PG_VERSION").exists():
-        return False
+    made = not (data / "PG_VERSION").exists()
+    if made:
+        # initdb takes the superuser's password only from a file the server's account can
+        # read; instead the cluster is locked below, before its server first starts, so
+        # `trust` never lets a connection in.
+        done = subprocess.run(
+            [
+                bin("initdb"),
+                "-D",
+                str(data),
+                "--auth=trust",
+                f"--username={PG_USER}",
+                "--encoding=UTF8",
+                "--no-instructions",
+            ],
+            capture_output=True,
+            text=True,
+            cwd=data,
+            **run_as(),
+        )
+        if done.returncode != 0:
+            raise PostgresFailed(f"initdb failed ({done.returncode}): {done.stderr.strip()[-800:]}")
+    return _lock(data, passwords=passwords, made=made)
+
+
+def _lock(data: Path, *, passwords: pgauth.Passwords, made: bool) -> str | None:
+    known, ours = passwords.known(PG_USER), pgauth.hba_is_ours(data)
+    if known and ours:
+        return None
+    trusted = pgauth.trusting(data)
+    _single_user(data, f"ALTER ROLE {PG_USER} PASSWORD '{pgauth.verifier(passwords.of(PG_USER))}'")
+    pgauth.write_hba(data)
+    if made:
+        return None
+    if trusted:
+        return (
+            f"PostgreSQL in {data} let every local connection in without a password (a "
+            f"folder of an older mesh): converted to passwords only (scram-sha-256), the "
+            f"passwords in {passwords.folder}"
+        )
+    if not known:
+        return (
+            f"PostgreSQL in {data}: its superuser's password file "
+            f"{passwords.file(PG_USER)} was missing; a new password is set"
+        )
+    return f"PostgreSQL in {data}: pg_hba.conf was not mesh's; written again (passwords only)"
+
+
+def _single_user(data: Path, sql: str) -> None:
+    """Run one statement in single-user mode: the server not running, no connection at all."""
     done = subprocess.run(
-        [
-            bin("initdb"),
-            "-D",
-            str(data),
-            "--auth=trust",
-            f"--username={PG_USER}",
-            "--encoding=UTF8",
-            "--no-instructions",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=data,
-        **run_as(),
-    )
-    if done.returncode != 0:
-        raise PostgresFailed(f"initdb failed ({done.returncode}): {done.stderr.strip()[-800:]}")
-    return True
+        [bin("postgres"), "--single", "-D", str(data), PG_USER],
+        input=sql + "\n", capture_output=True, text=True, cwd=data, **run_as(),
+    )  # fmt: skip
+    # It exits 0 after a failed statement: its log lines say. Never the STATEMENT line, which
+    # holds the verifier.
+    failed = [
+        line for line in done.stderr.splitlines()
+        if re.search(r"\b(ERROR|FATAL|PANIC):", line)
+    ]  # fmt: skip
+    if done.returncode != 0 or failed:
+        said = "; ".join(failed) or f"exit code {done.returncode}"
+        raise PostgresFailed(f"setting the superuser's password in {data} failed: {said}")
 
 
 def argv(data: Path, *, port: int, settings: tuple[str, ...] = ()) -> list[str]:
@@ -128,27 +183,40 @@ def argv(data: Path, *, port: int, settings: tuple[str, ...] = ()) -> list[str]:
     ]
 
 
-def url(port: int, database: str = "postgres") -> str:
-    return f"postgresql://{PG_USER}@127.0.0.1:{port}/{database}"
+def url(port: int, database: str = "postgres", *, password: str, user: str = PG_USER) -> str:
+    return f"postgresql://{_userinfo(user, password)}@127.0.0.1:{port}/{database}"
 
 
-def multi_host_url(ports: list[int], database: str) -> str:
+def multi_host_url(ports: list[int], database: str, *, user: str, password: str) -> str:
     """Every server, in order; a session is kept only on the one that takes writes."""
     servers = ",".join(f"127.0.0.1:{port}" for port in ports)
-    return f"postgresql://{PG_USER}@{servers}/{database}?target_session_attrs=read-write"
+    return (
+        f"postgresql://{_userinfo(user, password)}@{servers}/{database}"
+        "?target_session_attrs=read-write"
+    )
 
 
-async def wait_ready(port: int, *, deadline: float, alive: Callable[[], bool]) -> None:
-    """Poll until the server accepts connections, or raise if it exits or the deadline passes."""
+def _userinfo(user: str, password: str) -> str:
+    quote = urllib.parse.quote
+    return f"{quote(user, safe='')}:{quote(password, safe='')}"
+
+
+async def wait_ready(
+    port: int, *, password: str, deadline: float, alive: Callable[[], bool]
+) -> None:
+    """Poll until the server accepts the superuser, or raise if it exits, refuses the password
+    or the deadline passes."""
     last: Exception | None = None
     with anyio.move_on_after(deadline) as scope:
         while True:
             if not alive():
                 raise PostgresFailed("postgres exited while starting")
             try:
-                conn = await asyncpg.connect(url(port), timeout=2)
+                conn = await asyncpg.connect(url(port, password=password), timeout=2)
                 await conn.close()
                 return
+            except asyncpg.InvalidAuthorizationSpecificationError as e:
+                raise PostgresFailed(f"postgres refused the superuser's password: {e}") from None
             except (OSError, asyncpg.PostgresError, TimeoutError) as e:
                 last = e
             await anyio.sleep(0.1)
@@ -156,70 +224,107 @@ async def wait_ready(port: int, *, deadline: float, alive: Callable[[], bool]) -
         raise PostgresFailed(f"postgres did not accept connections within {deadline:g}s: {last}")
 
 
-async def ensure_database(port: int, name: str) -> None:
-    check_name(name, field="database")  # it is interpolated below: no quotes, no dots
-    conn = await asyncpg.connect(url(port), timeout=5, server_settings=_LOCAL_COMMIT)
+async def ensure_store(
+    port: int, *, database: str, passwords: pgauth.Passwords, replication: bool = False
+) -> None:
+    """The controllers' role with its password, the database it owns (and everything in its
+    schema, which a cluster of an older mesh had the superuser own), and with `replication`
+    the standby's role with its password. Every password is set again: a file is the truth."""
+    check_name(database, field="database")  # it is interpolated below: no quotes, no dots
+    superuser = passwords.of(PG_USER)
+    conn = await asyncpg.connect(
+        url(port, password=superuser), timeout=5, server_settings=_LOCAL_COMMIT
+    )
     try:
-        exists = await conn.fetchval("SELECT 1 FROM pg_database WHERE datname = $1", name)
-        if not exists:
-            await conn.execute(f'CREATE DATABASE "{name}"')
+        await _ensure_role(
+            conn, CONTROLLER_USER, passwords.of(CONTROLLER_USER),
+            "LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS",
+        )  # fmt: skip
+        # pg_stat_replication's state columns: whether the standby is synchronous.
+        await conn.execute(f'GRANT pg_read_all_stats TO "{CONTROLLER_USER}"')
+        if replication:
+            await _ensure_role(
+                conn, REPLICATION_USER, passwords.of(REPLICATION_USER),
+                "LOGIN REPLICATION NOSUPERUSER NOCREATEDB NOCREATEROLE NOBYPASSRLS",
+            )  # fmt: skip
+        owner = await conn.fetchval(
+            "SELECT pg_get_userbyid(datdba) FROM pg_database WHERE datname = $1", database
+        )
+        if owner is None:
+            await conn.execute(f'CREATE DATABASE "{database}" OWNER "{CONTROLLER_USER}"')
+        elif owner != CONTROLLER_USER:
+            await conn.execute(f'ALTER DATABASE "{database}" OWNER TO "{CONTROLLER_USER}"')
+    finally:
+        await conn.close()
+    conn = await asyncpg.connect(
+        url(port, database, password=superuser), timeout=5, server_settings=_LOCAL_COMMIT
+    )
+    try:
+        await _hand_over(conn, CONTROLLER_USER)
     finally:
         await conn.close()
 
 
+async def _ensure_role(conn: asyncpg.Connection, role: str, password: str, rights: str) -> None:
+    verifier = pgauth.verifier(password)  # base64 and `$:`: nothing to escape in quotes
+    exists = await conn.fetchval("SELECT 1 FROM pg_roles WHERE rolname = $1", role)
+    verb = "ALTER" if exists else "CREATE"
+    await conn.execute(f"{verb} ROLE \"{role}\" WITH {rights} PASSWORD '{verifier}'")
+
+
+# Relations of the schema that another role owns; a sequence that belongs to a column moves
+# with its table.
+_NOT_OWNED = """
+SELECT format('ALTER %s public.%I OWNER TO %I',
+              CASE c.relkind WHEN 'S' THEN 'SEQUENCE' ELSE 'TABLE' END, c.relname, $1::text)
+FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+WHERE n.nspname = 'public' AND c.relkind IN ('r', 'p', 'v', 'm', 'f', 'S')
+  AND pg_get_userbyid(c.relowner) <> $1
+  AND NOT EXISTS (SELECT 1 FROM pg_depend d WHERE d.classid = 'pg_class'::regclass
+                  AND d.objid = c.oid AND d.deptype IN ('a', 'i'))
+"""
+
+
+async def _hand_over(conn: asyncpg.Connection, role: str) -> None:
+    """The schema's tables to `role`: migrations an older mesh ran as the superuser made them
+    the superuser's, and the controllers could not use them."""
+    statements = [row[0] for row in await conn.fetch(_NOT_OWNED, role)]
+    async with conn.transaction():
+        for statement in statements:
+            await conn.execute(statement)
+
+
 async def start(
-    data: Path, *, log: Path, database: str, detached: bool = False,
+    data: Path, *, log: Path, database: str, passwords: pgauth.Passwords, detached: bool = False,
     settings: tuple[str, ...] = (),
 ) -> tuple[Child, str]:  # fmt: skip
-    """Initialise `data` if it is new, run the server on a free local port, wait until it
-    answers and create `database`. Returns the running child and the database's URL.
+    """Initialise and lock `data` (`init`), run the server on a free local port, wait until it
+    answers and set up `database` for the controllers (`ensure_store`). Returns the running
+    child and the controllers' URL (with their role's password).
     With `settings=PRIMARY`, the server is ready to stream to a standby (`start_standby`)."""
-    await anyio.to_thread.run_sync(init, data)
-    if settings:
-        allow_replication(data)
+    await anyio.to_thread.run_sync(lambda: init(data, passwords=passwords))
     port = free_port()
     child = await spawn(
         "postgres", argv(data, port=port, settings=settings), log=log, cwd=data,
         detached=detached, **run_as(),
     )  # fmt: skip
     try:
-        await wait_ready(port, deadline=30, alive=lambda: child.running)
-        await ensure_database(port, database)
-        if settings:
-            await ensure_replication_user(port)
+        await wait_ready(port, password=passwords.of(PG_USER), deadline=30,
+                         alive=lambda: child.running)  # fmt: skip
+        await ensure_store(port, database=database, passwords=passwords, replication=bool(settings))
     except (PostgresFailed, OSError, asyncpg.PostgresError) as e:
         await child.stop(sig=signal.SIGINT)
         raise PostgresFailed(f"{e}; last lines of {child.log}:\n{child.tail()}") from None
-    return child, url(port, database)
+    return child, url(port, database, user=CONTROLLER_USER, password=passwords.of(CONTROLLER_USER))
 
 
 # --- a synchronous streaming standby ------------------------------------------------------------
 
-_HBA_LINE = f"host replication {REPLICATION_USER} 127.0.0.1/32 trust"
 
-
-def allow_replication(data: Path) -> None:
-    """The primary's pg_hba.conf lets the replication user stream from this machine (before
-    its default lines: the first line that matches decides)."""
-    hba = data / "pg_hba.conf"
-    lines = hba.read_text().splitlines()
-    if _HBA_LINE not in lines:
-        hba.write_text("\n".join([_HBA_LINE, *lines]) + "\n")
-
-
-async def ensure_replication_user(port: int) -> None:
-    conn = await asyncpg.connect(url(port), timeout=5, server_settings=_LOCAL_COMMIT)
-    try:
-        exists = await conn.fetchval("SELECT 1 FROM pg_roles WHERE rolname = $1", REPLICATION_USER)
-        if not exists:
-            await conn.execute(f'CREATE ROLE "{REPLICATION_USER}" WITH REPLICATION LOGIN')
-    finally:
-        await conn.close()
-
-
-def base_backup(data: Path, *, primary_port: int) -> bool:
+def base_backup(data: Path, *, primary_port: int, password: str) -> bool:
     """Copy the primary into `data` as a standby (`pg_basebackup -R`: standby.signal and the
-    connection to the primary) unless it holds a cluster already; True if copied now."""
+    connection to the primary) unless it holds a cluster already; True if copied now.
+    `password` is the replication role's."""
     if (data / "PG_VERSION").exists():
         if not (data / "standby.signal").exists():
             raise PostgresFailed(
@@ -241,6 +346,7 @@ def base_backup(data: Path, *, primary_port: int) -> bool:
             "--no-password",
         ],
         capture_output=True, text=True, cwd=data, **run_as(),
+        env={**os.environ, "PGPASSWORD": password},  # its environment is its own account's
     )  # fmt: skip
     if done.returncode != 0:
         raise PostgresFailed(
@@ -259,31 +365,45 @@ def init_folder(data: Path) -> None:
         _grant_access(data, account)
 
 
-def standby_settings(*, primary_port: int, name: str = STANDBY_NAME) -> tuple[str, ...]:
+def standby_settings(
+    *, primary_port: int, name: str = STANDBY_NAME, passfile: Path | None = None
+) -> tuple[str, ...]:
     """On the standby's command line: the primary's port changes from one start to the next,
-    so the connection pg_basebackup wrote is overridden with today's."""
+    so the connection pg_basebackup wrote is overridden with today's. The replication role's
+    password comes from `passfile` (`pgauth.passfile`), never from the command line."""
     conninfo = f"host=127.0.0.1 port={primary_port} user={REPLICATION_USER} application_name={name}"
+    if passfile is not None:
+        conninfo += f" passfile={pgauth.conninfo_value(str(passfile))}"
     # A promotion that comes just after the stream broke waits out the retry interval (5 s by
     # default) before it ends recovery: keep that short.
     return (f"primary_conninfo={conninfo}", "hot_standby=on", "wal_retrieve_retry_interval=200ms")
 
 
 async def start_standby(
-    data: Path, *, primary_port: int, log: Path, detached: bool = False,
-    name: str = STANDBY_NAME,
+    data: Path, *, primary_port: int, log: Path, passwords: pgauth.Passwords,
+    detached: bool = False, name: str = STANDBY_NAME, port: int | None = None,
 ) -> tuple[Child, int]:  # fmt: skip
     """Copy the primary into `data` if it is new (`base_backup`), run it as a hot standby
-    streaming from the primary on a free local port, and wait until it answers (read-only).
-    Returns the running child and its port; `wait_synchronous` waits for the streaming."""
-    await anyio.to_thread.run_sync(lambda: base_backup(data, primary_port=primary_port))
-    port = free_port()
-    settings = standby_settings(primary_port=primary_port, name=name)
+    streaming from the primary on `port` (a free local one if None), and wait until it
+    answers (read-only). Returns the running child and its port; `wait_synchronous` waits for
+    the streaming."""
+    password = passwords.of(REPLICATION_USER)
+    await anyio.to_thread.run_sync(
+        lambda: base_backup(data, primary_port=primary_port, password=password)
+    )
+    # A standby an older mesh copied carries its primary's pg_hba.conf of then (`trust`).
+    pgauth.write_hba(data)
+    pgauth.write_passfile(pgauth.passfile(data), password, owner=os_account())
+    port = port or free_port()
+    settings = standby_settings(primary_port=primary_port, name=name,
+                                passfile=pgauth.passfile(data))  # fmt: skip
     child = await spawn(
         "postgres-standby", argv(data, port=port, settings=settings), log=log, cwd=data,
         detached=detached, **run_as(),
     )  # fmt: skip
     try:
-        await wait_ready(port, deadline=60, alive=lambda: child.running)
+        await wait_ready(port, password=passwords.of(PG_USER), deadline=60,
+                         alive=lambda: child.running)  # fmt: skip
     except (PostgresFailed, OSError, asyncpg.PostgresError) as e:
         await child.stop(sig=signal.SIGINT)
         raise PostgresFailed(f"{e}; last lines of {child.log}:\n{child.tail()}") from None
@@ -291,13 +411,14 @@ async def start_standby(
 
 
 async def wait_synchronous(
-    primary_port: int, *, name: str = STANDBY_NAME, deadline: float,
+    primary_port: int, *, password: str, name: str = STANDBY_NAME, deadline: float,
     alive: Callable[[], bool] = lambda: True,
 ) -> None:  # fmt: skip
     """Poll the primary's pg_stat_replication until `name` is streaming with sync_state 'sync',
-    or raise when the deadline passes (saying what it last showed)."""
+    or raise when the deadline passes (saying what it last showed). `password`: the
+    superuser's."""
     seen: object = "no row"
-    conn = await asyncpg.connect(url(primary_port), timeout=5)
+    conn = await asyncpg.connect(url(primary_port, password=password), timeout=5)
     try:
         with anyio.move_on_after(deadline):
             while True:
