@@ -1,14 +1,17 @@
 """Following a list verb's pages (mesh/paging.py, their serving side) to one whole list, as if
-the controller had answered in one reply. Whoever asks a page (`asking.ask`, a probe, a bench's
-own request) passes it in: this only says which page comes next and how the pages join."""
+the controller had answered in one reply. `every_page` is handed how one page is asked (a
+probe's, a bench's own request) and says which page comes next and how the pages join;
+`ask_list` asks each page as `asking.ask` asks a verb."""
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import msgspec
+from nats.aio.client import Client
 
-from mesh.client.asking import VerbFailed
+from mesh import wire
+from mesh.client.asking import VerbFailed, ask
 from mesh.model import (
     PAGE_MOST,
     DiffReply,
@@ -79,3 +82,24 @@ async def every_page(
         after = page.next
     items = list(got.values())
     return msgspec.structs.replace(page, **{listing.items: items[:want], "next": None})
+
+
+async def ask_list(
+    nc: Client,
+    *,
+    url: str,
+    verb: str,
+    reply: type[T],
+    request: Any,
+    timeout: float,
+    want: int | None = None,
+    attempt: float = 1.0,
+) -> T:
+    """A list verb, every page of it (or the first `want` items) as one reply, each page asked
+    as `ask` asks a verb (retried to `timeout`, each try bounded by `attempt`)."""
+
+    async def page(body: Any) -> T:
+        return await ask(nc, url=url, verb=verb, reply=reply, timeout=timeout,
+                         body=wire.encode(body), attempt=attempt)  # fmt: skip
+
+    return await every_page(page, request, want=want)

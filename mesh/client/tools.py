@@ -11,8 +11,8 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
 from mesh import subjects, wire
-from mesh.client.asking import VerbFailed, ask
-from mesh.client.pages import every_page
+from mesh.client.asking import VerbFailed
+from mesh.client.pages import ask_list
 from mesh.model import ToolCallReply, ToolCallRequest, ToolEntry, ToolsReply, ToolsRequest
 
 CALL_TIMEOUT = 30.0  # seconds a call may take unless the caller says (the server's own caps it)
@@ -35,11 +35,10 @@ async def fleet_tools(
     """Every tool the controller knows of (one machine's), following every page (at most
     `want` of them)."""
 
-    async def page(body: ToolsRequest) -> ToolsReply:
-        return await ask(nc, url=url, verb="tools", reply=ToolsReply, timeout=timeout,
-                         body=wire.encode(body))  # fmt: skip
-
-    return (await every_page(page, ToolsRequest(machine=machine), want=want)).tools
+    request = ToolsRequest(machine=machine)
+    listed = await ask_list(nc, url=url, verb="tools", reply=ToolsReply, request=request,
+                            timeout=timeout, want=want)  # fmt: skip
+    return listed.tools
 
 
 async def call_tool(

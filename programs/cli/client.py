@@ -3,13 +3,14 @@ verb or a whole list for one command, on the library's client (mesh/client/), an
 what a command says in one line when the user's words are wrong."""
 
 import argparse
+from contextlib import nullcontext
 from typing import Any, TypeVar
 
 from nats.aio.client import Client
 
 from mesh import config, wire
 from mesh.client.asking import ask, connected
-from mesh.client.pages import every_page
+from mesh.client.pages import ask_list
 from mesh.errors import MeshError
 
 T = TypeVar("T")
@@ -53,19 +54,11 @@ async def listed(
     connection: Client | None = None,
     attempt: float = 1.0,
 ) -> T:
-    """A list verb from the command line: every page (`every_page`), on one connection (this
+    """A list verb from the command line: every page (`ask_list`), on one connection (this
     command's own, or `connection`); each page is tried as `ask` tries a verb, to --timeout."""
     url, creds = where(args)
-    timeout = getattr(args, "timeout", 5.0)
-
-    async def on(nc: Client) -> T:
-        async def page(body: Any) -> T:
-            return await ask(nc, url=url, verb=name, reply=reply, timeout=timeout,
-                             body=wire.encode(body), attempt=attempt)  # fmt: skip
-
-        return await every_page(page, request, want=want)
-
-    if connection is not None:
-        return await on(connection)
-    async with connected(url=url, creds=creds, what=name) as nc:
-        return await on(nc)
+    on = nullcontext(connection) if connection else connected(url=url, creds=creds, what=name)
+    async with on as nc:
+        return await ask_list(nc, url=url, verb=name, reply=reply, request=request,
+                              timeout=getattr(args, "timeout", 5.0), want=want,
+                              attempt=attempt)  # fmt: skip

@@ -27,7 +27,7 @@ from nats.aio.msg import Msg
 
 from mesh import bus, subjects, wire
 from mesh.client.asking import VerbFailed, ask, connected
-from mesh.client.pages import every_page
+from mesh.client.pages import ask_list
 from mesh.errors import MeshError
 from mesh.lifetime import stop_on_signals
 from mesh.model import (
@@ -200,11 +200,8 @@ class Console:
 
     async def listed(self, name: str, reply: type[T], request: Any, want: int | None = None) -> T:
         """A list verb, every page of it (or the first `want` items), as one answer."""
-
-        async def page(body: Any) -> T:
-            return await self.verb(name, reply, body)
-
-        return await every_page(page, request, want=want)
+        return await ask_list(self.nc, url=self.url, verb=name, reply=reply, request=request,
+                              timeout=ASK_WITHIN, want=want)  # fmt: skip
 
     async def _refresh(self, section: str) -> None:
         try:
