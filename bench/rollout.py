@@ -87,6 +87,7 @@ from verbs import (  # bench/verbs.py: the same pieces, started the same way
 
 from mesh import bus, wire
 from mesh.blobs import BUNDLES, DECLARATIONS
+from mesh.client.pages import every_page
 from mesh.embedded.children import Child
 from mesh.model import (
     Applied,
@@ -99,7 +100,6 @@ from mesh.model import (
     RegisterReply,
     StatusReply,
 )
-from programs.cli.client import every_page
 
 AIM = 1000.0  # machines per second through the controller (issue 5)
 FINAL = ("done", "failed", "reverted")

@@ -97,12 +97,12 @@ from nats.aio.client import Client
 from nats.aio.client import __version__ as nats_py_version
 
 from mesh import blobs, bus, subjects, wire
+from mesh.client.pages import every_page
 from mesh.embedded.children import Child, spawn, stop_agents, stop_supervised
 from mesh.meshdir import MeshDir
 from mesh.model import NodesReply, NodesRequest, PlanReply, PlanRequest
 from mesh.modules import archive
 from mesh.modules.meshsource import PACKAGES, PROJECT_FILE
-from programs.cli.client import every_page
 from services.host import bundles
 
 CHECKOUT = Path(__file__).resolve().parent.parent

@@ -6,7 +6,7 @@ module docs/examples/files pushed and assigned to node-2 with the `mesh` command
 trivial tool `echo` (`{"text": "x"}` back as one text block) called:
 
 1. through the bus: `mesh.host.node-2.tool` from one client connection with the admin's
-   credentials (programs/cli/tools.py `call_tool`, what `mesh tool call` and `mesh mcp` use):
+   credentials (mesh/client/tools.py `call_tool`, what `mesh tool call` and `mesh mcp` use):
    the client, nats-server, node-2's host (decode, bound, its MCP session) and the server;
 2. directly: the same files_server.py started here with the host's own exec driver and MCP
    client (services/host/processes.py `spawn(piped=True)`, services/host/mcpstdio.py), its stdio
@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from mesh import bus  # noqa: E402
-from programs.cli.tools import call_tool  # noqa: E402
+from mesh.client.tools import call_tool  # noqa: E402
 from services.host import processes  # noqa: E402
 from services.host.mcpstdio import Session  # noqa: E402
 

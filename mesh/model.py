@@ -378,6 +378,14 @@ class PlanTier(msgspec.Struct):
     done: int
 
 
+class PlanProgress(PlanSummary):
+    """What the holder tells on mesh.plan.<id> at every step or tier change and at the plan's
+    end: its summary and each tier's counts, so a follower shows the tiers without asking
+    `plan` (a holder from before says the summary alone: `tiers` empty)."""
+
+    tiers: list[PlanTier] = msgspec.field(default_factory=list)
+
+
 class PlanBuild(msgspec.Struct):
     bundle: str
     digest: str

@@ -23,8 +23,8 @@ A new list verb pages in four steps: its request takes `after: Cursor | None` an
 (checked by mesh.model.check_limit in `__post_init__`, with `omit_defaults`), its reply `next`
 and `total`; its handler reads `after(req.after, verb=..., shape=...)`, starts there and
 returns `fill(...)`'s items and `next`, with `room(budget, the reply without items)`; its Verb
-says `too_large=HINT`; and programs/cli/client.py's LISTINGS names its items' field and key,
-so `every_page` (the command line, the console) follows it.
+says `too_large=HINT`; and mesh/client/pages.py's LISTINGS names its items' field and key,
+so `every_page` (the command line, the console, dev up, the benches) follows it.
 """
 
 import base64

@@ -27,6 +27,8 @@ from nats.aio.client import Client
 
 from mesh import bus, metrics, subjects, wire
 from mesh.auth import registry, tls
+from mesh.client.asking import probing
+from mesh.client.pages import every_page
 from mesh.embedded import natsd, pgauth, ports, postgres
 from mesh.embedded.children import (
     Child,
@@ -40,7 +42,6 @@ from mesh.lifetime import stop_on_signals
 from mesh.meshdir import MeshDir
 from mesh.model import NodesReply, NodesRequest, StatusReply
 from mesh.paths import write_private
-from programs.cli.client import every_page, probing
 from programs.placement import place_new
 from services.host import successor
 

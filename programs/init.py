@@ -31,13 +31,13 @@ import anyio.to_thread
 import services.controller
 from mesh import bus, subjects, wire
 from mesh.auth import registry
+from mesh.client.asking import VerbFailed
 from mesh.embedded import pgauth, postgres
 from mesh.embedded.children import Child, spawn, stop_supervised
 from mesh.model import StatusReply
 from mesh.names import check_name
 from mesh.store import db
 from mesh.store.migrate import migrate
-from programs.cli.client import CliError
 from programs.dev_up import DevError, DevMesh, DirLock, _nats_answers, check_nats, say
 from programs.placement import place
 from programs.units import Unit, UnitError, main_pid, of_mesh, shown, systemctl, systemd_runs
@@ -255,7 +255,7 @@ async def _place(mesh: DevMesh, name: str) -> None:
     try:
         await place(nc, url=mesh.nats_url, machine=name, tier=0,
                     labels={"builder": "true", **CONTROL}, timeout=30)  # fmt: skip
-    except CliError as e:
+    except VerbFailed as e:
         raise DevError(f"placing {name}: {e}") from None
     finally:
         await nc.close()

@@ -11,6 +11,8 @@ import anyio
 from nats.aio.client import Client
 
 from mesh import bus, wire
+from mesh.client.asking import VerbFailed, ask, probing
+from mesh.client.pages import every_page
 from mesh.errors import MeshError
 from mesh.model import (
     LabelReply,
@@ -20,7 +22,6 @@ from mesh.model import (
     TierReply,
     TierRequest,
 )
-from programs.cli.client import CliError, ask, every_page, probing
 
 
 class NotPlaced(MeshError):
@@ -89,7 +90,7 @@ async def place_new(
         try:
             tier, labels = await place(nc, url=url, machine=name, tier=tier_of(i),
                                        labels=labels_of(i), timeout=30)  # fmt: skip
-        except CliError as e:
+        except VerbFailed as e:
             raise NotPlaced(f"placing {name}: {e}") from None
         shown = ", ".join(f"{k}={v}" for k, v in labels.items()) or "none"
         placed.append(f"machine {name} placed: tier {tier}, labels {shown}")

@@ -2,9 +2,10 @@
 whole `mesh dev up`, whose console runs with the viewer's credentials. What a person sees: the
 three machines; a plan rolling out tier 0, then 1, then 2 while the page stays open (never
 reloaded); a machine's processes and its log, followed; the seat handed over; a machine going
-down. A screenshot of each state is kept in the test's folder (the paths are printed). Around
-it, what needs no browser: the listen address, no bus, a port in use, the Host check, the
-headers, bad names and numbers in URLs, and what a viewer may hear on the bus."""
+down, and when it was last heard from on a page opened after. A screenshot of each state is
+kept in the test's folder (the paths are printed). Around it, what needs no browser: the listen
+address, no bus, a port in use, the Host check, the headers, bad names and numbers in URLs, and
+what a viewer may hear on the bus."""
 
 import os
 import re
@@ -271,6 +272,13 @@ def test_the_console_in_a_browser(tmp_path: Path) -> None:
                 )
                 shot("node-3-down")
                 assert page.evaluate("window.notReloaded") is True
+
+                # 6. A page opened now says when each machine was last heard from before any
+                # beat reaches it: node-3 sends none, so only `nodes`' last_seen can say it.
+                page.reload()
+                expect(row("node-3").locator(".state")).to_have_text("down")
+                expect(row("node-3").locator(".beat")).to_have_text(re.compile(r"^\d+s ago$"))
+                shot("node-3-last-seen")
                 assert errors == [], errors
             finally:
                 browser.close()

@@ -21,6 +21,8 @@ import pytest
 from helpers import ask, await_until, mesh_cli, ok
 
 from mesh import paging, wire
+from mesh.client.asking import VerbFailed
+from mesh.client.pages import every_page
 from mesh.model import (
     PAGE_LIMIT,
     LogsReply,
@@ -33,7 +35,6 @@ from mesh.model import (
     NodesRequest,
 )
 from mesh.store.migrate import migrate
-from programs.cli.client import CliError, every_page
 from services.host import verbs as host_verbs
 
 MiB = 1024 * 1024
@@ -175,7 +176,7 @@ async def test_a_cursor_that_does_not_move_stops_the_client() -> None:
     async def stuck(req: NodesRequest) -> NodesReply:
         return NodesReply(nodes=[_node("m", 0)], next=paging.cursor("nodes", (0, "m")))
 
-    with pytest.raises(CliError, match="the same page twice"):
+    with pytest.raises(VerbFailed, match="the same page twice"):
         await every_page(stuck, NodesRequest())
 
 

@@ -1,5 +1,6 @@
 """Plans end to end: tiers in order, the first failure stops and reverts, a down machine fails at
-the deadline, a killed controller's plan is finished by the next holder, plans queue.
+the deadline, a killed controller's plan is finished by the next holder, plans queue, `--wait`
+shows the progress the holder tells and asks `plan` only a few times, across a handover too.
 
 Real controllers, hosts, NATS and PostgreSQL. A module's health check here is a small script
 that looks for a marker file in its host's root, so a test decides when (and on which machine)
@@ -9,14 +10,20 @@ a version becomes healthy or never does, without sleeping.
 import itertools
 import json
 import os
+import re
 import signal
 import subprocess
+from collections.abc import Awaitable, Callable
 from datetime import datetime
 from pathlib import Path
 
+import httpx
 import pytest
 from helpers import MESH, ask, await_until
 from nats.errors import TimeoutError as NatsTimeout
+from prometheus_client.parser import text_string_to_metric_families
+
+from mesh.embedded import ports
 
 CHECK = """\
 import os, sys
@@ -81,9 +88,35 @@ def assert_tier_order(plan: dict) -> None:
 
 
 @pytest.fixture
-async def three(nc, start_controller, start_host, tmp_path):
+def scraped() -> dict[str, int]:
+    """Each controller's metrics port (`three` starts them with --metrics)."""
+    return {name: ports.free_port() for name in ("ctl-a", "ctl-b")}
+
+
+async def plan_asks(scraped: dict[str, int]) -> int:
+    """`plan` requests both controllers answered, from their metrics: a count that, unlike
+    $SRV.STATS (a standby lists no endpoints), outlives a handover."""
+
+    async def scrape() -> list[float] | None:
+        texts = []
+        try:
+            async with httpx.AsyncClient(timeout=5) as client:
+                for port in scraped.values():
+                    texts.append((await client.get(f"http://127.0.0.1:{port}/metrics")).text)
+        except httpx.HTTPError:  # a controller's endpoint comes a moment after it starts
+            return None
+        families = [f for text in texts for f in text_string_to_metric_families(text)]
+        samples = [s for f in families for s in f.samples if s.name == "mesh_verb_requests_total"]
+        return [sum(s.value for s in samples if s.labels["verb"] == "plan")]
+
+    [asked] = await await_until(scrape, within=30, what="the controllers' metrics")
+    return int(asked)
+
+
+@pytest.fixture
+async def three(nc, start_controller, start_host, tmp_path, scraped):
     """Two controllers (ctl-a holds the seat) and node-1..3 in tiers 0, 1, 2; the hosts' roots."""
-    start_controller("ctl-a")
+    start_controller("ctl-a", "--metrics", str(scraped["ctl-a"]))
     for i in range(3):
         start_host(f"node-{i + 1}", "--tier", str(i))
 
@@ -92,7 +125,13 @@ async def three(nc, start_controller, start_host, tmp_path):
         return s if s and s["nodes"]["up"] == 3 else None
 
     await await_until(up, within=30, what="three hosts up")
-    start_controller("ctl-b")
+    start_controller("ctl-b", "--metrics", str(scraped["ctl-b"]))
+
+    async def standby():
+        s = await ask(nc, "mesh.ctl.status")
+        return s if s and [b["instance"] for b in s["standbys"]] == ["ctl-b"] else None
+
+    await await_until(standby, within=30, what="ctl-b standing by")
     return tmp_path / "hosts"
 
 
@@ -239,3 +278,87 @@ async def test_a_later_plan_waits_for_the_one_rolling(three, nc, nats_url, tmp_p
     a, b = await both()
     assert a["state"] == "done"
     assert when(a["finished"]) <= when(b["started"])
+
+
+# --- following a plan: what the holder tells, `plan` asked a few times -------------------------
+
+
+def waiting(nats_url: str, folder: Path, out: Path) -> subprocess.Popen:
+    """`mesh push FOLDER --wait` as a pipe sees it (a line per change), writing to `out`."""
+    with out.open("w") as sink:
+        return subprocess.Popen(
+            [*MESH, "push", str(folder), "--wait", "--nats-url", nats_url, "--timeout", "60"],
+            stdout=sink, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+
+
+async def said(out: Path, line: str) -> bool:
+    return line in out.read_text().splitlines()
+
+
+async def ended(proc: subprocess.Popen) -> bool:
+    return proc.poll() is not None
+
+
+async def followed(
+    three: Path, nats_url: str, scraped: dict[str, int], folder: Path,
+    hold: Callable[[], Awaitable[None]],
+) -> tuple[list[str], int]:  # fmt: skip
+    """`push --wait` of a plan whose tier 1 waits while `hold()` runs (tier 0 told done
+    first): what it printed, and how many times it asked `plan`. It ends 0, the plan done."""
+    (three / "node-1" / "go").write_text("")
+    before = await plan_asks(scraped)
+    out = folder / "wait.out"
+    follower = waiting(nats_url, module(folder / "m", marker="go"), out)
+    try:
+        await await_until(lambda: said(out, "  tier 0 done: 1 of 1 machine(s) done"), within=60,
+                          what="tier 0 told done")  # fmt: skip
+        await hold()
+        (three / "node-2" / "go").write_text("")
+        (three / "node-3" / "go").write_text("")
+        await await_until(lambda: ended(follower), within=60, what="push --wait to end")
+    finally:
+        follower.kill()
+        _, err = follower.communicate(timeout=10)
+    assert follower.returncode == 0, err
+    shown = out.read_text().splitlines()
+    assert re.fullmatch(r"plan \d+ done: 3 machine\(s\) in [\d.]+s", shown[-1]), shown
+    return shown, await plan_asks(scraped) - before
+
+
+async def test_wait_shows_the_told_progress_and_asks_plan_a_few_times(
+    three, nc, nats_url, scraped, tmp_path
+) -> None:
+    """Tier 1 is held for six of node-2's beats (about six seconds, with nothing to tell): the
+    follower asks `plan` at the start, once per quiet while and at the end, and shows every
+    tier as the holder tells it. Asking twice a second, as it did, cost a dozen asks or more."""
+
+    async def six_beats() -> None:
+        beats = await nc.subscribe("mesh.host.node-2.beat")
+        for _ in range(6):
+            await beats.next_msg(timeout=10)
+        await beats.unsubscribe()
+
+    shown, asks = await followed(three, nats_url, scraped, tmp_path, six_beats)
+    assert 2 <= asks <= 5, asks
+    for tier in (1, 2):
+        assert f"  tier {tier} done: 1 of 1 machine(s) done" in shown, shown
+
+
+async def test_wait_follows_a_plan_across_a_handover(three, nc, nats_url, scraped, tmp_path):
+    """`mesh handover` while tier 1 waits: the follower hears the new holder's `held`, asks it,
+    and shows the rest as ctl-b tells it; `--wait` ends 0 with the plan done, having asked
+    `plan` a few times."""
+
+    async def handed_over() -> None:
+        ok(mesh(nats_url, "handover", "--json"))
+
+        async def ctl_b_holds():
+            s = await ask(nc, "mesh.ctl.status")
+            return s if s and s["seat"] and s["seat"]["holder"] == "ctl-b" else None
+
+        await await_until(ctl_b_holds, within=30, what="ctl-b to hold the seat")
+
+    shown, asks = await followed(three, nats_url, scraped, tmp_path, handed_over)
+    assert "  tier 2 done: 1 of 1 machine(s) done" in shown, shown  # told by ctl-b
+    assert 2 <= asks <= 5, asks

@@ -243,6 +243,22 @@ def test_prepare_skips_machines_with_nothing_to_change_and_takes_their_tier_now(
     )  # fmt: skip
 
 
+def test_each_tier_is_told_as_plan_shows_it() -> None:
+    """The progress the holder tells counts the tiers as `plan` does from the store: done and
+    skipped steps are done; a failed step fails its tier, a reverted one reverts it."""
+    steps = [
+        step("a", tier=0, state="done"), step("b", tier=0, state="skipped"),
+        step("c", tier=1, state="done"), step("d", tier=1, state="applying"),
+        step("e", tier=2), step("f", tier=3, state="failed"), step("g", tier=4, state="done"),
+    ]  # fmt: skip
+    steps[-1].reverted = True
+    shown = [rollout.tier_shown(t) for t in rollout.tier_counts(steps)]
+    assert [(t.tier, t.state, t.done, t.total) for t in shown] == [
+        (0, "done", 2, 2), (1, "rolling", 1, 2), (2, "pending", 0, 1), (3, "failed", 0, 1),
+        (4, "reverted", 1, 1),
+    ]  # fmt: skip
+
+
 def test_a_trial_report_keeps_its_wire_shape() -> None:
     # Only a trial says so: every other report's JSON is as before the field existed.
     plain = msgspec.json.encode(ProcessState("hello", "running", True, 1))

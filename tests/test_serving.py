@@ -23,8 +23,8 @@ from nats.aio.client import Client
 from nats.errors import TimeoutError as NatsTimeout
 
 from mesh import bus, paging, subjects, wire
+from mesh.client import asking
 from mesh.model import SeatAnnounce
-from programs.cli import client
 from services.controller import handover, planner, standbys
 from services.controller.verbs import SLOW_IN_FLIGHT
 
@@ -288,7 +288,7 @@ async def test_the_command_line_retries_busy_until_its_deadline(nc, nats_url) ->
 
     sub = await nc.subscribe("mesh.ctl.plans", cb=on)
     await nc.flush()
-    got = await client.ask(nc, url=nats_url, verb="plans", reply=dict, timeout=5)
+    got = await asking.ask(nc, url=nats_url, verb="plans", reply=dict, timeout=5)
     assert (got, asked) == ({"n": 1}, 3)
     await sub.unsubscribe()
 
@@ -298,8 +298,8 @@ async def test_the_command_line_retries_busy_until_its_deadline(nc, nats_url) ->
     await nc.subscribe("mesh.ctl.modules", cb=always_busy)
     await nc.flush()
     started = time.monotonic()
-    with pytest.raises(client.CliError, match="modules: the controller is busy"):
-        await client.ask(nc, url=nats_url, verb="modules", reply=dict, timeout=1.5)
+    with pytest.raises(asking.VerbFailed, match="modules: the controller is busy"):
+        await asking.ask(nc, url=nats_url, verb="modules", reply=dict, timeout=1.5)
     assert 1.0 < time.monotonic() - started < 3.0
 
 

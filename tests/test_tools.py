@@ -22,8 +22,8 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
 from mesh import bus, subjects
+from mesh.client.tools import ToolCallFailed, call_tool
 from mesh.embedded import ports
-from programs.cli.tools import ToolCallFailed, call_tool
 
 EXAMPLE = Path(__file__).parent.parent / "docs" / "examples" / "files"
 CONTRACT = {"machine", "server", "name", "description", "input_schema"}

@@ -9,9 +9,10 @@ from typing import Any
 import anyio
 
 from mesh import bus, subjects, wire
+from mesh.client.asking import connected
 from mesh.model import LogsReply, LogsRequest
 from mesh.names import check_name
-from programs.cli.client import CliError, connected, where
+from programs.cli.client import CliError, where
 
 # How long a follower's request may wait at the host for new output: the host answers the
 # moment there is some, so `-f` asks once per chunk of output, and once per this while idle.

@@ -17,11 +17,12 @@ import msgspec
 from mesh import config
 from mesh.auth import creds as credentials
 from mesh.auth import registry, server
+from mesh.client.asking import connected
 from mesh.meshdir import DEFAULT_DIR, MeshDir
 from mesh.model import LabelReply, LabelRequest
 from mesh.names import InvalidName, check_name
 from programs.cli.args import Parser, label, tier
-from programs.cli.client import CliError, connected, verb, where
+from programs.cli.client import CliError, verb, where
 from programs.cli.output import console, print_json
 from programs.placement import place, place_new
 from programs.units import host_unit, render

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from mesh import blobs
+from mesh.client.asking import ask, connected
 from mesh.model import (
     MACHINES_NAMED,
     AssignRequest,
@@ -30,7 +31,7 @@ from mesh.modules.load import load
 from mesh.wire import encode
 from programs.cli import plans, render
 from programs.cli.args import LIMIT_HELP, Parser, count, label, tier
-from programs.cli.client import CHANGE_TIMEOUT, CliError, ask, connected, listed, verb, where
+from programs.cli.client import CHANGE_TIMEOUT, CliError, listed, verb, where
 from programs.cli.output import console, print_json, whole
 
 

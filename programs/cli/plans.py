@@ -1,37 +1,55 @@
 """`mesh plan [ID] [--follow]`, `mesh tier`, and following a plan after push/assign `--wait`.
 
-Following polls the `plan` verb (twice a second) and shows each tier's progress: machines done
-of total, the steps in progress and how long they have taken. It outlives a controller handover:
-each poll is retried over "no responders" up to its own deadline. It exits 0 when the plan is
-done and 1, naming the machine and the reason, when it fails or is reverted.
+Following shows the plan's progress as its holder tells it (mesh/client/progress.py: the plan's
+summary and each tier's counts on mesh.plan.<id>; `plan` asked at the start and the end, after a
+quiet while and when the seat changes hands): machines done of all, each tier's, and, from what
+`plan` answered, the steps in progress and how long they have taken. It outlives a controller
+handover and a takeover. It exits 0 when the plan is done and 1, naming the machine and the
+reason, when it fails or is reverted.
 """
 
 import argparse
 import sys
-import time
 from datetime import UTC, datetime
 from typing import Any
 
-import anyio
 import msgspec
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    ProgressColumn,
+    Task,
+    TaskID,
+    TextColumn,
+)
 from rich.table import Table
+from rich.text import Text
 
-from mesh.model import PlanReply, PlanRequest, PlansReply, PlansRequest, TierReply, TierRequest
+from mesh.client.asking import connected
+from mesh.client.progress import ASK_WITHIN, FINAL, follow_plan
+from mesh.model import (
+    PlanProgress,
+    PlanReply,
+    PlanRequest,
+    PlansReply,
+    PlansRequest,
+    PlanStep,
+    PlanTier,
+    TierReply,
+    TierRequest,
+)
 from programs.cli import render as tables
-from programs.cli.client import CliError, listed, verb
+from programs.cli.client import CliError, listed, verb, where
 from programs.cli.output import console, more, print_json, whole
 
-FINAL = ("done", "failed", "reverted")
-POLL_EVERY = 0.5
-POLL_TIMEOUT = 30.0  # one poll, across a handover or a takeover
 PLANS_LISTED = 20  # `mesh plan` without --limit: the newest 20
 
 
 async def _plan(args: argparse.Namespace, plan_id: int, *, want: int | None = None) -> PlanReply:
     """The plan with its steps (every page of them; the first `want`)."""
-    args.timeout = max(getattr(args, "timeout", 5.0), POLL_TIMEOUT)
+    args.timeout = max(getattr(args, "timeout", 5.0), ASK_WITHIN)
     return await listed(args, "plan", PlanReply, PlanRequest(id=plan_id), want=want)
 
 
@@ -82,12 +100,13 @@ def _listing(out: Console, r: PlansReply, *, want: int | None) -> None:
     more(out, shown=len(r.plans), total=r.total, want=want, what="plan")
 
 
-def _tier_line(p: PlanReply, tier: int) -> str:
-    mine = [s for s in p.steps if s.tier == tier]
+def _tier_line(t: PlanTier, steps: list[PlanStep]) -> str:
+    """A tier's line: its state, and from `steps` (what `plan` answered last; none when only
+    told) the machines applying, with how long, or the first that failed."""
+    mine = [s for s in steps if s.tier == t.tier]
     busy = [s for s in mine if s.state == "applying"]
     failed = [s for s in mine if s.state == "failed"]
-    state = next((t.state for t in p.tiers if t.tier == tier), "pending")
-    text = f"tier {tier} {state}"
+    text = f"tier {t.tier} {t.state}"
     if busy:
         shown = ", ".join(f"{s.machine} {_elapsed(s.started)}" for s in busy[:3])
         text += f": applying {shown}" + (f" (+{len(busy) - 3})" if len(busy) > 3 else "")
@@ -96,63 +115,108 @@ def _tier_line(p: PlanReply, tier: int) -> str:
     return text
 
 
+def _head(p: PlanReply | PlanProgress) -> str:
+    head = f"plan {p.id} {p.trigger} {p.subject}: {p.state}"
+    return head + (" (reverting)" if p.phase == "revert" and p.state not in FINAL else "")
+
+
 async def follow(args: argparse.Namespace, plan_id: int) -> PlanReply:
     """Show the plan's progress until it ends; the last state."""
-    out = console()
-    started = time.monotonic()
-    if args.json or not sys.stdout.isatty():
-        return await _follow_lines(args, plan_id, quiet=args.json)
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-               TextColumn("{task.fields[took]}"))  # fmt: skip
-    with Progress(*columns, console=out, transient=False) as progress:
-        tasks: dict[int, TaskID] = {}
-        header = progress.add_task(f"plan {plan_id}", total=1, took="")  # all machines
-        while True:
-            p = await _plan(args, plan_id)
-            took = f"{time.monotonic() - started:.0f}s"
-            what = f"plan {p.id} {p.trigger} {p.subject}: {p.state}"
-            done = sum(s.state in ("done", "skipped") for s in p.steps)
-            progress.update(header, description=what + (" (reverting)" if p.phase == "revert"
-                                                        else ""), took=took,
-                            total=max(len(p.steps), 1), completed=done)  # fmt: skip
-            for t in p.tiers:
-                if t.tier not in tasks:
-                    tasks[t.tier] = progress.add_task("", total=t.total, took="")
-                progress.update(tasks[t.tier], description=_tier_line(p, t.tier), completed=t.done)
-            if p.state in FINAL:
-                return p
-            await anyio.sleep(POLL_EVERY)  # ok: polling a remote state at a fixed rate
+    url, creds = where(args)
+    timeout = max(getattr(args, "timeout", 5.0), ASK_WITHIN)
+    terminal = not args.json and sys.stdout.isatty()
+    shown = _Bars(console(), plan_id) if terminal else _Lines(quiet=args.json)
+    async with connected(url=url, creds=creds, what="plan") as nc:
+        with shown:
+            return await follow_plan(nc, url=url, plan_id=plan_id, show=shown.show,
+                                     timeout=timeout)  # fmt: skip
 
 
-async def _follow_lines(args: argparse.Namespace, plan_id: int, *, quiet: bool) -> PlanReply:
-    """Not a terminal: one line per change of a step's state (none with --json)."""
-    seen: dict[str, str] = {}
-    last_state = ""
-    while True:
-        p = await _plan(args, plan_id)
+class _Took(ProgressColumn):
+    """How long the plan has been followed, on its own line, counting as the display refreshes
+    (what the holder tells may come seconds apart)."""
+
+    def render(self, task: Task) -> Text:
+        took = task.elapsed if task.fields.get("timed") else None
+        return Text("" if took is None else f"{took:.0f}s")
+
+
+class _Bars:
+    """On a terminal: the plan's line (machines done of all) and a line per tier, redrawn with
+    each state shown."""
+
+    def __init__(self, out: Console, plan_id: int) -> None:
+        self._progress = Progress(TextColumn("{task.description}"), BarColumn(),
+                                  MofNCompleteColumn(), _Took(), console=out)  # fmt: skip
+        self._plan = self._progress.add_task(f"plan {plan_id}", total=1, timed=True)
+        self._tiers: dict[int, TaskID] = {}
+
+    def __enter__(self) -> "_Bars":
+        self._progress.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._progress.stop()
+
+    def show(self, p: PlanReply | PlanProgress) -> None:
+        if isinstance(p, PlanReply):
+            done, machines = sum(s.state in ("done", "skipped") for s in p.steps), len(p.steps)
+            steps = p.steps
+        else:
+            done, machines, steps = p.done, p.machines, []
+        self._progress.update(self._plan, description=_head(p), total=max(machines, 1),
+                              completed=done)  # fmt: skip
+        for t in p.tiers:
+            if t.tier not in self._tiers:
+                self._tiers[t.tier] = self._progress.add_task("", total=t.total)
+            self._progress.update(self._tiers[t.tier], description=_tier_line(t, steps),
+                                  total=t.total, completed=t.done)  # fmt: skip
+
+
+class _Lines:
+    """Not a terminal: a line per change (none with --json): the plan's state; each tier's count
+    as the holder tells it; each step's state as `plan` answers it."""
+
+    def __init__(self, *, quiet: bool) -> None:
+        self._quiet = quiet
+        self._said: dict[str, str] = {}  # what was last said of the plan, a tier, a machine
+
+    def __enter__(self) -> "_Lines":
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        pass
+
+    def _new(self, key: str, text: str) -> bool:
+        if self._said.get(key) == text:
+            return False
+        self._said[key] = text
+        return True
+
+    def show(self, p: PlanReply | PlanProgress) -> None:
         lines = []
-        head = f"plan {p.id} {p.trigger} {p.subject}: {p.state}"
-        if p.phase == "revert" and p.state not in FINAL:
-            head += " (reverting)"
-        if head != last_state and p.state not in FINAL:
+        head = _head(p)
+        end = p.state in FINAL
+        if not end and self._new("plan", head):
             lines.append(head)
-        for s in p.steps:
-            state = s.state + (" reverted" if s.reverted and s.state != "reverted" else "")
-            if seen.get(s.machine) != state:
-                seen[s.machine] = state
-                took = f" in {_elapsed(s.started, s.finished)}" if s.finished and s.started else ""
-                why = f": {s.error}" if s.error and s.state in ("failed", "skipped") else ""
-                lines.append(f"  tier {s.tier} {s.machine} {state}{took}{why}")
-        if head != last_state and p.state in FINAL:
+        if isinstance(p, PlanProgress):
+            for t in p.tiers:
+                text = f"  tier {t.tier} {t.state}: {t.done} of {t.total} machine(s) done"
+                if self._new(f"tier {t.tier}", text):
+                    lines.append(text)
+        else:
+            for s in p.steps:
+                state = s.state + (" reverted" if s.reverted and s.state != "reverted" else "")
+                if self._new(f"machine {s.machine}", state):
+                    ended = s.finished and s.started
+                    took = f" in {_elapsed(s.started, s.finished)}" if ended else ""
+                    why = f": {s.error}" if s.error and s.state in ("failed", "skipped") else ""
+                    lines.append(f"  tier {s.tier} {s.machine} {state}{took}{why}")
+        if end and self._new("plan", head):
             lines.append(head)  # the end after the steps that led to it
-        last_state = head
-        if not quiet:
-            for line in lines:
-                sys.stdout.write(line + "\n")
+        if not self._quiet and lines:
+            sys.stdout.write("".join(line + "\n" for line in lines))
             sys.stdout.flush()
-        if p.state in FINAL:
-            return p
-        await anyio.sleep(POLL_EVERY)  # ok: polling a remote state at a fixed rate
 
 
 def outcome(p: PlanReply) -> None:

@@ -2,41 +2,27 @@
 fleet's tools from the command line.
 
 The list comes from the controller (the `tools` verb, every page followed); a call goes to the
-machine's host directly (`mesh.host.<name>.tool`), which calls its tool server. `mesh mcp`
-(programs/mcp/) offers the same tools to an MCP client.
+machine's host directly (`mesh.host.<name>.tool`), which calls its tool server: both through
+the library's client (mesh/client/tools.py). `mesh mcp` (programs/mcp/) offers the same tools
+to an MCP client.
 """
 
 import argparse
 import json
 import sys
-import time
 from typing import Any
 
-import anyio
 import msgspec
-from nats.aio.client import Client
-from nats.errors import NoRespondersError
-from nats.errors import TimeoutError as NatsTimeout
 
-from mesh import subjects, wire
-from mesh.model import ToolCallReply, ToolCallRequest, ToolEntry, ToolsReply, ToolsRequest
+from mesh import wire
+from mesh.client.asking import connected
+from mesh.client.tools import CALL_TIMEOUT, call_tool, fleet_tools
+from mesh.model import ToolCallReply
 from mesh.names import check_name
 from programs.cli import render
 from programs.cli.args import LIMIT_HELP, Parser, count, listen
-from programs.cli.client import CliError, ask, connected, every_page, where
+from programs.cli.client import CliError, where
 from programs.cli.output import console, print_json
-
-CALL_TIMEOUT = 30.0  # seconds a call may take unless --timeout says (the server's own caps it)
-ANSWER_GRACE = 5.0  # past a call's limit, for the host's answer to come back
-NO_RESPONDERS_FOR = 2.0  # a host that is not subscribed this long is down (or reconnecting)
-
-
-class ToolCallFailed(CliError):
-    """A call with no result: `code` as the host said (not_found, unavailable, timeout, …)."""
-
-    def __init__(self, message: str, *, code: str) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 def add_parsers(verbs: Any, common: argparse.ArgumentParser) -> None:
@@ -62,70 +48,6 @@ def add_parsers(verbs: Any, common: argparse.ArgumentParser) -> None:
         "--http", type=listen, default=None, metavar="ADDR:PORT",
         help="streamable HTTP on a loopback address instead of stdio (PORT: 127.0.0.1)",
     )  # fmt: skip
-
-
-async def fleet_tools(
-    nc: Client,
-    *,
-    url: str,
-    machine: str | None = None,
-    timeout: float = 5.0,
-    want: int | None = None,
-) -> list[ToolEntry]:
-    """Every tool the controller knows of (one machine's), following every page (at most
-    `want` of them)."""
-
-    async def page(body: ToolsRequest) -> ToolsReply:
-        return await ask(nc, url=url, verb="tools", reply=ToolsReply, timeout=timeout,
-                         body=wire.encode(body))  # fmt: skip
-
-    return (await every_page(page, ToolsRequest(machine=machine), want=want)).tools
-
-
-async def call_tool(
-    nc: Client,
-    *,
-    machine: str,
-    server: str,
-    tool: str,
-    arguments: dict[str, Any],
-    timeout: float,
-) -> ToolCallReply:
-    """One call, at the machine's host; ToolCallFailed with the host's code when there is no
-    result, or `unavailable` for a machine that does not answer. Never retried once the host
-    has it: a tool call may change things."""
-    subject = subjects.host(machine, "tool")
-    body = wire.encode(
-        ToolCallRequest(server=server, tool=tool, arguments=arguments, timeout=timeout)
-    )
-    if len(body) > nc.max_payload:
-        raise ToolCallFailed(f"tool call: the request is {len(body)} bytes, more than the NATS "
-                             f"server takes ({nc.max_payload})", code="too_large")  # fmt: skip
-    patience = time.monotonic() + NO_RESPONDERS_FOR
-    pause = 0.05
-    while True:
-        try:
-            msg = await nc.request(subject, body, timeout=timeout + ANSWER_GRACE)
-            break
-        except NoRespondersError:
-            # Nobody subscribed: a machine that is down (or a host reconnecting, for a moment).
-            if time.monotonic() + pause > patience:
-                raise ToolCallFailed(
-                    f"machine {machine} does not answer (is it up? `mesh nodes`)",
-                    code="unavailable",
-                ) from None
-            await anyio.sleep(pause)
-            pause = min(pause * 2, 0.5)
-        except NatsTimeout:
-            raise ToolCallFailed(
-                f"machine {machine} did not answer within {timeout + ANSWER_GRACE:g}s "
-                "(is it up? `mesh nodes`)",
-                code="timeout",
-            ) from None
-    try:
-        return wire.decode_reply(msg.data, ToolCallReply)
-    except wire.RemoteError as e:
-        raise ToolCallFailed(f"{machine} {server}.{tool}: {e}", code=e.code) from None
 
 
 def arguments_of(text: str) -> dict[str, Any]:

@@ -26,6 +26,8 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from mesh import bus, subjects, wire
+from mesh.client.asking import VerbFailed, ask, connected
+from mesh.client.pages import ask_list
 from mesh.errors import MeshError
 from mesh.lifetime import stop_on_signals
 from mesh.model import (
@@ -45,7 +47,6 @@ from mesh.model import (
     StatusReply,
 )
 from mesh.names import InvalidName, check_name
-from programs.cli.client import CliError, ask, connected, every_page
 
 log = logging.getLogger("mesh.console")
 T = TypeVar("T")
@@ -199,11 +200,8 @@ class Console:
 
     async def listed(self, name: str, reply: type[T], request: Any, want: int | None = None) -> T:
         """A list verb, every page of it (or the first `want` items), as one answer."""
-
-        async def page(body: Any) -> T:
-            return await self.verb(name, reply, body)
-
-        return await every_page(page, request, want=want)
+        return await ask_list(self.nc, url=self.url, verb=name, reply=reply, request=request,
+                              timeout=ASK_WITHIN, want=want)  # fmt: skip
 
     async def _refresh(self, section: str) -> None:
         try:
@@ -225,7 +223,7 @@ class Console:
                     self._plans_dirty.add(plans.plans[0].id)  # the first page shows it
                     self._wake.set()
                 answer = plans
-        except (CliError, nats.errors.Error) as e:  # the bus going: said on the page, asked again
+        except (VerbFailed, nats.errors.Error) as e:  # the bus going: said on the page, asked again
             self._problem(section, str(e) or type(e).__name__)
             return
         self._frames[section] = _frame(section, answer)
@@ -235,7 +233,7 @@ class Console:
     async def _refresh_plan(self, plan_id: int) -> None:
         try:
             plan = await self.listed("plan", PlanReply, PlanRequest(id=plan_id))
-        except (CliError, nats.errors.Error) as e:
+        except (VerbFailed, nats.errors.Error) as e:
             self._problem("plan", str(e) or type(e).__name__)
             return
         frame = _frame("plan", plan)
@@ -345,8 +343,8 @@ class Console:
             return _error(400, f"plan id: {text[:40]!r} is not a plan number")
         try:
             plan = await self.listed("plan", PlanReply, PlanRequest(id=int(text)))
-        except CliError as e:
-            return _error(404 if "does not exist" in str(e) else 502, str(e))
+        except VerbFailed as e:
+            return _error(404 if e.code == "not_found" else 502, str(e))
         return _json(plan)
 
     async def _logs(self, request: web.Request) -> web.StreamResponse:

@@ -28,10 +28,11 @@ from mcp.server.stdio import stdio_server
 from nats.aio.client import Client
 
 from mesh import bus, subjects
+from mesh.client.asking import VerbFailed, connected
+from mesh.client.tools import CALL_TIMEOUT, ToolCallFailed, call_tool, fleet_tools
+from mesh.errors import MeshError
 from mesh.metrics import Listen
 from mesh.model import ToolEntry
-from programs.cli.client import CliError, connected
-from programs.cli.tools import CALL_TIMEOUT, ToolCallFailed, call_tool, fleet_tools
 
 log = logging.getLogger("mesh.mcp")
 
@@ -39,6 +40,10 @@ LIST_EVERY = 1.0  # seconds a listing of the fleet's tools is reused
 WATCH_EVERY = 5.0  # seconds between looks at the fleet's tools without a report (machines down)
 LIST_TIMEOUT = 5.0
 MCP_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")  # MCP's tool names (SEP-986)
+
+
+class McpError(MeshError):
+    """`mesh mcp` cannot start (where it would listen)."""
 
 
 def mcp_name(entry: ToolEntry) -> str | None:
@@ -101,7 +106,7 @@ class FleetTools:
         self._sessions.add(ctx.session)
         try:
             found = self._callable(await self.tools())
-        except CliError as e:
+        except VerbFailed as e:
             log.warning("could not list the fleet's tools: %s", e)
             found = {}
         self._shown = frozenset(found)
@@ -135,7 +140,7 @@ class FleetTools:
                 continue
             try:
                 now = frozenset(self._callable(await self.tools()))
-            except CliError:
+            except VerbFailed:
                 continue
             if now == self._shown:
                 continue
@@ -156,7 +161,7 @@ class FleetTools:
         machine, server, tool = where
         try:
             known = (await self.tools()).get(params.name)
-        except CliError:
+        except VerbFailed:
             known = None
         timeout = known.timeout if known is not None else CALL_TIMEOUT
         subject = subjects.host(machine, "tool")
@@ -213,7 +218,7 @@ async def serve(*, url: str, creds: str | None, http: Listen | None = None) -> N
     """Serve until stdin ends (stdio) or until interrupted (HTTP)."""
     logging.getLogger("mcp").setLevel(logging.WARNING)  # a line per request otherwise
     if http is not None and not _loopback(http[0]):
-        raise CliError(f"--http: {http[0]} is not a loopback address: mesh mcp has no "
+        raise McpError(f"--http: {http[0]} is not a loopback address: mesh mcp has no "
                        "authentication of its own, so it listens on loopback only")  # fmt: skip
     # Fail at once, in one line, when NATS cannot be reached or refuses the credentials; then
     # serve on a connection of our own that rides over NATS restarts.

@@ -27,7 +27,7 @@ from nats.aio.client import Client
 from nats.js.object_store import ObjectStore
 
 from mesh import blobs, subjects, wire
-from mesh.model import PlanState, PlanSummary
+from mesh.model import PlanProgress, PlanState, PlanSummary
 from mesh.modules.compose import Declaration, tools_of
 from mesh.store import declarations, events, modules, plans, seats
 from services.controller import metrics, rollout
@@ -290,8 +290,9 @@ class Planner:
     # --- what status shows -----------------------------------------------------------------------
 
     async def _show(self, p: plans.Plan | None) -> None:
-        """What `status` shows, and the same summary told on mesh.plan.<id>: every step or
-        tier change passes here, so a watcher (the console) hears each one."""
+        """What `status` shows, and the same summary told on mesh.plan.<id> with each tier's
+        counts: every step or tier change passes here, so a watcher (the console, `--wait`)
+        hears each one."""
         if p is None:
             self.current = None
             return
@@ -304,8 +305,10 @@ class Planner:
         self.current = summary if p.state in plans.OPEN else None
         if self._nc is None:
             return
+        tiers = [rollout.tier_shown(t) for t in rollout.tier_counts(p.steps)]
+        told = PlanProgress(**msgspec.structs.asdict(summary), tiers=tiers)
         try:
-            await self._nc.publish(subjects.plan(p.id), wire.encode(summary))
+            await self._nc.publish(subjects.plan(p.id), wire.encode(told))
         except Exception as e:  # told, not stored: a lost one costs a watcher a refresh
             log.debug("plan %d: progress not told: %s: %s", p.id, type(e).__name__, e)
 

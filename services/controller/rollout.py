@@ -16,9 +16,9 @@ from functools import partial
 
 import msgspec
 
-from mesh.model import PlanSettings, ProcessState
+from mesh.model import PlanSettings, PlanTier, ProcessState, TierState
 from mesh.modules.compose import encode, merge
-from mesh.store.plans import Step
+from mesh.store.plans import Step, TierCounts
 
 # digest and body of a declaration -> the names of the processes it declares
 Names = Callable[[str, bytes], frozenset[str]]
@@ -94,6 +94,37 @@ def before(step: Step) -> tuple[str, bytes]:
 def tiers(steps: list[Step]) -> list[int]:
     """The plan's tiers in the order they roll forward."""
     return sorted({s.tier for s in steps})
+
+
+def tier_counts(steps: list[Step]) -> list[TierCounts]:
+    """Each tier's steps counted, as the store counts them for `plan` (store.plans.tiers)."""
+    by_tier: dict[int, list[Step]] = {}
+    for s in steps:
+        by_tier.setdefault(s.tier, []).append(s)
+    return [_counted(tier, mine) for tier, mine in sorted(by_tier.items())]
+
+
+def _counted(tier: int, steps: list[Step]) -> TierCounts:
+    states = [s.state for s in steps]
+    return TierCounts(
+        tier=tier, total=len(steps), done=sum(s in ("done", "skipped") for s in states),
+        failed="failed" in states, reverted=any(s.reverted for s in steps),
+        moving="applying" in states or "done" in states,
+    )  # fmt: skip
+
+
+def tier_shown(t: TierCounts) -> PlanTier:
+    """A tier as `plan` and the told progress show it: its counts and its state."""
+    state: TierState
+    if t.failed:
+        state = "failed"
+    elif t.reverted:
+        state = "reverted"
+    elif t.done == t.total:
+        state = "done"
+    else:
+        state = "rolling" if t.moving else "pending"
+    return PlanTier(tier=t.tier, state=state, total=t.total, done=t.done)
 
 
 def revert_order(steps: list[Step]) -> list[int]:

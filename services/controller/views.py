@@ -33,9 +33,7 @@ from mesh.model import (
     PlanRequest,
     PlansReply,
     PlansRequest,
-    PlanTier,
     SecretReply,
-    TierState,
     ToolEntry,
     ToolsReply,
     ToolsRequest,
@@ -44,20 +42,9 @@ from mesh.modules.compose import Declaration, tools_of
 from mesh.modules.diff import diff
 from mesh.store import builds, declarations, modules, plans, secrets
 from mesh.store.modules import StoredVersion
-from services.controller import changes
+from services.controller import changes, rollout
 from services.controller.fleet import Fleet
 from services.controller.publishing import Manifests, Publisher
-
-
-def _tier(t: plans.TierCounts) -> TierState:
-    if t.failed:
-        return "failed"
-    if t.reverted:
-        return "reverted"
-    if t.done == t.total:
-        return "done"
-    return "rolling" if t.moving else "pending"
-
 
 # Every page's reads in one snapshot: a plan's tiers and its steps, modules and their machines.
 _SNAPSHOT = {"isolation": "repeatable_read", "readonly": True}
@@ -209,8 +196,7 @@ class Views:
                 raise wire.BadRequest(f"plan {req.id} does not exist", code="not_found")
             counted = await plans.tiers(conn, req.id)
             steps = await plans.step_views(conn, req.id, after=at, most=req.limit + 1)
-        tiers = [PlanTier(tier=t.tier, state=_tier(t), total=t.total, done=t.done)
-                 for t in counted]  # fmt: skip
+        tiers = [rollout.tier_shown(t) for t in counted]
         reply = PlanReply(
             id=p.id, state=p.state, trigger=p.trigger, subject=p.subject, by=p.by,
             epoch=p.epoch, created=p.created, started=p.started, finished=p.finished,

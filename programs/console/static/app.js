@@ -8,6 +8,7 @@ const state = {
   plans_by_id: new Map(), // id -> the `plan` verb's answer
   problems: new Map(), // section -> message
   beats: new Map(), // machine -> when its last beat arrived (ms)
+  last_seen: new Map(), // machine -> when the controller last heard it (ms), as `nodes` said
   live: false,
 };
 const log_view = { machine: null, process: null, following: null };
@@ -109,7 +110,9 @@ function declaration_of(node) {
 }
 
 function beat_text(name) {
-  const at = state.beats.get(name);
+  // Until a beat arrives on this page (a machine that is down sends none), the controller's
+  // word on when it last heard the machine.
+  const at = state.beats.get(name) ?? state.last_seen.get(name);
   return at === undefined ? "–" : ago(at);
 }
 
@@ -334,7 +337,10 @@ function listen() {
   const events = new EventSource("/events");
   const on = (name, handle) => events.addEventListener(name, (e) => { handle(JSON.parse(e.data)); render(); });
   on("status", (s) => { state.status = s; });
-  on("nodes", (n) => { state.nodes = n; });
+  on("nodes", (n) => {
+    state.nodes = n;
+    state.last_seen = new Map(n.nodes.filter((m) => m.last_seen).map((m) => [m.name, Date.parse(m.last_seen)]));
+  });
   on("modules", (m) => { state.modules = m; });
   on("plans", (p) => { state.plans = p; });
   on("plan", (p) => { state.plans_by_id.set(p.id, p); });
