@@ -27,7 +27,7 @@ from mesh import metrics as served_metrics
 from mesh.auth.signing import Signing
 from mesh.config import EventsKept, events_kept
 from mesh.discovery import Discovery
-from mesh.model import SeatAnnounce
+from mesh.model import SeatAnnounce, SeatRole
 from mesh.serving import Stats
 from mesh.store import db
 from mesh.store.migrate import migrate
@@ -42,7 +42,7 @@ from services.controller.verbs import ENDPOINTS
 
 log = logging.getLogger("mesh.controller")
 
-SERVING = ("holding", "handing-over")  # readiness states in which this controller serves verbs
+SERVING: tuple[SeatRole, ...] = ("holding", "handing-over")  # in which it serves verbs
 
 
 # Past this, every verb and host request is answered `busy` before any work is done, until

@@ -93,12 +93,8 @@ class SeatEvents:
         await origin.subscribe(nc, subjects.SEAT_EVENTS, cb=self.on_event)
 
     async def on_event(self, msg: Msg) -> None:
-        if not self._signing.genuine(msg):
-            origin.STRAYS.refused(subjects.SEAT_EVENTS, msg, "not signed by the controllers")
-            return
-        try:
-            announce = wire.decode(msg.data, SeatAnnounce)
-        except wire.BadRequest:
+        announce = self._signing.announcement(msg, subscribed=subjects.SEAT_EVENTS)
+        if announce is None:
             return
         if msg.subject.endswith(".standby"):
             self._standbys.heard(announce)

@@ -118,12 +118,9 @@ async def follow(
     """The seat's follower: acts on each announcement `held` brings (its subscription to
     mesh.seat.mesh-controller.held), until cancelled."""
     async for msg in origin.arrivals(held):
-        if not signing.genuine(msg):  # a forged `held` would set every host registering
-            origin.STRAYS.refused(held.subject, msg, "not signed by the controllers")
-            continue
-        try:
-            announce = wire.decode(msg.data, SeatAnnounce)
-        except wire.BadRequest:
+        # Signed by the controllers, or refused: a forged `held` would set every host registering.
+        announce = signing.announcement(msg, subscribed=held.subject)
+        if announce is None:
             continue
         if announce.epoch > status.epoch:  # a holder we have not registered with
             await anyio.sleep(delay(announce))  # spread the storm
