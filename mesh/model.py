@@ -58,12 +58,13 @@ SeatRole = Literal["starting", "standby", "holding", "handing-over"]
 
 # How a word of a newer mesh is taken. During an upgrade an older controller hears newer hosts
 # (Peer), and a newer host may say a word the controller does not know (a new process state, a
-# new step). Refusing it would drop the whole report, and with it the machine's processes and
-# health; so these fields decode any word, the reader keeps it as it came (`mesh nodes` shows
-# it) and acts only on the words it knows: a process is healthy by its `healthy`, never by its
-# state; a tool server is called only when `ready`; an apply's step is a failure of the
-# machine unless its kind is `fence`. A type checker sees the Literals (a typo in a comparison
-# or an assignment is an error); msgspec sees `str`.
+# new step); an older client (`mesh nodes`, the console, `mesh mcp`) reads it in a newer
+# controller's replies the same way. Refusing it would drop the whole report, and with it the
+# machine's processes and health; so these fields decode any word, the reader keeps it as it
+# came (`mesh nodes` shows it) and acts only on the words it knows: a process is healthy by its
+# `healthy`, never by its state; a tool server is called only when `ready`; an apply's step is
+# a failure of the machine unless its kind is `fence`. A type checker sees the Literals (a typo
+# in a comparison or an assignment is an error); msgspec sees `str`.
 if TYPE_CHECKING:
     HeardProcessStatus = ProcessStatus
     HeardToolServerStatus = ToolServerStatus
