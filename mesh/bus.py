@@ -210,29 +210,8 @@ async def connect(
             return
         await _quiet(e)
 
-    servers = config.servers(url)
-    options: dict[str, Any] = {
-        "servers": servers,
-        "name": name,
-        "error_cb": on_error,
-        "connect_timeout": 2,
-        # A one-shot client of a cluster moves to another server when its own goes (a
-        # `mesh assign --wait` must ride over the loss of one), but gives up within seconds
-        # when none answers; a one-shot client of a lone server fails at once.
-        "allow_reconnect": reconnect or len(servers) > 1,
-        "max_reconnect_attempts": -1 if reconnect else 2,
-        "reconnect_time_wait": 0.25,
-        "ping_interval": 5,
-        "max_outstanding_pings": 2,
-    }
-    held = credentials.read(creds) if creds else None
-    if held is not None:
-        if held.jwt:
-            options["user_credentials"] = held.path
-        else:
-            options["nkeys_seed_str"] = held.seed
-        options["inbox_prefix"] = held.inbox
-    options.update(_tls(url, ca, held))
+    options = _options(url, name=name, reconnect=reconnect, creds=creds, ca=ca)
+    options["error_cb"] = on_error
     nc = Client()
     if link:
         link.nc = nc
@@ -252,6 +231,36 @@ async def connect(
         raise
     connecting = False
     return nc
+
+
+def _options(
+    url: str, *, name: str, reconnect: bool, creds: str | None, ca: str | None
+) -> dict[str, Any]:
+    """nats-py's options but the callbacks: the servers, how to reconnect and ping, who we
+    are (credentials and their inbox prefix), TLS."""
+    servers = config.servers(url)
+    options: dict[str, Any] = {
+        "servers": servers,
+        "name": name,
+        "connect_timeout": 2,
+        # A one-shot client of a cluster moves to another server when its own goes (a
+        # `mesh assign --wait` must ride over the loss of one), but gives up within seconds
+        # when none answers; a one-shot client of a lone server fails at once.
+        "allow_reconnect": reconnect or len(servers) > 1,
+        "max_reconnect_attempts": -1 if reconnect else 2,
+        "reconnect_time_wait": 0.25,
+        "ping_interval": 5,
+        "max_outstanding_pings": 2,
+    }
+    held = credentials.read(creds) if creds else None
+    if held is not None:
+        if held.jwt:
+            options["user_credentials"] = held.path
+        else:
+            options["nkeys_seed_str"] = held.seed
+        options["inbox_prefix"] = held.inbox
+    options.update(_tls(url, ca, held))
+    return options
 
 
 def _tls(url: str, ca: str | None, held: credentials.Creds | None) -> dict[str, Any]:

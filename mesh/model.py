@@ -5,7 +5,7 @@ encoded with the same Structs, which keeps the JSON shapes of docs/design.md in 
 """
 
 from datetime import datetime
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal, cast
 
 import msgspec
 
@@ -33,6 +33,52 @@ StepState = Literal["pending", "applying", "done", "failed", "skipped", "reverte
 TierState = Literal["pending", "rolling", "done", "failed", "reverted"]
 Trigger = Literal["push", "assign", "unassign", "secret"]
 Phase = Literal["forward", "revert"]  # rolling forward, or giving machines `before` back
+# The words a machine's life is told in, between the mesh's own pieces (mesh.event.<name>.*):
+# a supervised process's state; a tool server's state as a caller sees it (`ready`: callable);
+# the kind of an apply's step (`Applied.step` is `KIND`, or `KIND NAME` for a step that acts on
+# one thing: `bundle mesh:sha256:…`, `file hello/app.conf`: see `apply_step`); and a
+# controller's standing at the seat, which its module's check reads (`mesh controller ready`)
+# and `$SRV INFO` says.
+ProcessStatus = Literal["starting", "running", "backoff", "exited", "failed", "stopped"]
+ToolServerStatus = Literal["starting", "ready", "backoff", "failed", "stopped"]
+ApplyStepKind = Literal[
+    "fence",  # a declaration the host refused for its epoch (nothing of the machine changed)
+    "apply",  # a failure of no named step
+    "account",
+    "bundle",
+    "file",
+    "containers",
+    "prepare",
+    "processes",
+    "tools",
+    "replaces",
+    "agent",
+]
+SeatRole = Literal["starting", "standby", "holding", "handing-over"]
+
+# How a word of a newer mesh is taken. During an upgrade an older controller hears newer hosts
+# (Peer), and a newer host may say a word the controller does not know (a new process state, a
+# new step); an older client (`mesh nodes`, the console, `mesh mcp`) reads it in a newer
+# controller's replies the same way. Refusing it would drop the whole report, and with it the
+# machine's processes and health; so these fields decode any word, the reader keeps it as it
+# came (`mesh nodes` shows it) and acts only on the words it knows: a process is healthy by its
+# `healthy`, never by its state; a tool server is called only when `ready`; an apply's step is
+# a failure of the machine unless its kind is `fence`. A type checker sees the Literals (a typo
+# in a comparison or an assignment is an error); msgspec sees `str`.
+if TYPE_CHECKING:
+    HeardProcessStatus = ProcessStatus
+    HeardToolServerStatus = ToolServerStatus
+    HeardApplyStepKind = ApplyStepKind
+else:
+    HeardProcessStatus = HeardToolServerStatus = HeardApplyStepKind = str
+
+
+def apply_step(kind: ApplyStepKind, name: str = "") -> str:
+    """An apply's step as `Applied.step` says it: `KIND`, or `KIND NAME` (the name may hold
+    spaces; the kind never does)."""
+    return f"{kind} {name}" if name else kind
+
+
 # Every code an error reply carries (docs/verbs.md); `bad_reply` is the client's own, never sent.
 ErrorCode = Literal[
     "bad_request",
@@ -184,7 +230,7 @@ class ProcessState(msgspec.Struct, omit_defaults=True):
     # omit_defaults: `trial` appears on the wire only when true, so every other report's JSON
     # is as it was before the field existed.
     name: str
-    state: str
+    state: HeardProcessStatus
     healthy: bool
     pid: int | None
     # A start-first new version on trial beside its old one (same name): its health is not the
@@ -561,11 +607,16 @@ class Applied(Peer):
     digest: str
     epoch: int
     ok: bool
-    step: str = ""  # where it stopped, when not ok
+    step: str = ""  # where it stopped, when not ok: `KIND` or `KIND NAME` (apply_step)
     error: str = ""
     # The processes as they are at the moment of this report: a plan judges health on these,
     # never on a report from before the apply (the old version's "healthy").
     processes: list[ProcessState] = []
+
+    @property
+    def step_kind(self) -> HeardApplyStepKind:
+        """The kind of `step`, when the apply was not ok (a word of a newer host, maybe)."""
+        return cast(HeardApplyStepKind, self.step.partition(" ")[0])
 
 
 # --- host verbs (mesh.host.<name>.<verb>) --------------------------------------------------------
@@ -625,7 +676,7 @@ class ToolServerReport(msgspec.Struct):
     """One tool server of a host: its state and the tools it last listed."""
 
     name: str
-    state: str  # starting, ready, backoff, failed, stopped
+    state: HeardToolServerStatus
     error: str = ""  # why it is not ready, or what was left out of its tools
     tools: list[ToolInfo] = []
     timeout: float = 30.0  # seconds: its calls' limit (the declared `timeout`)
@@ -654,7 +705,7 @@ class ToolEntry(msgspec.Struct):
     name: str
     description: str
     input_schema: dict[str, Any]
-    state: str = "ready"  # the tool server's state (its tools are callable when ready)
+    state: HeardToolServerStatus = "ready"  # its tools are callable when ready
     up: bool = True  # the machine, as the controller sees it
     timeout: float = 30.0  # seconds: the tool server's limit for a call
 

@@ -67,6 +67,16 @@ async def init(
             "or choose another --dir"
         )
     mesh = DevMesh(folder=folder, hosts=0, port=port, detached=True, nats=nats)
+    try:
+        status = await _make(mesh, name=name, record=record)
+    finally:
+        lock.release()
+    await _record_and_say(mesh, name=name, record=record, status=status, print_units=print_units)
+
+
+async def _make(mesh: DevMesh, *, name: str, record: Path) -> StatusReply:
+    """The mesh, up to its controller holding the seat as a process; on any failure, whatever
+    was started is stopped and `record` is not left behind."""
     temporary: Child | None = None
     try:
         mesh.issue_credentials()
@@ -118,7 +128,7 @@ async def init(
         status = await _status(mesh)
         assert status is not None and status.seat is not None
         await temporary.stop()
-        temporary = None
+        return status
     except BaseException:
         with anyio.CancelScope(shield=True):
             say("mesh init failed: stopping what it started")
@@ -132,9 +142,13 @@ async def init(
             for made in (record, mesh.dir / "env"):
                 made.unlink(missing_ok=True)
         raise
-    finally:
-        lock.release()
 
+
+async def _record_and_say(
+    mesh: DevMesh, *, name: str, record: Path, status: StatusReply, print_units: bool
+) -> None:
+    """DIR/env, DIR/mesh.json and the units; the units installed where systemd runs and we are
+    root (unless `print_units`); then what was made, and how to use and stop it."""
     env = mesh.write_env()
     pids = {c.name: c.pid for c in mesh.children}
     servers = [c for c in mesh.children if c.name.startswith("nats-")]
@@ -154,6 +168,7 @@ async def init(
         pids.update(await _to_systemd(mesh, units))
         save()
     seat = status.seat
+    assert seat is not None
     say(f"the controller runs as a process: {seat.holder} (pid {seat.pid}), epoch {seat.epoch}")
     print(
         f"\nmade a mesh in {mesh.dir}:\n"

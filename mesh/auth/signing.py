@@ -26,8 +26,10 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
+from mesh import origin, wire
 from mesh.auth import creds as credentials
 from mesh.auth.keys import public_of
+from mesh.model import SeatAnnounce
 
 log = logging.getLogger(__name__)
 
@@ -110,3 +112,15 @@ class Signing(msgspec.Struct, frozen=True):
         except (InvalidSignature, ValueError, binascii.Error):
             return False
         return True
+
+    def announcement(self, msg: Msg, *, subscribed: str) -> SeatAnnounce | None:
+        """The seat's announcement `msg` carries, if the controllers signed it and it decodes
+        (else None). One not signed is refused as a stray of the subscription to `subscribed`
+        (mesh/origin.py); one that does not decode is ignored."""
+        if not self.genuine(msg):
+            origin.STRAYS.refused(subscribed, msg, "not signed by the controllers")
+            return None
+        try:
+            return wire.decode(msg.data, SeatAnnounce)
+        except wire.BadRequest:
+            return None

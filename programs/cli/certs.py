@@ -17,7 +17,7 @@ import socket
 import ssl
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 import msgspec
@@ -53,16 +53,19 @@ class ServerCert(msgspec.Struct):
     cert: str
 
 
+# "reloaded" (it presents the new certificate), "not running" (it will at its start),
+# "reload failed" (it still presents another), "signalled" (it did not answer after the
+# signal, or its address is unknown: it takes the new certificate when it next starts)
+RotatedState = Literal["reloaded", "not running", "reload failed", "signalled"]
+
+
 class Rotated(msgspec.Struct):
     name: str
     hosts: list[str]
     old_serial: str | None  # None when the server had no certificate to read
     serial: str
     not_after: str
-    # "reloaded" (it presents the new certificate), "not running" (it will at its start),
-    # "reload failed" (it still presents another), "signalled" (it did not answer after the
-    # signal, or its address is unknown: it takes the new certificate when it next starts)
-    state: str
+    state: RotatedState
     presented: str | None  # the serial the server presents after the reload
     cert: str
 

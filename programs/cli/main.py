@@ -42,6 +42,9 @@ def _common() -> argparse.ArgumentParser:
 
 
 def parser() -> argparse.ArgumentParser:
+    """The command line's grammar. Kept whole: it is one declaration of every command and its
+    arguments, read top to bottom like `mesh --help`; split, a command would be looked for in
+    several places and the order of the help would depend on the order of calls."""
     common = _common()
     top = Parser(prog="mesh", parents=[common], description="A fleet controller on NATS.")
     verbs = top.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)

@@ -177,12 +177,8 @@ async def stand_ready(
                 event = subjects.last(msg.subject)
                 if event not in ("handover", "held"):
                     continue
-                if not signing.genuine(msg):
-                    origin.STRAYS.refused(seat.subject, msg, "not signed by the controllers")
-                    continue
-                try:
-                    other = wire.decode(msg.data, SeatAnnounce)
-                except wire.BadRequest:
+                other = signing.announcement(msg, subscribed=seat.subject)
+                if other is None:
                     continue
                 if event == "held" and other.instance != me.instance and verbs.active:
                     passed = await verbs.leave()

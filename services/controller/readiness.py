@@ -13,9 +13,11 @@ from pathlib import Path
 
 import anyio
 
+from mesh.model import SeatRole
+
 EVERY = 1.0
 STALE_AFTER = 5.0
-READY = ("holding", "standby")
+READY: tuple[SeatRole, ...] = ("holding", "standby")
 
 
 def default_file() -> Path | None:
@@ -26,10 +28,10 @@ def default_file() -> Path | None:
 class Readiness:
     def __init__(self, path: Path | None) -> None:
         self.path = path
-        self.state = "starting"
+        self.state: SeatRole = "starting"
         self.epoch = 0
 
-    def set(self, state: str, epoch: int = 0) -> None:
+    def set(self, state: SeatRole, epoch: int = 0) -> None:
         self.state, self.epoch = state, epoch
         self._write()
 

@@ -90,7 +90,9 @@ class HostReports:
         if applied.ok:
             self._fleet.heard_applied(applied.name, applied.digest, None, applied.processes)
         else:
-            if applied.step != "fence":  # an ignored stale value says nothing of the machine
+            # An ignored stale value says nothing of the machine; any other kind of step
+            # (one of a newer host too: mesh/model.py) is a failure of it.
+            if applied.step_kind != "fence":
                 self._fleet.heard_applied(
                     applied.name, applied.digest, f"{applied.step}: {applied.error}",
                     applied.processes,

@@ -1,7 +1,15 @@
-"""The standbys the holder has heard from: each announces itself every second while it waits."""
+"""The standbys the holder has heard from: each announces itself every second while it waits
+(`announce`); and what every controller hears on the seat's subjects (`SeatEvents`).
+"""
 
 import time
 
+import anyio
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from mesh import origin, subjects, wire
+from mesh.auth.signing import Signing
 from mesh.model import SeatAnnounce, Standby
 
 ANNOUNCE_EVERY = 1.0
@@ -28,6 +36,16 @@ class Standbys:
             Standby(instance=a.instance, pid=a.pid, host=a.host, since=a.since, version=a.version)
             for a, _ in sorted(self._seen.values(), key=lambda s: s[0].instance)
         ]
+
+
+async def announce(nc: Client, me: SeatAnnounce, signing: Signing) -> None:
+    """A standby's announcements, signed, every ANNOUNCE_EVERY seconds until cancelled."""
+    subject = subjects.seat("standby")
+    body = wire.encode(me)
+    headers = signing.headers(subject, body)
+    while True:
+        await nc.publish(subject, body, headers=headers)
+        await anyio.sleep(ANNOUNCE_EVERY)
 
 
 RELEASE_KEPT = 60.0  # seconds a holder's `released` is remembered: a takeover follows in ms
@@ -59,3 +77,28 @@ class Releases:
         if at is not None and time.monotonic() - at > RELEASE_KEPT:
             return None
         return at
+
+
+class SeatEvents:
+    """What a controller hears on mesh.seat.mesh-controller.*, signed by the controllers alone:
+    standbys announcing themselves, holders taking the seat (`held`) or letting it go
+    (`released`, remembered for the next holder's handover)."""
+
+    def __init__(self, *, signing: Signing, standbys: Standbys, released: Releases) -> None:
+        self._signing = signing
+        self._standbys = standbys
+        self._released = released
+
+    async def subscribe(self, nc: Client) -> None:
+        await origin.subscribe(nc, subjects.SEAT_EVENTS, cb=self.on_event)
+
+    async def on_event(self, msg: Msg) -> None:
+        announce = self._signing.announcement(msg, subscribed=subjects.SEAT_EVENTS)
+        if announce is None:
+            return
+        if msg.subject.endswith(".standby"):
+            self._standbys.heard(announce)
+        elif msg.subject.endswith((".held", ".released")):
+            self._standbys.gone(announce.instance)
+            if msg.subject.endswith(".released"):
+                self._released.heard(announce.instance)

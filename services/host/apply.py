@@ -23,7 +23,14 @@ from nats.aio.client import Client
 
 from mesh import blobs, bus, subjects, wire
 from mesh.lifetime import first_of
-from mesh.model import Applied, ProcessState, SecretReply, SecretRequest
+from mesh.model import (
+    Applied,
+    ApplyStepKind,
+    ProcessState,
+    SecretReply,
+    SecretRequest,
+    apply_step,
+)
 from mesh.modules.compose import DBundle, Declaration, DProcess, DTool, tools_of
 from mesh.modules.gate import AGENT, duration
 from services.host import accounts, bundles, containers, files, metrics, successor, watch
@@ -112,10 +119,14 @@ def _head(value: bytes) -> _Head | None:
 
 
 class StepFailed(Exception):
-    def __init__(self, step: str, error: str) -> None:
-        super().__init__(f"{step}: {error}")
-        self.step = step
+    """Where an apply stopped (its step's kind, and the name of what it acts on, if any) and
+    why; `step` as `Applied.step` says it."""
+
+    def __init__(self, kind: ApplyStepKind, error: str, *, name: str = "") -> None:
+        self.kind = kind
+        self.step = apply_step(kind, name)
         self.error = error
+        super().__init__(f"{self.step}: {error}")
 
 
 class Applier:
@@ -172,7 +183,7 @@ class Applier:
                     # A paused old holder's late put: refused here, so it neither interrupts
                     # the apply in progress nor takes the place of a value still to apply.
                     log.info("host %s: a declaration of %s: ignored", self.name, why)
-                    await self._report(head, ok=False, step="fence", error=f"{why}: ignored")
+                    await self._report(head, failed=StepFailed("fence", f"{why}: ignored"))
                     continue
                 if head is not None and (head.epoch, head.holder) > (newest, by):
                     newest, by = head.epoch, head.holder
@@ -208,7 +219,7 @@ class Applier:
         if refused is not None:
             why = f"{refused}: ignored"
             log.info("host %s: a declaration of %s", self.name, why)
-            await self._report(env, ok=False, step="fence", error=why)
+            await self._report(env, failed=StepFailed("fence", why))
             return True
         if env.digest == self.digest and not self._first:
             self.epoch, self.holder = env.epoch, env.holder or self.holder
@@ -221,13 +232,13 @@ class Applier:
             await self._apply(env.declaration, resuming=env.digest == self.digest)
         except StepFailed as e:
             log.warning("host %s: apply of %s stopped at %s", self.name, env.digest[:19], e)
-            _count_failure(metrics.step_of(e.step), started)
-            await self._report(env, ok=False, step=e.step, error=e.error)
+            _count_failure(e.kind, started)
+            await self._report(env, failed=e)
             return False
         except Exception as e:  # a step that failed in a way we did not name: still a report
             log.exception("host %s: apply of %s failed", self.name, env.digest[:19])
             _count_failure("apply", started)
-            await self._report(env, ok=False, step="apply", error=f"{type(e).__name__}: {e}")
+            await self._report(env, failed=StepFailed("apply", f"{type(e).__name__}: {e}"))
             return False
         finally:
             self._applying = None
@@ -246,17 +257,18 @@ class Applier:
         metrics.applied(env.digest, env.epoch)
         log.info("host %s applied %s (epoch %d) in %.2fs", self.name, env.digest[:19], env.epoch,
                  took)  # fmt: skip
-        await self._report(env, ok=True)
+        await self._report(env)
         return True
 
-    async def _report(
-        self, env: Envelope | _Head, *, ok: bool, step: str = "", error: str = ""
-    ) -> None:
+    async def _report(self, env: Envelope | _Head, *, failed: StepFailed | None = None) -> None:
+        """Say how an apply ended: ok, or `failed`."""
         applied = Applied(
-            name=self.name, digest=env.digest, epoch=env.epoch, ok=ok, step=step, error=error,
+            name=self.name, digest=env.digest, epoch=env.epoch, ok=failed is None,
+            step=failed.step if failed else "", error=failed.error if failed else "",
             processes=self.supervisor.states(),
         )  # fmt: skip
-        if step != "fence":  # a refused stale value says nothing of what the machine has
+        # A refused stale value (the fence) says nothing of what the machine has.
+        if failed is None or failed.kind != "fence":
             self._last_report = applied
         await self._nc.publish(subjects.event(self.name, "applied"), wire.encode(applied))
 
@@ -278,7 +290,7 @@ class Applier:
             try:
                 ids[name] = await anyio.to_thread.run_sync(accounts.ensure, name, account)
             except Exception as e:
-                raise StepFailed(f"account {name}", str(e)) from None
+                raise StepFailed("account", str(e), name=name) from None
         for key, bundle in sorted(decl.bundles.items()):
             try:
                 # A JetStream that does not answer for a while (a server of the cluster lost,
@@ -287,7 +299,7 @@ class Applier:
                     lambda b=bundle, k=key: self._bundle(k, b), within=BUS_PATIENCE
                 )
             except Exception as e:
-                raise StepFailed(f"bundle {key}", str(e)) from None
+                raise StepFailed("bundle", str(e), name=key) from None
         # A tool server has its folder and files where a process has them (their names differ).
         runs: dict[str, DProcess | DTool] = {**decl.processes, **tools_of(decl)}
         for proc, p in sorted(runs.items()):
@@ -310,7 +322,7 @@ class Applier:
                         continue
                     files.write(folder, rel, data, mode=int(f.mode, 8), owner=owner)
                 except Exception as e:
-                    raise StepFailed(f"file {proc}/{rel}", str(e)) from None
+                    raise StepFailed("file", str(e), name=f"{proc}/{rel}") from None
         await self._containers(decl)
         launches = {
             name: self._launch(name, p, decl, ids)
@@ -389,15 +401,17 @@ class Applier:
                     await first_of(supervised.became_healthy, self._newer)
             if supervised is not None and not supervised.healthy and self._newer.is_set():
                 raise StepFailed(
-                    f"replaces {p.replaces}",
+                    "replaces",
                     f"a newer declaration came first; container {p.replaces} left serving",
+                    name=p.replaces,
                 )
             if supervised is None or not supervised.healthy:
                 why = supervised.last_error if supervised else "not running"
                 raise StepFailed(
-                    f"replaces {p.replaces}",
+                    "replaces",
                     f"process {name} did not get healthy within {within:g}s ({why}); "
                     f"container {p.replaces} left serving",
+                    name=p.replaces,
                 )
             try:
                 if await self.engine.remove(p.replaces):
@@ -405,7 +419,7 @@ class Applier:
             except containers.EngineMissing:
                 pass  # no engine, so no container to remove
             except Exception as e:
-                raise StepFailed(f"replaces {p.replaces}", f"{type(e).__name__}: {e}") from None
+                raise StepFailed("replaces", f"{type(e).__name__}: {e}", name=p.replaces) from None
 
     def _launch(
         self, name: str, p: DProcess | DTool, decl: Declaration, ids: dict[str, accounts.Identity]
@@ -454,7 +468,7 @@ class Applier:
                 **credentials(launch.uid, launch.gid, launch.groups),
             )  # fmt: skip
         except (OSError, ValueError) as e:
-            raise StepFailed(f"prepare {launch.name}", str(e)) from None
+            raise StepFailed("prepare", str(e), name=launch.name) from None
         output = b""
         try:
             with anyio.fail_after(limit):
@@ -463,7 +477,7 @@ class Applier:
                     output = (output + chunk)[-8192:]
                 await process.wait()
         except TimeoutError:
-            raise StepFailed(f"prepare {launch.name}", f"timed out after {limit:g}s") from None
+            raise StepFailed("prepare", f"timed out after {limit:g}s", name=launch.name) from None
         finally:
             kill_group(process.pid)  # nothing it started outlives it
             with anyio.CancelScope(shield=True):
@@ -471,7 +485,7 @@ class Applier:
         if process.returncode != 0:
             tail = output.decode(errors="replace").strip().splitlines()[-3:]
             raise StepFailed(
-                f"prepare {launch.name}", f"exit code {process.returncode}: {' | '.join(tail)}"
+                "prepare", f"exit code {process.returncode}: {' | '.join(tail)}", name=launch.name
             )
 
     async def _bundle(self, key: str, bundle: DBundle) -> None:
@@ -497,6 +511,6 @@ class Applier:
         return base64.b64decode(reply.value)
 
 
-def _count_failure(step: str, started: float) -> None:
+def _count_failure(step: ApplyStepKind, started: float) -> None:
     metrics.APPLY_FAILURES.labels(step).inc()
     metrics.APPLY_SECONDS.labels("failed").observe(time.monotonic() - started)

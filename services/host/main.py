@@ -1,41 +1,66 @@
-"""`mesh host run`: register with the seat's holder, then beat until told to stop.
+"""`mesh host run`: the host agent's lifetime, as wiring of its named tasks.
 
-The host registers at start and again whenever a new controller announces that it holds the
-seat (so a takeover never loses a machine), and publishes a heartbeat every interval on
-`mesh.host.<name>.beat`. It answers its own `mesh.host.<name>.status`.
+In order: connect to NATS (a new version of the agent first waits for the old one to let go:
+services/host/successor.py), serve the host's verbs, follow the seat (registration.py: `held`
+heard from before the first registration), apply the machine's declaration (apply.py), beat
+and report (reporting.py), register with the seat's holder, and run until told to stop. The
+agent's tasks: the signal handler, the metrics endpoint, the supervisor, the tool runtime, the
+applier's watch, the beat, the tools reporter and the seat's follower; verbs run in tasks of
+their own. Stopping leaves the processes running (the next agent adopts them).
 """
 
 import logging
 import os
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
 import anyio
+import msgspec
+from anyio.abc import TaskGroup
 from msgspec.structs import replace
 from nats.aio.client import Client
 
-from mesh import bus, origin, subjects, version, wire
+from mesh import bus, subjects, version
 from mesh import metrics as served_metrics
 from mesh.auth.signing import Signing
 from mesh.discovery import Discovery
 from mesh.lifetime import stop_on_signals
-from mesh.model import (
-    Beat,
-    ProcessesEvent,
-    Register,
-    SeatAnnounce,
-    ToolsEvent,
-)
+from mesh.model import Register
 from mesh.paths import open_path_to
 from mesh.serving import Server, Stats
-from services.host import containers, metrics, registration, successor, verbs
+from services.host import containers, metrics, registration, reporting, successor, verbs
 from services.host.apply import Applier
 from services.host.facts import gather
+from services.host.reporting import Reports
 from services.host.supervisor import Supervisor
 from services.host.tools import ToolRuntime
 from services.host.verbs import HostStatus
 
 log = logging.getLogger("mesh.host")
+
+
+class Agent(msgspec.Struct):
+    """What every part of this agent's run shares: who and where it is, and its link to NATS."""
+
+    name: str
+    nc: Client
+    link: bus.Link
+    state: Path  # builds, bundles, logs, state
+    status: HostStatus  # what the `status` verb says, kept current by registration
+    registering: Register  # the registration, less what is applied (it changes)
+    signing: Signing  # the controllers' key: seat events and builds are theirs
+    nats_url: str  # told to processes (MESH_NATS_URL)
+
+
+class Parts(msgspec.Struct):
+    """The parts that run the machine, once built."""
+
+    supervisor: Supervisor
+    tools: ToolRuntime
+    applier: Applier
+    reports: Reports
+    handing: successor.Handing | None  # None: this agent cannot hand itself over
 
 
 async def run(
@@ -55,43 +80,18 @@ async def run(
     `successor_fd`: this agent is that new version; the old one waits on this socket
     (services/host/successor.py)."""
     root = (root or Path("/")).resolve()
-    if root != Path("/"):
-        root.mkdir(parents=True, exist_ok=True)
-    state = root if root != Path("/") else Path("/var/lib/mesh")  # builds, bundles, logs
-    state.mkdir(parents=True, exist_ok=True)
-    if os.geteuid() == 0:
-        open_path_to(state / "x")  # processes run as their accounts must reach their folders
+    state = _state_folder(root)
     status = HostStatus(
-        name=name,
-        pid=os.getpid(),
-        tier=tier,
-        labels=labels or {},
-        root=str(root),
+        name=name, pid=os.getpid(), tier=tier, labels=labels or {}, root=str(root),
         dev_mode=os.geteuid() != 0,  # accounts map to the current user
-        registered=False,
-        epoch=0,
-        started=datetime.now(UTC),
-        version=version.running(),
-    )
-    engine = await containers.probe()
-    if engine:
-        log.info("host %s: container engine %s", name, engine)
-    else:
-        log.info(
-            "host %s: no container engine answers (%s): declarations with containers will "
-            "fail here; everything else works", name, containers.SOCKET,
-        )  # fmt: skip
+        registered=False, epoch=0, started=datetime.now(UTC), version=version.running(),
+    )  # fmt: skip
     registering = Register(
-        name=name,
-        tier=tier,
-        labels=labels or {},
-        facts=gather(container_engine=engine),
-        beat_interval=beat_interval,
-        pid=os.getpid(),
-        version=status.version,
-    )
+        name=name, tier=tier, labels=labels or {}, beat_interval=beat_interval, pid=os.getpid(),
+        facts=gather(container_engine=await _container_engine(name)), version=status.version,
+    )  # fmt: skip
     link = bus.Link()
-    signing = Signing.host(creds)  # the controllers' key: seat events and builds are theirs
+    signing = Signing.host(creds)
     nc = await bus.connect(nats_url, name=f"mesh-host {name}", creds=creds, link=link)
     heir = successor.Successor(successor_fd) if successor_fd is not None else None
     if heir is not None:
@@ -102,138 +102,90 @@ async def run(
             raise
         log.info("host %s: the old agent let go: taking the machine over", name)
     successor.pid_file(state).write_text(f"{os.getpid()}\n")
+    agent = Agent(name=name, nc=nc, link=link, state=state, status=status,
+                  registering=registering, signing=signing, nats_url=nats_url)  # fmt: skip
+    try:
+        handed = await _serve_the_machine(
+            agent, heir=heir, relaunch=relaunch, metrics_on=metrics_on, beat_interval=beat_interval
+        )
+    finally:
+        with anyio.CancelScope(shield=True), anyio.move_on_after(3):
+            await bus.close(nc)
+    if handed is not None:
+        await successor.commit(handed, state)
+
+
+def _state_folder(root: Path) -> Path:
+    """Where the agent keeps its builds, bundles, logs and state, under the machine's `root`
+    (`/`, or a dev host's own folder)."""
+    if root != Path("/"):
+        root.mkdir(parents=True, exist_ok=True)
+    state = root if root != Path("/") else Path("/var/lib/mesh")  # builds, bundles, logs
+    state.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() == 0:
+        open_path_to(state / "x")  # processes run as their accounts must reach their folders
+    return state
+
+
+async def _container_engine(name: str) -> str:
+    engine = await containers.probe()
+    if engine:
+        log.info("host %s: container engine %s", name, engine)
+    else:
+        log.info(
+            "host %s: no container engine answers (%s): declarations with containers will "
+            "fail here; everything else works", name, containers.SOCKET,
+        )  # fmt: skip
+    return engine
+
+
+async def _serve_the_machine(
+    a: Agent,
+    *,
+    heir: successor.Successor | None,
+    relaunch: list[str] | None,
+    metrics_on: served_metrics.Listen | None,
+    beat_interval: float,
+) -> successor.Started | None:
+    """The agent's tasks, started in their order, until a signal or a handover to a new agent
+    stops them; the new agent, if the apply started one (the caller lets it go on)."""
     served: Server | None = None
     found: Discovery | None = None
-    handing: list[successor.Started] = []  # the new agent, once it said it is ready
+    handing: successor.Handing | None = None
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(stop_on_signals, tg.cancel_scope)
             if metrics_on is not None:
-                await tg.start(served_metrics.serve, metrics.REGISTRY, metrics_on, f"host {name}")
-
-            async def report_processes() -> None:
-                event = ProcessesEvent(name=name, processes=supervisor.states())
-                await nc.publish(subjects.event(name, "processes"), wire.encode(event))
-
-            supervisor = Supervisor(
-                nc=nc, root=state, changed=lambda: tg.start_soon(report_processes)
-            )
-            tg.start_soon(supervisor.run)
-            tools_changed = anyio.Event()
-
-            def tools_change() -> None:
-                nonlocal tools_changed
-                tools_changed.set()
-                tg.start_soon(report_processes)
-
-            async def report_tools() -> None:
-                event = ToolsEvent(name=name, servers=tools.reports())
-                await nc.publish(subjects.event(name, "tools"), wire.encode(event))
-
-            async def keep_reporting_tools() -> None:
-                # One task, so reports go out in order; a burst of changes is one report.
-                nonlocal tools_changed
-                while True:
-                    await tools_changed.wait()
-                    tools_changed = anyio.Event()
-                    await report_tools()
-
-            tools = ToolRuntime(nc=nc, root=state, changed=tools_change)
-            supervisor.tool_servers = tools.states
-            tg.start_soon(tools.run)
-
-            async def hand_over(key: str, bundle: Path) -> None:
-                """Start the new agent; once it is ready, stop everything here (below, after
-                the task group) and let it go on. Raises successor.Failed, changing nothing."""
-                handing.append(await successor.start(key, bundle, relaunch or []))
-                tg.cancel_scope.cancel()
-                await anyio.sleep_forever()  # cancelled: the apply ends here, nothing saved
-
-            applier = Applier(
-                name=name, nc=nc, root=state, supervisor=supervisor, tools=tools, nats_url=nats_url,
-                hand_over=hand_over if relaunch is not None else None,
-            )  # fmt: skip
-            metrics.PROCESSES.states = supervisor.states
-            if applier.digest:  # what the last agent applied, adopted
-                metrics.applied(applier.digest, applier.epoch)
-
-            def current_status() -> HostStatus:
-                status.applied, status.applied_epoch = applier.digest, applier.epoch
-                status.processes = supervisor.states()
-                return status
-
-            stats = Stats(observe=metrics.VERB_ANSWERED)
-            served = await verbs.serve(
-                verbs.Host(
-                    name=name,
-                    root=state,
-                    nc=nc,
-                    supervisor=supervisor,
-                    tools=tools,
-                    status=current_status,
-                    signing=signing,
-                ),
-                tasks=tg,
-                stats=stats,
-            )
-            found = Discovery(
-                nc, name=subjects.HOST_SERVICE, id=name, stats=stats,
-                description=f"mesh's host agent on {name}",
-                endpoints=lambda: served.endpoints if served else (),
-                metadata=lambda: {"machine": name, "epoch": str(status.epoch),
-                                  "applied": applier.digest or "", "mesh": status.version},
-            )  # fmt: skip
+                await tg.start(served_metrics.serve, metrics.REGISTRY, metrics_on, f"host {a.name}")
+            parts = _parts(a, tasks=tg, relaunch=relaunch)
+            handing = parts.handing
+            served = await _serve_verbs(a, parts, tasks=tg)
+            found = _discovery(a, parts.applier, served)
             await found.start()
             # Subscribed before registering, so a takeover during registration is not missed.
-            held = await nc.subscribe(subjects.seat("held"))
+            held = await a.nc.subscribe(subjects.seat("held"))
             # A host that applied before (a restart, a reboot) applies its declaration at once,
             # from the bucket: after a reboot the controller may be one of its own processes,
             # which no controller would start for it.
-            early = heir is None and applier.digest is not None
+            early = heir is None and parts.applier.digest is not None
             if early:
-                tg.start_soon(applier.watch)
-            # Beating from the start: a registration the controller wrote but whose answer
-            # came too late for us (a storm of thousands) must not leave it judging us silent.
-            tg.start_soon(_beat, nc, name, beat_interval)
-            await registration.register(nc, lambda: replace(registering, applied=applier.digest),
-                                        status)  # fmt: skip
-            await report_processes()
-            await report_tools()
-            tg.start_soon(keep_reporting_tools)
+                tg.start_soon(parts.applier.watch)
+            # Beating from the start (reporting.beat says why).
+            tg.start_soon(lambda: reporting.beat(a.nc, name=a.name, interval=beat_interval))
+            current = _registration(a.registering, parts.applier)
+            await registration.register(a.nc, current, a.status)
+            await parts.reports.both()
+            tg.start_soon(parts.reports.keep_sending_tools)
             if heir is not None:
                 heir.running()  # registered, serving, adopted: the old agent may go
             else:
                 successor.notify_manager()  # under systemd: started (programs/units.py)
             if not early:
-                tg.start_soon(applier.watch)
-
-            async def report_again() -> None:
-                await applier.report_again()
-                await report_processes()
-                await report_tools()
-
+                tg.start_soon(parts.applier.watch)
             # Reports published while a server died under us may be lost: say them again.
-            link.on_up = lambda: tg.start_soon(report_again)
-            async for msg in origin.arrivals(held):
-                if not signing.genuine(msg):  # a forged `held` would set every host registering
-                    origin.STRAYS.refused(held.subject, msg, "not signed by the controllers")
-                    continue
-                try:
-                    announce = wire.decode(msg.data, SeatAnnounce)
-                except wire.BadRequest:
-                    continue
-                if announce.epoch > status.epoch:  # a holder we have not registered with
-                    await anyio.sleep(registration.delay(announce))  # spread the storm
-                    await registration.register(
-                        nc, lambda: replace(registering, applied=applier.digest), status,
-                        at_least=announce.epoch,
-                    )  # fmt: skip
-                    await report_processes()
-                    await report_tools()
-                elif announce.epoch == status.epoch:
-                    # Our holder, back on NATS after an outage of its own: what we reported
-                    # meanwhile may not have reached it.
-                    await report_again()
+            a.link.on_up = lambda: tg.start_soon(parts.reports.again)
+            await registration.follow(a.nc, held, current=current, status=a.status,
+                                      signing=a.signing, reports=parts.reports)  # fmt: skip
     finally:
         with anyio.CancelScope(shield=True):
             if found is not None:
@@ -241,17 +193,58 @@ async def run(
                     await found.stop()
             if served is not None:
                 with anyio.move_on_after(3):  # verbs in flight are answered
-                    await served.stop(drain=nc.is_connected)
-            with anyio.move_on_after(3):
-                await bus.close(nc)
-    if handing:
-        await successor.commit(handing[0], state)
+                    await served.stop(drain=a.nc.is_connected)
+    return handing.started if handing is not None else None
 
 
-async def _beat(nc: Client, name: str, interval: float) -> None:
-    subject = subjects.host(name, "beat")
-    seq = 0
-    while True:
-        await anyio.sleep(interval)  # the first after one interval: registered by then, mostly
-        seq += 1
-        await nc.publish(subject, wire.encode(Beat(name=name, seq=seq, interval=interval)))
+def _parts(a: Agent, *, tasks: TaskGroup, relaunch: list[str] | None) -> Parts:
+    """The supervisor and the tool runtime (their tasks started in `tasks`), the applier, and
+    the reports of what they do."""
+    reports = Reports(nc=a.nc, name=a.name, tasks=tasks)
+    supervisor = Supervisor(nc=a.nc, root=a.state, changed=reports.processes_changed)
+    tasks.start_soon(supervisor.run)
+    tools = ToolRuntime(nc=a.nc, root=a.state, changed=reports.tools_changed)
+    supervisor.tool_servers = tools.states
+    tasks.start_soon(tools.run)
+    handing = successor.Handing(relaunch, tasks.cancel_scope) if relaunch is not None else None
+    applier = Applier(
+        name=a.name, nc=a.nc, root=a.state, supervisor=supervisor, tools=tools,
+        nats_url=a.nats_url, hand_over=handing,
+    )  # fmt: skip
+    reports.tell_of(supervisor=supervisor, tools=tools, applier=applier)
+    metrics.PROCESSES.states = supervisor.states
+    if applier.digest:  # what the last agent applied, adopted
+        metrics.applied(applier.digest, applier.epoch)
+    return Parts(supervisor=supervisor, tools=tools, applier=applier, reports=reports,
+                 handing=handing)  # fmt: skip
+
+
+async def _serve_verbs(a: Agent, parts: Parts, *, tasks: TaskGroup) -> Server:
+    """The host's verbs, their tasks in `tasks`."""
+    status = a.status
+
+    def current_status() -> HostStatus:
+        status.applied, status.applied_epoch = parts.applier.digest, parts.applier.epoch
+        status.processes = parts.supervisor.states()
+        return status
+
+    host = verbs.Host(name=a.name, root=a.state, nc=a.nc, supervisor=parts.supervisor,
+                      tools=parts.tools, status=current_status, signing=a.signing)  # fmt: skip
+    return await verbs.serve(host, tasks=tasks, stats=Stats(observe=metrics.VERB_ANSWERED))
+
+
+def _discovery(a: Agent, applier: Applier, served: Server) -> Discovery:
+    """The host's answers to service discovery (`$SRV`), counting what `served` answers."""
+    status = a.status
+    return Discovery(
+        a.nc, name=subjects.HOST_SERVICE, id=a.name, stats=served.stats,
+        description=f"mesh's host agent on {a.name}",
+        endpoints=lambda: served.endpoints,
+        metadata=lambda: {"machine": a.name, "epoch": str(status.epoch),
+                          "applied": applier.digest or "", "mesh": status.version},
+    )  # fmt: skip
+
+
+def _registration(base: Register, applier: Applier) -> Callable[[], Register]:
+    """What a registration says when it is sent: each attempt says what is applied now."""
+    return lambda: replace(base, applied=applier.digest)

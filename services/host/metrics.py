@@ -10,7 +10,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from mesh import metrics
-from mesh.model import ProcessState
+from mesh.model import ProcessState, ProcessStatus
 
 REGISTRY = CollectorRegistry()
 
@@ -29,8 +29,8 @@ APPLY_SECONDS = Histogram(
     buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
 )  # fmt: skip
 APPLY_FAILURES = Counter(
-    "mesh_host_apply_failures", "Applies that stopped, by the step that failed (account, "
-    "bundle, file, containers, prepare, processes, replaces, agent, apply)",
+    "mesh_host_apply_failures", "Applies that stopped, by the kind of step that failed (account, "
+    "bundle, file, containers, prepare, processes, tools, replaces, agent, apply)",
     ["step"], registry=REGISTRY,
 )  # fmt: skip
 BUNDLE_FETCHES = Counter(
@@ -51,11 +51,6 @@ def applied(digest: str, epoch: int) -> None:
     DECLARATION.info({"digest": digest, "epoch": str(epoch)})
 
 
-def step_of(step: str) -> str:
-    """A failed step's kind (`bundle sha256:…` -> `bundle`): a label with a few values."""
-    return step.split(" ", 1)[0]
-
-
 class Processes(Collector):
     """The supervisor's processes, read when scraped: how many in each state, and whether each
     is healthy."""
@@ -71,7 +66,7 @@ class Processes(Collector):
             "mesh_host_processes", "Processes by state (starting, running, backoff, exited, "
             "failed, stopped)", labels=["state"],
         )  # fmt: skip
-        counts: dict[str, int] = {"running": 0}
+        counts: dict[ProcessStatus, int] = {"running": 0}
         for p in now:
             counts[p.state] = counts.get(p.state, 0) + 1
         for state, n in sorted(counts.items()):

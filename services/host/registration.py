@@ -6,6 +6,10 @@ fleet it loaded) and each host waits a random moment within it before it asks, s
 registrations arrive spread evenly instead of all in the first few milliseconds. The holder
 judges nobody down for the silence of a takeover (services/controller/fleet.py), so waiting
 costs a machine nothing: its beats keep it up meanwhile.
+
+`follow` is the task that hears every `held` from the agent's start (main.py subscribes before
+the first registration, so a takeover during it is not missed): a new holder is registered
+with, and our own holder back on NATS after an outage of its own is told everything again.
 """
 
 import logging
@@ -15,10 +19,13 @@ from collections.abc import Callable
 
 import anyio
 from nats.aio.client import Client
+from nats.aio.subscription import Subscription
 
-from mesh import bus, subjects, wire
+from mesh import bus, origin, subjects, wire
+from mesh.auth.signing import Signing
 from mesh.errors import MeshError
 from mesh.model import Register, RegisterReply, SeatAnnounce
+from services.host.reporting import Reports
 from services.host.verbs import HostStatus
 
 log = logging.getLogger("mesh.host")
@@ -97,3 +104,29 @@ async def register(
                 "add --tier --label, mesh tier, mesh label)", registration.name,
             )  # fmt: skip
         return
+
+
+async def follow(
+    nc: Client,
+    held: Subscription,
+    *,
+    current: Callable[[], Register],
+    status: HostStatus,
+    signing: Signing,
+    reports: Reports,
+) -> None:
+    """The seat's follower: acts on each announcement `held` brings (its subscription to
+    mesh.seat.mesh-controller.held), until cancelled."""
+    async for msg in origin.arrivals(held):
+        # Signed by the controllers, or refused: a forged `held` would set every host registering.
+        announce = signing.announcement(msg, subscribed=held.subject)
+        if announce is None:
+            continue
+        if announce.epoch > status.epoch:  # a holder we have not registered with
+            await anyio.sleep(delay(announce))  # spread the storm
+            await register(nc, current, status, at_least=announce.epoch)
+            await reports.both()
+        elif announce.epoch == status.epoch:
+            # Our holder, back on NATS after an outage of its own: what we reported
+            # meanwhile may not have reached it.
+            await reports.again()

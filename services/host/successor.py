@@ -186,6 +186,23 @@ async def start(key: str, bundle: Path, args: list[str]) -> Started:
     return started
 
 
+class Handing:
+    """The old agent's side, as its apply calls it (Applier's `hand_over`): start the new agent
+    from a bundle; once it is ready, stop everything of this agent (`scope`: the agent's task
+    group) and leave `started` for `commit`, which the agent calls once it has stopped."""
+
+    def __init__(self, args: list[str], scope: anyio.CancelScope) -> None:
+        self._args = args  # this agent's own arguments, given to the new one
+        self._scope = scope
+        self.started: Started | None = None  # the new agent, once it said it is ready
+
+    async def __call__(self, key: str, bundle: Path) -> None:
+        """Raises Failed, changing nothing."""
+        self.started = await start(key, bundle, self._args)
+        self._scope.cancel()
+        await anyio.sleep_forever()  # cancelled: the apply ends here, nothing saved
+
+
 async def commit(started: Started, root: Path) -> None:
     """Let go: the new agent takes the machine. Returns once it runs it; if it dies first, it
     is killed and this agent runs itself again (exec: the same pid) to take everything back."""

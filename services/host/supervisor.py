@@ -22,7 +22,7 @@ from anyio.abc import TaskGroup
 from nats.aio.client import Client
 
 from mesh.lifetime import first_of
-from mesh.model import ProcessState
+from mesh.model import ProcessState, ProcessStatus
 from mesh.modules.compose import DProcess, DTool, canonical_process
 from mesh.modules.gate import duration
 from services.host import checks, metrics, processes
@@ -61,7 +61,7 @@ class Supervised:
         self._changed = changed
         self.instance: Instance | None = None
         self.pipes: processes.Pipes | None = None  # the host's ends, when piped
-        self.state = "starting"
+        self.state: ProcessStatus = "starting"
         self.healthy = False
         self.became_healthy = anyio.Event()
         self.last_error = ""
@@ -77,7 +77,7 @@ class Supervised:
             pid=self.instance.pid if self.instance else None,
         )
 
-    def _set(self, state: str, *, healthy: bool | None = None, error: str = "") -> None:
+    def _set(self, state: ProcessStatus, *, healthy: bool | None = None, error: str = "") -> None:
         changed = state != self.state or (healthy is not None and healthy != self.healthy)
         self.state = state
         if healthy is not None:

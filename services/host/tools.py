@@ -30,7 +30,7 @@ from anyio.abc import TaskGroup
 from nats.aio.client import Client
 
 from mesh import wire
-from mesh.model import ProcessState, ToolInfo, ToolServerReport
+from mesh.model import ProcessState, ToolInfo, ToolServerReport, ToolServerStatus
 from mesh.modules.compose import DTool
 from mesh.modules.gate import duration
 from services.host import processes
@@ -161,13 +161,19 @@ class ToolServer(Supervised):
         state = super().report()
         return msgspec.structs.replace(state, tool=True, error=self.problem[:256])
 
-    def condition(self) -> str:
-        """ready, starting, backoff, failed or stopped: what a caller can expect."""
+    def condition(self) -> ToolServerStatus:
+        """What a caller can expect: `ready` once healthy; `starting` while it runs but has not
+        listed its tools (or answered badly and is about to be killed); else as the process is
+        (a tool server is always restarted: it never stays `exited`)."""
         if self.healthy:
             return "ready"
-        if self.state == "running":
-            return "starting"
-        return self.state
+        match self.state:
+            case "starting" | "running":
+                return "starting"
+            case "exited":
+                return "stopped"
+            case state:
+                return state
 
     async def call(self, tool: str, arguments: dict[str, Any], *, timeout: float) -> Any:
         session = self.session

@@ -1,0 +1,325 @@
+"""One hold of the seat: take it, serve, hand over, release (`Hold`), and the holder's own tasks
+beside the verbs: plan work, and stepping down when NATS is gone.
+
+A holder cut off from NATS for BUS_GRACE steps down (`BusLost`): as nats-py reports it (a
+closed connection), or as its own round trips find it (a silent link). A hold's last steps run
+at once, each on its own deadline, so a store or bus that is gone never keeps the lock.
+"""
+
+import logging
+import time
+from collections.abc import Awaitable
+from datetime import UTC, datetime
+
+import anyio
+import asyncpg
+import msgspec
+from anyio.abc import TaskGroup
+from nats.aio.client import Client
+from nats.aio.subscription import Subscription
+from nats.js.kv import KeyValue
+
+from mesh import blobs, bus, errors, paging, subjects, wire
+from mesh.auth.signing import Signing
+from mesh.config import EventsKept
+from mesh.errors import MeshError, reason
+from mesh.model import Handover, SeatAnnounce, SeatInfo
+from mesh.serving import Stats
+from mesh.store import events, replication, seats
+from services.controller import epochs, handover, metrics, pruning
+from services.controller.changes import Changes
+from services.controller.fleet import Fleet, open_bus
+from services.controller.handover import VerbSubscriptions
+from services.controller.planner import Planner
+from services.controller.publishing import Manifests, Publisher
+from services.controller.readiness import Readiness
+from services.controller.reports import HostReports
+from services.controller.seat import SeatLock, SeatLost
+from services.controller.standbys import Releases, Standbys
+from services.controller.stopping import Stop, attempt
+from services.controller.verbs import Holder
+from services.controller.views import Views
+
+log = logging.getLogger("mesh.controller")
+
+BUS_GRACE = 3.0  # a holder cut off from NATS this long steps down (docs/design.md, the seat)
+ROUND_TRIP_EVERY = 1.0  # how often the holder checks that NATS answers
+
+# A store session that ended under us, as asyncpg says it.
+_SESSION_ENDED = (
+    asyncpg.InterfaceError, asyncpg.PostgresConnectionError,
+    asyncpg.exceptions.OperatorInterventionError,
+)  # fmt: skip
+
+
+class BusLost(MeshError):
+    """The holder lost NATS for longer than BUS_GRACE and gave up the seat."""
+
+
+class Controller(msgspec.Struct):
+    """What this controller keeps across its holds and its turns standing by."""
+
+    nc: Client
+    link: bus.Link
+    pool: asyncpg.Pool
+    me: SeatAnnounce  # who this controller is, as it announces itself
+    standbys: Standbys  # the standbys it hears
+    released: Releases  # holders heard letting go
+    ready: Readiness  # what its module's check reads
+    signing: Signing  # what it announces, signed; what it hears, checked
+    events: EventsKept  # how much history the store keeps (pruning.py)
+    stats: Stats  # every hold's verbs, counted together
+    down_after: int  # beats a machine may miss before it is down
+
+
+class Hold:
+    """One hold of the seat, in its named parts and in this order: take the seat (`_take`),
+    serve verbs and hear the hosts' reports (`_serve`) until asked to stop, hand over
+    (`_hand_over`), and release (`_release`), whatever happened in between."""
+
+    def __init__(
+        self, c: Controller, *, lock: SeatLock, verbs: VerbSubscriptions, stop: Stop
+    ) -> None:
+        self.nc = c.nc
+        self.signing = c.signing
+        self.link = c.link
+        self.pool = c.pool
+        self.lock = lock
+        self.me = c.me
+        self.standbys = c.standbys
+        self.down_after = c.down_after
+        self.verbs = verbs
+        self.stop = stop
+        self.released = c.released
+        self.ready = c.ready
+        self.events = c.events  # how much history the store keeps (pruning.py)
+        self.reports: list[Subscription] = []  # the hosts' reports, once subscribed
+        self.seat_kv: KeyValue | None = None  # the bus's record of the seat (epochs)
+        self.warnings: list[str] = []  # what the takeover found wrong with the store
+
+    async def run(self) -> None:
+        try:
+            row, taken = await self._take()
+        except _SESSION_ENDED as e:  # the store went (a restart, a dropped database) as we took
+            raise SeatLost(f"the store failed as the seat was taken: {reason(e)}") from e
+        self.link.answered_at = time.monotonic()  # the round trips start with the hold
+        fleet = Fleet(
+            pool=self.pool, epoch=row.epoch, down_after=self.down_after,
+            open_bus=lambda: open_bus(self.nc), bus_answered=lambda: self.link.answered_at,
+        )  # fmt: skip
+        await fleet.load()
+        _, obs = await blobs.ensure(self.nc)
+        held = msgspec.structs.replace(self.me, since=row.since, epoch=row.epoch,
+                                       register_within=fleet.registration_window())  # fmt: skip
+        try:
+            async with anyio.create_task_group() as background:
+                manifests = Manifests()
+                publisher = Publisher(pool=self.pool, js=self.nc.jetstream(), epoch=row.epoch,
+                                      manifests=manifests, holder=self.me.instance)  # fmt: skip
+                changes = Changes(
+                    pool=self.pool, nc=self.nc, obs=obs, fleet=fleet, epoch=row.epoch,
+                    signing=self.signing,
+                    manifests=manifests, publisher=publisher, wake=lambda: planner.wake(),
+                )  # fmt: skip
+                views = Views(
+                    pool=self.pool, nc=self.nc, obs=obs, fleet=fleet, manifests=manifests,
+                    publisher=publisher,
+                    budget=lambda: paging.budget(self.nc.max_payload),
+                )  # fmt: skip
+                planner = Planner(pool=self.pool, publisher=publisher, fleet=fleet, epoch=row.epoch,
+                                  nc=self.nc, obs=obs)  # fmt: skip
+                # Slow verbs run in `serving`, answered before we go.
+                async with anyio.create_task_group() as serving:
+                    assert row.since is not None
+                    holder = Holder(
+                        seat=SeatInfo(holder=self.me.instance, pid=self.me.pid, host=self.me.host,
+                                      epoch=row.epoch, since=row.since, warnings=self.warnings,
+                                      version=self.me.version),
+                        fleet=fleet, standbys=self.standbys, changes=changes, views=views,
+                        publisher=publisher, planner=planner,
+                        tasks=serving, handover=taken, stop=self.stop.handover,
+                    )  # fmt: skip
+                    await self._serve(
+                        holder=holder, reports=HostReports(fleet=fleet, publisher=publisher),
+                        held=held, background=background,
+                    )  # fmt: skip
+                    plans = anyio.CancelScope()
+                    background.start_soon(_plan_work, publisher, planner, row.epoch, plans)
+
+                    await self.stop.requested.wait()
+                    await self._hand_over(held=held, plans=plans)
+                    serving.cancel_scope.deadline = anyio.current_time() + 10  # slow verbs finish
+                background.cancel_scope.cancel()
+        except BaseException as e:
+            cause = errors.leaf(e)
+            if isinstance(cause, Exception):  # said when it happens, not only at the exit
+                log.warning("controller %s steps down: %s", self.me.instance, reason(cause))
+            raise
+        finally:
+            await self._release(fleet=fleet, held=held)
+
+    async def _take(self) -> tuple[seats.SeatRow, Handover]:
+        """Take the seat: a new epoch above both the store's and the bus's, recorded in both,
+        and how it came to us (a handover, or not)."""
+        lock, me = self.lock, self.me
+        assert lock.conn is not None
+        self.seat_kv = await blobs.ensure_seat(self.nc)
+        on_bus = await epochs.read(self.seat_kv)
+        bus_epoch = on_bus.record.epoch if on_bus.record else 0
+        before = await seats.read(lock.conn, seat=subjects.SEAT)
+        row = await seats.take(
+            lock.conn, seat=subjects.SEAT, holder=me.instance, pid=me.pid, host=me.host,
+            at_least=bus_epoch + 1,
+        )  # fmt: skip
+        assert row.since is not None
+        store_epoch = before.epoch if before else 0
+        if store_epoch < bus_epoch:
+            warning = (
+                f"the store's epoch ({store_epoch}) was below the bus's ({bus_epoch}): the store "
+                "lost writes, as a failover without synchronous replication does; took epoch "
+                f"{row.epoch}, above both"
+            )
+            log.warning("controller %s: %s", me.instance, warning)
+            self.warnings.append(warning)
+            await events.record(self.pool, "seat.store_behind", store_epoch=store_epoch,
+                                bus_epoch=bus_epoch, epoch=row.epoch)  # fmt: skip
+        await epochs.claim(self.seat_kv, seen=on_bus, epoch=row.epoch, holder=me.instance,
+                           pid=me.pid)  # fmt: skip
+        said = await replication.check(lock.conn)
+        if said.warning is not None:  # HA needs synchronous replication (docs/operations.md)
+            log.warning("controller %s: %s", me.instance, said.warning)
+            self.warnings.append(said.warning)
+        self.ready.set("holding", row.epoch)
+        previous = before.holder if before else None
+        let_go = self.released.take(previous) if previous else None
+        taken = Handover(
+            at=row.since, from_=previous, to=me.instance, planned=let_go is not None,
+            gap_ms=round((time.monotonic() - let_go) * 1000, 1) if let_go is not None else None,
+        )  # fmt: skip
+        await events.record(
+            self.pool, "seat.taken", epoch=row.epoch, holder=me.instance, pid=me.pid,
+            previous=previous, planned=taken.planned, gap_ms=taken.gap_ms,
+        )  # fmt: skip
+        metrics.took_seat(row.epoch, planned=taken.planned, previous=previous)
+        how = f" (handed over by {previous} after {taken.gap_ms} ms)" if taken.planned else ""
+        log.info("controller %s holds the seat %s, epoch %d%s", me.instance, subjects.SEAT,
+                 row.epoch, how)  # fmt: skip
+        return row, taken
+
+    async def _serve(
+        self, *, holder: Holder, reports: HostReports, held: SeatAnnounce, background: TaskGroup
+    ) -> None:
+        """Serve verbs, hear the hosts, say `held`, and start the holder's background work."""
+        nc = self.nc
+        await self.verbs.subscribe()
+        self.verbs.serve(holder=holder, tasks=holder.tasks, fresh=self.lock.fresh)
+        self.reports = await reports.subscribe(nc)
+        await nc.flush()
+        await _say(nc, self.signing, "held", held)
+
+        def back_on_nats() -> None:
+            holder.fleet.forgive()  # beats lost while we were away are not theirs
+            # ...and reports may have been lost too: `held` again asks every host for them.
+            background.start_soon(attempt, "announce held again",
+                                  _say(nc, self.signing, "held", held))  # fmt: skip
+
+        self.link.on_up = back_on_nats
+        background.start_soon(self.lock.watch)
+        assert self.seat_kv is not None
+        background.start_soon(lambda: epochs.watch(self.seat_kv, epoch=held.epoch))
+        background.start_soon(holder.fleet.run)
+        background.start_soon(
+            lambda: pruning.keep_pruned(self.pool, epoch=held.epoch, kept=self.events)
+        )
+        background.start_soon(holder.publisher.keep_published)
+        background.start_soon(metrics.HELD.holding, holder.fleet, self.pool)
+        background.start_soon(_step_down_without_bus, self.link, nc)
+
+    async def _hand_over(self, *, held: SeatAnnounce, plans: anyio.CancelScope) -> None:
+        nc = self.nc
+        self.ready.set("handing-over", held.epoch)
+        # The handover (docs/design.md, the seat): a standby joins the verb group first.
+        answers = self.link.answers(self.nc)
+        successor = await handover.announce(nc, held, self.signing) if answers else None
+        log.info("controller %s hands over the seat%s", self.me.instance,
+                 f" to {successor}" if successor else " (no standby answered)")  # fmt: skip
+        plans.cancel()  # every plan write is a fenced transaction: the next holder goes on
+        await self.verbs.stop(drain=self.link.answers(self.nc))
+
+    async def _release(self, *, fleet: Fleet, held: SeatAnnounce) -> None:
+        nc, lock = self.nc, self.lock
+        # Each step on its own deadline: a store or bus that is gone must not keep the lock.
+        answers = self.link.answers(self.nc)
+        with anyio.CancelScope(shield=True):
+            if not answers:
+                await lock.release()  # nobody can hear us: let the standby have the seat now
+
+            # The bus's steps and the store's at once: a link cut both ways costs one deadline,
+            # not one per step (it was 15 s of them, one after another).
+            unfinished: list[bool] = []
+
+            async def on_bus(stopped: Awaitable[bool]) -> None:
+                if not await stopped:
+                    unfinished.append(True)
+
+            async with anyio.create_task_group() as steps:
+                steps.start_soon(on_bus, self.verbs.stop(drain=answers))
+                for sub in self.reports:
+                    stopping = sub.drain() if answers else sub.unsubscribe()
+                    steps.start_soon(on_bus, attempt(f"stop {sub.subject}", stopping))
+                steps.start_soon(attempt, "flush heartbeats", fleet.flush())
+                steps.start_soon(
+                    attempt, "record release",
+                    events.record(self.pool, "seat.released", epoch=held.epoch,
+                                  holder=self.me.instance),
+                )  # fmt: skip
+            # A drain cut at its deadline: a slow callback, or a silent link? A round trip says.
+            if unfinished and answers and not await attempt("reach NATS", nc.flush(1), within=1):
+                self.link.unanswered()  # then neither announce nor drain at the close
+            # Said before the lock goes, so the standby that gets it has heard it: its takeover
+            # is known to be a handover, and the gap is measured from here.
+            gone = msgspec.structs.replace(held, at=datetime.now(UTC))
+            if self.link.answers(nc):
+                await attempt("announce release", _announce_flushed(nc, self.signing, gone))
+            await lock.release()
+            metrics.left_seat()
+            log.info("controller %s released the seat, epoch %d", self.me.instance, held.epoch)
+
+
+async def _announce_flushed(nc: Client, signing: Signing, gone: SeatAnnounce) -> None:
+    await _say(nc, signing, "released", gone)
+    await nc.flush()
+
+
+async def _plan_work(
+    publisher: Publisher, planner: Planner, epoch: int, scope: anyio.CancelScope
+) -> None:
+    """Declarations again under this epoch, then plans: a plan's publish never races the
+    republish of what the store had."""
+    with scope:
+        republished = await publisher.republish()
+        if republished:
+            log.info("republished %d declaration(s) under epoch %d", republished, epoch)
+        await planner.run()
+
+
+async def _step_down_without_bus(link: bus.Link, nc: Client) -> None:
+    """Raise BusLost once NATS has been gone for BUS_GRACE: as nats-py reports it (a closed
+    connection), or as our own round trips find it (a silent link)."""
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(lambda: link.round_trips(nc, every=ROUND_TRIP_EVERY, within=BUS_GRACE))
+        tg.start_soon(_unanswered, link)
+        await link.down_for(BUS_GRACE)
+        raise BusLost(f"lost NATS for more than {BUS_GRACE:g}s: gave up the seat")
+
+
+async def _unanswered(link: bus.Link) -> None:
+    await link.silent_for()
+    raise BusLost(
+        f"lost NATS for more than {BUS_GRACE:g}s (our round trips had no answer): gave up the seat"
+    )
+
+
+async def _say(nc: Client, signing: Signing, event: str, what: SeatAnnounce) -> None:
+    """Say a seat event, signed (mesh.auth.signing): hosts and controllers act on no other."""
+    await signing.publish(nc, subjects.seat(event), wire.encode(what))

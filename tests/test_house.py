@@ -1,0 +1,105 @@
+"""House rules the code can be read for (docs/architecture.md), checked on the three layers'
+own source (`mesh/`, `services/`, `programs/`) so that they stay true:
+
+- short functions: none over MAX_LINES lines unless its docstring says why it is kept whole
+  (a process's `run` is wiring of named tasks that live where a reader looks for them);
+- words on the wire are types: a state (or an apply's step kind) is compared only with words a
+  `Literal` declares (mesh/model.py: plan, step, process, tool server states, apply steps), so
+  a typo is found here even where no type checker runs.
+"""
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).parent.parent
+LAYERS = ("mesh", "services", "programs")
+MAX_LINES = 80  # a function's lines, from `def` to its end, docstring included
+KEPT_WHOLE = "kept whole"  # what a longer function's docstring says, with why
+COMPARED = ("state", "step_kind")  # attributes that hold a declared word
+
+
+def _files() -> Iterator[Path]:
+    for layer in LAYERS:
+        yield from sorted((ROOT / layer).rglob("*.py"))
+
+
+def _trees() -> Iterator[tuple[Path, ast.Module]]:
+    for path in _files():
+        yield path, ast.parse(path.read_text(), filename=str(path))
+
+
+def _long(path: Path, tree: ast.Module) -> list[str]:
+    """Functions over MAX_LINES whose docstring does not say why they are kept whole."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            assert node.end_lineno is not None
+            lines = node.end_lineno - node.lineno + 1
+            why = (ast.get_docstring(node) or "").lower()
+            if lines > MAX_LINES and KEPT_WHOLE not in why:
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {lines} lines")
+    return found
+
+
+def _declared(trees: list[tuple[Path, ast.Module]]) -> set[str]:
+    """Every word some `Literal[...]` of the layers declares."""
+    words = set()
+    for _, tree in trees:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Subscript) and getattr(node.value, "id", None) == "Literal":
+                words |= {
+                    n.value
+                    for n in ast.walk(node.slice)
+                    if isinstance(n, ast.Constant) and isinstance(n.value, str)
+                }
+    return words
+
+
+def _compared(path: Path, tree: ast.Module, declared: set[str]) -> list[str]:
+    """Comparisons of a state (`x.state == "..."`, `x.state in (...)`) with undeclared words."""
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Compare):
+            continue
+        sides = [node.left, *node.comparators]
+        if not any(isinstance(s, ast.Attribute) and s.attr in COMPARED for s in sides):
+            continue
+        for side in sides:
+            items = side.elts if isinstance(side, ast.Tuple | ast.List | ast.Set) else [side]
+            found += [
+                f"{path.relative_to(ROOT)}:{node.lineno} compares with {item.value!r}"
+                for item in items
+                if isinstance(item, ast.Constant)
+                and isinstance(item.value, str)
+                and item.value not in declared
+            ]
+    return found
+
+
+def test_no_function_is_long_without_saying_why() -> None:
+    assert [f for path, tree in _trees() for f in _long(path, tree)] == []
+
+
+def test_states_are_compared_only_with_declared_words() -> None:
+    trees = list(_trees())
+    declared = _declared(trees)
+    assert [f for path, tree in trees for f in _compared(path, tree, declared)] == []
+
+
+def test_the_checks_can_fail(tmp_path: Path) -> None:
+    # Each check must be able to fail: a long function, a typo in a compared state.
+    body = "".join(f"    x = {i}\n" for i in range(MAX_LINES))
+    source = tmp_path / "bad.py"
+    source.write_text(
+        'from typing import Literal\nW = Literal["running"]\n'
+        f"def long():\n{body}\n"
+        f'def whole():\n    """Kept whole: a reason."""\n{body}\n'
+        'def typo(p):\n    return p.state == "runing" or p.state == "running"\n'
+    )
+    tree = ast.parse(source.read_text())
+    assert [f.split(" ", 1)[1] for f in _long(ROOT / "x.py", tree)] == [
+        f"long: {MAX_LINES + 1} lines"
+    ]
+    found = _compared(ROOT / "x.py", tree, _declared([(source, tree)]))
+    assert [f.split(" ", 1)[1] for f in found] == ["compares with 'runing'"]
