@@ -7,6 +7,7 @@ Set MESH_TEST_DATABASE_URL to use an existing PostgreSQL instead of the embedded
 import asyncio
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -279,12 +280,40 @@ REAL_SERVICES = {"procs", "nats_server", "pg_admin_url", "database_url"}
 WHOLE_MESHES = {"test_dev_up", "test_init", "test_cluster", "test_network"}
 
 
+# What in a test module's source says it starts a host agent (its own, or inside a whole mesh).
+_STARTS_HOSTS = re.compile(r'start_host|"host", "run"|DevUp\(|"dev", "up"|"init"|secured_fleet')
+
+
+def _starts_hosts(module: object, seen: dict[str, bool]) -> bool:
+    path = getattr(module, "__file__", None)
+    if path is None:
+        return False
+    if path not in seen:
+        seen[path] = bool(_STARTS_HOSTS.search(Path(path).read_text()))
+    return seen[path]
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """A test that starts real servers or services is `slow` (seconds to minutes each):
     `pytest -m "not slow"` runs the rest (gate, composition, archives, wire, planner logic) in
-    seconds while iterating. The whole suite stays the README's test command and CI's."""
+    seconds while iterating. The whole suite stays the README's test command and CI's.
+
+    A slow test of a module that starts host agents is also `hosts`: its outcome can depend on
+    whether a container engine answers on the machine (a host probes for one at its start and
+    reports it), so CI runs these again with the engine hidden (.ci/run); the rest would only
+    repeat themselves."""
+    sources: dict[str, bool] = {}
     for item in items:
         if REAL_SERVICES & set(getattr(item, "fixturenames", ())) or (
             item.module is not None and item.module.__name__ in WHOLE_MESHES
         ):
             item.add_marker(pytest.mark.slow)
+            if _starts_hosts(item.module, sources):
+                item.add_marker(pytest.mark.hosts)
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """`-n auto` (the suite's default, pyproject.toml): twice the cores, at least 4. Most of a
+    slow test's time is spent waiting on the services it started (a beat, a check, a plan's
+    step), so more workers than cores keep the cores busy; more than that only queues."""
+    return max(4, 2 * (os.cpu_count() or 1))

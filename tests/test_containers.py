@@ -8,6 +8,7 @@ is reachable. Without an engine or busybox, these tests skip and say why.
 
 import io
 import json
+import os
 import subprocess
 import tarfile
 import uuid
@@ -20,7 +21,8 @@ from test_processes import SERVER
 
 from mesh.embedded import ports
 
-IMAGE = "mesh-test/busybox:1"
+# One tag per test session: the workers of one run each make their image and remove their own.
+IMAGE = f"mesh-test/busybox:{os.getpid()}"
 
 
 @pytest.fixture(scope="session")
