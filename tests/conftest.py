@@ -310,6 +310,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.slow)
             if _starts_hosts(item.module, sources):
                 item.add_marker(pytest.mark.hosts)
+    # Slow tests first (in their order): in workers, the quick ones then fill the gaps at the
+    # end rather than a minute-long test starting last and running alone.
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
