@@ -26,6 +26,15 @@ from secured import as_identity, fleet, secured  # noqa: F401 (fixtures: tests/s
 from mesh.embedded import natsd, pgauth, ports, postgres
 from mesh.embedded.children import remove_containers, stop_agents, stop_supervised
 
+# Ports of their own for each worker of a run in workers (pytest-xdist's gw0, gw1, ...): below
+# the kernel's ephemeral range, so that no other worker's server nor any outgoing connection's
+# local end takes a port between its choice and its server's bind (mesh/embedded/ports.py).
+# Inherited by every process a test starts.
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+if _WORKER.startswith("gw") and _WORKER[2:].isdigit() and int(_WORKER[2:]) < 8:
+    _first = 20000 + 1500 * int(_WORKER[2:])
+    os.environ[ports.RANGE] = f"{_first}-{_first + 1499}"
+
 
 def _port_open(port: int) -> bool:
     with socket.socket() as s:
