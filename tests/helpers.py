@@ -1,19 +1,26 @@
-"""Small helpers shared by tests: verb calls over a real NATS connection, `mesh dev up` run
-as a user runs it."""
+"""Plain helpers every test may use (fixtures are conftest.py's): verb calls over a real NATS
+connection, the `mesh` command line run as a user runs it, a fleet started and waited for,
+modules written to a folder, plans' tier order, `mesh dev up` read line by line, a copy of the
+mesh. No test module imports another: what two of them share lives here, or in a module of
+tests/ named by what it holds (faults.py, standby.py, secured.py, netns.py, fuzzing.py)."""
 
 import asyncio
+import itertools
 import json
 import os
 import pwd
 import queue
 import re
+import shlex
 import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -24,10 +31,14 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.errors import NoKeysError
 
+from mesh.modules.compose import ModuleVersion
+from mesh.modules.gate import parse
 from mesh.modules.meshsource import PACKAGES, PROJECT_FILE
 
 MESH = [sys.executable, "-P", "-m", "mesh"]
 CHECKOUT = Path(__file__).parent.parent
+HELLO = CHECKOUT / "docs" / "examples" / "hello"  # the example module the guides start with
+HELLO_TOKEN = "s3cr3t-VALUE-7f1c"  # its secret (hello-token), as tests set it and look for it
 
 
 async def ask(nc: Client, subject: str, body: bytes | dict = b"{}", timeout: float = 2) -> Any:
@@ -65,14 +76,23 @@ async def await_until(predicate, *, within: float, what: str):
 
 
 def mesh_cli(
-    *args: str, nats_url: str, timeout: float = 60, creds: str | None = None
+    *args: str,
+    nats_url: str,
+    creds: str | None = None,
+    stdin: str | None = None,
+    answer: float | None = None,
+    timeout: float = 60,
 ) -> subprocess.CompletedProcess:
-    """Run the `mesh` command line as a user would (with `creds` as MESH_CREDS, or none)."""
+    """Run the `mesh` command line as a user would: on `nats_url`, with `creds` as MESH_CREDS
+    (or none), `stdin` as its input; `answer` is its --timeout (how long it waits for an
+    answer; its own default without); the whole command may take `timeout` seconds. The
+    conftest fixture `cli` is this on the test's own NATS."""
     env = {k: v for k, v in os.environ.items() if k != "MESH_CREDS"}
     return subprocess.run(
-        [*MESH, *args],
+        [*MESH, *args, *(["--timeout", f"{answer:g}"] if answer is not None else [])],
         capture_output=True,
         text=True,
+        input=stdin,
         timeout=timeout,
         env={**env, "MESH_NATS_URL": nats_url, **({"MESH_CREDS": creds} if creds else {})},
     )
@@ -107,8 +127,13 @@ def account_of(pid: int) -> str:
 
 def ok(done: subprocess.CompletedProcess) -> str:
     """A command that worked: its output."""
-    assert done.returncode == 0, done.stderr
+    assert done.returncode == 0, f"{done.args}: {done.stderr}{done.stdout}"
     return done.stdout
+
+
+def ok_json(done: subprocess.CompletedProcess) -> Any:
+    """A command that worked (with --json): its output, decoded."""
+    return json.loads(ok(done))
 
 
 def one_line_error(done: subprocess.CompletedProcess) -> str:
@@ -145,6 +170,233 @@ async def kv_history(kv, key: str, *, within: float = 30) -> list:
             return None
 
     return await await_until(read, within=within, what=f"the history of {key}")
+
+
+async def exited(proc: subprocess.Popen) -> tuple[int] | None:
+    """For await_until: (its exit code,) once `proc` has exited (a tuple, so that exit code 0
+    is truthy too), else None."""
+    code = proc.poll()
+    return None if code is None else (code,)
+
+
+async def already(value: object) -> object:
+    """For await_until: a condition already computed (`lambda: already(n > 20)`)."""
+    return value
+
+
+# --- a fleet: controllers and hosts up ------------------------------------------------------
+
+
+async def node_named(nc: Client, name: str, *, timeout: float = 2) -> dict | None:
+    """Machine `name` as `nodes` lists it, or None (not listed, or nobody answered)."""
+    reply = await ask(nc, "mesh.ctl.nodes", timeout=timeout)
+    return next((n for n in reply["nodes"] if n["name"] == name), None) if reply else None
+
+
+async def held_status(nc: Client, *, timeout: float = 1) -> dict | None:
+    """`status` as a holder answers it, or None (nobody answered, or no seat in the reply)."""
+    s = await ask(nc, "mesh.ctl.status", timeout=timeout)
+    return s if s and s.get("seat") else None
+
+
+async def hosts_up(nc: Client, count: int, *, within: float = 30) -> dict:
+    """`status` once a holder answers it with `count` hosts up."""
+
+    async def up() -> dict | None:
+        s = await held_status(nc, timeout=2)
+        return s if s and s["nodes"]["up"] == count else None
+
+    return await await_until(up, within=within, what=f"{count} host(s) up")
+
+
+async def standing_by(nc: Client, instance: str) -> dict | None:
+    """`status` if it lists controller `instance` among the standbys, else None."""
+    s = await held_status(nc)
+    return s if s and instance in [b["instance"] for b in s["standbys"]] else None
+
+
+@dataclass
+class Fleet:
+    """What fleet_up started: controllers and hosts by name, their processes."""
+
+    controllers: dict[str, subprocess.Popen] = field(default_factory=dict)
+    hosts: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+
+async def fleet_up(
+    nc: Client,
+    *,
+    start_controller: Callable[..., subprocess.Popen],
+    start_host: Callable[..., subprocess.Popen],
+    hosts: int,
+    builder: bool = False,
+    controllers: Sequence[str] = ("ctl-a",),
+    within: float = 30,
+) -> Fleet:
+    """The first of `controllers` holding the seat with node-1..N up in tiers 0, 1, 2 (the
+    rest in tier 2; node-1 labelled builder=true with `builder`), then each other controller
+    standing by. `start_controller(name)` and `start_host(name, *flags)` start a piece: the
+    conftest fixtures' (its `start_fleet` is this on the test's own servers), or a test's own
+    (in network namespaces, on a store of its own)."""
+    first, *standbys = controllers
+    fleet = Fleet(controllers={first: start_controller(first)})
+    for i in range(hosts):
+        name = f"node-{i + 1}"
+        label = ["--label", "builder=true"] if builder and i == 0 else []
+        fleet.hosts[name] = start_host(name, "--tier", str(min(i, 2)), *label)
+    await hosts_up(nc, hosts, within=within)
+    for name in standbys:
+        fleet.controllers[name] = start_controller(name)
+        await await_until(lambda n=name: standing_by(nc, n), within=within,
+                          what=f"{name} standing by")  # fmt: skip
+    return fleet
+
+
+# --- modules and plans ----------------------------------------------------------------------
+
+
+def write_module(folder: Path, manifest: str, files: dict[str, str] | None = None) -> Path:
+    """A module's source folder: `manifest` as its module.toml, and `files` (a path in the
+    folder: its text) beside it."""
+    for path, text in (files or {}).items():
+        (folder / path).parent.mkdir(parents=True, exist_ok=True)
+        (folder / path).write_text(text)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "module.toml").write_text(manifest)
+    return folder
+
+
+def built_module(
+    folder: Path, script: str, *, description: str | None = None, process: bool = True,
+    extra: str = "",
+) -> Path:  # fmt: skip
+    """Module `built`: its bundle `app` built on a builder by `script` (`sh build.sh`, its
+    output out/app), and a process running it as account `app` (without `process`, the
+    bundle alone); `extra` ends the manifest."""
+    about = f'description = "{description}"\n' if description is not None else ""
+    runs = '[account.app]\n[process.app]\nbundle = "app"\ncommand = ["./app"]\naccount = "app"\n'
+    return write_module(
+        folder,
+        f'[module]\nname = "built"\n{about}'
+        '[bundle.app]\nkind = "binary"\nsource = "src"\nbuild = ["sh", "build.sh"]\n'
+        f'output = "out/app"\ntimeout = "60s"\n{runs if process else ""}{extra}',
+        {"src/build.sh": script},
+    )
+
+
+SERVER = """\
+import socket, sys, time
+version, port, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+print(f"version {version} starting", flush=True)
+if mode == "crash":
+    sys.exit(3)
+if mode == "deaf":  # runs, never listens: never healthy
+    time.sleep(3600)  # ok: the process under test runs and never listens
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", port))
+s.listen()
+print(f"version {version} listening on {port}", flush=True)
+while True:
+    conn, _ = s.accept()
+    conn.close()
+"""
+
+PREPARE = "import os\nopen(os.environ['MESH_FILES'] + '/prepared', 'w').write('yes')\n"
+
+
+def svc_module(
+    folder: Path, *, version: str, port: int, mode: str = "serve", extra: str = ""
+) -> Path:
+    """Module `svc` on node-1: SERVER (`version`, listening on `port`; mode "crash" exits 3,
+    "deaf" never listens) as account `svc`, healthy once it accepts connections; `extra` ends
+    its process table; src/prepare.py is there for a `prepare` step to run."""
+    return write_module(
+        folder,
+        '[module]\nname = "svc"\n'
+        '[bundle.svc]\nkind = "files"\nsource = "src"\n'
+        "[account.svc]\n"
+        '[process.svc]\nbundle = "svc"\naccount = "svc"\n'
+        f'command = ["python3", "server.py", "{version}", "{port}", "{mode}"]\n'
+        f'check = {{ tcp = {port}, every = "300ms", passes = 2 }}\n'
+        f"{extra}"
+        # The plan waits longer than the host's own health window, so a failure a test reads
+        # is the host's verdict, not the plan giving up first and reverting.
+        '[rollout]\ndeadline = "150s"\n'
+        '[assign]\nmachines = ["node-1"]\n',
+        {"src/server.py": SERVER, "src/prepare.py": PREPARE},
+    )
+
+
+GATED_CHECK = """\
+import os, sys
+root = os.path.join(os.environ["MESH_FILES"], "..", "..", "..")
+mode, name = sys.argv[1], sys.argv[2]
+there = os.path.exists(os.path.join(root, name))
+sys.exit(0 if there == (mode == "needs") else 1)
+"""
+
+
+def gated_module(
+    folder: Path,
+    *,
+    name: str = "gated",
+    mode: str = "needs",
+    marker: str = "",
+    deadline: str = "20s",
+    version: str = "1",
+    tiers: str = "[0, 1, 2]",
+    extra: str = "",
+) -> Path:
+    """A module whose process is healthy when `marker` exists in its host's root (mode
+    "needs") or as long as it does not ("fails-if"); "" means always healthy. A test decides
+    when, and on which machine, a version becomes healthy, without sleeping."""
+    check = f'exec = ["python3", "check.py", "{mode}", "{marker}"]' if marker else 'exec = ["true"]'
+    return write_module(
+        folder,
+        f'[module]\nname = "{name}"\ndescription = "version {version}"\n'
+        '[bundle.code]\nkind = "files"\nsource = "src"\n'
+        f'[process.{name}]\nbundle = "code"\ncommand = ["sleep", "3600"]\nroot = true\n'
+        f'check = {{ {check}, every = "200ms", passes = 1 }}\n'
+        f'[rollout]\ndeadline = "{deadline}"\n{extra}'
+        f"[assign]\ntiers = {tiers}\n",
+        {"src/check.py": GATED_CHECK},
+    )
+
+
+def assert_tier_order(plan: dict) -> None:
+    """Every step of a tier finished before any step of a later tier started."""
+    tiers = sorted({s["tier"] for s in plan["steps"]})
+    for earlier, later in itertools.pairwise(tiers):
+        last_end = max(when(s["finished"]) for s in plan["steps"] if s["tier"] == earlier)
+        started = [when(s["started"]) for s in plan["steps"] if s["tier"] == later and s["started"]]
+        assert all(last_end <= t for t in started), (earlier, later, plan["steps"])
+
+
+def when(text: str | None) -> datetime:
+    """A time a reply gives (ISO 8601), which must be there."""
+    assert text is not None
+    return datetime.fromisoformat(text)
+
+
+def module_version(name: str, body: str, *, bundles: dict[str, str] | None = None) -> ModuleVersion:
+    """Module `name` (manifest `body` after its [module] table) as the controller holds it,
+    for composition without a controller: its bundles' digests made up unless given."""
+    manifest = parse(f'[module]\nname = "{name}"\n' + body)
+    digests = bundles if bundles is not None else {b: f"sha256:{name}-{b}" for b in manifest.bundle}
+    return ModuleVersion(name=name, version=f"sha256:v-{name}", manifest=manifest, bundles=digests)
+
+
+# --- `mesh dev up`, as a user runs it -------------------------------------------------------
+
+
+def env_file(folder: Path) -> dict[str, str]:
+    """What `source FOLDER/env` exports (`mesh dev up`'s, `mesh init`'s)."""
+    exported = {}
+    for line in (folder / "env").read_text().splitlines():
+        name, _, value = line.removeprefix("export ").partition("=")
+        exported[name] = shlex.split(value)[0]
+    return exported
 
 
 class DevUp:
