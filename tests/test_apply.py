@@ -11,17 +11,8 @@ import uuid
 from pathlib import Path
 
 import pytest
-from helpers import (
-    HELLO,
-    HELLO_TOKEN,
-    MESH,
-    ask,
-    await_until,
-    hosts_up,
-    node_named,
-    ok,
-    write_module,
-)
+from helpers import MESH, ask, await_until, hosts_up, node_named, ok
+from module_folders import HELLO, HELLO_TOKEN, write_module
 
 from mesh import osaccounts
 from mesh.modules.compose import DAccount

@@ -27,12 +27,10 @@ import asyncpg
 import msgspec
 import pytest
 from helpers import (
-    HELLO,
     MESH,
     DevUp,
     ask,
     await_until,
-    built_module,
     env_file,
     mesh_cli,
     next_failure,
@@ -41,6 +39,7 @@ from helpers import (
     ok_json,
     one_line_error,
 )
+from module_folders import HELLO, built_module
 from nats.aio.client import Client
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy

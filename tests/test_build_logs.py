@@ -4,7 +4,8 @@ its last 256 KiB, saying how much was cut, and a failed build's last lines stay 
 import re
 
 import asyncpg
-from helpers import built_module, ok
+from helpers import ok
+from module_folders import built_module
 
 from services.host.builder import LOG_KEEP, TAIL_BYTES
 

@@ -4,9 +4,9 @@ and a declaration's bytes and digest do not depend on module or field order."""
 import random
 
 import pytest
-from helpers import module_version
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from module_folders import module_version
 
 from mesh.modules.compose import (
     Conflict,

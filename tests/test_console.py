@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
-from helpers import DevUp, mesh_cli, ok, one_line_error, write_module
+from helpers import DevUp, mesh_cli, ok, one_line_error
+from module_folders import write_module
 
 from mesh import subjects
 from mesh.auth.policy import OPERATOR_WATCH, User, permissions

@@ -14,15 +14,8 @@ import uuid
 from pathlib import Path
 
 import pytest
-from helpers import (
-    await_until,
-    engine_answers,
-    next_failure,
-    node_named,
-    ok,
-    svc_module,
-    write_module,
-)
+from helpers import await_until, engine_answers, next_failure, node_named, ok
+from module_folders import svc_module, write_module
 
 from mesh.embedded import ports
 

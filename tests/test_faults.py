@@ -42,12 +42,12 @@ from helpers import (
     await_until,
     exited,
     fleet_up,
-    gated_module,
     held_status,
     mesh_cli,
     ok_json,
     standing_by,
 )
+from module_folders import gated_module
 
 from mesh import wire
 from mesh.embedded import natsd, pgauth, ports, postgres

@@ -11,7 +11,8 @@ import subprocess
 import anyio
 import httpx
 import pytest
-from helpers import MESH, DevUp, ask, await_until, mesh_cli, ok_json, wait_until, write_module
+from helpers import MESH, DevUp, ask, await_until, mesh_cli, ok_json, wait_until
+from module_folders import write_module
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.parser import text_string_to_metric_families
 

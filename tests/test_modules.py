@@ -8,18 +8,8 @@ from pathlib import Path
 
 import asyncpg
 import pytest
-from helpers import (
-    HELLO,
-    HELLO_TOKEN,
-    MESH,
-    ask,
-    await_until,
-    built_module,
-    kv_keys,
-    ok,
-    ok_json,
-    one_line_error,
-)
+from helpers import MESH, ask, await_until, kv_keys, ok, ok_json, one_line_error
+from module_folders import HELLO, HELLO_TOKEN, built_module
 
 
 async def declarations(nc) -> dict[str, dict]:

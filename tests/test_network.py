@@ -50,12 +50,12 @@ from helpers import (
     await_until,
     exited,
     fleet_up,
-    gated_module,
     held_status,
     mesh_cli,
     node_named,
     ok_json,
 )
+from module_folders import gated_module
 
 from mesh import bus
 from mesh.auth import tls

@@ -12,17 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import (
-    HELLO,
-    HELLO_TOKEN,
-    MESH,
-    await_until,
-    engine_answers,
-    node_named,
-    ok,
-    ok_json,
-    write_module,
-)
+from helpers import MESH, await_until, engine_answers, node_named, ok, ok_json
+from module_folders import HELLO, HELLO_TOKEN, write_module
 
 NO_ENGINE = Path(__file__).parent / "no_engine.py"
 HIDDEN = [sys.executable, str(NO_ENGINE)]

@@ -18,7 +18,8 @@ from pathlib import Path
 import anyio
 import asyncpg
 import pytest
-from helpers import ask, await_until, mesh_cli, ok, ok_json, write_module
+from helpers import ask, await_until, mesh_cli, ok, ok_json
+from module_folders import write_module
 
 from mesh import paging, wire
 from mesh.client.asking import VerbFailed

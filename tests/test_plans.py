@@ -17,16 +17,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers import (
-    MESH,
-    ask,
-    assert_tier_order,
-    await_until,
-    gated_module,
-    hosts_up,
-    ok_json,
-    when,
-)
+from helpers import MESH, ask, assert_tier_order, await_until, hosts_up, ok_json, when
+from module_folders import gated_module
 from nats.errors import TimeoutError as NatsTimeout
 from prometheus_client.parser import text_string_to_metric_families
 

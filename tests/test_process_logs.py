@@ -12,7 +12,8 @@ from pathlib import Path
 
 import anyio
 import pytest
-from helpers import MESH, already, ask, await_until, mesh_cli, ok, write_module
+from helpers import MESH, already, ask, await_until, mesh_cli, ok
+from module_folders import write_module
 
 from services.host import logwriter
 

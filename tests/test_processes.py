@@ -10,16 +10,8 @@ import uuid
 from pathlib import Path
 
 import pytest
-from helpers import (
-    SERVER,
-    ask,
-    await_until,
-    mesh_cli,
-    next_failure,
-    ok,
-    svc_module,
-    write_module,
-)
+from helpers import ask, await_until, mesh_cli, next_failure, ok
+from module_folders import SERVER, svc_module, write_module
 
 from mesh.embedded import ports
 

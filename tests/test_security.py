@@ -15,17 +15,8 @@ from pathlib import Path
 import anyio
 import msgspec
 import pytest
-from helpers import (
-    HELLO,
-    MESH,
-    ask,
-    await_until,
-    built_module,
-    node_named,
-    ok,
-    ok_json,
-    one_line_error,
-)
+from helpers import MESH, ask, await_until, node_named, ok, ok_json, one_line_error
+from module_folders import HELLO, built_module
 from nats.aio.client import Client
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import ConsumerConfig, DeliverPolicy

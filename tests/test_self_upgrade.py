@@ -17,8 +17,8 @@ from helpers import (
     mesh_copy,
     ok,
     ok_json,
-    write_module,
 )
+from module_folders import write_module
 
 NODES = ("node-1", "node-2", "node-3")
 UPGRADE = 600  # seconds a command may take while the mesh upgrades itself

@@ -18,7 +18,8 @@ import asyncpg
 import msgspec
 import nats
 import pytest
-from helpers import ask, await_until, mesh_cli, ok, ok_json, one_line_error, write_module
+from helpers import ask, await_until, mesh_cli, ok, ok_json, one_line_error
+from module_folders import write_module
 from nats.aio.client import Client
 from nats.errors import TimeoutError as NatsTimeout
 

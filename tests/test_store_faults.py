@@ -48,11 +48,11 @@ from helpers import (
     await_until,
     exited,
     fleet_up,
-    gated_module,
     held_status,
     mesh_cli,
     ok_json,
 )
+from module_folders import gated_module
 from standby import DATABASE, Pair, promote, start_pair, sync_pair
 
 from mesh.embedded import natsd, pgauth, postgres

@@ -4,7 +4,7 @@ naming both modules, and a declaration stays canonical: a machine without tool s
 the bytes it had before they existed, `${machine}` is substituted, and the diff names them."""
 
 import pytest
-from helpers import module_version
+from module_folders import module_version
 
 from mesh.modules.compose import Conflict, canonical, compose, digest, encode, merge, prepare
 from mesh.modules.diff import diff
