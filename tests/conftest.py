@@ -3,9 +3,9 @@ real controller and host processes that are always killed at the end, even when 
 
 Set MESH_TEST_DATABASE_URL to use an existing PostgreSQL instead of the embedded one.
 
-And what tests share as fixtures: a fleet started with their parameters (`start_fleet`), the
-command line on their NATS (`cli`), a folder other accounts reach (`open_dir`, `made`), stores
-with a standby (`pairs`); the plain helpers are helpers.py's.
+Beside them, what tests share as fixtures: a fleet started with their parameters
+(`start_fleet`), the command line on their NATS (`cli`), a folder other accounts reach
+(`open_dir`, `made`), stores with a standby (`pairs`); plain helpers are helpers.py's.
 """
 
 import asyncio

@@ -72,7 +72,7 @@ def inspect(name: str) -> dict | None:
 
 
 def replacing(folder: Path, *, old: str, port: int, mode: str) -> Path:
-    """helpers.svc_module, version 1, replacing container `old` once healthy (start-first)."""
+    """module_folders.svc_module at version 1, replacing container `old` once healthy."""
     extra = f'replaces = "{old}"\nupdate = "start-first"\n'
     return svc_module(folder, version="1", port=port, mode=mode, extra=extra)
 

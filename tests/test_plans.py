@@ -3,8 +3,8 @@ the deadline, a killed controller's plan is finished by the next holder, plans q
 shows the progress the holder tells and asks `plan` only a few times, across a handover too.
 
 Real controllers, hosts, NATS and PostgreSQL. A module's health check here is a small script
-that looks for a marker file in its host's root (helpers.gated_module), so a test decides when
-(and on which machine) a version becomes healthy or never does, without sleeping.
+that looks for a marker file in its host's root (module_folders.gated_module), so a test
+decides when (and on which machine) a version becomes healthy or never does, without sleeping.
 """
 
 import json
