@@ -14,7 +14,7 @@ HELLO = CHECKOUT / "docs" / "examples" / "hello"  # the example module the guide
 HELLO_TOKEN = "s3cr3t-VALUE-7f1c"  # its secret (hello-token), as tests set it and look for it
 
 
-def write_module(folder: Path, manifest: str, files: dict[str, str] | None = None) -> Path:
+def write_module(folder: Path, manifest: str, *, files: dict[str, str] | None = None) -> Path:
     """A module's source folder: `manifest` as its module.toml, and `files` (a path in the
     folder: its text) beside it."""
     for path, text in (files or {}).items():
@@ -39,7 +39,7 @@ def built_module(
         f'[module]\nname = "built"\n{about}'
         '[bundle.app]\nkind = "binary"\nsource = "src"\nbuild = ["sh", "build.sh"]\n'
         f'output = "out/app"\ntimeout = "60s"\n{runs if process else ""}{extra}',
-        {"src/build.sh": script},
+        files={"src/build.sh": script},
     )
 
 
@@ -83,7 +83,7 @@ def svc_module(
         # is the host's verdict, not the plan giving up first and reverting.
         '[rollout]\ndeadline = "150s"\n'
         '[assign]\nmachines = ["node-1"]\n',
-        {"src/server.py": SERVER, "src/prepare.py": PREPARE},
+        files={"src/server.py": SERVER, "src/prepare.py": PREPARE},
     )
 
 
@@ -119,7 +119,7 @@ def gated_module(
         f'check = {{ {check}, every = "200ms", passes = 1 }}\n'
         f'[rollout]\ndeadline = "{deadline}"\n{extra}'
         f"[assign]\ntiers = {tiers}\n",
-        {"src/check.py": GATED_CHECK},
+        files={"src/check.py": GATED_CHECK},
     )
 
 

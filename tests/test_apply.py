@@ -33,7 +33,7 @@ def _account_module(folder: Path, *, module: str, account: str) -> Path:
         f"[account.{account}]\n"
         f'[process.{module}]\nbundle = "b"\ncommand = ["sleep", "600"]\naccount = "{account}"\n'
         f'[process.{module}.files]\n"app.conf" = {{ text = "x\\n" }}\n',
-        {"src/x.txt": "x"},
+        files={"src/x.txt": "x"},
     )
 
 

@@ -199,7 +199,7 @@ def test_the_console_in_a_browser(tmp_path: Path) -> None:
 
                 # 2. A plan, pushed and assigned while the page is open, tier by tier.
                 gated = write_module(tmp_path / "gated", MODULE,
-                                     {"src/check.py": CHECK, "src/run.sh": RUN})  # fmt: skip
+                                     files={"src/check.py": CHECK, "src/run.sh": RUN})  # fmt: skip
                 ok(mesh_cli("push", str(gated), nats_url=nats_url, creds=admin))
                 ok(mesh_cli("assign", "gated", "node-1", "node-2", "node-3",
                             nats_url=nats_url, creds=admin))  # fmt: skip

@@ -163,7 +163,7 @@ async def test_a_plan_shows_on_the_controller_and_the_host(nc, watched, nats_url
         '[module]\nname = "ticker"\n[bundle.code]\nkind = "files"\nsource = "src"\n'
         '[process.ticker]\nbundle = "code"\ncommand = ["python3", "tick.py"]\nroot = true\n'
         'check = { exec = ["true"], every = "200ms", passes = 1 }\n[assign]\ntiers = [0]\n',
-        {"src/tick.py": TICKER},
+        files={"src/tick.py": TICKER},
     )
     pushed = mesh_cli("--json", "push", str(folder), "--wait", nats_url=nats_url, answer=60,
                       timeout=180)  # fmt: skip

@@ -304,7 +304,7 @@ def _module(folder: Path, name: str, *, assign: str = "") -> Path:
         f'[process.{name}]\nbundle = "code"\naccount = "{name}"\n'
         f'command = ["sleep", "3600", "${{machine}}"]\n'
         f'env = {{ GREETING = "{"hello " * 10}" }}\n' + assign,
-        {"src/run.sh": "sleep 3600\n"},
+        files={"src/run.sh": "sleep 3600\n"},
     )
 
 

@@ -93,7 +93,7 @@ def _module(folder: Path, name: str = "chatty", script: str = CHATTY) -> Path:
         f'[process.{name}]\nbundle = "{name}"\naccount = "{name}"\n'
         f'command = ["python3", "{name}.py"]\n'
         '[assign]\nmachines = ["node-1"]\n',
-        {f"src/{name}.py": script},
+        files={f"src/{name}.py": script},
     )
 
 

@@ -196,7 +196,7 @@ async def test_an_exec_check_runs_with_the_accounts_supplementary_groups(
         'command = ["python3", "-c", "import signal; signal.pause()"]\n'
         f'check = {{ exec = ["python3", "in_group.py", "{group}"], every = "300ms", passes = 2 }}\n'
         '[assign]\nmachines = ["node-1"]\n',
-        {"src/in_group.py": IN_GROUP},
+        files={"src/in_group.py": IN_GROUP},
     )
     ok(cli("push", str(folder)))
     p = await await_until(lambda: healthy(nc), within=30, what="svc healthy by its exec check")

@@ -61,7 +61,7 @@ def _module(folder, name: str, *, words: int = 1) -> None:
         folder,
         f'[module]\nname = "{name}"\n[bundle.code]\nkind = "files"\nsource = "src"\n'
         f'[process.{name}]\nbundle = "code"\ncommand = [{argv}]\nroot = true\n',
-        {"src/run.sh": "sleep 3600\n"},
+        files={"src/run.sh": "sleep 3600\n"},
     )
 
 
