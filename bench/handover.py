@@ -65,7 +65,6 @@ import argparse
 import asyncio
 import itertools
 import os
-import platform
 import re
 import shutil
 import signal
@@ -78,13 +77,22 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
+from typing import TypeVar
 
 import asyncpg
 import msgspec
 import nats
 import nats.errors
+from common import (  # bench/common.py: what the benches share
+    BenchError,
+    CpuMeter,
+    cpu_stall_seconds,
+    machine_line,
+    port_open,
+    run_or_exit,
+    say,
+)
 from nats.aio.client import Client
-from nats.aio.client import __version__ as nats_py_version
 from nats.aio.msg import Msg
 
 from mesh import subjects, wire
@@ -111,39 +119,13 @@ LOG_EVENTS = (
     (re.compile(r"controller (\S+) released the seat"), "log: released"),
     (re.compile(r"controller (\S+) holds the seat"), "log: took the seat"),
 )
+T = TypeVar("T")
 LOG_WINDOW = 3.0  # seconds after the event: this run's lines, not the previous run's
 LOG_LINE = re.compile(r"^(\d\d):(\d\d):(\d\d)\.(\d{3}) (.*)$")
 
 
-def say(line: str = "") -> None:
-    print(line, flush=True)
-
-
-class BenchError(Exception):
-    """The run cannot go on; the message says why."""
-
-
 def ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1000:.1f}"
-
-
-def machine_busy_seconds() -> float:
-    """CPU time all cores spent busy (not idle, not waiting on I/O), from /proc/stat."""
-    with open("/proc/stat") as f:
-        ticks = [int(v) for v in f.readline().split()[1:]]
-    user, nice, system, _idle, _iowait, irq, softirq, steal = ticks[:8]
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
-
-
-def cpu_stall_seconds() -> float | None:
-    """Seconds in which some runnable task waited for a CPU (/proc/pressure/cpu, "some"), or
-    None without pressure stall information."""
-    try:
-        with open("/proc/pressure/cpu") as f:
-            some = f.readline().split()
-    except OSError:
-        return None
-    return int(some[-1].removeprefix("total=")) / 1e6
 
 
 # --- the load: open-loop status requests ---------------------------------------------------
@@ -387,16 +369,6 @@ def from_log(child: Child, event_wall: float) -> list[tuple[float, str, str]]:
 # --- the pieces ----------------------------------------------------------------------------
 
 
-async def _port_open(port: int) -> bool:
-    try:
-        _, writer = await asyncio.open_connection("127.0.0.1", port)
-    except OSError:
-        return False
-    writer.close()
-    await writer.wait_closed()
-    return True
-
-
 class Pieces:
     """nats-server, PostgreSQL and the controllers, stopped in reverse order."""
 
@@ -415,7 +387,7 @@ class Pieces:
         conf = natsd.write_config(self.folder / "nats", port=port, name="bench")
         child = await spawn("nats-server", natsd.argv(conf), log=self.folder / "logs" / "nats.log")
         self.children.append(child)
-        await until("nats-server to listen", lambda: _port_open(port), within=20, child=child)
+        await until("nats-server to listen", lambda: port_open(port), within=20, child=child)
         self.nats_url = f"nats://127.0.0.1:{port}"
         return child
 
@@ -534,7 +506,7 @@ class Bench:
         load = Load(self.load_nc, args.rate, args.timeout)
         load.new_epoch_above = epoch
         self.seat_events.clear()
-        busy, stalled = machine_busy_seconds(), cpu_stall_seconds()
+        meter = CpuMeter()
         loading = asyncio.create_task(load.run())
         notes: list[str] = []
         exited: list[float] = []  # when the old holder's process ended (sigterm, sigkill)
@@ -560,12 +532,7 @@ class Bench:
         finally:
             load.stop()
             await loading  # every request sent has ended (answered or timed out) by now
-        seconds = load.stopped - load.started
-        busy_cores = (machine_busy_seconds() - busy) / seconds
-        stalled_now = cpu_stall_seconds()
-        cpu_wait = (
-            None if stalled is None or stalled_now is None else (stalled_now - stalled) / seconds
-        )
+        busy_cores, cpu_wait = meter.read(load.stopped - load.started)
         new = load.first_new.holder if load.first_new else "?"
         run = Run(
             scenario=scenario, index=index, old=old, new=new, epoch_before=epoch,
@@ -745,7 +712,7 @@ async def failover(b: Bench, pair: StorePair, index: int) -> Run:
     load = Load(b.load_nc, args.rate, args.timeout)
     load.new_epoch_above = epoch
     b.seat_events.clear()
-    busy, stalled = machine_busy_seconds(), cpu_stall_seconds()
+    meter = CpuMeter()
     loading = asyncio.create_task(load.run())
     notes: list[str] = []
     try:
@@ -769,17 +736,13 @@ async def failover(b: Bench, pair: StorePair, index: int) -> Run:
     finally:
         load.stop()
         await loading
-    seconds = load.stopped - load.started
-    stalled_now = cpu_stall_seconds()
+    busy_cores, cpu_wait = meter.read(load.stopped - load.started)
     new = load.first_new.holder if load.first_new else "?"
     run = Run(
         scenario=FAILOVER, index=index, old=old, new=new, epoch_before=epoch,
         event_at=event_at, event_wall=event_wall, requests=load.requests,
         seat_events=list(b.seat_events),
-        busy_cores=(machine_busy_seconds() - busy) / seconds,
-        cpu_wait=None if stalled is None or stalled_now is None
-        else (stalled_now - stalled) / seconds,
-        notes=notes, promote_at=promote_at,
+        busy_cores=busy_cores, cpu_wait=cpu_wait, notes=notes, promote_at=promote_at,
     )  # fmt: skip
     run.notes.append(
         f"first answer from the new holder +{ms(run.from_promote)} ms after the promote"
@@ -953,10 +916,7 @@ def percentiles(values: list[float]) -> str:
 
 def summary_store_standby(runs: list[Run], found: list[Rate], args: argparse.Namespace) -> None:
     say()
-    say(
-        f"machine: {os.cpu_count()} cores, Python {platform.python_version()}, nats-py "
-        f"{nats_py_version}, load average {os.getloadavg()[0]:.2f}"
-    )
+    say(machine_line())
     say()
     say("rates (all rounds; share = with a synchronous standby / single server):")
     for verb in ("status", "label"):
@@ -985,18 +945,24 @@ def summary_store_standby(runs: list[Run], found: list[Rate], args: argparse.Nam
             f"{percentiles([r.longest_gap[0] for r in runs])}")  # fmt: skip
 
 
+async def within_deadline(args: argparse.Namespace, work: Awaitable[T]) -> T:
+    """`work` to its end within --deadline; a failed request or the deadline fail the run."""
+    try:
+        async with asyncio.timeout(args.deadline):
+            return await work
+    except (nats.errors.Error, wire.RemoteError) as e:  # before TimeoutError: nats-py's is one
+        raise BenchError(f"a request failed: {type(e).__name__}: {e}") from None
+    except TimeoutError:
+        raise BenchError(f"the run took longer than --deadline {args.deadline:g}s") from None
+
+
 async def run_store_standby(args: argparse.Namespace) -> tuple[list[Run], list[Rate]]:
     folder = Path(tempfile.mkdtemp(prefix="mesh-bench-handover-"))
     folder.chmod(0o755)  # the servers run as their own account (as root) under it
     single, paired = Pieces(folder / "single"), Pieces(folder / "standby")
     single.log_ms = paired.log_ms = args.log_ms
     try:
-        async with asyncio.timeout(args.deadline):
-            return await bench_store_standby(args, single, paired)
-    except (nats.errors.Error, wire.RemoteError) as e:
-        raise BenchError(f"a request failed: {type(e).__name__}: {e}") from None
-    except TimeoutError:
-        raise BenchError(f"the run took longer than --deadline {args.deadline:g}s") from None
+        return await within_deadline(args, bench_store_standby(args, single, paired))
     finally:
         say("stopping…")
         await paired.stop()
@@ -1019,11 +985,7 @@ def spread(values: list[float]) -> str:
 
 def summary(runs: list[Run], args: argparse.Namespace) -> None:
     say()
-    say(
-        f"machine: {os.cpu_count()} cores, Python {platform.python_version()}, nats-py "
-        f"{nats_py_version}, load average {os.getloadavg()[0]:.2f}; rate {args.rate:g}/s, "
-        f"timeout {args.timeout:g} s"
-    )
+    say(f"{machine_line()}; rate {args.rate:g}/s, timeout {args.timeout:g} s")
     say()
     say("summary (min / median / max over runs, ms; counts are totals):")
     for scenario in args.scenarios:
@@ -1101,12 +1063,7 @@ async def run(args: argparse.Namespace) -> list[Run]:
     pieces = Pieces(folder)
     pieces.log_ms = args.log_ms
     try:
-        async with asyncio.timeout(args.deadline):
-            return await bench(args, pieces)
-    except (nats.errors.Error, wire.RemoteError) as e:  # before TimeoutError: nats-py's is one
-        raise BenchError(f"a request failed: {type(e).__name__}: {e}") from None
-    except TimeoutError:
-        raise BenchError(f"the run took longer than --deadline {args.deadline:g}s") from None
+        return await within_deadline(args, bench(args, pieces))
     finally:
         say("stopping…")
         await pieces.stop()
@@ -1124,21 +1081,10 @@ def main() -> None:
     if args.rate <= 0 or args.runs < 1 or args.timeout <= 0:
         sys.exit("--rate, --runs and --timeout must be positive")
     if args.store_standby:
-        try:
-            runs, found = asyncio.run(run_store_standby(args))
-        except BenchError as e:
-            sys.exit(f"bench failed: {e}")
-        except KeyboardInterrupt:
-            sys.exit(130)
+        runs, found = run_or_exit(run_store_standby(args))
         summary_store_standby(runs, found, args)
         return
-    try:
-        runs = asyncio.run(run(args))
-    except BenchError as e:
-        sys.exit(f"bench failed: {e}")
-    except KeyboardInterrupt:
-        sys.exit(130)
-    summary(runs, args)
+    summary(run_or_exit(run(args)), args)
 
 
 if __name__ == "__main__":

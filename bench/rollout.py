@@ -56,9 +56,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import io
-import json
 import os
-import platform
 import pstats
 import signal
 import statistics
@@ -72,18 +70,25 @@ from typing import TypeVar
 
 import msgspec
 import nats.errors
-from nats.aio.client import Client
-from nats.aio.client import __version__ as nats_py_version
-from nats.aio.msg import Msg
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-from verbs import (  # bench/verbs.py: the same pieces, started the same way
+from common import (  # bench/common.py: what the benches share
+    MODULE,
     BenchError,
+    Envelope,
     Guard,
     Pieces,
     cpu_of,
-    cpu_seconds,
     machine_busy_seconds,
+    machine_line,
+    push,
+    run_or_exit,
+    say,
+    spread,
+    tree_cpu,
+    write_module,
 )
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from mesh import bus, wire
 from mesh.blobs import BUNDLES, DECLARATIONS
@@ -107,29 +112,10 @@ POLL_EVERY = 0.1  # following a plan through `status`
 SAMPLE_EVERY = 0.05  # CPU samples from /proc
 REQUEST_TIMEOUT = 30.0
 DISTURBED = 0.15  # cores busy outside the measured processes beyond which a run is suspect
-MODULE = "bench"
 T = TypeVar("T")
 
 
-def say(line: str = "") -> None:
-    print(line, flush=True)
-
-
 # --- the simulated hosts ---------------------------------------------------------------------
-
-
-class _Declaration(msgspec.Struct):
-    processes: dict[str, msgspec.Raw]  # only the names matter here
-
-
-class _Envelope(msgspec.Struct):
-    """A value of `mesh-declarations` (services/host/apply.py's Envelope), as far as a simulated
-    host reads it."""
-
-    machine: str
-    digest: str
-    epoch: int
-    declaration: _Declaration
 
 
 class Sims:
@@ -143,7 +129,7 @@ class Sims:
         self.received: dict[str, float] = {}  # name -> wall time its newest value arrived
         self.applied: dict[str, str] = {}  # name -> digest it reported applied
         self.values = 0
-        self._decode = msgspec.json.Decoder(_Envelope).decode
+        self._decode = msgspec.json.Decoder(Envelope).decode
 
     async def register(self, guard: Guard, in_flight: int = 32) -> None:
         facts = Facts(os="linux", arch="x86_64", cpus=1, memory=1 << 30, mesh_version="bench")
@@ -226,47 +212,7 @@ class Sims:
         self.applied[env.machine] = env.digest
 
 
-def spread(n: int, split: list[float]) -> dict[str, int]:
-    """`n` machine names, sim-0001…, over tiers 0/1/2 by the percentages in `split` (each
-    tier that has a share gets at least one machine; the last tier, what is left)."""
-    counts = [max(1, round(n * share / 100)) if share > 0 else 0 for share in split]
-    counts[-1] = n - sum(counts[:-1])
-    if counts[-1] < (1 if split[-1] > 0 else 0):
-        raise BenchError(f"--split {split} leaves no machine for tier {len(split) - 1}")
-    width = max(4, len(str(n)))
-    tiers: dict[str, int] = {}
-    i = 0
-    for tier, count in enumerate(counts):
-        for _ in range(count):
-            i += 1
-            tiers[f"sim-{i:0{width}d}"] = tier
-    return tiers
-
-
 # --- measuring -------------------------------------------------------------------------------
-
-
-def children_of(pid: int) -> list[int]:
-    """The direct children of `pid` (PostgreSQL's backends are the postmaster's)."""
-    found: list[int] = []
-    try:
-        for task in os.listdir(f"/proc/{pid}/task"):
-            text = Path(f"/proc/{pid}/task/{task}/children").read_text()
-            found.extend(int(c) for c in text.split())
-    except OSError:
-        pass
-    return found
-
-
-def tree_cpu(pid: int) -> float:
-    """CPU seconds of `pid` and its direct children that are alive now."""
-    total = cpu_seconds(pid)
-    for child in children_of(pid):
-        try:
-            total += cpu_seconds(child)
-        except BenchError:  # a backend that ended between the listing and the read
-            pass
-    return total
 
 
 class Sampler:
@@ -352,39 +298,6 @@ class PlanFigures:
 # --- the module and the plans ----------------------------------------------------------------
 
 
-def write_module(folder: Path, version: int) -> Path:
-    """The module at `version`: a files bundle, one process without a check, all tiers."""
-    (folder / "src").mkdir(parents=True, exist_ok=True)
-    (folder / "src" / "hello.txt").write_text(f"version {version}\n")
-    (folder / "module.toml").write_text(
-        f'[module]\nname = "{MODULE}"\ndescription = "rollout benchmark, version {version}"\n'
-        '[bundle.code]\nkind = "files"\nsource = "src"\n'
-        f'[process.{MODULE}]\nbundle = "code"\ncommand = ["sleep", "infinity"]\nroot = true\n'
-        "[assign]\ntiers = [0, 1, 2]\n"
-    )
-    return folder
-
-
-async def push(folder: Path, nats_url: str, logs: Path, ca: str | None) -> int:
-    """`mesh push DIR --json` (without --wait: the script follows the plan itself)."""
-    argv = [sys.executable, "-P", "-m", "mesh", "push", str(folder), "--json",
-            "--nats-url", nats_url, "--timeout", str(REQUEST_TIMEOUT)]  # fmt: skip
-    if ca:
-        argv += ["--ca", ca]
-    proc = await asyncio.create_subprocess_exec(
-        *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
-    )
-    out, err = await proc.communicate()
-    with (logs / "push.log").open("ab") as f:
-        f.write(out + err)
-    if proc.returncode != 0:
-        raise BenchError(f"mesh push failed ({proc.returncode}): {err.decode().strip()}")
-    reply = json.loads(out)
-    if reply.get("plan") is None:
-        raise BenchError(f"mesh push made no plan: {reply.get('message')}")
-    return int(reply["plan"])
-
-
 async def ask(
     nc: Client, verb: str, body: msgspec.Struct | None, into: type[T], *, within: float = 30.0
 ) -> T:
@@ -459,7 +372,7 @@ async def start_controller(pieces: Pieces, nc: Client, profile: Path | None) -> 
         return await pieces.controller(nc)
     argv = [sys.executable, "-P", "-m", "cProfile", "-o", str(profile), "-m", "mesh",
             "controller", "run", "--instance", "bench-ctl"]  # fmt: skip
-    child = await pieces._start("controller", argv)
+    child = await pieces.start("controller", argv)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         pieces.guard.check()
@@ -497,14 +410,7 @@ async def streams(nc: Client) -> list[str]:
 async def bench(args: argparse.Namespace, pieces: Pieces) -> Results:
     tiers = spread(args.machines, args.split)
     counts = {t: sum(1 for v in tiers.values() if v == t) for t in range(3)}
-    say(f"starting {pieces.describe()}…")
-    servers = await pieces.nats()
-    for child, url in zip(servers, pieces.urls, strict=True):
-        say(f"  {child.name} on {url} (pid {child.pid})")
-    say("starting PostgreSQL…")
-    pg = await pieces.postgres()
-    say(f"  postgres pid {pg.pid}")
-
+    servers, pg = await pieces.servers_and_store()
     nc = await pieces.connect("bench sims")
     say(f"  the controller on {pieces.server_url}, the simulated hosts on {pieces.client_url}")
     tasks: list[asyncio.Task[None]] = []
@@ -574,9 +480,7 @@ def report(r: Results, args: argparse.Namespace) -> None:
         say(f"  {line}")
     say(
         f"machines: {r.machines} simulated (tier 0: {r.tiers[0]}, tier 1: {r.tiers[1]}, "
-        f"tier 2: {r.tiers[2]}), beating every {args.beat_interval:g} s; "
-        f"machine: {os.cpu_count()} cores, Python {platform.python_version()}, "
-        f"nats-py {nats_py_version}, load average {os.getloadavg()[0]:.2f}"
+        f"tier 2: {r.tiers[2]}), beating every {args.beat_interval:g} s; {machine_line()}"
         + ("; the controller ran under cProfile" if r.profile else "")
     )
     say(
@@ -715,13 +619,7 @@ def main() -> None:
     if not 1 <= args.nats <= 5:
         sys.exit("--nats must be between 1 and 5")
     os.environ.pop("MESH_CREDS", None)  # the bench's nats-server has no authorization block
-    try:
-        results = asyncio.run(run(args))
-    except BenchError as e:
-        sys.exit(f"bench failed: {e}")
-    except KeyboardInterrupt:
-        sys.exit(130)
-    report(results, args)
+    report(run_or_exit(run(args)), args)
 
 
 if __name__ == "__main__":

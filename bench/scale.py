@@ -41,7 +41,6 @@ import asyncio
 import contextlib
 import json
 import os
-import platform
 import random
 import shutil
 import signal
@@ -56,11 +55,23 @@ from pathlib import Path
 import asyncpg
 import msgspec
 import nats.errors
+from common import (  # bench/common.py: what the benches share
+    BenchError,
+    Envelope,
+    Guard,
+    Pieces,
+    cpu_of,
+    machine_busy_seconds,
+    machine_line,
+    push,
+    run_or_exit,
+    say,
+    spread,
+    tree_cpu,
+    write_module,
+)
 from nats.aio.client import Client
-from nats.aio.client import __version__ as nats_py_version
 from nats.aio.msg import Msg
-from rollout import push, spread, tree_cpu, write_module
-from verbs import BenchError, Guard, Pieces, cpu_of, machine_busy_seconds
 
 from mesh import bus, wire
 from mesh.blobs import DECLARATIONS
@@ -88,22 +99,7 @@ AIMS = {
 }
 
 
-def say(line: str = "") -> None:
-    print(line, flush=True)
-
-
 # --- the simulated hosts (a process of their own) ---------------------------------------------
-
-
-class _Declaration(msgspec.Struct):
-    processes: dict[str, msgspec.Raw]
-
-
-class _Envelope(msgspec.Struct):
-    machine: str
-    digest: str
-    epoch: int
-    declaration: _Declaration
 
 
 FACTS = Facts(os="linux", arch="x86_64", cpus=1, memory=1 << 30, mesh_version="bench")
@@ -151,7 +147,7 @@ class SimProcess:
         self.creating = asyncio.Semaphore(256)  # consumer creations in flight
         self.interval = interval
         self.stats = SimStats()
-        self._decode = msgspec.json.Decoder(_Envelope).decode
+        self._decode = msgspec.json.Decoder(Envelope).decode
 
     async def register(self, sim: Sim, *, at_least: int = 0) -> None:
         """The host's own registration (services/host/registration.py), retries and all."""
@@ -399,7 +395,7 @@ class Run:
             self.metrics[name] = f"http://127.0.0.1:{port}/metrics"
             argv = [sys.executable, "-P", "-m", "mesh", "controller", "run", "--instance", name,
                     "--metrics", f"127.0.0.1:{port}"]  # fmt: skip
-            self.controllers[name] = await p._start(name, argv)
+            self.controllers[name] = await p.start(name, argv)
             await self.until(f"{name} answers", self._holds if name == "ctl-a" else self._standby)
 
     async def _holds(self) -> bool:
@@ -436,7 +432,7 @@ class Run:
                     "--connections", str(self.args.connections),
                     "--beat-interval", str(self.args.beat_interval),
                     "--ramp", str(self.args.ramp)]  # fmt: skip
-            self.sims.append(await self.pieces._start(f"sims-{k}", argv))
+            self.sims.append(await self.pieces.start(f"sims-{k}", argv))
 
     async def sim_stats(self, *, reset: bool = False) -> list[SimStats]:
         """Each simulator process's counters; `reset`: its beat lateness starts again after."""
@@ -656,7 +652,7 @@ class Run:
             f"simulated hosts' beats ran up to {self.f.takeover_sims_late_s:.2f} s late "
             "(down past 2 s)")  # fmt: skip
         # the killed controller stands by again, for the flood's holder to keep its seat from
-        self.controllers["ctl-a-again"] = await self.pieces._start(
+        self.controllers["ctl-a-again"] = await self.pieces.start(
             "ctl-a-again",
             [sys.executable, "-P", "-m", "mesh", "controller", "run", "--instance", "ctl-a2"],
         )
@@ -744,8 +740,7 @@ def _ms(value: float | None) -> str:
 
 def report(all_figures: list[Figures], args: argparse.Namespace) -> None:
     say("")
-    say(f"machine: {os.cpu_count()} cores, Python {platform.python_version()}, nats-py "
-        f"{nats_py_version}, load average {os.getloadavg()[0]:.2f}; simulated hosts in "
+    say(f"{machine_line()}; simulated hosts in "
         f"{args.sim_procs} process(es), {args.connections} connections each, beating every "
         f"{args.beat_interval:g} s")  # fmt: skip
     rows = [
@@ -831,13 +826,7 @@ def main() -> None:
         sys.exit("--sim-procs and --connections must be at least 1")
     os.environ.pop("MESH_CREDS", None)  # the bench's nats-server has no authorization block
     random.seed()
-    try:
-        figures = asyncio.run(run_all(args))
-    except BenchError as e:
-        sys.exit(f"bench failed: {e}")
-    except KeyboardInterrupt:
-        sys.exit(130)
-    report(figures, args)
+    report(run_or_exit(run_all(args)), args)
 
 
 if __name__ == "__main__":

@@ -77,7 +77,6 @@ import asyncio
 import cProfile
 import io
 import os
-import platform
 import pstats
 import re
 import resource
@@ -93,8 +92,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
+from common import (  # bench/common.py: what the benches share
+    BenchError,
+    CpuMeter,
+    machine_line,
+    run_or_exit,
+    say,
+)
 from nats.aio.client import Client
-from nats.aio.client import __version__ as nats_py_version
 
 from mesh import blobs, bus, subjects, wire
 from mesh.client.pages import every_page
@@ -127,47 +132,6 @@ env = {{ BENCH_ROUND = "%s" }}
 [assign]
 tiers = [0, 1, 2]
 """
-
-
-def say(line: str = "") -> None:
-    print(line, flush=True)
-
-
-class BenchError(Exception):
-    """The run cannot go on; the message says why."""
-
-
-def machine_busy_seconds() -> float:
-    """CPU time all cores spent busy (not idle, not waiting on I/O), from /proc/stat."""
-    with open("/proc/stat") as f:
-        ticks = [int(v) for v in f.readline().split()[1:]]
-    user, nice, system, _idle, _iowait, irq, softirq, steal = ticks[:8]
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
-
-
-def cpu_stall_seconds() -> float | None:
-    """Seconds in which some runnable task waited for a CPU (/proc/pressure/cpu, "some"), or
-    None without pressure stall information."""
-    try:
-        with open("/proc/pressure/cpu") as f:
-            some = f.readline().split()
-    except OSError:
-        return None
-    return int(some[-1].removeprefix("total=")) / 1e6
-
-
-class CpuMeter:
-    """Cores busy and the share of time with a task waiting for a CPU, since it was made."""
-
-    def __init__(self) -> None:
-        self.t0, self.busy0, self.stall0 = time.time(), machine_busy_seconds(), cpu_stall_seconds()
-
-    def read(self) -> tuple[float, float | None]:
-        seconds = max(time.time() - self.t0, 1e-9)
-        cores = (machine_busy_seconds() - self.busy0) / seconds
-        stall = cpu_stall_seconds()
-        wait = None if stall is None or self.stall0 is None else (stall - self.stall0) / seconds
-        return cores, wait
 
 
 def secs(value: float | None) -> str:
@@ -217,30 +181,29 @@ class Logs:
             self.read()
             await asyncio.sleep(POLL_LOGS)
 
+    def _matching(
+        self, files: Iterable[str], pattern: str, *, after: float, before: float
+    ) -> list[Line]:
+        regex = re.compile(pattern)
+        return [
+            line
+            for name in files
+            for line in self.lines.get(name, [])
+            if after <= line.at <= before and regex.search(line.text)
+        ]
+
     def first(
         self, files: Iterable[str], pattern: str, *, after: float, before: float = float("inf")
     ) -> Line | None:
         """The first line (by the time it was read) of any of `files` matching `pattern`,
         read within [after, before]."""
-        regex = re.compile(pattern)
-        hits = [
-            line
-            for name in files
-            for line in self.lines.get(name, [])
-            if after <= line.at <= before and regex.search(line.text)
-        ]
+        hits = self._matching(files, pattern, after=after, before=before)
         return min(hits, key=lambda line: line.at) if hits else None
 
     def last(
         self, files: Iterable[str], pattern: str, *, after: float, before: float
     ) -> Line | None:
-        regex = re.compile(pattern)
-        hits = [
-            line
-            for name in files
-            for line in self.lines.get(name, [])
-            if after <= line.at <= before and regex.search(line.text)
-        ]
+        hits = self._matching(files, pattern, after=after, before=before)
         return max(hits, key=lambda line: line.at) if hits else None
 
 
@@ -872,14 +835,8 @@ def main() -> None:
         sys.exit("--hosts must be between 3 and 64 (one host in each of tiers 0, 1 and 2)")
     if args.rounds < 1 or args.fetches < 0:
         sys.exit("--rounds must be positive, --fetches not negative")
-    say(f"machine: {os.cpu_count()} cores, Python {platform.python_version()}, nats-py "
-        f"{nats_py_version}, load average {os.getloadavg()[0]:.2f}")  # fmt: skip
-    try:
-        pushes, fetched = asyncio.run(run(args))
-    except BenchError as e:
-        sys.exit(f"bench failed: {e}")
-    except KeyboardInterrupt:
-        sys.exit(130)
+    say(machine_line())
+    pushes, fetched = run_or_exit(run(args))
     say("")
     for line in summary(pushes, fetched):
         say(line)

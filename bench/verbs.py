@@ -52,34 +52,41 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import platform
 import signal
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator
+from collections.abc import Callable, Coroutine, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
 import nats
 import nats.errors
+from common import (  # bench/common.py: what the benches share
+    STATUS_SUBJECT,
+    BenchError,
+    Guard,
+    Pieces,
+    cpu_of,
+    cpu_seconds,
+    machine_busy_seconds,
+    machine_line,
+    run_or_exit,
+    say,
+    until,
+)
 from nats.aio.client import Client
-from nats.aio.client import __version__ as nats_py_version
 from nats.aio.msg import Msg
-from nats.js.api import StorageType, StreamConfig
-from nats.js.errors import APIError
 
 from mesh import bus, wire
 from mesh.auth import tls as mesh_tls
-from mesh.embedded import natsd, pgauth, ports, postgres
-from mesh.embedded.children import Child, spawn
+from mesh.embedded.children import Child
 from mesh.model import Facts, Register, RegisterReply, StatusReply
 
 ECHO_SUBJECT = "bench.echo"
 ECHO_QUEUE = "bench-echo"
 ECHO_BODY = b'{"ok":true,"echo":"bench"}'
-STATUS_SUBJECT = "mesh.ctl.status"
 REQUEST_TIMEOUT = 10.0
 AIM = 0.60  # the issue's aim: status at >= 60% of the raw echo rate
 MODES: dict[str, Callable[[argparse.Namespace], str]] = {
@@ -87,14 +94,6 @@ MODES: dict[str, Callable[[argparse.Namespace], str]] = {
     "concurrent": lambda args: f"{args.concurrency} in flight",
 }
 DISTURBED = 0.15  # cores busy outside the measured processes beyond which a run is suspect
-
-
-def say(line: str) -> None:
-    print(line, flush=True)
-
-
-class BenchError(Exception):
-    """The run cannot go on; the message says why."""
 
 
 # --- the echo responder (its own process: `python bench/verbs.py --echo-server URL`) ---------
@@ -119,31 +118,25 @@ async def echo_server(url: str, ca: str | None) -> None:
     await nc.drain()
 
 
+async def start_echo(pieces: Pieces, nc: Client) -> Child:
+    """The echo responder as a child of the run: this script with --echo-server."""
+    argv = [sys.executable, str(Path(__file__).resolve()), "--echo-server", pieces.server_url]
+    if pieces.ca:
+        argv += ["--echo-ca", pieces.ca]
+    child = await pieces.start("echo", argv)
+
+    async def answers() -> bool:
+        try:
+            await bus.request(nc, ECHO_SUBJECT, b"{}", deadline=time.monotonic() + 1)
+        except bus.NoAnswer:
+            return False
+        return True
+
+    await until("the echo responder", child, answers, within=20, guard=pieces.guard)
+    return child
+
+
 # --- measuring ---------------------------------------------------------------------------
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process (all its threads), from /proc/<pid>/stat."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        raise BenchError(f"process {pid} is gone (it exited during the run)") from None
-    fields = text[text.rindex(")") + 2 :].split()  # after "pid (comm) "
-    utime, stime = int(fields[11]), int(fields[12])  # fields 14 and 15 of the whole line
-    return (utime + stime) / os.sysconf("SC_CLK_TCK")
-
-
-def cpu_of(pids: list[int]) -> float:
-    """CPU seconds of several processes together (the nats-servers of a cluster)."""
-    return sum(cpu_seconds(pid) for pid in pids)
-
-
-def machine_busy_seconds() -> float:
-    """CPU time all cores spent busy (not idle, not waiting on I/O), from /proc/stat."""
-    with open("/proc/stat") as f:
-        ticks = [int(v) for v in f.readline().split()[1:]]
-    user, nice, system, _idle, _iowait, irq, softirq, steal = ticks[:8]
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
 @dataclass
@@ -199,23 +192,6 @@ class Cpu:
     def stop(self) -> dict[str, float]:
         end = self._read()
         return {name: end[name] - self._start[name] for name in end}
-
-
-class Guard:
-    """The run's deadline and Ctrl-C, checked before every request. Cancelling the task is not
-    enough on its own: Python 3.11's asyncio.wait_for (inside nats-py's request) can swallow a
-    cancellation that arrives as the reply does."""
-
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
-        self.deadline = time.monotonic() + seconds
-        self.interrupted = False
-
-    def check(self) -> None:
-        if self.interrupted:
-            raise BenchError("interrupted")
-        if time.monotonic() > self.deadline:
-            raise BenchError(f"the run took longer than --deadline {self.seconds:g}s")
 
 
 async def _all(coros: Iterable[Coroutine[object, object, None]]) -> None:
@@ -278,204 +254,6 @@ async def run_requests(
     seconds = time.perf_counter() - started
     mode = "sequential" if in_flight == 1 else "concurrent"
     return Result(subject, mode, in_flight, n, seconds, latencies, errors, size, cpu.stop())
-
-
-# --- starting the pieces (the project's own helpers) ---------------------------------------
-
-
-async def _port_open(port: int) -> bool:
-    try:
-        _, writer = await asyncio.open_connection("127.0.0.1", port)
-    except OSError:
-        return False
-    writer.close()
-    await writer.wait_closed()
-    return True
-
-
-async def _until(
-    what: str, child: Child, probe: Callable[[], Awaitable[bool]], *, within: float, guard: Guard
-) -> None:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        guard.check()
-        if not child.running:
-            raise BenchError(f"{what} exited while starting; {_last_lines(child)}")
-        if await probe():
-            return
-        await asyncio.sleep(0.1)
-    raise BenchError(f"{what} did not answer within {within:g}s; {_last_lines(child)}")
-
-
-def _last_lines(child: Child) -> str:
-    return f"last lines of its log {child.log}:\n{child.tail()}"
-
-
-class Pieces:
-    """The child processes of one benchmark run, stopped in reverse order.
-
-    `servers` nats-servers: one, or a cluster (always TLS); `tls` makes a lone server TLS too.
-    The controller (and the echo responder) connect to the first server, the bench's own
-    client to the second (`client_url`), so with a cluster every request crosses a route."""
-
-    def __init__(
-        self, folder: Path, guard: Guard, *, servers: int = 1, tls: bool = False,
-        max_payload: int | None = None,
-    ) -> None:  # fmt: skip
-        self.folder = folder
-        self.max_payload = max_payload
-        self.guard = guard
-        self.servers = servers
-        self.tls = tls or servers > 1
-        self.children: list[Child] = []
-        self.urls: list[str] = []  # one per server, n1 first
-        self.nats_url = ""  # every server, comma-separated
-        self.ca: str | None = None  # the CA's certificate, with TLS
-        self.database_url = ""
-
-    @property
-    def server_url(self) -> str:
-        """Where the controller and the echo responder connect: n1."""
-        return self.urls[0]
-
-    @property
-    def client_url(self) -> str:
-        """Where the bench's own client connects: n2 (n1 when alone)."""
-        return self.urls[min(1, len(self.urls) - 1)]
-
-    def describe(self) -> str:
-        kind = f"a cluster of {self.servers}" if self.servers > 1 else "one"
-        return f"{kind} nats-server{'s' if self.servers > 1 else ''}, " + (
-            "TLS" if self.tls else "plaintext"
-        )
-
-    async def connect(self, name: str, url: str | None = None) -> Client:
-        return await bus.connect(url or self.client_url, name=name, reconnect=False, ca=self.ca)
-
-    async def _start(self, name: str, argv: list[str], **kwargs: object) -> Child:
-        env = dict(os.environ)
-        env["PYTHONUNBUFFERED"] = "1"
-        if self.urls:
-            env["MESH_NATS_URL"] = self.server_url
-        if self.ca:
-            env["MESH_CA"] = self.ca
-        if self.database_url:
-            env["MESH_DATABASE_URL"] = self.database_url
-        child = await spawn(name, argv, log=self.folder / "logs" / f"{name}.log", env=env, **kwargs)
-        self.children.append(child)
-        return child
-
-    async def nats(self) -> list[Child]:
-        """The nats-server(s), made as `mesh dev up` makes them (programs/dev_up.py start_nats):
-        with TLS, a CA and a certificate per server; with several, one cluster with TLS routes."""
-        client = [ports.free_port() for _ in range(self.servers)]
-        cluster = [ports.free_port() for _ in range(self.servers)] if self.servers > 1 else []
-        scheme = "tls" if self.tls else "nats"
-        if self.tls:
-            self.ca = str(mesh_tls.ensure_ca(self.folder / "ca", name="bench"))
-        children = []
-        for i, port in enumerate(client):
-            name = f"n{i + 1}" if cluster else "bench"
-            folder = self.folder / "nats" / name
-            server_tls = None
-            if self.ca:
-                cert, key = folder / "server.pem", folder / "server.key"
-                mesh_tls.issue_server(self.folder / "ca", cert, key, name=name,
-                                      hosts=["127.0.0.1", "localhost"])  # fmt: skip
-                server_tls = natsd.Tls(cert=cert, key=key, ca=Path(self.ca))
-            conf = natsd.write_config(
-                folder, port=port, name=name, tls=server_tls, max_payload=self.max_payload,
-                cluster=natsd.Cluster(port=cluster[i], routes=[f"127.0.0.1:{p}" for p in cluster])
-                if cluster else None,
-            )  # fmt: skip
-            child_name = f"nats-{name}" if cluster else "nats-server"
-            children.append(await self._start(child_name, natsd.argv(conf)))
-            self.urls.append(f"{scheme}://127.0.0.1:{port}")
-        for child, port in zip(children, client, strict=True):
-            await _until(child.name, child, lambda p=port: _port_open(p), within=20,
-                         guard=self.guard)  # fmt: skip
-        self.nats_url = ",".join(self.urls)
-        if cluster:
-            await self._cluster_formed(children)
-        return children
-
-    async def _cluster_formed(self, children: list[Child]) -> None:
-        """Until JetStream can place a stream on min(3, servers) of them: then the controller's
-        buckets get all their replicas (mesh.blobs.ensure settles for fewer while the routes
-        are still forming)."""
-        replicas = min(3, self.servers)
-        nc = await self.connect("bench probe", self.server_url)
-        try:
-            deadline = time.monotonic() + 30
-            while True:
-                self.guard.check()
-                for child in children:
-                    if not child.running:
-                        raise BenchError(f"{child.name} exited; {_last_lines(child)}")
-                try:
-                    jsm = nc.jsm()
-                    await jsm.add_stream(
-                        StreamConfig(name="bench-probe", subjects=["bench.probe"],
-                                     num_replicas=replicas, storage=StorageType.MEMORY)
-                    )  # fmt: skip
-                    await jsm.delete_stream("bench-probe")
-                    return
-                except (APIError, nats.errors.Error) as e:
-                    if time.monotonic() > deadline:
-                        raise BenchError(
-                            f"the cluster could not place a stream on {replicas} servers "
-                            f"within 30 s: {type(e).__name__}: {e}"
-                        ) from None
-                await asyncio.sleep(0.2)
-        finally:
-            await nc.close()
-
-    async def postgres(self) -> Child:
-        data = self.folder / "pg"
-        try:
-            child, self.database_url = await postgres.start(
-                data, log=self.folder / "logs" / "postgres.log", database="mesh",
-                passwords=pgauth.Passwords(self.folder / "passwords"),
-            )  # fmt: skip
-        except postgres.PostgresFailed as e:
-            raise BenchError(str(e)) from None
-        self.children.append(child)
-        return child
-
-    async def controller(self, nc: Client) -> Child:
-        argv = [sys.executable, "-P", "-m", "mesh", "controller", "run", "--instance", "bench-ctl"]
-        child = await self._start("controller", argv)
-
-        async def holds_seat() -> bool:
-            try:
-                data = await bus.request(nc, STATUS_SUBJECT, b"{}", deadline=time.monotonic() + 1)
-                return wire.decode_reply(data, StatusReply).seat is not None
-            except (bus.NoAnswer, wire.RemoteError):
-                return False
-
-        await _until("the controller", child, holds_seat, within=60, guard=self.guard)
-        return child
-
-    async def echo(self, nc: Client) -> Child:
-        argv = [sys.executable, str(Path(__file__).resolve()), "--echo-server", self.server_url]
-        if self.ca:
-            argv += ["--echo-ca", self.ca]
-        child = await self._start("echo", argv)
-
-        async def answers() -> bool:
-            try:
-                await bus.request(nc, ECHO_SUBJECT, b"{}", deadline=time.monotonic() + 1)
-            except bus.NoAnswer:
-                return False
-            return True
-
-        await _until("the echo responder", child, answers, within=20, guard=self.guard)
-        return child
-
-    async def stop(self) -> None:
-        for child in reversed(self.children):  # controller/echo, postgres, nats-server(s)
-            sig = signal.SIGINT if child.name == "postgres" else signal.SIGTERM
-            await child.stop(sig=sig, timeout=10)
 
 
 async def register_machines(nc: Client, n: int, guard: Guard) -> None:
@@ -599,14 +377,7 @@ class Run:
 
 
 async def bench(args: argparse.Namespace, pieces: Pieces) -> Run:
-    say(f"starting {pieces.describe()}…")
-    servers = await pieces.nats()
-    for child, url in zip(servers, pieces.urls, strict=True):
-        say(f"  {child.name} on {url} (pid {child.pid})")
-    say("starting PostgreSQL…")
-    pg = await pieces.postgres()
-    say(f"  postgres pid {pg.pid}")
-
+    servers, _ = await pieces.servers_and_store()
     nc = await pieces.connect("bench client")
     say(f"  the controller and the echo responder on {pieces.server_url}, "
         f"this client on {pieces.client_url}")  # fmt: skip
@@ -630,7 +401,7 @@ async def bench(args: argparse.Namespace, pieces: Pieces) -> Run:
         if args.no_status:
             return run
         say("starting the echo responder…")
-        echo = await pieces.echo(nc)
+        echo = await start_echo(pieces, nc)
         say(f"  echo responder pid {echo.pid}")
 
         targets = [(ECHO_SUBJECT, echo), (STATUS_SUBJECT, ctl)]
@@ -702,9 +473,7 @@ def report(rounds: dict[tuple[str, str], list[Result]], args: argparse.Namespace
     results = [by[subject, mode] for mode in MODES for subject in (ECHO_SUBJECT, STATUS_SUBJECT)]
     say("")
     say(
-        f"{pieces_text(args)}; machines registered: {args.machines}; "
-        f"machine: {os.cpu_count()} cores, Python {platform.python_version()}, "
-        f"nats-py {nats_py_version}, load average {os.getloadavg()[0]:.2f}; "
+        f"{pieces_text(args)}; machines registered: {args.machines}; {machine_line()}; "
         f"reply bodies: echo {by[ECHO_SUBJECT, 'sequential'].reply_bytes} B, "
         f"status {by[STATUS_SUBJECT, 'sequential'].reply_bytes} B"
     )
@@ -831,12 +600,7 @@ def main() -> None:
         sys.exit("--machines must be between 0 and 100000")
     if not 1 <= args.nats <= 5:
         sys.exit("--nats must be between 1 and 5")
-    try:
-        results = asyncio.run(run(args))
-    except BenchError as e:
-        sys.exit(f"bench failed: {e}")
-    except KeyboardInterrupt:
-        sys.exit(130)
+    results = run_or_exit(run(args))
     if results.nodes is not None or results.cli is not None:
         report_nodes(results, args)
     if results.rounds:

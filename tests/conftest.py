@@ -2,9 +2,14 @@
 real controller and host processes that are always killed at the end, even when a test fails.
 
 Set MESH_TEST_DATABASE_URL to use an existing PostgreSQL instead of the embedded one.
+
+Beside them, what tests share as fixtures: a fleet started with their parameters
+(`start_fleet`), the command line on their NATS (`cli`), a folder other accounts reach
+(`open_dir`, `made`), stores with a standby (`pairs`); plain helpers are helpers.py's.
 """
 
 import asyncio
+import functools
 import json
 import os
 import re
@@ -14,14 +19,15 @@ import socket
 import subprocess
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
 import asyncpg
 import nats
 import pytest
-from helpers import MESH, ask, await_until, wait_until
-from secured import as_identity, fleet, secured  # noqa: F401 (fixtures: tests/secured.py)
+from helpers import MESH, Fleet, fleet_up, mesh_cli, wait_until
+from secured import as_identity, secured, secured_fleet  # noqa: F401 (fixtures: tests/secured.py)
+from standby import Pair
 
 from mesh.embedded import natsd, pgauth, ports, postgres
 from mesh.embedded.children import remove_containers, stop_agents, stop_supervised
@@ -144,6 +150,49 @@ def procs(tmp_path: Path) -> Iterator[Procs]:
     finally:
         p.kill_all()
         shutil.rmtree(real, ignore_errors=True)
+
+
+@pytest.fixture
+def open_dir() -> Iterator[Path]:
+    """A folder of this test's own outside pytest's (which pytest makes 0700 whenever a session
+    starts, even another's), open to the accounts servers and hosts run as; removed after."""
+    path = Path(tempfile.mkdtemp(prefix="mesh-test-"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def made(open_dir: Path) -> Iterator[Path]:
+    """A folder for `mesh init` (OPEN_DIR/mesh); what the mesh started there is stopped after,
+    even when init failed half-way."""
+    folder = open_dir / "mesh"
+    yield folder
+    record = folder / "mesh.json"
+    if record.exists():
+        for pid in json.loads(record.read_text())["pids"].values():
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    stop_supervised(folder)  # the controller the host ran
+    for proc in Path("/proc").glob("[0-9]*"):  # anything else started there, even if init failed
+        try:
+            if str(open_dir).encode() in (proc / "cmdline").read_bytes():
+                os.kill(int(proc.name), signal.SIGKILL)
+        except (OSError, ValueError):
+            pass
+
+
+@pytest.fixture
+async def pairs(open_dir: Path) -> AsyncIterator[list[Pair]]:
+    """The PostgreSQL primaries and standbys a test started (tests/standby.py, in OPEN_DIR):
+    every one is stopped at its end."""
+    started: list[Pair] = []
+    yield started
+    for pair in started:
+        for child in reversed(pair.children):
+            await child.stop(sig=signal.SIGINT, timeout=20)
 
 
 # --- PostgreSQL: one server per session, one database per test ----------------------------------
@@ -269,17 +318,25 @@ def start_host(procs: Procs, nats_url: str, tmp_path: Path):
 
 
 @pytest.fixture
-async def host(nc, start_controller, start_host):
+def start_fleet(nc, start_controller, start_host) -> Callable[..., Awaitable[Fleet]]:
+    """`await start_fleet(hosts=N, builder=..., controllers=..., within=...)`: a fleet of this
+    test's controllers and hosts up (helpers.fleet_up, whose keywords it takes; a test may
+    give its own `start_controller` or `start_host` too)."""
+    return functools.partial(fleet_up, nc, start_controller=start_controller, start_host=start_host)
+
+
+@pytest.fixture
+async def host(start_fleet):
     """A controller and one host, node-1 (tier 0), up; the host's process is returned."""
-    start_controller("ctl-a")
-    proc = start_host("node-1", "--tier", "0")
+    return (await start_fleet(hosts=1)).hosts["node-1"]
 
-    async def up():
-        s = await ask(nc, "mesh.ctl.status")
-        return s if s and s["nodes"]["up"] == 1 else None
 
-    await await_until(up, within=30, what="node-1 up")
-    return proc
+@pytest.fixture
+def cli(nats_url: str) -> Callable[..., subprocess.CompletedProcess]:
+    """`cli(*args, stdin=...)`: the `mesh` command line on this test's NATS as the end-to-end
+    tests run it (helpers.mesh_cli), --timeout 120 and three minutes in all for a loaded
+    machine; keywords given override these."""
+    return functools.partial(mesh_cli, nats_url=nats_url, answer=120, timeout=180)
 
 
 # --- the fast subset ----------------------------------------------------------------------------

@@ -1,19 +1,26 @@
-"""Small helpers shared by tests: verb calls over a real NATS connection, `mesh dev up` run
-as a user runs it."""
+"""Plain helpers every test may use (fixtures are conftest.py's): verb calls over a real NATS
+connection, the `mesh` command line run as a user runs it, a fleet started and waited for,
+plans' tier order, `mesh dev up` read line by line, a copy of the mesh. No test module imports
+another: what two of them share lives here, or in a module of tests/ named by what it holds
+(module_folders.py, faults.py, standby.py, secured.py, netns.py, fuzzing.py)."""
 
 import asyncio
+import itertools
 import json
 import os
 import pwd
 import queue
 import re
+import shlex
 import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -65,14 +72,23 @@ async def await_until(predicate, *, within: float, what: str):
 
 
 def mesh_cli(
-    *args: str, nats_url: str, timeout: float = 60, creds: str | None = None
+    *args: str,
+    nats_url: str,
+    creds: str | None = None,
+    stdin: str | None = None,
+    answer: float | None = None,
+    timeout: float = 60,
 ) -> subprocess.CompletedProcess:
-    """Run the `mesh` command line as a user would (with `creds` as MESH_CREDS, or none)."""
+    """Run the `mesh` command line as a user would: on `nats_url`, with `creds` as MESH_CREDS
+    (or none), `stdin` as its input; `answer` is its --timeout (how long it waits for an
+    answer; its own default without); the whole command may take `timeout` seconds. The
+    conftest fixture `cli` is this on the test's own NATS."""
     env = {k: v for k, v in os.environ.items() if k != "MESH_CREDS"}
     return subprocess.run(
-        [*MESH, *args],
+        [*MESH, *args, *(["--timeout", f"{answer:g}"] if answer is not None else [])],
         capture_output=True,
         text=True,
+        input=stdin,
         timeout=timeout,
         env={**env, "MESH_NATS_URL": nats_url, **({"MESH_CREDS": creds} if creds else {})},
     )
@@ -107,8 +123,13 @@ def account_of(pid: int) -> str:
 
 def ok(done: subprocess.CompletedProcess) -> str:
     """A command that worked: its output."""
-    assert done.returncode == 0, done.stderr
+    assert done.returncode == 0, f"{done.args}: {done.stderr}{done.stdout}"
     return done.stdout
+
+
+def ok_json(done: subprocess.CompletedProcess) -> Any:
+    """A command that worked (with --json): its output, decoded."""
+    return json.loads(ok(done))
 
 
 def one_line_error(done: subprocess.CompletedProcess) -> str:
@@ -145,6 +166,116 @@ async def kv_history(kv, key: str, *, within: float = 30) -> list:
             return None
 
     return await await_until(read, within=within, what=f"the history of {key}")
+
+
+async def exited(proc: subprocess.Popen) -> tuple[int] | None:
+    """For await_until: (its exit code,) once `proc` has exited (a tuple, so that exit code 0
+    is truthy too), else None."""
+    code = proc.poll()
+    return None if code is None else (code,)
+
+
+async def already(value: object) -> object:
+    """For await_until: a condition already computed (`lambda: already(n > 20)`)."""
+    return value
+
+
+# --- a fleet: controllers and hosts up ------------------------------------------------------
+
+
+async def node_named(nc: Client, name: str, *, timeout: float = 2) -> dict | None:
+    """Machine `name` as `nodes` lists it, or None (not listed, or nobody answered)."""
+    reply = await ask(nc, "mesh.ctl.nodes", timeout=timeout)
+    return next((n for n in reply["nodes"] if n["name"] == name), None) if reply else None
+
+
+async def held_status(nc: Client, *, timeout: float = 1) -> dict | None:
+    """`status` as a holder answers it, or None (nobody answered, or no seat in the reply)."""
+    s = await ask(nc, "mesh.ctl.status", timeout=timeout)
+    return s if s and s.get("seat") else None
+
+
+async def hosts_up(nc: Client, count: int, *, within: float = 30) -> dict:
+    """`status` once a holder answers it with `count` hosts up."""
+
+    async def up() -> dict | None:
+        s = await held_status(nc, timeout=2)
+        return s if s and s["nodes"]["up"] == count else None
+
+    return await await_until(up, within=within, what=f"{count} host(s) up")
+
+
+async def standing_by(nc: Client, instance: str) -> dict | None:
+    """`status` if it lists controller `instance` among the standbys, else None."""
+    s = await held_status(nc)
+    return s if s and instance in [b["instance"] for b in s["standbys"]] else None
+
+
+@dataclass
+class Fleet:
+    """What fleet_up started: controllers and hosts by name, their processes."""
+
+    controllers: dict[str, subprocess.Popen] = field(default_factory=dict)
+    hosts: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+
+async def fleet_up(
+    nc: Client,
+    *,
+    start_controller: Callable[..., subprocess.Popen],
+    start_host: Callable[..., subprocess.Popen],
+    hosts: int,
+    builder: bool = False,
+    controllers: Sequence[str] = ("ctl-a",),
+    within: float = 30,
+) -> Fleet:
+    """The first of `controllers` holding the seat with node-1..N up in tiers 0, 1, 2 (the
+    rest in tier 2; node-1 labelled builder=true with `builder`), then each other controller
+    standing by. `start_controller(name)` and `start_host(name, *flags)` start a piece: the
+    conftest fixtures' (its `start_fleet` is this on the test's own servers), or a test's own
+    (in network namespaces, on a store of its own)."""
+    first, *standbys = controllers
+    fleet = Fleet(controllers={first: start_controller(first)})
+    for i in range(hosts):
+        name = f"node-{i + 1}"
+        label = ["--label", "builder=true"] if builder and i == 0 else []
+        fleet.hosts[name] = start_host(name, "--tier", str(min(i, 2)), *label)
+    await hosts_up(nc, hosts, within=within)
+    for name in standbys:
+        fleet.controllers[name] = start_controller(name)
+        await await_until(lambda n=name: standing_by(nc, n), within=within,
+                          what=f"{name} standing by")  # fmt: skip
+    return fleet
+
+
+# --- plans ------------------------------------------------------------------------------------
+
+
+def assert_tier_order(plan: dict) -> None:
+    """Every step of a tier finished before any step of a later tier started."""
+    tiers = sorted({s["tier"] for s in plan["steps"]})
+    for earlier, later in itertools.pairwise(tiers):
+        last_end = max(when(s["finished"]) for s in plan["steps"] if s["tier"] == earlier)
+        started = [when(s["started"]) for s in plan["steps"] if s["tier"] == later and s["started"]]
+        assert all(last_end <= t for t in started), (earlier, later, plan["steps"])
+
+
+def when(text: str | None) -> datetime:
+    """A time a reply gives (ISO 8601), which must be there."""
+    assert text is not None
+    return datetime.fromisoformat(text)
+
+
+# --- `mesh dev up`, as a user runs it -------------------------------------------------------
+
+
+def env_file(folder: Path) -> dict[str, str]:
+    """What `source FOLDER/env` exports (`mesh dev up`'s, `mesh init`'s)."""
+    exported = {}
+    for line in (folder / "env").read_text().splitlines():
+        name, _, value = line.removeprefix("export ").partition("=")
+        exported[name] = shlex.split(value)[0]
+    return exported
 
 
 class DevUp:

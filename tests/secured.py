@@ -1,18 +1,15 @@
-"""A nats-server that admits only the identities of a mesh folder, and a fleet on it (a
-controller and two hosts, node-1 a builder, every piece with its own credentials): what the
-tests of permissions and attacks share (tests/test_security.py, tests/test_attacks.py,
-tests/test_discovery.py). The fixtures are registered in conftest.py."""
+"""A nats-server that admits only the identities of a mesh folder (`secured`), and a fleet on
+it (`secured_fleet`: a controller and two hosts, node-1 a builder, every piece with its own
+credentials): what the tests of permissions and attacks share (tests/test_security.py,
+tests/test_attacks.py, tests/test_discovery.py). The fixtures are registered in conftest.py."""
 
-import json
-import os
 import socket
 import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import anyio
 import pytest
-from helpers import MESH, await_until, wait_until
+from helpers import MESH, await_until, hosts_up, mesh_cli, wait_until
 from nats.aio.client import Client
 
 from mesh import bus
@@ -45,6 +42,12 @@ class Secured:
     @property
     def tools(self) -> str:
         return self.creds("operator", "tools")
+
+    def cli(
+        self, creds: str | None, *args: str, stdin: str | None = None
+    ) -> subprocess.CompletedProcess:
+        """The `mesh` command line on this server as `creds` (None: no credentials)."""
+        return mesh_cli(*args, nats_url=self.url, creds=creds, stdin=stdin, timeout=180)
 
     async def connect(self, creds: str | None, *, denials: list[str] | None = None) -> Client:
         return await bus.connect(
@@ -89,17 +92,6 @@ def secured(tmp_path: Path, procs) -> Secured:
         return proc
 
     return Secured(folder, url, start)
-
-
-def cli(
-    secured: Secured, creds: str | None, *args: str, stdin: str | None = None
-) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "MESH_CREDS"}
-    return subprocess.run(
-        [*MESH, *args, "--nats-url", secured.url, *(["--creds", creds] if creds else [])],
-        capture_output=True, text=True, input=stdin, timeout=180,
-        env={**env, "MESH_NATS_URL": secured.url},
-    )  # fmt: skip
 
 
 class Refusals:
@@ -160,7 +152,9 @@ async def as_identity(secured: Secured) -> AsyncIterator:
 
 
 @pytest.fixture
-async def fleet(secured: Secured, procs, database_url: str, tmp_path: Path):
+async def secured_fleet(secured: Secured, procs, database_url: str, tmp_path: Path):
+    """ctl-a and node-1 (tier 0, a builder), node-2 (tier 1) up, each with its own credentials,
+    placed by the operator; an admin's connection."""
     procs.start(
         "ctl-a",
         [*MESH, "controller", "run", "--instance", "ctl-a",
@@ -173,31 +167,12 @@ async def fleet(secured: Secured, procs, database_url: str, tmp_path: Path):
                 timeout=40)  # fmt: skip
     await place(nc, url=secured.url, machine="node-2", tier=1, labels={}, timeout=40)
     for name in ("node-1", "node-2"):
-        start_host(procs, secured, tmp_path, name)
-
-    async def up():
-        s = await ask(nc, "mesh.ctl.status")
-        return s if s and s["nodes"]["up"] == 2 else None
-
-    await await_until(up, within=40, what="two hosts up under credentials")
+        procs.start(
+            name,
+            [*MESH, "host", "run", "--name", name, "--root", str(tmp_path / "hosts" / name),
+             "--creds", secured.creds("host", name)],
+            env={"MESH_NATS_URL": secured.url},
+        )  # fmt: skip
+    await hosts_up(nc, 2, within=40)
     yield nc
     await nc.close()
-
-
-def start_host(procs, secured: Secured, tmp_path: Path, name: str, *extra: str):
-    return procs.start(
-        name,
-        [*MESH, "host", "run", "--name", name, "--root", str(tmp_path / "hosts" / name),
-         "--creds", secured.creds("host", name), *extra],
-        env={"MESH_NATS_URL": secured.url},
-    )  # fmt: skip
-
-
-async def ask(nc: Client, subject: str, body: dict | None = None) -> dict | None:
-    try:
-        data = await bus.request(
-            nc, subject, json.dumps(body or {}).encode(), deadline=anyio.current_time() + 2
-        )
-    except bus.NoAnswer:
-        return None
-    return json.loads(data)

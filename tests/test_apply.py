@@ -11,8 +11,8 @@ import uuid
 from pathlib import Path
 
 import pytest
-from helpers import MESH, ask, await_until, ok
-from test_modules import EXAMPLE, SECRET, run
+from helpers import MESH, ask, await_until, hosts_up, node_named, ok
+from module_folders import HELLO, HELLO_TOKEN, write_module
 
 from mesh import osaccounts
 from mesh.modules.compose import DAccount
@@ -26,21 +26,20 @@ FAKE_GETENT = Path(__file__).parent / "fakes" / "fake_getent.py"
 
 def _account_module(folder: Path, *, module: str, account: str) -> Path:
     """A module whose one process runs as `account`, with a file and a bundle of its own."""
-    (folder / "src").mkdir(parents=True)
-    (folder / "src" / "x.txt").write_text("x")
-    (folder / "module.toml").write_text(
+    return write_module(
+        folder,
         f'[module]\nname = "{module}"\n'
         '[bundle.b]\nkind = "files"\nsource = "src"\n'
         f"[account.{account}]\n"
         f'[process.{module}]\nbundle = "b"\ncommand = ["sleep", "600"]\naccount = "{account}"\n'
-        f'[process.{module}.files]\n"app.conf" = {{ text = "x\\n" }}\n'
+        f'[process.{module}.files]\n"app.conf" = {{ text = "x\\n" }}\n',
+        files={"src/x.txt": "x"},
     )
-    return folder
 
 
 @pytest.mark.skipif(not ROOT, reason="creating accounts needs root")
 async def test_an_absent_account_is_created_not_taken_for_a_failing_user_database(
-    nc, nats_url, start_controller, procs, tmp_path
+    nc, nats_url, cli, start_controller, procs, tmp_path
 ) -> None:
     # The seed: `getent` exit 2 (absent) was read from message text as "the user database did
     # not answer", and the first apply stopped. Exit codes decide here.
@@ -69,17 +68,12 @@ async def test_an_absent_account_is_created_not_taken_for_a_failing_user_databas
              "FAKE_GETENT_FAIL": ",".join(f"{n}={how}" for n, how in failing.items())},
     )  # fmt: skip
 
-    async def up():
-        s = await ask(nc, "mesh.ctl.status")
-        return s if s and s["nodes"]["up"] == 1 else None
-
-    await await_until(up, within=30, what="node-1 up")
+    await hosts_up(nc, 1)
     root = tmp_path / "hosts" / "node-1"
     for i, (account, how) in enumerate(failing.items()):
         module = f"db-fails-{i}"
-        ok(run(nats_url, "push", str(_account_module(tmp_path / module, module=module,
-                                                     account=account))))  # fmt: skip
-        failed = run(nats_url, "assign", module, "node-1", "--wait")
+        ok(cli("push", str(_account_module(tmp_path / module, module=module, account=account))))
+        failed = cli("assign", module, "node-1", "--wait")
         assert failed.returncode == 1, failed.stdout
         code = -signal.SIGSEGV if how == "crash" else int(how)
         assert (f"machine node-1: account {account}: getent passwd {account} failed with exit "
@@ -92,47 +86,30 @@ async def test_an_absent_account_is_created_not_taken_for_a_failing_user_databas
         assert status["processes"] == [], status["processes"]  # nothing started
 
 
-@pytest.fixture
-async def fleet(nc, start_controller, start_host):
-    start_controller("ctl-a")
-    start_host("node-1", "--tier", "0", "--label", "builder=true")
-    start_host("node-2", "--tier", "1")
-
-    async def ready():
-        s = await ask(nc, "mesh.ctl.status")
-        return s if s and s["nodes"]["up"] == 2 else None
-
-    await await_until(ready, within=30, what="two hosts up")
-
-
-async def _node(nc, name: str) -> dict | None:
-    reply = await ask(nc, "mesh.ctl.nodes")
-    return next((n for n in reply["nodes"] if n["name"] == name), None) if reply else None
-
-
-async def test_the_example_is_applied_on_the_assigned_machine(fleet, nc, nats_url, tmp_path):
-    ok(run(nats_url, "push", str(EXAMPLE)))
+async def test_the_example_is_applied_on_the_assigned_machine(start_fleet, nc, cli, tmp_path):
+    await start_fleet(hosts=2, builder=True)
+    ok(cli("push", str(HELLO)))
     # Its secret is not set yet: the apply stops at that file, the plan stops there, gives
     # node-2 its old declaration back, and says why.
-    failed = run(nats_url, "assign", "hello", "node-2", "--wait")
+    failed = cli("assign", "hello", "node-2", "--wait")
     assert failed.returncode == 1, failed.stdout
     assert "machine node-2: file hello/token" in failed.stderr, failed.stderr
     assert "hello-token has not been set" in failed.stderr
-    ok(run(nats_url, "secret", "set", "hello-token", stdin=SECRET))
-    ok(run(nats_url, "assign", "hello", "node-2", "--wait"))
+    ok(cli("secret", "set", "hello-token", stdin=HELLO_TOKEN))
+    ok(cli("assign", "hello", "node-2", "--wait"))
 
     async def applied():
-        n = await _node(nc, "node-2")
+        n = await node_named(nc, "node-2")
         return n if n and n["digest_wanted"] and n["digest_applied"] == n["digest_wanted"] else None
 
     node = await await_until(applied, within=60, what="node-2 to apply its declaration")
     assert node["apply_error"] is None
-    assert (await _node(nc, "node-1"))["digest_applied"] is None
+    assert (await node_named(nc, "node-1"))["digest_applied"] is None
 
     root = tmp_path / "hosts" / "node-2"
     token = root / "processes" / "hello" / "files" / "token"
     conf = root / "processes" / "hello" / "files" / "app.conf"
-    assert token.read_text() == SECRET
+    assert token.read_text() == HELLO_TOKEN
     assert stat.S_IMODE(token.stat().st_mode) == 0o400
     assert conf.read_text() == "greeting = hello\n"
     [bundle] = list((root / "bundles").iterdir())
@@ -152,7 +129,7 @@ async def test_the_example_is_applied_on_the_assigned_machine(fleet, nc, nats_ur
     assert (event["ok"], event["step"], event["digest"]) == (False, "fence", stale["digest"])
     status = await ask(nc, "mesh.host.node-2.status")
     assert status["applied"] == current["digest"]
-    assert token.read_text() == SECRET
+    assert token.read_text() == HELLO_TOKEN
 
     # The same epoch from another controller (two holders given one epoch by a store that
     # lost writes) is refused too: the first holder's declaration stays.

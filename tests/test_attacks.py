@@ -11,7 +11,6 @@ import json
 import os
 import re
 import resource
-import shlex
 import shutil
 import signal
 import subprocess
@@ -20,7 +19,6 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -28,11 +26,24 @@ import anyio
 import asyncpg
 import msgspec
 import pytest
-from helpers import MESH, DevUp, ask, await_until, mesh_cli, next_failure, ok, one_line_error
+from helpers import (
+    MESH,
+    DevUp,
+    ask,
+    await_until,
+    env_file,
+    mesh_cli,
+    next_failure,
+    node_named,
+    ok,
+    ok_json,
+    one_line_error,
+)
+from module_folders import HELLO, built_module
 from nats.aio.client import Client
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-from secured import Secured, cli
+from secured import Secured
 
 from mesh import blobs, wire
 from mesh.auth import creds as credentials
@@ -46,7 +57,6 @@ from mesh.store.migrate import migrate
 from services.host import mcpstdio
 
 ROOT = Path(__file__).parent.parent
-HELLO = ROOT / "docs" / "examples" / "hello"
 SECRET = "s3cr3t-attack-51f0"
 
 
@@ -64,8 +74,7 @@ async def _logged(path: Path, *words: str, within: float, what: str) -> None:
 
 
 async def _applied(admin: Client, machine: str) -> dict | None:
-    reply = await ask(admin, "mesh.ctl.nodes")
-    node = next((n for n in (reply or {}).get("nodes", []) if n["name"] == machine), None)
+    node = await node_named(admin, machine)
     if node and node["digest_wanted"] and node["digest_applied"] == node["digest_wanted"]:
         return node
     return None
@@ -73,9 +82,9 @@ async def _applied(admin: Client, machine: str) -> dict | None:
 
 async def _hello_on(secured: Secured, admin: Client, machine: str) -> None:
     """node-1 with a declaration in the bucket: what its own watch consumer can deliver."""
-    ok(cli(secured, secured.admin, "push", str(HELLO), "--timeout", "120"))
-    ok(cli(secured, secured.admin, "secret", "set", "hello-token", stdin=SECRET))
-    ok(cli(secured, secured.admin, "assign", "hello", machine, "--timeout", "120"))
+    ok(secured.cli(secured.admin, "push", str(HELLO), "--timeout", "120"))
+    ok(secured.cli(secured.admin, "secret", "set", "hello-token", stdin=SECRET))
+    ok(secured.cli(secured.admin, "assign", "hello", machine, "--timeout", "120"))
     await await_until(lambda: _applied(admin, machine), within=60, what=f"{machine} to apply")
 
 
@@ -99,12 +108,12 @@ def marker_dir(tmp_path: Path):
 
 
 async def test_a_builder_cannot_make_another_host_run_a_command(
-    fleet, secured, as_identity, tmp_path, marker_dir
+    secured_fleet, secured, as_identity, tmp_path, marker_dir
 ):
     """Rows 1 and 2: a build request stored in the bundle store by the builder (node-1) and
     delivered to node-2's `build` verb by a push consumer whose deliver subject the server does
     not check; and a host's own watch consumer aimed at another host's verbs."""
-    admin = fleet
+    admin = secured_fleet
     marker = marker_dir / "ran"
     source_dir = tmp_path / "src"
     source_dir.mkdir()
@@ -155,12 +164,12 @@ async def test_a_builder_cannot_make_another_host_run_a_command(
     assert "building evil/x" not in node2_log.read_text()
 
 
-async def test_a_forged_seat_announcement_moves_no_host(fleet, secured, as_identity):
+async def test_a_forged_seat_announcement_moves_no_host(secured_fleet, secured, as_identity):
     """Row 3: a forged `held` of epoch 99 sent every host registering again and again, its
     loop stuck waiting for a holder of that epoch. The builder can no longer store one where a
     consumer would deliver it; and one that reaches the subject unsigned (here: published with
     the controllers' own credentials, without their signature) is refused by every host."""
-    admin = fleet
+    admin = secured_fleet
     before = await ask(admin, "mesh.host.node-2.status")
     assert before is not None and before["epoch"] >= 1
     forged = wire.encode(SeatAnnounce(instance="evil", pid=1, host="evil",
@@ -199,14 +208,14 @@ async def test_a_forged_seat_announcement_moves_no_host(fleet, secured, as_ident
     assert status["seat"]["epoch"] == before["epoch"] and status["nodes"]["up"] == 2, status
 
 
-async def test_a_reflected_answer_is_no_hosts_report(fleet, secured, as_identity, tmp_path):
+async def test_a_reflected_answer_is_no_hosts_report(secured_fleet, secured, as_identity, tmp_path):
     """Reflection into the controller's reports: node-2 asks the JetStream API to make a
     consumer named `node-1`, with node-1's tools report as the reply subject; the answer (its
     top level has `"name": "node-1"`) would read as node-1 reporting no tool servers."""
-    admin = fleet
-    ok(cli(secured, secured.admin, "push", str(ROOT / "docs" / "examples" / "files"),
+    admin = secured_fleet
+    ok(secured.cli(secured.admin, "push", str(ROOT / "docs" / "examples" / "files"),
            "--timeout", "120"))  # fmt: skip
-    ok(cli(secured, secured.admin, "assign", "files", "node-1", "--timeout", "120"))
+    ok(secured.cli(secured.admin, "assign", "files", "node-1", "--timeout", "120"))
 
     async def servers() -> list:
         reply = await ask(admin, "mesh.ctl.tools", {"machine": "node-1"})
@@ -230,11 +239,11 @@ async def test_a_reflected_answer_is_no_hosts_report(fleet, secured, as_identity
     assert await servers(), "node-1's tools were taken away by an answer reflected as its report"
 
 
-async def test_no_host_purges_or_overwrites_the_bundle_store(fleet, secured, as_identity):
+async def test_no_host_purges_or_overwrites_the_bundle_store(secured_fleet, secured, as_identity):
     """Row 4: the builder purged the bundle store (302 objects gone, plans reverted). Now
     neither a builder nor another host may purge, roll up or write it; hosts still read it,
     one message per request."""
-    admin = fleet
+    admin = secured_fleet
     obs = await blobs.store(admin)
     kept = await blobs.put(obs, b"a bundle that must stay")
     info = await admin.jsm().stream_info("OBJ_mesh-bundles")
@@ -266,42 +275,37 @@ async def test_hosts_credentials_name_the_controllers_key(secured: Secured):
         assert credentials.read(secured.creds("host", name)).controller == renewed.public
 
 
-async def test_the_bundle_store_heals_from_a_push(fleet, secured, tmp_path):
+async def test_the_bundle_store_heals_from_a_push(secured_fleet, secured, tmp_path):
     """Row 4, after a purge (JetStream's data lost, or purged by the one identity that still
     may): plans reverted one by one (`sha256:… is not in mesh-bundles`) and a push answered
     `no change`. Now a plan that would need a missing bundle stops before any machine, saying
     what to run, and a push of the same folder stores (and builds) what is missing again."""
-    admin = fleet
-    built = tmp_path / "built"
-    (built / "src").mkdir(parents=True)
-    (built / "src" / "build.sh").write_text(
-        "set -e\nmkdir -p out\nprintf '#!/bin/sh\\necho built\\n' > out/app\n"
-    )
-    (built / "module.toml").write_text(
-        '[module]\nname = "built"\n'
-        '[bundle.app]\nkind = "binary"\nsource = "src"\nbuild = ["sh", "build.sh"]\n'
-        'output = "out/app"\ntimeout = "60s"\n'
+    admin = secured_fleet
+    built = built_module(
+        tmp_path / "built",
+        "set -e\nmkdir -p out\nprintf '#!/bin/sh\\necho built\\n' > out/app\n",
+        process=False,
     )
     await _hello_on(secured, admin, "node-2")
-    ok(cli(secured, secured.admin, "push", str(built), "--timeout", "120"))
+    ok(secured.cli(secured.admin, "push", str(built), "--timeout", "120"))
     await admin.jsm().purge_stream("OBJ_mesh-bundles")
 
-    assigned = cli(secured, secured.admin, "--json", "assign", "hello", "node-1", "--wait",
+    assigned = secured.cli(secured.admin, "--json", "assign", "hello", "node-1", "--wait",
                    "--timeout", "120")  # fmt: skip
     assert assigned.returncode != 0
-    plan = json.loads(ok(cli(secured, secured.viewer, "--json", "plan",
-                             str(json.loads(assigned.stdout)["plan"]))))  # fmt: skip
+    plan = ok_json(secured.cli(secured.viewer, "--json", "plan",
+                             str(json.loads(assigned.stdout)["plan"])))  # fmt: skip
     assert plan["state"] == "reverted", plan
     assert "not in the bundle store" in plan["failure"] and "mesh push" in plan["failure"], plan
     assert all(s["state"] == "pending" for s in plan["steps"]), plan  # no machine touched
 
     for folder in (HELLO, built):
-        pushed = json.loads(ok(cli(secured, secured.admin, "--json", "push", str(folder),
-                                   "--timeout", "120")))  # fmt: skip
+        pushed = ok_json(secured.cli(secured.admin, "--json", "push", str(folder),
+                                   "--timeout", "120"))  # fmt: skip
         assert "restored" in pushed["message"] and pushed["plan"] is None, pushed
-    ok(cli(secured, secured.admin, "assign", "hello", "node-1", "--wait", "--timeout", "120"))
+    ok(secured.cli(secured.admin, "assign", "hello", "node-1", "--wait", "--timeout", "120"))
     await await_until(lambda: _applied(admin, "node-1"), within=60, what="node-1 to apply")
-    again = json.loads(ok(cli(secured, secured.admin, "--json", "push", str(HELLO))))
+    again = ok_json(secured.cli(secured.admin, "--json", "push", str(HELLO)))
     assert again["plan"] is None and again["message"] == "no change", again
 
 
@@ -610,11 +614,6 @@ async def _events(database_url: str, query: str, *args: object) -> list[asyncpg.
         await conn.close()
 
 
-async def _node(nc, name: str) -> dict | None:
-    reply = await ask(nc, "mesh.ctl.nodes")
-    return next((n for n in reply["nodes"] if n["name"] == name), None) if reply else None
-
-
 async def _holding(nc) -> dict | None:
     s = await ask(nc, "mesh.ctl.status")
     return s if s and s.get("seat") else None
@@ -639,7 +638,7 @@ async def test_a_host_registering_in_a_loop_adds_a_row_and_a_line_per_window(
     start_host("node-1", "--tier", "0")
 
     async def up():
-        n = await _node(nc, "node-1")
+        n = await node_named(nc, "node-1")
         return n if n and n["up"] else None
 
     await await_until(up, within=30, what="node-1 up")
@@ -693,7 +692,7 @@ async def test_a_host_registering_in_a_loop_adds_a_row_and_a_line_per_window(
     assert len(lines) <= REGISTER_BURST + 2 * windows, "\n".join(lines)
 
     async def beating_after_the_flood():
-        n = await _node(nc, "node-1")
+        n = await node_named(nc, "node-1")
         seen = n and n["up"] and n["last_seen"]
         return n if seen and _at(seen) > time.time() - (time.monotonic() - flooded) else None
 
@@ -746,7 +745,7 @@ async def test_a_machine_flapping_on_purpose_is_written_a_bounded_number_of_time
 
     async def steadily_up():
         await beat(1.0)
-        n = await _node(nc, "node-9")
+        n = await node_named(nc, "node-9")
         return n if n and n["up"] else None
 
     await await_until(steadily_up, within=3 * CHANGE_EVERY, what="node-9 up again")
@@ -774,7 +773,7 @@ async def test_failed_apply_reports_in_a_flood_are_logged_a_few_times_with_a_cou
     await nc.flush()
 
     async def last_heard():
-        n = await _node(nc, "node-8")
+        n = await node_named(nc, "node-8")
         return n if n and n.get("apply_error") == f"prepare: boom {FLOOD - 1}" else None
 
     await await_until(last_heard, within=30, what="the last report heard")
@@ -849,24 +848,6 @@ def test_a_bad_pruning_setting_is_one_line_naming_it() -> None:
 READ_SECRETS = "select name, convert_from(value, 'UTF8') from secrets"  # what the attack read
 
 
-@pytest.fixture
-def store_dir() -> Iterator[Path]:
-    # Not under pytest's folder, which a starting session makes private (0700) again: the
-    # server runs as its own account (as root) and must keep reaching its data.
-    path = Path(tempfile.mkdtemp(prefix="mesh-test-attack-store-"))
-    yield path / "dev"
-    shutil.rmtree(path, ignore_errors=True)
-
-
-def _exported(folder: Path) -> dict[str, str]:
-    """What `source DIR/env` exports."""
-    exported = {}
-    for line in (folder / "env").read_text().splitlines():
-        name, _, value = line.removeprefix("export ").partition("=")
-        exported[name] = shlex.split(value)[0]
-    return exported
-
-
 def _port(url: str) -> int:
     return int(url.rsplit("@", 1)[1].split("/")[0].rsplit(":", 1)[1])
 
@@ -888,15 +869,16 @@ def _as_nobody(*argv: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 async def test_the_store_refuses_local_accounts_and_its_role_is_no_superuser(
-    store_dir: Path,
+    open_dir: Path,
 ) -> None:
+    store_dir = open_dir / "dev"
     dev = DevUp(store_dir, hosts=0)
     try:
         url = dev.ready()
         done = mesh_cli("secret", "set", "hello-token", "--from-file", "/etc/hostname",
                         nats_url=url, creds=str(store_dir / "creds" / "admin.creds"))  # fmt: skip
         assert done.returncode == 0, done.stderr
-        controllers = _exported(store_dir)["MESH_DATABASE_URL"]
+        controllers = env_file(store_dir)["MESH_DATABASE_URL"]
         port = _port(controllers)
 
         # What the attack did: the superuser, and the controllers' role, without a password
@@ -955,12 +937,13 @@ async def test_the_store_refuses_local_accounts_and_its_role_is_no_superuser(
 
 @pytest.mark.slow
 async def test_a_store_an_older_mesh_made_with_trust_is_converted_not_broken(
-    store_dir: Path,
+    open_dir: Path,
 ) -> None:
     """What an older mesh left in DIR/pg: a cluster that trusts loopback, the schema made by
     the superuser, a secret in it. `mesh dev up` on that folder says it converts it, and then
     the superuser is refused without a password while the controllers (a role of their own
     now) hold the seat and read what was there."""
+    store_dir = open_dir / "dev"
     data = store_dir / "pg"
     postgres.init_folder(data)
     made = subprocess.run(
@@ -1007,11 +990,11 @@ async def test_a_store_an_older_mesh_made_with_trust_is_converted_not_broken(
         url = dev.ready()
         said = [line for line in dev.seen if "converted to passwords only" in line]
         assert len(said) == 1 and str(data) in said[0], dev.seen
-        port = _port(_exported(store_dir)["MESH_DATABASE_URL"])
+        port = _port(env_file(store_dir)["MESH_DATABASE_URL"])
         await _refused(f"postgresql://postgres@127.0.0.1:{port}/mesh")
         status = mesh_cli("status", nats_url=url, creds=str(store_dir / "creds" / "admin.creds"))
         assert status.returncode == 0 and "held by ctl-" in status.stdout, status
-        conn = await asyncpg.connect(_exported(store_dir)["MESH_DATABASE_URL"])
+        conn = await asyncpg.connect(env_file(store_dir)["MESH_DATABASE_URL"])
         try:
             assert await conn.fetch(READ_SECRETS) == [("hello-token", "s3cret")]
             owners = await conn.fetch(

@@ -2,12 +2,10 @@
 its last 256 KiB, saying how much was cut, and a failed build's last lines stay short."""
 
 import re
-from pathlib import Path
 
 import asyncpg
-import pytest
-from helpers import ask, await_until, ok
-from test_modules import run
+from helpers import ok
+from module_folders import built_module
 
 from services.host.builder import LOG_KEEP, TAIL_BYTES
 
@@ -22,31 +20,6 @@ CHATTY = (
 LONG_LINE_FAILS = "head -c 200000 /dev/zero | tr '\\0' y\necho\necho giving up\nexit 3\n"
 
 
-@pytest.fixture
-async def builder(nc, start_controller, start_host) -> None:
-    start_controller("ctl-a")
-    start_host("node-1", "--tier", "0", "--label", "builder=true")
-
-    async def up():
-        s = await ask(nc, "mesh.ctl.status")
-        return s if s and s["nodes"]["up"] == 1 else None
-
-    await await_until(up, within=30, what="the builder up")
-
-
-def _module(folder: Path, script: str) -> Path:
-    (folder / "src").mkdir(parents=True, exist_ok=True)
-    (folder / "src" / "build.sh").write_text(script)
-    (folder / "module.toml").write_text(
-        '[module]\nname = "built"\n'
-        '[bundle.app]\nkind = "binary"\nsource = "src"\nbuild = ["sh", "build.sh"]\n'
-        'output = "out/app"\ntimeout = "60s"\n'
-        "[account.app]\n"
-        '[process.app]\nbundle = "app"\ncommand = ["./app"]\naccount = "app"\n'
-    )
-    return folder
-
-
 async def _tails(database_url: str) -> list[str]:
     conn = await asyncpg.connect(database_url)
     try:
@@ -56,12 +29,13 @@ async def _tails(database_url: str) -> list[str]:
 
 
 async def test_a_long_build_log_keeps_its_tail_and_says_what_was_cut(
-    builder, nats_url, tmp_path, database_url
+    start_fleet, cli, tmp_path, database_url
 ) -> None:
-    ok(run(nats_url, "push", str(_module(tmp_path / "m", CHATTY))))
+    await start_fleet(hosts=1, builder=True)
+    ok(cli("push", str(built_module(tmp_path / "m", CHATTY))))
     printed = "".join(f"line {i:06d}\n" for i in range(1, LINES + 1)) + "the last line\n"
 
-    shown = ok(run(nats_url, "build", "logs", "built"))
+    shown = ok(cli("build", "logs", "built"))
     first, rest = shown.split("\n", 1)
     cut = re.fullmatch(r"\[… (\d+) bytes cut …\]", first)
     assert cut, first
@@ -71,11 +45,11 @@ async def test_a_long_build_log_keeps_its_tail_and_says_what_was_cut(
     assert re.fullmatch(r"line \d{6}", rest.split("\n", 1)[0])  # starting at a whole line
     assert rest.endswith("line 060000\nthe last line\n")
 
-    _module(tmp_path / "m", LONG_LINE_FAILS)
-    failed = run(nats_url, "push", str(tmp_path / "m"))
+    built_module(tmp_path / "m", LONG_LINE_FAILS)
+    failed = cli("push", str(tmp_path / "m"))
     assert failed.returncode == 1
     assert "exit code 3" in failed.stderr and "giving up" in failed.stderr
     assert len(failed.stderr.encode()) < TAIL_BYTES + 1024  # not the 200,000-byte line
     assert all(len(t.encode()) <= TAIL_BYTES for t in await _tails(database_url))
-    shown = ok(run(nats_url, "build", "logs", "built"))
+    shown = ok(cli("build", "logs", "built"))
     assert shown.endswith("giving up\n") and len(shown.encode()) <= LOG_KEEP + 64

@@ -18,12 +18,9 @@ import asyncio
 import json
 import os
 import re
-import shlex
-import shutil
 import signal
 import socket
 import subprocess
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -31,7 +28,7 @@ from pathlib import Path
 
 import helpers
 import pytest
-from helpers import MESH
+from helpers import MESH, env_file, ok, ok_json
 from nats.js.errors import KeyDeletedError, KeyNotFoundError
 
 from mesh import blobs, bus
@@ -59,14 +56,9 @@ class DevUp(helpers.DevUp):
 
 
 @pytest.fixture
-def mesh_dir() -> Iterator[Path]:
+def mesh_dir(open_dir: Path) -> Path:
     """A folder for one mesh, reachable by the accounts the hosts' processes run as."""
-    root = Path(tempfile.mkdtemp(prefix="mesh-test-cluster-"))
-    root.chmod(0o755)
-    try:
-        yield root / "dev"
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    return open_dir / "dev"
 
 
 @pytest.fixture
@@ -79,15 +71,6 @@ def meshes() -> Iterator[list[DevUp]]:
             dev.kill()
 
 
-def env_file(folder: Path) -> dict[str, str]:
-    """What `source DIR/env` exports."""
-    exported = {}
-    for line in (folder / "env").read_text().splitlines():
-        name, _, value = line.removeprefix("export ").partition("=")
-        exported[name] = shlex.split(value)[0]
-    return exported
-
-
 def mesh(folder: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     """The `mesh` command line in a shell that sourced DIR/env."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MESH_")}
@@ -97,13 +80,8 @@ def mesh(folder: Path, *args: str, timeout: float = 120) -> subprocess.Completed
     )  # fmt: skip
 
 
-def ok(done: subprocess.CompletedProcess) -> str:
-    assert done.returncode == 0, f"{done.args}: {done.stderr or done.stdout}"
-    return done.stdout
-
-
 def mesh_json(folder: Path, *args: str) -> dict:
-    return json.loads(ok(mesh(folder, "--json", *args)))
+    return ok_json(mesh(folder, "--json", *args))
 
 
 def jetstream(folder: Path, replicas: bool = True, key: str | None = None) -> dict:

@@ -6,6 +6,7 @@ import random
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from module_folders import module_version
 
 from mesh.modules.compose import (
     Conflict,
@@ -18,13 +19,6 @@ from mesh.modules.compose import (
     prepare,
 )
 from mesh.modules.diff import diff
-from mesh.modules.gate import parse
-
-
-def module(name: str, body: str, *, bundles: dict[str, str] | None = None) -> ModuleVersion:
-    manifest = parse(f'[module]\nname = "{name}"\n' + body)
-    digests = bundles if bundles is not None else {b: f"sha256:{name}-{b}" for b in manifest.bundle}
-    return ModuleVersion(name=name, version=f"sha256:v-{name}", manifest=manifest, bundles=digests)
 
 
 def process(name: str, *, account: str = "app", port: int | None = None, extra: str = "") -> str:
@@ -40,8 +34,8 @@ ACCOUNT = '[account.app]\nhome = "/var/lib/app"\ngroups = ["a", "b"]\n'
 
 
 def test_identical_accounts_from_two_modules_merge() -> None:
-    a = module("a", ACCOUNT + process("web"))
-    b = module("b", ACCOUNT.replace('["a", "b"]', '["b", "a"]') + process("worker"))
+    a = module_version("a", ACCOUNT + process("web"))
+    b = module_version("b", ACCOUNT.replace('["a", "b"]', '["b", "a"]') + process("worker"))
     decl = compose("node-1", [a, b])
     assert set(decl.accounts) == {"app"}
     assert set(decl.processes) == {"web", "worker"}
@@ -51,19 +45,29 @@ def test_identical_accounts_from_two_modules_merge() -> None:
 def test_same_process_name_conflicts_naming_both_modules() -> None:
     with pytest.raises(Conflict, match=r"process web is declared by modules a and b \(on node-1\)"):
         compose(
-            "node-1", [module("a", ACCOUNT + process("web")), module("b", ACCOUNT + process("web"))]
+            "node-1",
+            [
+                module_version("a", ACCOUNT + process("web")),
+                module_version("b", ACCOUNT + process("web")),
+            ],
         )
 
 
 def test_same_account_with_different_settings_conflicts() -> None:
     other = ACCOUNT.replace("/var/lib/app", "/srv/app")
     with pytest.raises(Conflict, match="account app is declared differently by modules a and b"):
-        compose("n", [module("a", ACCOUNT + process("x")), module("b", other + process("y"))])
+        compose(
+            "n",
+            [
+                module_version("a", ACCOUNT + process("x")),
+                module_version("b", other + process("y")),
+            ],
+        )
 
 
 def test_two_checks_on_one_port_conflict() -> None:
-    a = module("a", ACCOUNT + process("x", port=8080))
-    b = module("b", ACCOUNT + process("y", port=8080))
+    a = module_version("a", ACCOUNT + process("x", port=8080))
+    b = module_version("b", ACCOUNT + process("y", port=8080))
     with pytest.raises(Conflict, match=r"port 8080 .* module a .* module b"):
         compose("n", [a, b])
 
@@ -71,13 +75,13 @@ def test_two_checks_on_one_port_conflict() -> None:
 def test_two_containers_of_one_name_conflict() -> None:
     c = '[container.cache]\nimage = "docker.io/library/redis:7"\n'
     with pytest.raises(Conflict, match="container cache is declared by modules a and b"):
-        compose("n", [module("a", c), module("b", c)])
+        compose("n", [module_version("a", c), module_version("b", c)])
 
 
 def test_a_secret_change_changes_the_digest_but_never_carries_the_value() -> None:
     body = ACCOUNT + process("x", extra='files = { "t" = { secret = "tok", mode = "0400" } }\n')
-    before = compose("n", [module("a", body)], {"tok": 1})
-    after = compose("n", [module("a", body)], {"tok": 2})
+    before = compose("n", [module_version("a", body)], {"tok": 1})
+    after = compose("n", [module_version("a", body)], {"tok": 2})
     assert digest(before) != digest(after)
     assert b"tok" in canonical(after)  # the name, so the host knows which file
     changes = diff(before, after)
@@ -85,9 +89,10 @@ def test_a_secret_change_changes_the_digest_but_never_carries_the_value() -> Non
 
 
 def test_diff_shows_added_changed_removed() -> None:
-    old = compose("n", [module("a", ACCOUNT + process("x") + process("y"))])
+    old = compose("n", [module_version("a", ACCOUNT + process("x") + process("y"))])
     new = compose(
-        "n", [module("a", ACCOUNT + process("x", extra='env = { A = "1" }\n') + process("z"))]
+        "n",
+        [module_version("a", ACCOUNT + process("x", extra='env = { A = "1" }\n') + process("z"))],
     )
     ops = {(c.op, c.kind, c.name) for c in diff(old, new)}
     assert ("~", "process", "x") in ops
@@ -135,7 +140,7 @@ def shuffled_module(name: str, rng: random.Random) -> ModuleVersion:
             )
         )
     rng.shuffle(tables)
-    return module(name, "".join(tables))
+    return module_version(name, "".join(tables))
 
 
 @settings(max_examples=200, deadline=None)
@@ -164,7 +169,7 @@ def test_the_same_inputs_give_the_same_bytes_whatever_the_order(
 @settings(max_examples=50, deadline=None)
 @given(st.integers(1, 5))
 def test_different_inputs_give_different_digests(n: int) -> None:
-    mods = [module(f"m{i}", ACCOUNT + process(f"p{i}")) for i in range(n)]
+    mods = [module_version(f"m{i}", ACCOUNT + process(f"p{i}")) for i in range(n)]
     fewer = compose("node-1", mods[:-1])
     more = compose("node-1", mods)
     assert digest(fewer) != digest(more)
@@ -172,8 +177,8 @@ def test_different_inputs_give_different_digests(n: int) -> None:
 
 
 def test_a_check_written_with_or_without_its_defaults_gives_one_digest() -> None:
-    short = module("a", ACCOUNT + process("x", extra="check = { tcp = 8080 }\n"))
-    full = module(
+    short = module_version("a", ACCOUNT + process("x", extra="check = { tcp = 8080 }\n"))
+    full = module_version(
         "a",
         ACCOUNT
         + process("x", extra='check = { tcp = 8080, every = "2s", timeout = "1s", passes = 2 }\n'),
@@ -183,7 +188,7 @@ def test_a_check_written_with_or_without_its_defaults_gives_one_digest() -> None
 
 def test_a_bundle_without_its_digest_cannot_be_composed() -> None:
     with pytest.raises(ValueError, match="without a digest"):
-        compose("n", [module("a", ACCOUNT + process("x"), bundles={})])
+        compose("n", [module_version("a", ACCOUNT + process("x"), bundles={})])
 
 
 def test_the_machine_s_name_is_substituted_where_a_process_says_machine() -> None:
@@ -193,7 +198,7 @@ def test_the_machine_s_name_is_substituted_where_a_process_says_machine() -> Non
         'env = { WHO = "I am ${machine}" }\nfiles = { "f" = { text = "${machine}\\n" } }\n'
         '[process.b]\nbundle = "a"\ncommand = ["./b", "$machine"]\naccount = "app"\n'
     )
-    mv = module("m", body)
+    mv = module_version("m", body)
     one, two = compose("node-1", [mv]), compose("node-2", [mv])
     assert one.processes["a"].command == ["./a", "--name", "node-1"]
     assert one.processes["a"].env == {"WHO": "I am node-1"}

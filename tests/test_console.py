@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from helpers import DevUp, mesh_cli, ok, one_line_error
+from module_folders import write_module
 
 from mesh import subjects
 from mesh.auth.policy import OPERATOR_WATCH, User, permissions
@@ -150,14 +151,6 @@ def _browser_or_skip():
     return sync_playwright
 
 
-def _module(folder: Path) -> Path:
-    (folder / "src").mkdir(parents=True)
-    (folder / "src" / "check.py").write_text(CHECK)
-    (folder / "src" / "run.sh").write_text(RUN)
-    (folder / "module.toml").write_text(MODULE)
-    return folder
-
-
 @pytest.mark.slow
 def test_the_console_in_a_browser(tmp_path: Path) -> None:
     sync_playwright = _browser_or_skip()
@@ -205,8 +198,9 @@ def test_the_console_in_a_browser(tmp_path: Path) -> None:
                 ok(mesh_cli("label", "node-1", f"note={TRAP}", nats_url=nats_url, creds=admin))
 
                 # 2. A plan, pushed and assigned while the page is open, tier by tier.
-                ok(mesh_cli("push", str(_module(tmp_path / "gated")), nats_url=nats_url,
-                            creds=admin))  # fmt: skip
+                gated = write_module(tmp_path / "gated", MODULE,
+                                     files={"src/check.py": CHECK, "src/run.sh": RUN})  # fmt: skip
+                ok(mesh_cli("push", str(gated), nats_url=nats_url, creds=admin))
                 ok(mesh_cli("assign", "gated", "node-1", "node-2", "node-3",
                             nats_url=nats_url, creds=admin))  # fmt: skip
 

@@ -15,9 +15,8 @@ import uuid
 from pathlib import Path
 
 import pytest
-from helpers import ask, await_until, engine_answers, next_failure, ok
-from test_modules import run
-from test_processes import SERVER
+from helpers import await_until, engine_answers, next_failure, node_named, ok
+from module_folders import svc_module, write_module
 
 from mesh.embedded import ports
 
@@ -75,22 +74,9 @@ def inspect(name: str) -> dict | None:
 
 
 def replacing(folder: Path, *, old: str, port: int, mode: str) -> Path:
-    (folder / "src").mkdir(parents=True, exist_ok=True)
-    (folder / "src" / "server.py").write_text(SERVER)
-    (folder / "module.toml").write_text(
-        '[module]\nname = "svc"\n'
-        '[bundle.svc]\nkind = "files"\nsource = "src"\n'
-        "[account.svc]\n"
-        '[process.svc]\nbundle = "svc"\naccount = "svc"\n'
-        f'command = ["python3", "server.py", "1", "{port}", "{mode}"]\n'
-        f'check = {{ tcp = {port}, every = "300ms", passes = 2 }}\n'
-        f'replaces = "{old}"\nupdate = "start-first"\n'
-        # The plan waits longer than the host's own health window, so the failure each test
-        # reads is the host's verdict, not the plan giving up first and reverting.
-        '[rollout]\ndeadline = "150s"\n'
-        '[assign]\nmachines = ["node-1"]\n'
-    )
-    return folder
+    """module_folders.svc_module at version 1, replacing container `old` once healthy."""
+    extra = f'replaces = "{old}"\nupdate = "start-first"\n'
+    return svc_module(folder, version="1", port=port, mode=mode, extra=extra)
 
 
 def _old_container(image: str, name: str) -> None:
@@ -101,12 +87,12 @@ def _old_container(image: str, name: str) -> None:
     assert done.returncode == 0, done.stderr
 
 
-async def test_replaces_waits_for_two_passes(image, names, host, nc, nats_url, tmp_path) -> None:
+async def test_replaces_waits_for_two_passes(image, names, host, nc, tmp_path, cli) -> None:
     old = names("old")
     _old_container(image, old)
     assert inspect(old)["State"]["Running"]
     port = ports.free_port()
-    ok(run(nats_url, "push", str(replacing(tmp_path / "m", old=old, port=port, mode="serve"))))
+    ok(cli("push", str(replacing(tmp_path / "m", old=old, port=port, mode="serve"))))
 
     async def gone():
         return inspect(old) is None
@@ -119,14 +105,14 @@ async def test_replaces_waits_for_two_passes(image, names, host, nc, nats_url, t
 
 
 async def test_a_never_healthy_process_leaves_the_container_serving(
-    image, names, host, nc, nats_url, tmp_path
+    image, names, host, nc, tmp_path, cli
 ) -> None:
     old = names("old")
     _old_container(image, old)
     events = await nc.subscribe("mesh.event.node-1.applied")
     await nc.flush()
     port = ports.free_port()
-    ok(run(nats_url, "push", str(replacing(tmp_path / "m", old=old, port=port, mode="deaf"))))
+    ok(cli("push", str(replacing(tmp_path / "m", old=old, port=port, mode="deaf"))))
     event = await next_failure(events, within=120)
     assert event["step"] == f"replaces {old}"
     assert "left serving" in event["error"]
@@ -134,7 +120,7 @@ async def test_a_never_healthy_process_leaves_the_container_serving(
 
 
 async def test_a_container_answering_on_the_port_does_not_make_the_process_healthy(
-    image, names, host, nc, nats_url, tmp_path
+    image, names, host, nc, tmp_path, cli
 ) -> None:
     # The seed's safe failure, when the old container listens where the new process should:
     # the process never listens, the container answers the tcp check, and it must stay.
@@ -148,7 +134,7 @@ async def test_a_container_answering_on_the_port_does_not_make_the_process_healt
     assert done.returncode == 0, done.stderr
     events = await nc.subscribe("mesh.event.node-1.applied")
     await nc.flush()
-    ok(run(nats_url, "push", str(replacing(tmp_path / "m", old=old, port=port, mode="deaf"))))
+    ok(cli("push", str(replacing(tmp_path / "m", old=old, port=port, mode="deaf"))))
     event = await next_failure(events, within=120)
     assert event["step"] == f"replaces {old}" and "left serving" in event["error"]
     assert "not from this process" in event["error"]
@@ -156,16 +142,15 @@ async def test_a_container_answering_on_the_port_does_not_make_the_process_healt
 
 
 async def test_declared_containers_run_and_go_when_undeclared(
-    image, names, host, nc, nats_url, tmp_path
+    image, names, host, nc, tmp_path, cli
 ) -> None:
     name = names("c")
-    folder = tmp_path / "m"
-    folder.mkdir()
-    (folder / "module.toml").write_text(
+    folder = write_module(
+        tmp_path / "m",
         f'[module]\nname = "cache"\n[container.{name}]\nimage = "{image}"\n'
-        'command = ["sleep", "3600"]\n[assign]\nmachines = ["node-1"]\n'
+        'command = ["sleep", "3600"]\n[assign]\nmachines = ["node-1"]\n',
     )
-    ok(run(nats_url, "push", str(folder)))
+    ok(cli("push", str(folder)))
 
     async def running():
         found = inspect(name)
@@ -173,12 +158,11 @@ async def test_declared_containers_run_and_go_when_undeclared(
 
     found = await await_until(running, within=60, what=f"container {name} running")
     # The machine says it has an engine, and which (mesh nodes, before anything is assigned).
-    nodes = (await ask(nc, "mesh.ctl.nodes"))["nodes"]
-    engine = next(n for n in nodes if n["name"] == "node-1")["facts"]["container_engine"]
+    engine = (await node_named(nc, "node-1"))["facts"]["container_engine"]
     assert engine.startswith(f"engine {_engine_version()},"), engine
     assert found["Config"]["Labels"]["mesh.host"] == "node-1"
     assert found["HostConfig"]["NetworkMode"] == "host"
-    ok(run(nats_url, "unassign", "cache", "node-1"))
+    ok(cli("unassign", "cache", "node-1"))
 
     async def gone():
         return inspect(name) is None

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from helpers import MESH, ok, one_line_error, wait_until
+from helpers import MESH, ok, ok_json, one_line_error, wait_until
 
 from mesh import bus
 from mesh.auth import creds
@@ -30,7 +30,7 @@ def dev_creds(*args: str) -> subprocess.CompletedProcess:
 
 def test_issues_what_dev_up_issues_and_keeps_it(tmp_path: Path) -> None:
     folder, out = tmp_path / "mesh", tmp_path / "out"
-    first = json.loads(ok(dev_creds("--dir", str(folder), "--export", str(out), "--json")))
+    first = ok_json(dev_creds("--dir", str(folder), "--export", str(out), "--json"))
     assert list(first["creds"]) == list(first["exported"]) == IDENTITIES
     users = json.loads((folder / "creds" / "users.json").read_text())["users"]
     assert {(u["kind"], u["name"], u.get("role"), u.get("builder", False)) for u in users} == {
@@ -58,12 +58,12 @@ def test_issues_what_dev_up_issues_and_keeps_it(tmp_path: Path) -> None:
     assert creds.read(out / "node-1" / "nats.creds").inbox == "_INBOX_node-1"
 
     # Again on the same folder: nothing new is issued (a restarted compose keeps its keys).
-    again = json.loads(ok(dev_creds("--dir", str(folder), "--export", str(out), "--json")))
+    again = ok_json(dev_creds("--dir", str(folder), "--export", str(out), "--json"))
     assert again["creds"] == first["creds"]
     for name in IDENTITIES:
         assert creds.read(out / name / "nats.creds").seed == seeds[name]
     # More hosts: the existing keep theirs, the new one is added.
-    more = json.loads(ok(dev_creds("--dir", str(folder), "--hosts", "4", "--json")))
+    more = ok_json(dev_creds("--dir", str(folder), "--hosts", "4", "--json"))
     assert list(more["creds"]) == [*IDENTITIES, "node-4"]
     assert more["exported"] == {}
     assert creds.read(more["creds"]["node-2"]).seed == seeds["node-2"]

@@ -3,7 +3,6 @@ folder refused, SIGTERM leaves nothing running, and a restart on the same folder
 and the credentials. Every connection authenticates: the env file's admin credentials work, no
 credentials are refused."""
 
-import json
 import os
 import re
 import shlex
@@ -11,7 +10,7 @@ import signal
 import subprocess
 from pathlib import Path
 
-from helpers import MESH, DevUp, mesh_cli
+from helpers import MESH, DevUp, env_file, mesh_cli, ok_json
 
 
 def _running_under(folder: Path) -> list[str]:
@@ -48,28 +47,13 @@ def _alive(pids: list[int]) -> list[int]:
     return alive
 
 
-def _env_file(folder: Path) -> dict[str, str]:
-    """What `source DIR/env` would export."""
-    exported = {}
-    for line in (folder / "env").read_text().splitlines():
-        name, _, value = line.removeprefix("export ").partition("=")
-        exported[name] = shlex.split(value)[0]
-    return exported
-
-
-def _cli_json(*args: str, url: str, creds: str) -> dict:
-    done = mesh_cli("--json", *args, nats_url=url, creds=creds)
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout)
-
-
 def test_dev_up_end_to_end(tmp_path: Path) -> None:
     folder = tmp_path / "dev"
     dev = DevUp(folder)
     try:
         url = dev.wait_for("ready ", within=90).split()[1]
         assert url.startswith("tls://127.0.0.1:")  # TLS by default
-        env = _env_file(folder)
+        env = env_file(folder)
         assert env["MESH_NATS_URL"] == url
         assert env["MESH_CA"] == str(folder.resolve() / "tls" / "ca.pem")
         assert env["MESH_DIR"] == str(folder.resolve())
@@ -89,7 +73,7 @@ def test_dev_up_end_to_end(tmp_path: Path) -> None:
         for answer in (unknown, refused):
             assert "Traceback" not in answer.stderr and len(answer.stderr.splitlines()) == 1
 
-        nodes = _cli_json("nodes", url=url, creds=creds)["nodes"]
+        nodes = ok_json(mesh_cli("--json", "nodes", nats_url=url, creds=creds))["nodes"]
         assert [(n["name"], n["tier"], n["up"]) for n in nodes] == [
             ("node-1", 0, True),
             ("node-2", 1, True),
@@ -107,7 +91,7 @@ def test_dev_up_end_to_end(tmp_path: Path) -> None:
         assert (folder / "creds" / "hosts" / "node-9.creds").exists()
         assert "the mesh's nats-server admits it now" in added.stdout  # reloaded: it found it
 
-        status = _cli_json("status", url=url, creds=creds)
+        status = ok_json(mesh_cli("--json", "status", nats_url=url, creds=creds))
         assert status["seat"]["holder"] in ("ctl-1", "ctl-2")
         assert status["seat"]["epoch"] >= 1
         assert len(status["standbys"]) == 1
@@ -134,7 +118,7 @@ def test_dev_up_end_to_end(tmp_path: Path) -> None:
     try:
         url = again.wait_for("ready ", within=90).split()[1]
         assert Path(creds).read_text() == seed  # the same credentials, still valid
-        status = _cli_json("status", url=url, creds=creds)
+        status = ok_json(mesh_cli("--json", "status", nats_url=url, creds=creds))
         assert status["seat"]["epoch"] > first_epoch  # the store survived the restart
         assert status["nodes"]["total"] == 3
         again.proc.send_signal(signal.SIGINT)  # Ctrl-C

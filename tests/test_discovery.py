@@ -159,7 +159,9 @@ async def test_ping_info_and_stats_show_the_controllers_and_the_hosts(nc, mesh_o
 # --- who may ask, with real credentials ----------------------------------------------------------
 
 
-async def test_operators_may_ask_and_hosts_only_answer_for_themselves(fleet, secured, as_identity):
+async def test_operators_may_ask_and_hosts_only_answer_for_themselves(
+    secured_fleet, secured, as_identity
+):
     # The services answer under their own credentials; a viewer asks and hears them all.
     viewer = await secured.connect(secured.viewer)
     try:

@@ -3,12 +3,9 @@ holder SIGSTOPped past the step-down bound and woken later, PostgreSQL and the n
 restarted during a plan. Real controllers, hosts, nats-server and PostgreSQL, no mocks; every
 wait polls a condition with a deadline.
 
-The store's history is checked with an audit trigger the tests add to their own database: every
-committed write of a plan, a plan step, a declaration or the seat's row is recorded in commit
-order (a fenced write holds the seat's row FOR SHARE until it commits, so a takeover's epoch
-increment is ordered after it), with the epoch the writing transaction saw. "No two epochs do
-plan work at once" then reads: every plan write carries the epoch of the last takeover before
-it, never an older one. The `events` table (seat.taken, plan.*) must tell the same story.
+The store's history is checked with an audit trigger the tests add to their own database
+(tests/faults.py): "no two epochs do plan work at once" reads there as every plan write
+carrying the epoch of the last takeover before it, never an older one.
 """
 
 import json
@@ -25,189 +22,58 @@ import asyncpg
 import msgspec
 import nats
 import pytest
-from helpers import MESH, ask, await_until, kv_history, kv_keys
-from test_plans import assert_tier_order, mesh, module, ok
+from faults import (
+    DEADLINE,
+    Verbs,
+    assert_kv_epochs_rise,
+    assert_one_epoch_at_a_time,
+    finished,
+    holder_above,
+    install_audit,
+    plan_of,
+    query,
+    steps,
+    waiting_in,
+)
+from helpers import (
+    MESH,
+    ask,
+    assert_tier_order,
+    await_until,
+    exited,
+    fleet_up,
+    held_status,
+    mesh_cli,
+    ok_json,
+    standing_by,
+)
+from module_folders import gated_module
 
-from mesh import bus, wire
+from mesh import wire
 from mesh.embedded import natsd, pgauth, ports, postgres
 from mesh.model import DeclarationReply
 from mesh.modules.compose import encode, merge
 from mesh.store import seats
 
 KILLS = 20
-DEADLINE = 10.0  # a logical request's deadline, as the command line's (retries within it)
-
-AUDIT = """
-CREATE TABLE fault_audit (
-    id    bigserial PRIMARY KEY,
-    tbl   text NOT NULL,
-    what  text,
-    epoch bigint,          -- the epoch the row was written with (plan_steps, declarations, seats)
-    seat  bigint NOT NULL  -- the seat's epoch as the writing transaction saw it
-);
-CREATE FUNCTION fault_audit() RETURNS trigger LANGUAGE plpgsql AS $$
-BEGIN
-    INSERT INTO fault_audit (tbl, what, epoch, seat) VALUES (
-        TG_TABLE_NAME,
-        concat_ws(' ', to_jsonb(NEW) ->> 'machine', to_jsonb(NEW) ->> 'state'),
-        CASE WHEN TG_TABLE_NAME <> 'plans' THEN (to_jsonb(NEW) ->> 'epoch')::bigint END,
-        (SELECT epoch FROM seats WHERE name = 'mesh-controller'));
-    RETURN NULL;
-END $$;
-"""
-
-
-async def install_audit(database_url: str) -> None:
-    """Record every write from now on; the seat's current epoch is the first row."""
-    conn = await asyncpg.connect(database_url)
-    try:
-        async with conn.transaction():
-            epoch = await conn.fetchval(
-                "SELECT epoch FROM seats WHERE name = 'mesh-controller' FOR UPDATE"
-            )
-            await conn.execute(AUDIT)
-            await conn.execute(
-                "INSERT INTO fault_audit (tbl, epoch, seat) VALUES ('seats', $1, $1)", epoch
-            )
-            for table in ("seats", "plans", "plan_steps", "declarations"):
-                await conn.execute(
-                    f"CREATE TRIGGER fault_audit AFTER INSERT OR UPDATE ON {table}"
-                    " FOR EACH ROW EXECUTE FUNCTION fault_audit()"
-                )
-    finally:
-        await conn.close()
-
-
-async def query(database_url: str, sql: str, *args):
-    conn = await asyncpg.connect(database_url)
-    try:
-        return await conn.fetch(sql, *args)
-    finally:
-        await conn.close()
-
-
-async def assert_one_epoch_at_a_time(database_url: str) -> set[int]:
-    """Every plan write (audit) and plan event carries the epoch of the takeover before it;
-    epochs only rise. Returns the epochs that wrote plan steps."""
-    audit = await query(database_url, "SELECT * FROM fault_audit ORDER BY id")
-    seat = None
-    for r in audit:
-        if r["tbl"] == "seats":
-            assert seat is None or r["epoch"] > seat, f"the epoch went back: {dict(r)}"
-            seat = r["epoch"]
-            continue
-        assert r["seat"] == seat, f"a write saw epoch {r['seat']} after {seat} took: {dict(r)}"
-        assert r["epoch"] in (None, seat), f"written with epoch {r['epoch']}: {dict(r)}"
-    events = await query(
-        database_url,
-        "SELECT id, kind, epoch FROM events WHERE kind = 'seat.taken' OR kind LIKE 'plan.%'"
-        " ORDER BY id",
-    )
-    taken = None
-    for e in events:
-        if e["kind"] == "seat.taken":
-            assert taken is None or e["epoch"] > taken, f"seat.taken went back: {dict(e)}"
-            taken = e["epoch"]
-        else:
-            assert e["epoch"] == taken, f"{e['kind']} by epoch {e['epoch']} under {taken}"
-    return {r["epoch"] for r in audit if r["tbl"] == "plan_steps" and r["epoch"] is not None}
-
-
-async def assert_kv_epochs_rise(nc) -> None:
-    """In the declarations bucket's history, no key's epoch ever goes back."""
-    kv = await nc.jetstream().key_value("mesh-declarations")
-    for key in await kv_keys(kv):
-        epochs = [json.loads(e.value)["epoch"] for e in await kv_history(kv, key) if e.value]
-        assert epochs == sorted(epochs), f"{key}: declarations published with epochs {epochs}"
-
-
-class Verbs:
-    """Workers sending `status` continuously; each logical request is retried over "no
-    responders" and timeouts until its own deadline, as the command line does (bus.request)."""
-
-    def __init__(self) -> None:
-        self.answered = 0
-        self.failures: list[tuple[float, str]] = []  # (when the request started, why)
-        self.worst = 0.0
-        self.answers: list[list[tuple[float, str, int]]] = []  # per worker: (when, holder, epoch)
-
-    async def run(self, nc, stop: anyio.Event, workers: int = 3) -> None:
-        async def worker(seen: list[tuple[float, str, int]]) -> None:
-            while not stop.is_set():
-                started = time.monotonic()
-                try:
-                    data = await bus.request(
-                        nc, "mesh.ctl.status", b"{}", deadline=started + DEADLINE,
-                        attempt_timeout=1.0,
-                    )  # fmt: skip
-                except bus.NoAnswer as e:
-                    self.failures.append((started, str(e)))
-                    continue
-                self.worst = max(self.worst, time.monotonic() - started)
-                reply = json.loads(data)
-                if "error" in reply or not reply.get("seat"):
-                    self.failures.append((started, json.dumps(reply)))
-                    continue
-                self.answered += 1
-                seen.append((time.monotonic(), reply["seat"]["holder"], reply["seat"]["epoch"]))
-                await anyio.sleep(0.002)  # ok: pacing a steady client, not a wait
-
-        async with anyio.create_task_group() as tg:
-            for _ in range(workers):
-                self.answers.append([])
-                tg.start_soon(worker, self.answers[-1])
-
-
-async def status(nc) -> dict | None:
-    s = await ask(nc, "mesh.ctl.status", timeout=1)
-    return s if s and s.get("seat") else None
-
-
-async def plan_of(nc, plan_id: int) -> dict | None:
-    p = await ask(nc, "mesh.ctl.plan", {"id": plan_id}, timeout=1)
-    return p if p and "steps" in p else None
-
-
-def steps(plan: dict) -> dict[str, str]:
-    return {s["machine"]: s["state"] for s in plan["steps"]}
-
-
-async def fleet(nc, start_controller, start_host, tmp_path: Path, hosts: int) -> dict:
-    """ctl-0 holding the seat, ctl-1 standing by, node-1..N in tiers 0, 1, 2; the controllers."""
-    controllers = {"ctl-0": start_controller("ctl-0")}
-    for i in range(hosts):
-        start_host(f"node-{i + 1}", "--tier", str(min(i, 2)))
-
-    async def up():
-        s = await status(nc)
-        return s if s and s["nodes"]["up"] == hosts else None
-
-    await await_until(up, within=30, what=f"{hosts} hosts up")
-    controllers["ctl-1"] = start_controller("ctl-1")
-    await await_until(lambda: standing_by(nc, "ctl-1"), within=30, what="ctl-1 standing by")
-    return controllers
-
-
-async def standing_by(nc, instance: str) -> dict | None:
-    s = await status(nc)
-    return s if s and instance in [b["instance"] for b in s["standbys"]] else None
+CONTROLLERS = ("ctl-0", "ctl-1")  # the holder, then the standby (more are started as kills go)
 
 
 # --- SIGKILL --------------------------------------------------------------------------------------
 
 
 async def test_the_holder_killed_twenty_times_during_a_plan(
-    nc, nats_url, database_url, start_controller, start_host, tmp_path
+    nc, cli, database_url, start_controller, start_fleet, tmp_path
 ) -> None:
     """Kill the holder 20 times while a three-tier plan rolls (each tier waits for a marker file,
     made after a third of the kills); a replacement starts after each kill so a standby exists.
     Every `status` is answered within its deadline, the plan finishes, and the store shows one
     epoch at a time doing plan work."""
-    controllers = await fleet(nc, start_controller, start_host, tmp_path, hosts=3)
+    controllers = (await start_fleet(hosts=3, controllers=CONTROLLERS)).controllers
     roots = tmp_path / "hosts"
     await install_audit(database_url)
-    source = module(tmp_path / "m", marker="ready", deadline="60s")
-    plan_id = ok(mesh(nats_url, "push", str(source), "--json"))["plan"]
+    source = gated_module(tmp_path / "m", marker="ready", deadline="60s")
+    plan_id = ok_json(cli("push", str(source), "--json"))["plan"]
     markers = {KILLS // 3: "node-1", 2 * KILLS // 3: "node-2"}  # node-3's after the last kill
 
     async def wrote_plan_steps(epoch: int) -> bool:
@@ -248,15 +114,8 @@ async def test_the_holder_killed_twenty_times_during_a_plan(
             controllers[newest] = start_controller(newest)
 
         (roots / "node-3" / "ready").write_text("")
-
-        async def finished():
-            p = await plan_of(nc, plan_id)
-            return p if p and p["state"] not in ("pending", "rolling") else None
-
-        plan = await await_until(finished, within=60, what="the plan to finish")
-        answered = verbs.answered
-        await await_until(lambda: _true(verbs.answered > answered + 20), within=DEADLINE,
-                          what="answers after the plan")  # fmt: skip
+        plan = await finished(nc, plan_id, within=60)
+        await verbs.answers_after("answers after the plan")
         stop.set()
 
     print(f"{verbs.answered} status answered; the slowest took {verbs.worst:.2f}s")
@@ -285,18 +144,18 @@ async def test_the_holder_killed_twenty_times_during_a_plan(
 
 
 async def test_a_paused_holder_loses_the_seat_and_its_late_writes_are_refused(
-    nc, nats_url, database_url, start_controller, start_host, tmp_path
+    nc, cli, database_url, start_fleet, tmp_path
 ) -> None:
     """SIGSTOP the holder while tier 1 waits: the standby takes the seat while it is still
     paused (its lock's session is ended by the server's idle_session_timeout) and finishes the
     plan. SIGCONT: the old holder steps down without writing under its old epoch, and a host
     ignores a declaration published under that epoch."""
-    controllers = await fleet(nc, start_controller, start_host, tmp_path, hosts=2)
+    controllers = (await start_fleet(hosts=2, controllers=CONTROLLERS)).controllers
     roots = tmp_path / "hosts"
     old = controllers["ctl-0"]
     await install_audit(database_url)
-    source = module(tmp_path / "m", marker="ready", deadline="60s")
-    plan_id = ok(mesh(nats_url, "push", str(source), "--json"))["plan"]
+    source = gated_module(tmp_path / "m", marker="ready", deadline="60s")
+    plan_id = ok_json(cli("push", str(source), "--json"))["plan"]
     (roots / "node-1" / "ready").write_text("")
 
     async def tier_1_waits():
@@ -304,7 +163,7 @@ async def test_a_paused_holder_loses_the_seat_and_its_late_writes_are_refused(
         return p if p and steps(p) == {"node-1": "done", "node-2": "applying"} else None
 
     await await_until(tier_1_waits, within=30, what="tier 1 applying")
-    before = await status(nc)
+    before = await held_status(nc)
     assert before is not None and before["seat"]["holder"] == "ctl-0"
     epoch = before["seat"]["epoch"]
 
@@ -316,7 +175,7 @@ async def test_a_paused_holder_loses_the_seat_and_its_late_writes_are_refused(
         try:
 
             async def taken_over():
-                s = await status(nc)
+                s = await held_status(nc)
                 return s if s and s["seat"]["holder"] == "ctl-1" else None
 
             after = await await_until(taken_over, within=30, what="ctl-1 to take the seat")
@@ -337,11 +196,9 @@ async def test_a_paused_holder_loses_the_seat_and_its_late_writes_are_refused(
         woke = time.monotonic()
 
         # Woken, the old holder finds its session gone and steps down.
-        code = await await_until(lambda: _exited(old), within=20, what="ctl-0 to step down")
+        code = await await_until(lambda: exited(old), within=20, what="ctl-0 to step down")
         gone = time.monotonic()
-        answered = verbs.answered
-        await await_until(lambda: _true(verbs.answered > answered + 20), within=DEADLINE,
-                          what="answers after ctl-0 stepped down")  # fmt: skip
+        await verbs.answers_after("answers after ctl-0 stepped down")
         stop.set()
 
     print(f"{verbs.answered} status answered, {len(verbs.failures)} not within {DEADLINE:g}s;"
@@ -505,50 +362,34 @@ async def test_the_mesh_recovers_from_restarts_of_postgres_and_nats_during_a_pla
     def controller(name: str) -> subprocess.Popen:
         return procs.start(name, [*MESH, "controller", "run", "--instance", name], env=env)
 
-    def host(name: str, tier: int) -> subprocess.Popen:
-        argv = [*MESH, "host", "run", "--name", name, "--root", str(roots / name), "--tier",
-                str(tier), "--beat", "0.5"]  # fmt: skip
+    def host(name: str, *flags: str) -> subprocess.Popen:
+        argv = [*MESH, "host", "run", "--name", name, "--root", str(roots / name), *flags,
+                "--beat", "0.5"]  # fmt: skip
         return procs.start(name, argv, env={"MESH_NATS_URL": servers.nats_url})
 
     nc = await nats.connect(servers.nats_url, reconnect_time_wait=0.1, max_reconnect_attempts=-1)
     try:
-        controllers = {"ctl-0": controller("ctl-0")}
-        for i in range(3):
-            host(f"node-{i + 1}", i)
-
-        async def up():
-            s = await status(nc)
-            return s if s and s["nodes"]["up"] == 3 else None
-
-        await await_until(up, within=30, what="three hosts up")
-        controllers["ctl-1"] = controller("ctl-1")
-        await await_until(lambda: standing_by(nc, "ctl-1"), within=30, what="ctl-1 standing by")
+        fleet = await fleet_up(nc, start_controller=controller, start_host=host, hosts=3,
+                               controllers=CONTROLLERS)  # fmt: skip
+        controllers = fleet.controllers
         await install_audit(servers.database_url)
-        source = module(tmp_path / "m", marker="ready", deadline="60s")
-        plan_id = ok(mesh(servers.nats_url, "push", str(source), "--json"))["plan"]
+        source = gated_module(tmp_path / "m", marker="ready", deadline="60s")
+        pushed = mesh_cli("push", str(source), "--json", nats_url=servers.nats_url, answer=60,
+                          timeout=180)  # fmt: skip
+        plan_id = ok_json(pushed)["plan"]
         (roots / "node-1" / "ready").write_text("")
-
-        async def waiting_in(machine: str):
-            p = await plan_of(nc, plan_id)
-            return p if p and p["state"] == "rolling" and steps(p)[machine] == "applying" else None
-
-        await await_until(lambda: waiting_in("node-2"), within=30, what="tier 1 applying")
-        before = await status(nc)
+        await waiting_in(nc, plan_id, "node-2", within=30)
+        before = await held_status(nc)
         assert before is not None
 
         # 1. PostgreSQL restarts.
         servers.stop_postgres()
         await servers.start_postgres()
 
-        async def new_holder(above: int):
-            s = await status(nc)
-            return s if s and s["seat"]["epoch"] > above else None
-
-        after_pg = await await_until(lambda: new_holder(before["seat"]["epoch"]), within=30,
-                                     what="a holder after PostgreSQL restarted")  # fmt: skip
+        after_pg = await holder_above(nc, before["seat"]["epoch"], within=30)
         print(f"after PostgreSQL restarted: {after_pg['seat']['holder']} holds")
         old = controllers[before["seat"]["holder"]]
-        code = await await_until(lambda: _exited(old), within=15, what="the old holder to stop")
+        code = await await_until(lambda: exited(old), within=15, what="the old holder to stop")
         assert code == (1,)
         log = old.log_path.read_text()
         # Its own ping finds the session gone, or the bus shows the new holder's higher epoch
@@ -556,7 +397,7 @@ async def test_the_mesh_recovers_from_restarts_of_postgres_and_nats_during_a_pla
         assert "the seat's store session failed" in log or "above ours" in log, log[-2000:]
         controllers["ctl-2"] = controller("ctl-2")  # what its supervisor would do
         (roots / "node-2" / "ready").write_text("")
-        await await_until(lambda: waiting_in("node-3"), within=30, what="tier 2 applying")
+        await waiting_in(nc, plan_id, "node-3", within=30)
 
         async def applied(machine: str):
             h = await ask(nc, f"mesh.host.{machine}.status", timeout=1)
@@ -570,16 +411,11 @@ async def test_the_mesh_recovers_from_restarts_of_postgres_and_nats_during_a_pla
         servers.kill_nats()
         await servers.start_nats()
         (roots / "node-3" / "ready").write_text("")
-
-        async def finished():
-            p = await plan_of(nc, plan_id)
-            return p if p and p["state"] not in ("pending", "rolling") else None
-
-        plan = await await_until(finished, within=60, what="the plan to finish")
+        plan = await finished(nc, plan_id, within=60)
         assert plan["state"] == "done", plan
         assert steps(plan) == {"node-1": "done", "node-2": "done", "node-3": "done"}
         assert_tier_order(plan)
-        s = await status(nc)
+        s = await held_status(nc)
         assert s is not None and s["nodes"]["up"] == 3
         print(f"after nats-server restarted: {s['seat']['holder']} holds, epoch "
               f"{s['seat']['epoch']}")  # fmt: skip
@@ -587,12 +423,3 @@ async def test_the_mesh_recovers_from_restarts_of_postgres_and_nats_during_a_pla
         await assert_kv_epochs_rise(nc)
     finally:
         await nc.close()
-
-
-async def _exited(proc):
-    code = proc.poll()
-    return None if code is None else (code,)  # a tuple, so that exit code 0 is truthy too
-
-
-async def _true(value: bool) -> bool:
-    return value

@@ -10,7 +10,7 @@ from datetime import UTC, datetime
 import anyio
 import msgspec
 import pytest
-from helpers import ask, await_until, mesh_cli
+from helpers import already, ask, await_until, held_status, mesh_cli
 from nats.aio.client import Client
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
@@ -62,22 +62,10 @@ class StatusClient:
 
 
 @pytest.fixture
-async def two(nc, start_controller):
-    a = start_controller("ctl-a")
-
-    async def held():
-        s = await ask(nc, "mesh.ctl.status")
-        return s if s and s["seat"] else None
-
-    await await_until(held, within=30, what="ctl-a to hold the seat")
-    b = start_controller("ctl-b")
-
-    async def standby():
-        s = await ask(nc, "mesh.ctl.status")
-        return s if s and [x["instance"] for x in s["standbys"]] == ["ctl-b"] else None
-
-    await await_until(standby, within=30, what="ctl-b standing by")
-    return a, b
+async def two(start_fleet):
+    """ctl-a holding the seat, ctl-b standing by: their processes."""
+    fleet = await start_fleet(hosts=0, controllers=("ctl-a", "ctl-b"))
+    return fleet.controllers["ctl-a"], fleet.controllers["ctl-b"]
 
 
 async def test_handover_and_sigterm_leave_no_request_unanswered(two, nc, nats_url) -> None:
@@ -86,7 +74,7 @@ async def test_handover_and_sigterm_leave_no_request_unanswered(two, nc, nats_ur
     stop = anyio.Event()
     async with anyio.create_task_group() as tg:
         tg.start_soon(client.run, nc, stop)
-        await await_until(lambda: _true(client.sent > 50), within=10, what="requests flowing")
+        await await_until(lambda: already(client.sent > 50), within=10, what="requests flowing")
 
         # 1. `mesh handover`: ctl-b takes the seat; ctl-a stands by again.
         client.phase = "during `mesh handover`"
@@ -119,7 +107,7 @@ async def test_handover_and_sigterm_leave_no_request_unanswered(two, nc, nats_ur
                               what="ctl-a holds again")  # fmt: skip
         assert s["handover"]["planned"] is True
         assert await anyio.to_thread.run_sync(lambda: b.wait(timeout=30)) == 0
-        await await_until(lambda: _true(client.sent > sent_before + 50), within=10,
+        await await_until(lambda: already(client.sent > sent_before + 50), within=10,
                           what="requests after the second handover")  # fmt: skip
         stop.set()
     logs = [proc.log_path.read_text()[-2000:] for proc in (a, b)]
@@ -167,18 +155,9 @@ async def test_a_standby_stopped_while_in_the_verb_group_passes_on_what_it_holds
 
 async def test_handover_without_a_standby_is_refused(nc, start_controller, nats_url) -> None:
     start_controller("ctl-a")
-
-    async def held():
-        s = await ask(nc, "mesh.ctl.status")
-        return s if s and s["seat"] else None
-
-    await await_until(held, within=30, what="ctl-a to hold the seat")
+    await await_until(lambda: held_status(nc), within=30, what="ctl-a to hold the seat")
     done = mesh_cli("handover", nats_url=nats_url)
     assert done.returncode == 1
     assert "no standby" in done.stderr and "Traceback" not in done.stderr
     s = await ask(nc, "mesh.ctl.status")
     assert s["seat"]["holder"] == "ctl-a"
-
-
-async def _true(value: bool) -> bool:
-    return value

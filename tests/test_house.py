@@ -5,7 +5,10 @@ own source (`mesh/`, `services/`, `programs/`) so that they stay true:
   (a process's `run` is wiring of named tasks that live where a reader looks for them);
 - words on the wire are types: a state (or an apply's step kind) is compared only with words a
   `Literal` declares (mesh/model.py: plan, step, process, tool server states, apply steps), so
-  a typo is found here even where no type checker runs.
+  a typo is found here even where no type checker runs;
+- tests and benches share what they share through modules meant for it: no test module
+  (tests/test_*.py) imports another (conftest.py's fixtures, helpers.py and the named modules
+  beside them are what tests share), and no bench imports another but bench/common.py.
 """
 
 import ast
@@ -77,6 +80,37 @@ def _compared(path: Path, tree: ast.Module, declared: set[str]) -> list[str]:
     return found
 
 
+def _imported(tree: ast.Module) -> set[str]:
+    """The top-level names of the modules a file imports."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def _imports_of_siblings(folder: Path, *, may: set[str]) -> list[str]:
+    """Files of `folder` that import another file of it which is not in `may`: a test module
+    importing another test module, a bench importing another bench."""
+    siblings = {p.stem for p in folder.glob("*.py")}
+    found = []
+    for path in sorted(folder.glob("*.py")):
+        if path.name == "conftest.py":
+            continue
+        tree = ast.parse(path.read_text(), filename=str(path))
+        others = (_imported(tree) & siblings) - may - {path.stem}
+        found += [f"{folder.name}/{path.name} imports {name}" for name in sorted(others)]
+    return found
+
+
+def test_no_test_module_imports_another_nor_a_bench_another_bench() -> None:
+    tests = {p.stem for p in (ROOT / "tests").glob("*.py") if not p.name.startswith("test_")}
+    assert _imports_of_siblings(ROOT / "tests", may=tests) == []
+    assert _imports_of_siblings(ROOT / "bench", may={"common"}) == []
+
+
 def test_no_function_is_long_without_saying_why() -> None:
     assert [f for path, tree in _trees() for f in _long(path, tree)] == []
 
@@ -103,3 +137,13 @@ def test_the_checks_can_fail(tmp_path: Path) -> None:
     ]
     found = _compared(ROOT / "x.py", tree, _declared([(source, tree)]))
     assert [f.split(" ", 1)[1] for f in found] == ["compares with 'runing'"]
+
+
+def test_the_import_check_can_fail(tmp_path: Path) -> None:
+    # A test module importing another (as `from`, as `import`) is found; a shared module not.
+    (tmp_path / "helpers.py").write_text("X = 1\n")
+    (tmp_path / "test_a.py").write_text("from helpers import X\n")
+    (tmp_path / "test_b.py").write_text("from test_a import X\nimport test_a.sub\n")
+    (tmp_path / "test_c.py").write_text("import test_b, helpers\n")
+    found = _imports_of_siblings(tmp_path, may={"helpers"})
+    assert [f.split(" ", 1)[1] for f in found] == ["imports test_a", "imports test_b"]

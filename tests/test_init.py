@@ -3,41 +3,9 @@ the start (never a container), answering `mesh status` with the printed environm
 
 import json
 import os
-import shutil
-import signal
 import subprocess
-import tempfile
-from pathlib import Path
 
-import pytest
 from helpers import MESH, account_of
-
-from mesh.embedded.children import stop_supervised
-
-
-@pytest.fixture
-def made():
-    # Outside pytest's folder, which a pytest session starting elsewhere makes 0700: the
-    # controller runs as its own account and must reach its bundle here.
-    base = Path(tempfile.mkdtemp(prefix="mesh-test-init-"))
-    base.chmod(0o755)
-    folder = base / "mesh"
-    yield folder
-    record = folder / "mesh.json"
-    if record.exists():
-        for pid in json.loads(record.read_text())["pids"].values():
-            try:
-                os.kill(pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-    stop_supervised(folder)  # the controller the host ran
-    for proc in Path("/proc").glob("[0-9]*"):  # anything else started there, even if init failed
-        try:
-            if str(base).encode() in (proc / "cmdline").read_bytes():
-                os.kill(int(proc.name), signal.SIGKILL)
-        except (OSError, ValueError):
-            pass
-    shutil.rmtree(base, ignore_errors=True)
 
 
 def test_init_makes_a_mesh_whose_controller_is_a_process(made) -> None:

@@ -6,14 +6,7 @@ import signal
 import time
 
 import asyncpg
-from helpers import ask, await_until
-
-
-async def _node(nc, name):
-    reply = await ask(nc, "mesh.ctl.nodes")
-    if not reply:
-        return None
-    return next((n for n in reply["nodes"] if n["name"] == name), None)
+from helpers import ask, await_until, node_named
 
 
 async def test_node_up_down_up(nc, start_controller, start_host, database_url) -> None:
@@ -21,7 +14,7 @@ async def test_node_up_down_up(nc, start_controller, start_host, database_url) -
     host = start_host("node-7", "--tier", "1", "--label", "zone=a", beat=0.5)
 
     async def up():
-        n = await _node(nc, "node-7")
+        n = await node_named(nc, "node-7")
         return n if n and n["up"] else None
 
     node = await await_until(up, within=20, what="node-7 to register")
@@ -37,7 +30,7 @@ async def test_node_up_down_up(nc, start_controller, start_host, database_url) -
     try:
 
         async def down():
-            n = await _node(nc, "node-7")
+            n = await node_named(nc, "node-7")
             return n if n and not n["up"] else None
 
         await await_until(down, within=10, what="node-7 to be marked down")

@@ -2,7 +2,6 @@
 with prometheus_client's own parser, shows what the test did (the seat, verbs it called, a plan
 it rolled out, the process it runs); `mesh dev up` turns them on; a real Prometheus reads one."""
 
-import json
 import os
 import shutil
 import signal
@@ -12,7 +11,8 @@ import subprocess
 import anyio
 import httpx
 import pytest
-from helpers import MESH, DevUp, ask, await_until, mesh_cli, ok, wait_until
+from helpers import MESH, DevUp, ask, await_until, mesh_cli, ok_json, wait_until
+from module_folders import write_module
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -158,17 +158,16 @@ async def test_the_seat_and_verbs_as_the_holder_and_the_standby_count_them(nc, w
 
 async def test_a_plan_shows_on_the_controller_and_the_host(nc, watched, nats_url, tmp_path):
     port = watched
-    folder = tmp_path / "ticker"
-    (folder / "src").mkdir(parents=True)
-    (folder / "src" / "tick.py").write_text(TICKER)
-    (folder / "module.toml").write_text(
+    folder = write_module(
+        tmp_path / "ticker",
         '[module]\nname = "ticker"\n[bundle.code]\nkind = "files"\nsource = "src"\n'
         '[process.ticker]\nbundle = "code"\ncommand = ["python3", "tick.py"]\nroot = true\n'
-        'check = { exec = ["true"], every = "200ms", passes = 1 }\n[assign]\ntiers = [0]\n'
+        'check = { exec = ["true"], every = "200ms", passes = 1 }\n[assign]\ntiers = [0]\n',
+        files={"src/tick.py": TICKER},
     )
-    pushed = mesh_cli("--json", "push", str(folder), "--wait", "--timeout", "60",
-                      nats_url=nats_url, timeout=180)  # fmt: skip
-    plan = json.loads(ok(pushed))["plan"]
+    pushed = mesh_cli("--json", "push", str(folder), "--wait", nats_url=nats_url, answer=60,
+                      timeout=180)  # fmt: skip
+    plan = ok_json(pushed)["plan"]
     assert plan is not None
 
     async def plan_counted():  # the holder counts the store's plans every few seconds
@@ -277,8 +276,8 @@ async def test_dev_up_prints_each_pieces_metrics_url_and_the_holder_shows_its_ep
         listed = dict(line.split() for line in (folder / "metrics").read_text().splitlines())
         assert set(listed) == {"ctl-1", "ctl-2", "node-1"}
         creds = str(folder / "creds" / "admin.creds")
-        status = json.loads(ok(mesh_cli("--json", "--ca", str(folder / "tls" / "ca.pem"),
-                                        "status", nats_url=url, creds=creds)))  # fmt: skip
+        status = ok_json(mesh_cli("--json", "--ca", str(folder / "tls" / "ca.pem"),
+                                  "status", nats_url=url, creds=creds))  # fmt: skip
         holder = status["seat"]["holder"]
         async with httpx.AsyncClient(timeout=5) as client:
             text = (await client.get(listed[holder])).text

@@ -33,22 +33,29 @@ import asyncpg
 import nats
 import netns
 import pytest
-from helpers import MESH, ask, await_until
-from test_faults import (
-    DEADLINE,
+from faults import (
     Verbs,
-    _exited,
-    _true,
     assert_kv_epochs_rise,
     assert_one_epoch_at_a_time,
-    fleet,
+    finished,
     install_audit,
-    plan_of,
     query,
-    status,
     steps,
+    waiting_in,
 )
-from test_plans import assert_tier_order, mesh, module, ok
+from helpers import (
+    MESH,
+    ask,
+    assert_tier_order,
+    await_until,
+    exited,
+    fleet_up,
+    held_status,
+    mesh_cli,
+    node_named,
+    ok_json,
+)
+from module_folders import gated_module
 
 from mesh import bus
 from mesh.auth import tls
@@ -146,6 +153,10 @@ class NetMesh:
     async def connect(self) -> nats.aio.client.Client:
         return await bus.connect(self.url, name="test", ca=self.ca)
 
+    def cli(self, *args: str) -> subprocess.CompletedProcess:
+        """The `mesh` command line on this mesh (from the namespace the test thread is in)."""
+        return mesh_cli(*args, nats_url=self.url, answer=60, timeout=180)
+
     # --- PostgreSQL ------------------------------------------------------------------------
 
     async def start_postgres(self) -> None:
@@ -235,24 +246,9 @@ async def started(m: NetMesh) -> nats.aio.client.Client:
     await m.start_nats()
     await m.start_postgres()
     nc = await m.connect()
-    await fleet(nc, m.start_controller, m.start_host, m.dir, hosts=len(HOSTS))
+    await fleet_up(nc, start_controller=m.start_controller, start_host=m.start_host,
+                   hosts=len(HOSTS), controllers=CONTROLLERS)  # fmt: skip
     return nc
-
-
-async def finished(nc, plan_id: int, within: float = 90) -> dict:
-    async def done():
-        p = await plan_of(nc, plan_id)
-        return p if p and p["state"] not in ("pending", "rolling") else None
-
-    return await await_until(done, within=within, what="the plan to finish")
-
-
-async def waiting_in(nc, plan_id: int, machine: str) -> dict:
-    async def applying():
-        p = await plan_of(nc, plan_id)
-        return p if p and p["state"] == "rolling" and steps(p)[machine] == "applying" else None
-
-    return await await_until(applying, within=60, what=f"{machine}'s step applying")
 
 
 async def kv_value(nc, key: str, within: float = 30) -> bytes:
@@ -272,7 +268,7 @@ async def assert_declarations_newest(nc, plan: dict) -> None:
     """Every host's key is in the bucket, with the plan's declaration and the newest epoch."""
     # Asked until answered: one status of 1 s went unanswered once on a loaded CI machine
     # just after the plan ended; what this checks is the bucket, not how fast status is.
-    taken = await await_until(lambda: status(nc), within=30, what="status to answer")
+    taken = await await_until(lambda: held_status(nc), within=30, what="status to answer")
     for step in plan["steps"]:
         entry = json.loads(await kv_value(nc, step["machine"]))
         assert entry["digest"] == step["after"], (step, entry)
@@ -293,8 +289,8 @@ async def test_the_nats_server_of_the_holder_killed_during_a_plan(netmesh, tmp_p
     try:
         await install_audit(m.database_url)
         roots = tmp_path / "hosts"
-        source = module(tmp_path / "m", marker="ready", deadline="90s")
-        plan_id = ok(mesh(m.url, "push", str(source), "--json"))["plan"]
+        source = gated_module(tmp_path / "m", marker="ready", deadline="90s")
+        plan_id = ok_json(m.cli("push", str(source), "--json"))["plan"]
         verbs, stop = Verbs(), anyio.Event()
         killed = []
         async with anyio.create_task_group() as tg:
@@ -302,7 +298,7 @@ async def test_the_nats_server_of_the_holder_killed_during_a_plan(netmesh, tmp_p
             for waiting, ready in (("node-2", "node-1"), ("node-3", "node-2")):
                 (roots / ready / "ready").write_text("")
                 await waiting_in(nc, plan_id, waiting)
-                s = await status(nc)
+                s = await held_status(nc)
                 assert s is not None
                 server = m.holder_server(s["seat"]["holder"])
                 m.kill_nats(server)
@@ -310,7 +306,7 @@ async def test_the_nats_server_of_the_holder_killed_during_a_plan(netmesh, tmp_p
 
                 async def moved(holder=s["seat"]["holder"], server=server):
                     """The holder is on another server (and still holds)."""
-                    now = await status(nc)
+                    now = await held_status(nc)
                     if now is None or now["seat"]["holder"] != holder:
                         return None
                     found = m.net.peers(holder, CLIENT_PORT)
@@ -320,10 +316,8 @@ async def test_the_nats_server_of_the_holder_killed_during_a_plan(netmesh, tmp_p
                 m.run_nats(server)
                 await m.nats_healthy(server)
             (roots / "node-3" / "ready").write_text("")
-            plan = await finished(nc, plan_id)
-            answered = verbs.answered
-            await await_until(lambda: _true(verbs.answered > answered + 20), within=DEADLINE,
-                              what="answers after the plan")  # fmt: skip
+            plan = await finished(nc, plan_id, within=90)
+            await verbs.answers_after("answers after the plan")
             stop.set()
 
         print(f"killed {killed}; {verbs.answered} status answered, the slowest in "
@@ -353,30 +347,31 @@ async def test_a_host_cut_off_is_down_skipped_and_comes_back_unrestarted(netmesh
     nc = await started(m)
     try:
         roots = tmp_path / "hosts"
-        ok(mesh(m.url, "push", str(module(tmp_path / "keep", name="keep")), "--wait", "--json"))
+        ok_json(
+            m.cli("push", str(gated_module(tmp_path / "keep", name="keep")), "--wait", "--json")
+        )
         before = await ask(nc, "mesh.host.node-2.status")
         pids = {p["name"]: p["pid"] for p in before["processes"]}
         assert pids.get("keep"), before
         agent = m.hosts["node-2"].pid
 
         (roots / "node-3" / "ready").write_text("")
-        source = module(tmp_path / "gated", marker="ready", deadline="60s",
-                        extra="skip_down = true\n")  # fmt: skip
-        plan_id = ok(mesh(m.url, "push", str(source), "--json"))["plan"]
+        source = gated_module(tmp_path / "gated", marker="ready", deadline="60s",
+                              extra="skip_down = true\n")  # fmt: skip
+        plan_id = ok_json(m.cli("push", str(source), "--json"))["plan"]
         await waiting_in(nc, plan_id, "node-1")
         m.net.cut("node-2")
         cut = time.monotonic()
         try:
 
             async def down():
-                nodes = await ask(nc, "mesh.ctl.nodes", timeout=1)
-                up = {n["name"]: n["up"] for n in nodes["nodes"]} if nodes else {}
-                return up.get("node-2") is False
+                node = await node_named(nc, "node-2", timeout=1)
+                return node is not None and node["up"] is False
 
             await await_until(down, within=30, what="node-2 down")
             print(f"node-2 down {time.monotonic() - cut:.1f}s after its link was cut")
             (roots / "node-1" / "ready").write_text("")
-            plan = await finished(nc, plan_id)
+            plan = await finished(nc, plan_id, within=90)
             assert steps(plan) == {"node-1": "done", "node-2": "skipped", "node-3": "done"}, plan
             assert plan["state"] == "done", plan
         finally:
@@ -385,10 +380,7 @@ async def test_a_host_cut_off_is_down_skipped_and_comes_back_unrestarted(netmesh
         after = next(s["after"] for s in plan["steps"] if s["machine"] == "node-2")
 
         async def back():
-            nodes = await ask(nc, "mesh.ctl.nodes", timeout=1)
-            node = (
-                next((n for n in nodes["nodes"] if n["name"] == "node-2"), None) if nodes else None
-            )
+            node = await node_named(nc, "node-2", timeout=1)
             return node if node and node["up"] and node["digest_applied"] == after else None
 
         await await_until(back, within=60, what="node-2 up with the newest declaration")
@@ -416,11 +408,11 @@ async def test_the_holder_cut_off_from_nats_only_steps_down(netmesh, tmp_path) -
     try:
         await install_audit(m.database_url)
         roots = tmp_path / "hosts"
-        source = module(tmp_path / "m", marker="ready", deadline="90s")
-        plan_id = ok(mesh(m.url, "push", str(source), "--json"))["plan"]
+        source = gated_module(tmp_path / "m", marker="ready", deadline="90s")
+        plan_id = ok_json(m.cli("push", str(source), "--json"))["plan"]
         (roots / "node-1" / "ready").write_text("")
         await waiting_in(nc, plan_id, "node-2")
-        before = await status(nc)
+        before = await held_status(nc)
         assert before is not None
         holder = before["seat"]["holder"]
         standby = next(c for c in CONTROLLERS if c != holder)
@@ -428,12 +420,12 @@ async def test_the_holder_cut_off_from_nats_only_steps_down(netmesh, tmp_path) -
         m.net.block(holder, servers)
         blocked = time.monotonic()
         try:
-            code = await await_until(lambda: _exited(m.controllers[holder]), within=120,
+            code = await await_until(lambda: exited(m.controllers[holder]), within=120,
                                      what=f"{holder} to step down")  # fmt: skip
             gave_up = time.monotonic() - blocked
 
             async def taken():
-                s = await status(nc)
+                s = await held_status(nc)
                 return s if s and s["seat"]["holder"] == standby else None
 
             after = await await_until(taken, within=30, what=f"{standby} to take the seat")
@@ -451,7 +443,7 @@ async def test_the_holder_cut_off_from_nats_only_steps_down(netmesh, tmp_path) -
 
         (roots / "node-2" / "ready").write_text("")
         (roots / "node-3" / "ready").write_text("")
-        plan = await finished(nc, plan_id)
+        plan = await finished(nc, plan_id, within=90)
         assert plan["state"] == "done", plan
         assert steps(plan) == {h: "done" for h in HOSTS}
         assert_tier_order(plan)

@@ -18,7 +18,8 @@ from pathlib import Path
 import anyio
 import asyncpg
 import pytest
-from helpers import ask, await_until, mesh_cli, ok
+from helpers import ask, await_until, mesh_cli, ok, ok_json
+from module_folders import write_module
 
 from mesh import paging, wire
 from mesh.client.asking import VerbFailed
@@ -228,11 +229,7 @@ def _long(i: int) -> str:
     return f"machine-{i:05d}-" + "x" * 46
 
 
-def _cli(*args: str, nats_url: str) -> str:
-    return ok(mesh_cli(*args, "--timeout", "60", nats_url=nats_url, timeout=180))
-
-
-async def test_nodes_pages_a_fleet_past_1_mib(nc, nats_url, start_controller, database_url):
+async def test_nodes_pages_a_fleet_past_1_mib(nc, start_controller, database_url, cli, nats_url):
     """2,500 machines of ~600 bytes each, in three tiers; 40 more register through the verb
     and one moves tier while the controller holds (the order it keeps is kept as they come)."""
     names = [f"m-{i:05d}" for i in range(2500)]
@@ -263,7 +260,7 @@ async def test_nodes_pages_a_fleet_past_1_mib(nc, nats_url, start_controller, da
     assert walked == expected
 
     started = time.monotonic()
-    shown = json.loads(_cli("--json", "nodes", nats_url=nats_url))
+    shown = ok_json(cli("--json", "nodes"))
     took = time.monotonic() - started
     assert [(n["tier"], n["name"]) for n in shown["nodes"]] == [(tier_of[n], n) for n in expected]
     assert "next" not in shown and shown["total"] == len(expected), took
@@ -282,9 +279,9 @@ async def test_nodes_pages_a_fleet_past_1_mib(nc, nats_url, start_controller, da
     second = await ask(nc, "mesh.ctl.nodes", {"after": first["next"]}, timeout=30)
     assert second["nodes"][0]["name"] == expected[len(first["nodes"])]
 
-    cut = json.loads(_cli("--json", "nodes", "--limit", "10", nats_url=nats_url))
+    cut = ok_json(cli("--json", "nodes", "--limit", "10"))
     assert [n["name"] for n in cut["nodes"]] == ["a-newcomer", *expected][:10]
-    table = _cli("nodes", "--limit", "10", nats_url=nats_url)
+    table = ok(cli("nodes", "--limit", "10"))
     assert f"… {len(expected) + 1 - 10:,} more machines; raise --limit to see them" in table
 
     refusals = [
@@ -300,20 +297,19 @@ async def test_nodes_pages_a_fleet_past_1_mib(nc, nats_url, start_controller, da
 
 
 def _module(folder: Path, name: str, *, assign: str = "") -> Path:
-    (folder / "src").mkdir(parents=True)
-    (folder / "src" / "run.sh").write_text("sleep 3600\n")
-    (folder / "module.toml").write_text(
+    return write_module(
+        folder,
         f'[module]\nname = "{name}"\n[bundle.code]\nkind = "files"\nsource = "src"\n'
         f"[account.{name}]\n"
         f'[process.{name}]\nbundle = "code"\naccount = "{name}"\n'
         f'command = ["sleep", "3600", "${{machine}}"]\n'
-        f'env = {{ GREETING = "{"hello " * 10}" }}\n' + assign
+        f'env = {{ GREETING = "{"hello " * 10}" }}\n' + assign,
+        files={"src/run.sh": "sleep 3600\n"},
     )
-    return folder
 
 
 async def test_plan_pages_its_steps_past_1_mib(
-    nc, nats_url, start_controller, database_url, tmp_path
+    nc, start_controller, database_url, tmp_path, cli, nats_url
 ) -> None:
     """An assign to 5,000 machines (and one in tier 0, which never applies: the plan waits
     there, its 5,000 steps in tier 2 pending)."""
@@ -322,7 +318,7 @@ async def test_plan_pages_its_steps_past_1_mib(
     start_controller("ctl-a")
     await _holding(nc, 5001)
     ok(mesh_cli("push", str(_module(tmp_path / "m", "wide")), nats_url=nats_url))
-    reply = json.loads(_cli("--json", "assign", "wide", "--label", "big=yes", nats_url=nats_url))
+    reply = ok_json(cli("--json", "assign", "wide", "--label", "big=yes"))
     assert reply["changed"] == 5001 and len(reply["machines"]) == 1000, reply["changed"]
     assert reply["machines"] == sorted(["first", *names])[:1000]
     assert "and 4996 more" in reply["message"] and len(reply["message"]) < 1000
@@ -334,17 +330,17 @@ async def test_plan_pages_its_steps_past_1_mib(
     for page in map(json.loads, pages):  # every page has the plan's header and all its tiers
         assert [(t["tier"], t["total"]) for t in page["tiers"]] == [(0, 1), (2, 5000)]
 
-    shown = json.loads(_cli("--json", "plan", str(reply["plan"]), nats_url=nats_url))
+    shown = ok_json(cli("--json", "plan", str(reply["plan"])))
     assert [s["machine"] for s in shown["steps"]] == ["first", *names]
     assert {"id", "state", "steps"} <= set(shown) and "next" not in shown
     assert {"machine", "tier", "state", "started", "finished", "error"} <= set(shown["steps"][0])
-    table = _cli("plan", str(reply["plan"]), "--limit", "3", nats_url=nats_url)
+    table = ok(cli("plan", str(reply["plan"]), "--limit", "3"))
     assert "… 4,998 more steps; raise --limit to see them" in table and names[1] in table
     assert names[2] not in table
 
 
 async def test_diff_pages_the_machines_a_push_would_change_past_1_mib(
-    nc, nats_url, start_controller, database_url, tmp_path
+    nc, start_controller, database_url, tmp_path, cli
 ) -> None:
     """The dry run of a first push whose [assign] takes 5,000 machines."""
     names = [_long(i) for i in range(5000)]
@@ -352,19 +348,19 @@ async def test_diff_pages_the_machines_a_push_would_change_past_1_mib(
     start_controller("ctl-a")
     await _holding(nc, 5000)
     folder = _module(tmp_path / "m", "wide", assign='[assign]\nlabels = { big = "yes" }\n')
-    shown = json.loads(_cli("--json", "plan", "diff", str(folder), nats_url=nats_url))
+    shown = ok_json(cli("--json", "plan", "diff", str(folder)))
     assert [m["machine"] for m in shown["machines"]] == names and "next" not in shown
     assert len(json.dumps(shown)) > 1 * MiB
     assert {c["op"] + c["kind"] for c in shown["machines"][0]["changes"]} == {
         "+account", "+bundle", "+process"
     }  # fmt: skip
-    table = _cli("plan", "diff", str(folder), "--limit", "2", nats_url=nats_url)
+    table = ok(cli("plan", "diff", str(folder), "--limit", "2"))
     assert "5000 machine(s) would change" in table
     assert "… 4,998 more machines; raise --limit to see them" in table
 
 
 async def test_modules_pages_modules_on_thousands_of_machines_past_1_mib(
-    nc, nats_url, start_controller, database_url, tmp_path
+    nc, start_controller, database_url, tmp_path, cli, nats_url
 ) -> None:
     """Four modules on 5,000 machines each (the assignments written to the store: each would be
     a plan of 5,000 steps): a module on more than 1000 comes in several entries, joined."""
@@ -389,16 +385,16 @@ async def test_modules_pages_modules_on_thousands_of_machines_past_1_mib(
     entries = [m for page in pages for m in json.loads(page)["modules"]]
     assert len(entries) == 4 * 5 and {len(m["assigned"]) for m in entries} == {1000}
 
-    shown = json.loads(_cli("--json", "modules", nats_url=nats_url))
+    shown = ok_json(cli("--json", "modules"))
     assert [m["name"] for m in shown["modules"]] == modules and "next" not in shown
     assert all(m["assigned"] == names for m in shown["modules"])
-    table = _cli("modules", "--limit", "2", nats_url=nats_url)  # a row names 10 machines
+    table = ok(cli("modules", "--limit", "2"))  # a row names 10 machines
     assert names[9] in table and names[10] not in table and "4,990" in table
     assert "… 2 more modules; raise --limit to see them" in table and "m3" not in table
 
 
 async def test_plans_pages_thousands_of_plans_past_1_mib(
-    nc, nats_url, start_controller, database_url
+    nc, start_controller, database_url, cli
 ) -> None:
     """5,000 finished plans in the store, newest first."""
     conn = await asyncpg.connect(database_url)
@@ -419,11 +415,11 @@ async def test_plans_pages_thousands_of_plans_past_1_mib(
     walked = [p["id"] for page in pages for p in json.loads(page)["plans"]]
     assert walked == list(range(5000, 0, -1))
 
-    shown = json.loads(_cli("--json", "plan", "--limit", "5000", nats_url=nats_url))
+    shown = ok_json(cli("--json", "plan", "--limit", "5000"))
     assert [p["id"] for p in shown["plans"]] == walked and shown["total"] == 5000
-    table = _cli("plan", nats_url=nats_url)  # the newest 20
+    table = ok(cli("plan"))  # the newest 20
     assert "… 4,980 more plans; raise --limit to see them" in table
-    newest = json.loads(_cli("--json", "plan", "--limit", "3", nats_url=nats_url))
+    newest = ok_json(cli("--json", "plan", "--limit", "3"))
     assert [p["id"] for p in newest["plans"]] == [5000, 4999, 4998]
     older = await ask(
         nc, "mesh.ctl.plans", {"limit": 2, "after": paging.cursor("plans", (10,))}, timeout=10

@@ -14,7 +14,6 @@ import secrets
 import shutil
 import signal
 import subprocess
-import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -157,18 +156,8 @@ class Member:
 
 
 @pytest.fixture
-def folder() -> Iterator[Path]:
-    # Not under pytest's folder (made 0700 again by a starting session): the members run as
-    # the server's account and must keep reaching their folders.
-    path = Path(tempfile.mkdtemp(prefix="mesh-test-patroni-"))
-    path.chmod(0o755)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture
-def members(folder: Path) -> Iterator[list[Member]]:
-    made = [Member(folder, "pg1"), Member(folder, "pg2")]
+def members(open_dir: Path) -> Iterator[list[Member]]:
+    made = [Member(open_dir, "pg1"), Member(open_dir, "pg2")]
     yield made
     for m in made:
         m.stop()
@@ -202,12 +191,12 @@ def _psql(member: Member, sql: str) -> str:
 
 
 def test_a_controller_takes_the_seat_on_the_new_leader(
-    nats_url: str, procs: Any, folder: Path, members: list[Member]
+    nats_url: str, procs: Any, open_dir: Path, members: list[Member]
 ) -> None:
     # nats_url first: its server binds its port before the members pick theirs (a member's
     # ports are only bound when Patroni starts; a server started after could take one).
     started = time.monotonic()
-    etcd = _etcd(procs, folder)
+    etcd = _etcd(procs, open_dir)
     first, second = members
     first.start(procs, etcd)
     wait_until(lambda: first.role() == "primary", within=60, what="pg1 to lead")

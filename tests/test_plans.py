@@ -3,88 +3,26 @@ the deadline, a killed controller's plan is finished by the next holder, plans q
 shows the progress the holder tells and asks `plan` only a few times, across a handover too.
 
 Real controllers, hosts, NATS and PostgreSQL. A module's health check here is a small script
-that looks for a marker file in its host's root, so a test decides when (and on which machine)
-a version becomes healthy or never does, without sleeping.
+that looks for a marker file in its host's root (module_folders.gated_module), so a test
+decides when (and on which machine) a version becomes healthy or never does, without sleeping.
 """
 
-import itertools
 import json
 import os
 import re
 import signal
 import subprocess
 from collections.abc import Awaitable, Callable
-from datetime import datetime
 from pathlib import Path
 
 import httpx
 import pytest
-from helpers import MESH, ask, await_until
+from helpers import MESH, ask, assert_tier_order, await_until, hosts_up, ok_json, when
+from module_folders import gated_module
 from nats.errors import TimeoutError as NatsTimeout
 from prometheus_client.parser import text_string_to_metric_families
 
 from mesh.embedded import ports
-
-CHECK = """\
-import os, sys
-root = os.path.join(os.environ["MESH_FILES"], "..", "..", "..")
-mode, name = sys.argv[1], sys.argv[2]
-there = os.path.exists(os.path.join(root, name))
-sys.exit(0 if there == (mode == "needs") else 1)
-"""
-
-
-def module(
-    folder: Path,
-    *,
-    name: str = "gated",
-    mode: str = "needs",
-    marker: str = "",
-    deadline: str = "20s",
-    version: str = "1",
-    tiers: str = "[0, 1, 2]",
-    extra: str = "",
-) -> Path:
-    """A module whose process is healthy when `marker` exists in its host's root (mode
-    "needs") or as long as it does not ("fails-if"); "" means always healthy."""
-    (folder / "src").mkdir(parents=True, exist_ok=True)
-    (folder / "src" / "check.py").write_text(CHECK)
-    check = f'exec = ["python3", "check.py", "{mode}", "{marker}"]' if marker else 'exec = ["true"]'
-    (folder / "module.toml").write_text(
-        f'[module]\nname = "{name}"\ndescription = "version {version}"\n'
-        '[bundle.code]\nkind = "files"\nsource = "src"\n'
-        f'[process.{name}]\nbundle = "code"\ncommand = ["sleep", "3600"]\nroot = true\n'
-        f'check = {{ {check}, every = "200ms", passes = 1 }}\n'
-        f'[rollout]\ndeadline = "{deadline}"\n{extra}'
-        f"[assign]\ntiers = {tiers}\n"
-    )
-    return folder
-
-
-def mesh(nats_url: str, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [*MESH, *args, "--nats-url", nats_url, "--timeout", "60"],
-        capture_output=True, text=True, timeout=timeout,
-    )  # fmt: skip
-
-
-def ok(done: subprocess.CompletedProcess) -> dict:
-    assert done.returncode == 0, done.stderr + done.stdout
-    return json.loads(done.stdout)
-
-
-def when(text: str | None) -> datetime:
-    assert text is not None
-    return datetime.fromisoformat(text)
-
-
-def assert_tier_order(plan: dict) -> None:
-    """Every step of a tier finished before any step of a later tier started."""
-    tiers = sorted({s["tier"] for s in plan["steps"]})
-    for earlier, later in itertools.pairwise(tiers):
-        last_end = max(when(s["finished"]) for s in plan["steps"] if s["tier"] == earlier)
-        started = [when(s["started"]) for s in plan["steps"] if s["tier"] == later and s["started"]]
-        assert all(last_end <= t for t in started), (earlier, later, plan["steps"])
 
 
 @pytest.fixture
@@ -114,31 +52,19 @@ async def plan_asks(scraped: dict[str, int]) -> int:
 
 
 @pytest.fixture
-async def three(nc, start_controller, start_host, tmp_path, scraped):
+async def three(start_fleet, start_controller, tmp_path, scraped):
     """Two controllers (ctl-a holds the seat) and node-1..3 in tiers 0, 1, 2; the hosts' roots."""
-    start_controller("ctl-a", "--metrics", str(scraped["ctl-a"]))
-    for i in range(3):
-        start_host(f"node-{i + 1}", "--tier", str(i))
-
-    async def up():
-        s = await ask(nc, "mesh.ctl.status")
-        return s if s and s["nodes"]["up"] == 3 else None
-
-    await await_until(up, within=30, what="three hosts up")
-    start_controller("ctl-b", "--metrics", str(scraped["ctl-b"]))
-
-    async def standby():
-        s = await ask(nc, "mesh.ctl.status")
-        return s if s and [b["instance"] for b in s["standbys"]] == ["ctl-b"] else None
-
-    await await_until(standby, within=30, what="ctl-b standing by")
+    await start_fleet(
+        hosts=3, controllers=("ctl-a", "ctl-b"),
+        start_controller=lambda name: start_controller(name, "--metrics", str(scraped[name])),
+    )  # fmt: skip
     return tmp_path / "hosts"
 
 
 async def test_tiers_in_order_then_a_broken_version_stops_and_reverts(
-    three, nc, nats_url, tmp_path
+    three, nc, cli, tmp_path
 ) -> None:
-    first = ok(mesh(nats_url, "push", str(module(tmp_path / "v1")), "--wait", "--json"))
+    first = ok_json(cli("push", str(gated_module(tmp_path / "v1")), "--wait", "--json"))
     plan = first["outcome"]
     assert plan["state"] == "done"
     assert [(s["machine"], s["tier"], s["state"]) for s in plan["steps"]] == [
@@ -156,15 +82,15 @@ async def test_tiers_in_order_then_a_broken_version_stops_and_reverts(
 
     # Version 2 never gets healthy on node-2 (tier 1): its marker is there and only there.
     (three / "node-2" / "broken").write_text("")
-    v2 = module(tmp_path / "v2", mode="fails-if", marker="broken", deadline="4s", version="2")
-    failed = mesh(nats_url, "push", str(v2), "--wait")
+    v2 = gated_module(tmp_path / "v2", mode="fails-if", marker="broken", deadline="4s", version="2")
+    failed = cli("push", str(v2), "--wait")
     assert failed.returncode == 1, failed.stdout
     line = failed.stderr.strip().splitlines()[-1]
     assert "reverted" in line and "node-2" in line and "not healthy" in line, failed.stderr
     assert "Traceback" not in failed.stderr
 
-    plans = ok(mesh(nats_url, "plan", "--json"))["plans"]
-    plan = ok(mesh(nats_url, "plan", str(plans[0]["id"]), "--json"))
+    plans = ok_json(cli("plan", "--json"))["plans"]
+    plan = ok_json(cli("plan", str(plans[0]["id"]), "--json"))
     assert plan["state"] == "reverted" and "node-2" in plan["failure"]
     steps = {s["machine"]: s for s in plan["steps"]}
     assert steps["node-1"]["state"] == "reverted"
@@ -201,35 +127,30 @@ async def test_tiers_in_order_then_a_broken_version_stops_and_reverts(
     await await_until(both_back, within=30, what="the revert's apply reports")
     assert applied.index(("node-2", good["node-2"])) < applied.index(("node-1", good["node-1"]))
     assert applied[0][0] == "node-1" and applied[0][1] != good["node-1"], applied  # v2 first
-    modules = ok(mesh(nats_url, "modules", "--json"))["modules"]
+    modules = ok_json(cli("modules", "--json"))["modules"]
     assert modules[0]["version"] == first["version"]  # the catalog went back too
 
 
 async def test_a_down_machine_fails_its_step_at_the_deadline(
-    nc, nats_url, start_controller, start_host, tmp_path
+    nc, cli, start_controller, start_host, tmp_path
 ) -> None:
     start_controller("ctl-a")
     start_host("node-1", "--tier", "0")
     node2 = start_host("node-2", "--tier", "1", beat=0.3)
-
-    async def count(up: int):
-        s = await ask(nc, "mesh.ctl.status")
-        return s if s and s["nodes"]["up"] == up else None
-
-    await await_until(lambda: count(2), within=30, what="two hosts up")
+    await hosts_up(nc, 2)
     os.killpg(node2.pid, signal.SIGSTOP)
     try:
-        await await_until(lambda: count(1), within=30, what="node-2 down")
-        failed = mesh(nats_url, "push", str(module(tmp_path / "m", deadline="3s")), "--wait")
+        await hosts_up(nc, 1)  # node-2 down
+        failed = cli("push", str(gated_module(tmp_path / "m", deadline="3s")), "--wait")
     finally:
         os.killpg(node2.pid, signal.SIGCONT)
     assert failed.returncode == 1, failed.stdout
     assert "machine node-2: machine node-2 is down" in failed.stderr, failed.stderr
 
 
-async def test_a_plan_outlives_the_controller_that_started_it(three, nc, nats_url, tmp_path):
+async def test_a_plan_outlives_the_controller_that_started_it(three, nc, cli, tmp_path):
     """SIGKILL the holder while tier 1 waits; the standby takes the seat and finishes it."""
-    pushed = ok(mesh(nats_url, "push", str(module(tmp_path / "m", marker="ready")), "--json"))
+    pushed = ok_json(cli("push", str(gated_module(tmp_path / "m", marker="ready")), "--json"))
     (three / "node-1" / "ready").write_text("")
 
     async def rolling_tier_1():
@@ -248,17 +169,16 @@ async def test_a_plan_outlives_the_controller_that_started_it(three, nc, nats_ur
     await await_until(new_holder, within=15, what="the standby to take the seat")
     (three / "node-2" / "ready").write_text("")
     (three / "node-3" / "ready").write_text("")
-    follow = mesh(nats_url, "plan", str(pushed["plan"]), "--follow", "--json")
-    plan = ok(follow)
+    plan = ok_json(cli("plan", str(pushed["plan"]), "--follow", "--json"))
     assert plan["state"] == "done"
     assert [s["state"] for s in plan["steps"]] == ["done", "done", "done"]
     assert_tier_order(plan)
 
 
-async def test_a_later_plan_waits_for_the_one_rolling(three, nc, nats_url, tmp_path) -> None:
-    first = ok(mesh(nats_url, "push", str(module(tmp_path / "a", marker="go")), "--json"))
-    second = ok(
-        mesh(nats_url, "push", str(module(tmp_path / "b", name="other", tiers="[2]")), "--json")
+async def test_a_later_plan_waits_for_the_one_rolling(three, nc, cli, tmp_path) -> None:
+    first = ok_json(cli("push", str(gated_module(tmp_path / "a", marker="go")), "--json"))
+    second = ok_json(
+        cli("push", str(gated_module(tmp_path / "b", name="other", tiers="[2]")), "--json")
     )
     assert second["plan"] > first["plan"]
 
@@ -273,7 +193,7 @@ async def test_a_later_plan_waits_for_the_one_rolling(three, nc, nats_url, tmp_p
     assert b["state"] == "pending"
     for name in ("node-1", "node-2", "node-3"):
         (three / name / "go").write_text("")
-    done = ok(mesh(nats_url, "plan", str(second["plan"]), "--follow", "--json"))
+    done = ok_json(cli("plan", str(second["plan"]), "--follow", "--json"))
     assert done["state"] == "done"
     a, b = await both()
     assert a["state"] == "done"
@@ -309,7 +229,7 @@ async def followed(
     (three / "node-1" / "go").write_text("")
     before = await plan_asks(scraped)
     out = folder / "wait.out"
-    follower = waiting(nats_url, module(folder / "m", marker="go"), out)
+    follower = waiting(nats_url, gated_module(folder / "m", marker="go"), out)
     try:
         await await_until(lambda: said(out, "  tier 0 done: 1 of 1 machine(s) done"), within=60,
                           what="tier 0 told done")  # fmt: skip
@@ -345,13 +265,13 @@ async def test_wait_shows_the_told_progress_and_asks_plan_a_few_times(
         assert f"  tier {tier} done: 1 of 1 machine(s) done" in shown, shown
 
 
-async def test_wait_follows_a_plan_across_a_handover(three, nc, nats_url, scraped, tmp_path):
+async def test_wait_follows_a_plan_across_a_handover(three, nc, nats_url, cli, scraped, tmp_path):
     """`mesh handover` while tier 1 waits: the follower hears the new holder's `held`, asks it,
     and shows the rest as ctl-b tells it; `--wait` ends 0 with the plan done, having asked
     `plan` a few times."""
 
     async def handed_over() -> None:
-        ok(mesh(nats_url, "handover", "--json"))
+        ok_json(cli("handover", "--json"))
 
         async def ctl_b_holds():
             s = await ask(nc, "mesh.ctl.status")

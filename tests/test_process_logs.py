@@ -12,8 +12,8 @@ from pathlib import Path
 
 import anyio
 import pytest
-from helpers import MESH, ask, await_until, ok
-from test_modules import run
+from helpers import MESH, already, ask, await_until, mesh_cli, ok
+from module_folders import write_module
 
 from services.host import logwriter
 
@@ -77,43 +77,34 @@ def test_the_log_writer_rotates_at_whole_lines_and_reads_across_files(tmp_path: 
 
 
 @pytest.fixture
-async def small_logs_host(monkeypatch, nc, start_controller, start_host):
+async def small_logs_host(monkeypatch, start_fleet):
     """A controller and node-1, whose processes' logs rotate at LIMIT bytes."""
     monkeypatch.setenv("MESH_PROCESS_LOG_BYTES", str(LIMIT))
     monkeypatch.setenv("MESH_PROCESS_LOG_KEEP", str(KEEP))
-    start_controller("ctl-a")
-    start_host("node-1", "--tier", "0")
-
-    async def up():
-        s = await ask(nc, "mesh.ctl.status")
-        return s if s and s["nodes"]["up"] == 1 else None
-
-    await await_until(up, within=30, what="node-1 up")
+    await start_fleet(hosts=1)
 
 
 def _module(folder: Path, name: str = "chatty", script: str = CHATTY) -> Path:
-    (folder / "src").mkdir(parents=True)
-    (folder / "src" / f"{name}.py").write_text(script)
-    (folder / "module.toml").write_text(
+    return write_module(
+        folder,
         f'[module]\nname = "{name}"\n'
         f'[bundle.{name}]\nkind = "files"\nsource = "src"\n'
         f"[account.{name}]\n"
         f'[process.{name}]\nbundle = "{name}"\naccount = "{name}"\n'
         f'command = ["python3", "{name}.py"]\n'
-        '[assign]\nmachines = ["node-1"]\n'
+        '[assign]\nmachines = ["node-1"]\n',
+        files={f"src/{name}.py": script},
     )
-    return folder
 
 
 def _logs(nats_url: str, process: str = "chatty") -> str:
-    return ok(subprocess.run([*MESH, "logs", "node-1", process, "--nats-url", nats_url],
-                             capture_output=True, text=True, timeout=30))  # fmt: skip
+    return ok(mesh_cli("logs", "node-1", process, nats_url=nats_url, timeout=30))
 
 
 async def test_a_running_process_log_rotates_and_mesh_logs_follows(
-    small_logs_host, nc, nats_url, tmp_path
+    small_logs_host, nc, nats_url, tmp_path, cli
 ) -> None:
-    ok(run(nats_url, "push", str(_module(tmp_path / "m"))))
+    ok(cli("push", str(_module(tmp_path / "m"))))
     folder = tmp_path / "hosts" / "node-1" / "processes" / "chatty"
 
     async def running():
@@ -123,7 +114,7 @@ async def test_a_running_process_log_rotates_and_mesh_logs_follows(
 
     first = await await_until(running, within=60, what="chatty running")
     await await_until(
-        lambda: _async("fast done" in _logs(nats_url)), within=30, what="the fast lines"
+        lambda: already("fast done" in _logs(nats_url)), within=30, what="the fast lines"
     )
     sizes = _files(folder / "logs")
     assert set(sizes) == {"output.log", *(f"output.log.{n}" for n in range(1, KEEP + 1))}
@@ -138,13 +129,13 @@ async def test_a_running_process_log_rotates_and_mesh_logs_follows(
     )
     try:
         await await_until(
-            lambda: _async("fast done" in _read(tmp_path / "follow.out")),
+            lambda: already("fast done" in _read(tmp_path / "follow.out")),
             within=30,
             what="mesh logs -f to print what is there",
         )
         (folder / "files" / "go").touch()
         await await_until(
-            lambda: _async("slow done" in _read(tmp_path / "follow.out")),
+            lambda: already("slow done" in _read(tmp_path / "follow.out")),
             within=60,
             what="mesh logs -f to print the slow lines",
         )
@@ -177,12 +168,12 @@ IDLE = 3.0  # seconds of a quiet log in which a poller (every 0.5 s) would have 
 
 
 async def test_mesh_logs_follow_streams_new_lines_in_order_and_asks_nothing_while_idle(
-    small_logs_host, nc, nats_url, tmp_path
+    small_logs_host, nc, nats_url, tmp_path, cli
 ) -> None:
-    ok(run(nats_url, "push", str(_module(tmp_path / "m", "ticker", TICKER))))
+    ok(cli("push", str(_module(tmp_path / "m", "ticker", TICKER))))
     folder = tmp_path / "hosts" / "node-1" / "processes" / "ticker"
     await await_until(
-        lambda: _async("waiting" in _logs(nats_url, "ticker")), within=60, what="ticker waiting"
+        lambda: already("waiting" in _logs(nats_url, "ticker")), within=60, what="ticker waiting"
     )
     asked = [0]  # requests seen on the host's logs subject
     idle_from = [0]  # how many there were when the log went quiet
@@ -201,10 +192,10 @@ async def test_mesh_logs_follow_streams_new_lines_in_order_and_asks_nothing_whil
         stdout=open(out, "wb"), stderr=open(err, "wb"), start_new_session=True,
     )  # fmt: skip
     try:
-        await await_until(lambda: _async("waiting" in _read(out)), within=30, what="-f started")
+        await await_until(lambda: already("waiting" in _read(out)), within=30, what="-f started")
         (folder / "files" / "go").touch()  # every tick is written after -f started
         await await_until(
-            lambda: _async("ticks done" in _read(out)), within=60, what="-f to show every tick"
+            lambda: already("ticks done" in _read(out)), within=60, what="-f to show every tick"
         )
         shown = _read(out)
         ticks = re.findall(r"^tick (\d{4}) t+$", shown, flags=re.M)
@@ -221,7 +212,7 @@ async def test_mesh_logs_follow_streams_new_lines_in_order_and_asks_nothing_whil
         assert follow.poll() is None  # still following
 
         follow.send_signal(signal.SIGINT)  # Ctrl-C
-        await await_until(lambda: _async(follow.poll() is not None), within=10, what="-f to end")
+        await await_until(lambda: already(follow.poll() is not None), within=10, what="-f to end")
         assert follow.returncode == 130 and "Traceback" not in _read(err), _read(err)
     finally:
         await counted.unsubscribe()
@@ -232,7 +223,3 @@ async def test_mesh_logs_follow_streams_new_lines_in_order_and_asks_nothing_whil
 
 def _read(path: Path) -> str:
     return path.read_text(errors="replace") if path.exists() else ""
-
-
-async def _async(value: object) -> object:
-    return value

@@ -5,56 +5,15 @@ before they start, and their output readable with `mesh logs`."""
 import grp
 import os
 import signal
-import subprocess
 import time
 import uuid
 from pathlib import Path
 
 import pytest
-from helpers import MESH, ask, await_until, next_failure, ok
-from test_modules import run
+from helpers import ask, await_until, mesh_cli, next_failure, ok
+from module_folders import SERVER, svc_module, write_module
 
 from mesh.embedded import ports
-
-SERVER = """\
-import socket, sys, time
-version, port, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-print(f"version {version} starting", flush=True)
-if mode == "crash":
-    sys.exit(3)
-if mode == "deaf":  # runs, never listens: never healthy
-    time.sleep(3600)  # ok: the process under test runs and never listens
-s = socket.socket()
-s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind(("127.0.0.1", port))
-s.listen()
-print(f"version {version} listening on {port}", flush=True)
-while True:
-    conn, _ = s.accept()
-    conn.close()
-"""
-
-
-def module(folder: Path, *, version: str, port: int, mode: str = "serve", extra: str = "") -> Path:
-    (folder / "src").mkdir(parents=True, exist_ok=True)
-    (folder / "src" / "server.py").write_text(SERVER)
-    (folder / "src" / "prepare.py").write_text(
-        "import os\nopen(os.environ['MESH_FILES'] + '/prepared', 'w').write('yes')\n"
-    )
-    (folder / "module.toml").write_text(
-        '[module]\nname = "svc"\n'
-        '[bundle.svc]\nkind = "files"\nsource = "src"\n'
-        "[account.svc]\n"
-        '[process.svc]\nbundle = "svc"\naccount = "svc"\n'
-        f'command = ["python3", "server.py", "{version}", "{port}", "{mode}"]\n'
-        f'check = {{ tcp = {port}, every = "300ms", passes = 2 }}\n'
-        f"{extra}"
-        # The plan waits longer than the host's own health window, so a failure a test reads
-        # is the host's verdict, not the plan giving up first and reverting.
-        '[rollout]\ndeadline = "150s"\n'
-        '[assign]\nmachines = ["node-1"]\n'
-    )
-    return folder
 
 
 async def svc(nc) -> dict | None:
@@ -69,8 +28,8 @@ async def healthy(nc) -> dict | None:
     return p if p and p["healthy"] and p["pid"] else None
 
 
-async def test_a_killed_process_comes_back(host, nc, nats_url, tmp_path) -> None:
-    ok(run(nats_url, "push", str(module(tmp_path / "m", version="1", port=ports.free_port()))))
+async def test_a_killed_process_comes_back(host, nc, tmp_path, cli) -> None:
+    ok(cli("push", str(svc_module(tmp_path / "m", version="1", port=ports.free_port()))))
     first = await await_until(lambda: healthy(nc), within=30, what="svc healthy")
     os.kill(first["pid"], signal.SIGKILL)
 
@@ -103,9 +62,9 @@ async def test_a_killed_process_comes_back(host, nc, nats_url, tmp_path) -> None
     assert reply["error"]["code"] == "not_found"
 
 
-async def test_a_crashing_process_backs_off(host, nc, nats_url, tmp_path) -> None:
-    folder = module(tmp_path / "m", version="1", port=ports.free_port(), mode="crash")
-    ok(run(nats_url, "push", str(folder)))
+async def test_a_crashing_process_backs_off(host, nc, tmp_path, cli) -> None:
+    folder = svc_module(tmp_path / "m", version="1", port=ports.free_port(), mode="crash")
+    ok(cli("push", str(folder)))
     log = tmp_path / "hosts" / "node-1" / "processes" / "svc" / "logs" / "output.log"
     await await_until(lambda: _starts(log, 1), within=30, what="a first start")
     began = time.monotonic()
@@ -123,10 +82,8 @@ async def _starts(log: Path, at_least: int) -> bool:
         return False
 
 
-async def test_a_restarted_host_adopts_its_processes(
-    host, nc, nats_url, tmp_path, start_host
-) -> None:
-    ok(run(nats_url, "push", str(module(tmp_path / "m", version="1", port=ports.free_port()))))
+async def test_a_restarted_host_adopts_its_processes(host, nc, tmp_path, start_host, cli) -> None:
+    ok(cli("push", str(svc_module(tmp_path / "m", version="1", port=ports.free_port()))))
     before = await await_until(lambda: healthy(nc), within=30, what="svc healthy")
     os.killpg(host.pid, signal.SIGKILL)
     host.wait(timeout=10)
@@ -145,11 +102,11 @@ async def test_a_restarted_host_adopts_its_processes(
 
 
 async def test_start_first_swaps_only_when_the_new_version_is_healthy(
-    host, nc, nats_url, tmp_path
+    host, nc, nats_url, tmp_path, cli
 ) -> None:
     port = ports.free_port()
-    folder = module(tmp_path / "m", version="1", port=port, extra='update = "start-first"\n')
-    ok(run(nats_url, "push", str(folder)))
+    folder = svc_module(tmp_path / "m", version="1", port=port, extra='update = "start-first"\n')
+    ok(cli("push", str(folder)))
     v1 = await await_until(lambda: healthy(nc), within=30, what="v1 healthy")
 
     # v2 never listens: it never gets healthy, so v1 keeps running and the apply says why.
@@ -157,8 +114,8 @@ async def test_start_first_swaps_only_when_the_new_version_is_healthy(
     events = await nc.subscribe("mesh.event.node-1.applied")
     await nc.flush()  # subscribed at the server before the push below
     deaf = ports.free_port()
-    module(folder, version="2", port=deaf, mode="deaf", extra='update = "start-first"\n')
-    ok(run(nats_url, "push", str(folder)))
+    svc_module(folder, version="2", port=deaf, mode="deaf", extra='update = "start-first"\n')
+    ok(cli("push", str(folder)))
     event = await next_failure(events, within=90)
     assert event["step"] == "processes" and "never got healthy" in event["error"]
     still = await await_until(lambda: healthy(nc), within=10, what="v1 still healthy")
@@ -166,8 +123,8 @@ async def test_start_first_swaps_only_when_the_new_version_is_healthy(
 
     # v3 listens on a port of its own, so that it can run beside v1 until it is healthy
     port3 = ports.free_port()
-    module(folder, version="3", port=port3, extra='update = "start-first"\n')
-    ok(run(nats_url, "push", str(folder)))
+    svc_module(folder, version="3", port=port3, extra='update = "start-first"\n')
+    ok(cli("push", str(folder)))
 
     async def swapped():
         p = await healthy(nc)
@@ -175,20 +132,16 @@ async def test_start_first_swaps_only_when_the_new_version_is_healthy(
 
     v3 = await await_until(swapped, within=60, what="v3 to replace v1")
     assert not os.path.exists(f"/proc/{v1['pid']}")  # stopped and reaped: no zombie
-    logs = subprocess.run(
-        [*MESH, "logs", "node-1", "svc", "--nats-url", nats_url], capture_output=True, text=True
-    )
-    assert logs.returncode == 0, logs.stderr
-    assert "version 3 listening" in logs.stdout
+    assert "version 3 listening" in ok(mesh_cli("logs", "node-1", "svc", nats_url=nats_url))
     assert v3["pid"]
 
 
 async def test_prepare_runs_before_the_start_and_a_failing_one_keeps_the_old(
-    host, nc, nats_url, tmp_path
+    host, nc, tmp_path, cli
 ) -> None:
     port = ports.free_port()
     prepare = 'prepare = ["python3", "prepare.py"]\n'
-    folder = module(tmp_path / "m", version="1", port=port, extra=prepare)
+    folder = svc_module(tmp_path / "m", version="1", port=port, extra=prepare)
     # The order, seen by the process itself: prepare leaves a marker, and the process says in
     # its first line what it found at its start (nothing, had prepare not run yet).
     (folder / "src" / "server.py").write_text(
@@ -197,7 +150,7 @@ async def test_prepare_runs_before_the_start_and_a_failing_one_keeps_the_old(
         "found = open(marker).read() if os.path.exists(marker) else 'nothing'\n"
         "print(f'at start, the marker says: {found}', flush=True)\n" + SERVER
     )
-    ok(run(nats_url, "push", str(folder)))
+    ok(cli("push", str(folder)))
     v1 = await await_until(lambda: healthy(nc), within=30, what="v1 healthy")
     processes = tmp_path / "hosts" / "node-1" / "processes" / "svc"
     assert (processes / "files" / "prepared").read_text() == "yes"
@@ -207,13 +160,13 @@ async def test_prepare_runs_before_the_start_and_a_failing_one_keeps_the_old(
 
     events = await nc.subscribe("mesh.event.node-1.applied")
     await nc.flush()  # subscribed at the server before the push below
-    module(
+    svc_module(
         folder,
         version="2",
         port=port,
         extra='prepare = ["python3", "-c", "raise SystemExit(4)"]\n',
     )
-    ok(run(nats_url, "push", str(folder)))
+    ok(cli("push", str(folder)))
     event = await next_failure(events, within=60)
     assert event["step"] == "prepare svc" and "exit code 4" in event["error"]
     kept = await await_until(lambda: healthy(nc), within=10, what="v1 still healthy")
@@ -228,25 +181,24 @@ sys.exit(0 if grp.getgrnam(sys.argv[1]).gr_gid in os.getgroups() else 1)
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="accounts with groups are made only as root")
 async def test_an_exec_check_runs_with_the_accounts_supplementary_groups(
-    host, nc, nats_url, tmp_path
+    host, nc, tmp_path, cli
 ) -> None:
     # The process has its account's groups; its check must too, or a check that reads what
     # only the group may read fails while the process itself is fine.
     tag = uuid.uuid4().hex[:6]
     account, group = f"svc-g{tag}", f"meshg{tag}"
-    folder = tmp_path / "m"
-    (folder / "src").mkdir(parents=True)
-    (folder / "src" / "in_group.py").write_text(IN_GROUP)
-    (folder / "module.toml").write_text(
+    folder = write_module(
+        tmp_path / "m",
         '[module]\nname = "svc"\n'
         '[bundle.svc]\nkind = "files"\nsource = "src"\n'
         f'[account.{account}]\ngroups = ["{group}"]\n'
         f'[process.svc]\nbundle = "svc"\naccount = "{account}"\n'
         'command = ["python3", "-c", "import signal; signal.pause()"]\n'
         f'check = {{ exec = ["python3", "in_group.py", "{group}"], every = "300ms", passes = 2 }}\n'
-        '[assign]\nmachines = ["node-1"]\n'
+        '[assign]\nmachines = ["node-1"]\n',
+        files={"src/in_group.py": IN_GROUP},
     )
-    ok(run(nats_url, "push", str(folder)))
+    ok(cli("push", str(folder)))
     p = await await_until(lambda: healthy(nc), within=30, what="svc healthy by its exec check")
     status = Path(f"/proc/{p['pid']}/status").read_text()
     groups = next(line for line in status.splitlines() if line.startswith("Groups:"))

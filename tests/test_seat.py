@@ -7,14 +7,9 @@ import time
 
 import asyncpg
 import nats as nats_client
-from helpers import ask, await_until
+from helpers import ask, await_until, exited, held_status
 
 from services.controller.seat import SEAT_LOCK
-
-
-async def _status(nc):
-    reply = await ask(nc, "mesh.ctl.status", timeout=0.5)
-    return reply if reply and reply.get("seat") else None
 
 
 async def _lock_holders(database_url: str) -> int:
@@ -33,12 +28,12 @@ async def test_two_controllers_one_holder_and_kill_moves_the_seat(
     nc, start_controller, database_url
 ) -> None:
     first = start_controller("ctl-a")
-    status = await await_until(lambda: _status(nc), within=20, what="a holder")
+    status = await await_until(lambda: held_status(nc, timeout=0.5), within=20, what="a holder")
     assert status["seat"]["holder"] == "ctl-a"
     second = start_controller("ctl-b")
 
     async def standby_listed():
-        s = await _status(nc)
+        s = await held_status(nc, timeout=0.5)
         return s if s and [b["instance"] for b in s["standbys"]] == ["ctl-b"] else None
 
     status = await await_until(standby_listed, within=20, what="ctl-b to stand by")
@@ -55,7 +50,7 @@ async def test_two_controllers_one_holder_and_kill_moves_the_seat(
     killed_at = time.monotonic()
 
     async def taken_over():
-        s = await _status(nc)
+        s = await held_status(nc, timeout=0.5)
         return s if s and s["seat"]["holder"] == "ctl-b" else None
 
     status = await await_until(taken_over, within=10, what="ctl-b to take the seat")
@@ -80,11 +75,11 @@ async def test_two_controllers_one_holder_and_kill_moves_the_seat(
 
 async def test_sigterm_releases_the_seat_to_the_standby(nc, start_controller) -> None:
     first = start_controller("ctl-a")
-    await await_until(lambda: _status(nc), within=20, what="a holder")
+    await await_until(lambda: held_status(nc, timeout=0.5), within=20, what="a holder")
     start_controller("ctl-b")
 
     async def has_standby():
-        s = await _status(nc)
+        s = await held_status(nc, timeout=0.5)
         return s if s and s["standbys"] else None
 
     before = await await_until(has_standby, within=20, what="a standby")
@@ -92,7 +87,7 @@ async def test_sigterm_releases_the_seat_to_the_standby(nc, start_controller) ->
     assert first.wait(timeout=15) == 0  # a clean stop, not a crash
 
     async def taken_over():
-        s = await _status(nc)
+        s = await held_status(nc, timeout=0.5)
         return s if s and s["seat"]["holder"] == "ctl-b" else None
 
     after = await await_until(taken_over, within=10, what="ctl-b to take the seat")
@@ -105,22 +100,17 @@ async def test_holder_that_loses_nats_steps_down_and_frees_the_lock(
     client = await nats_client.connect(nats_server.url)
     holder = start_controller("ctl-a")
     try:
-        await await_until(lambda: _status(client), within=20, what="a holder")
+        await await_until(lambda: held_status(client, timeout=0.5), within=20, what="a holder")
     finally:
         await client.close()
     assert await _lock_holders(database_url) == 1
 
     nats_server.kill()  # the bus is gone, for good
     lost_at = time.monotonic()
-    (code,) = await await_until(lambda: _exited(holder), within=20, what="the holder to step down")
+    (code,) = await await_until(lambda: exited(holder), within=20, what="the holder to step down")
     print(f"stepped down {time.monotonic() - lost_at:.1f}s after losing NATS")
     assert code == 1
     log = holder.log_path.read_text()
     assert "lost NATS for more than" in log
     assert "Traceback" not in log
     assert await _lock_holders(database_url) == 0
-
-
-async def _exited(proc):
-    code = proc.poll()
-    return None if code is None else (code,)  # a tuple, so that exit code 0 is truthy too

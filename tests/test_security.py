@@ -15,12 +15,13 @@ from pathlib import Path
 import anyio
 import msgspec
 import pytest
-from helpers import MESH, await_until, ok, one_line_error
+from helpers import MESH, ask, await_until, node_named, ok, ok_json, one_line_error
+from module_folders import HELLO, built_module
 from nats.aio.client import Client
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import ConsumerConfig, DeliverPolicy
 from nats.js.errors import APIError
-from secured import Secured, ask, cli
+from secured import Secured
 
 from mesh import blobs, bus
 from mesh.auth import creds as credentials
@@ -32,7 +33,6 @@ from services.controller.verbs import VERBS
 from services.host.facts import gather
 
 ROOT = Path(__file__).parent.parent
-EXAMPLE = ROOT / "docs" / "examples" / "hello"
 CONTROLLER_MODULE = ROOT / "services" / "controller"
 SECRET = "s3cr3t-auth-2c9e"
 # Verbs that change the fleet: never a viewer's, whatever the verb table holds today.
@@ -61,9 +61,9 @@ async def test_no_credentials_or_an_unknown_key_cannot_connect(secured: Secured,
     assert nc.is_connected
     await nc.close()
 
-    line = one_line_error(cli(secured, None, "status"))
+    line = one_line_error(secured.cli(None, "status"))
     assert "refused a connection without credentials" in line and "MESH_CREDS" in line
-    line = one_line_error(cli(secured, str(tmp_path / "missing.creds"), "status"))
+    line = one_line_error(secured.cli(str(tmp_path / "missing.creds"), "status"))
     assert "missing.creds" in line
 
 
@@ -91,59 +91,47 @@ async def test_a_viewer_may_only_read_and_an_admin_may_call_every_verb(secured, 
         assert not await who.subscribe_refused(f"{who.nc._inbox_prefix.decode()}.x")
 
 
-async def _node(nc: Client, name: str) -> dict | None:
-    reply = await ask(nc, "mesh.ctl.nodes")
-    return next((n for n in reply["nodes"] if n["name"] == name), None) if reply else None
-
-
 async def test_roles_and_a_host_applying_its_declaration_under_credentials(
-    fleet, secured, tmp_path
+    secured_fleet, secured, tmp_path
 ):
     # A viewer reads, and is refused a change at once, in one line that says so.
-    assert json.loads(ok(cli(secured, secured.viewer, "--json", "status")))["nodes"]["up"] == 2
-    line = one_line_error(cli(secured, secured.viewer, "push", str(EXAMPLE)))
+    assert ok_json(secured.cli(secured.viewer, "--json", "status"))["nodes"]["up"] == 2
+    line = one_line_error(secured.cli(secured.viewer, "push", str(HELLO)))
     assert line.startswith("mesh: error: forbidden:") and "viewer.creds" in line
-    line = one_line_error(cli(secured, secured.viewer, "assign", "hello", "node-2"))
+    line = one_line_error(secured.cli(secured.viewer, "assign", "hello", "node-2"))
     assert "forbidden" in line and "mesh.ctl.assign" in line
-    line = one_line_error(cli(secured, secured.viewer, "secret", "set", "x", stdin="v"))
+    line = one_line_error(secured.cli(secured.viewer, "secret", "set", "x", stdin="v"))
     assert "forbidden" in line and "mesh.ctl.secret-set" in line
 
     # An admin changes the fleet; the host, under its own credentials, watches its own key,
     # fetches the bundle, asks for its secret and applies.
-    ok(cli(secured, secured.admin, "push", str(EXAMPLE), "--timeout", "120"))
-    ok(cli(secured, secured.admin, "secret", "set", "hello-token", stdin=SECRET))
-    ok(cli(secured, secured.admin, "assign", "hello", "node-2", "--timeout", "120"))
+    ok(secured.cli(secured.admin, "push", str(HELLO), "--timeout", "120"))
+    ok(secured.cli(secured.admin, "secret", "set", "hello-token", stdin=SECRET))
+    ok(secured.cli(secured.admin, "assign", "hello", "node-2", "--timeout", "120"))
 
     async def applied():
-        n = await _node(fleet, "node-2")
+        n = await node_named(secured_fleet, "node-2")
         return n if n and n["digest_wanted"] and n["digest_applied"] == n["digest_wanted"] else None
 
     await await_until(applied, within=60, what="node-2 to apply under its credentials")
     token = tmp_path / "hosts" / "node-2" / "processes" / "hello" / "files" / "token"
     assert token.read_text() == SECRET
-    declaration = json.loads(ok(cli(secured, secured.viewer, "--json", "declaration", "node-2")))
-    assert declaration["digest"] == (await _node(fleet, "node-2"))["digest_applied"]
+    declaration = ok_json(secured.cli(secured.viewer, "--json", "declaration", "node-2"))
+    assert declaration["digest"] == (await node_named(secured_fleet, "node-2"))["digest_applied"]
 
     # A build runs on the builder host, which stores its output and log under its credentials.
-    built = tmp_path / "built"
-    (built / "src").mkdir(parents=True)
-    (built / "src" / "build.sh").write_text(
+    built = built_module(
+        tmp_path / "built",
         "set -e\necho building under credentials\nmkdir -p out\n"
-        "printf '#!/bin/sh\\necho hi\\n' > out/app\n"
+        "printf '#!/bin/sh\\necho hi\\n' > out/app\n",
     )
-    (built / "module.toml").write_text(
-        '[module]\nname = "built"\n'
-        '[bundle.app]\nkind = "binary"\nsource = "src"\nbuild = ["sh", "build.sh"]\n'
-        'output = "out/app"\ntimeout = "60s"\n'
-        '[account.app]\n[process.app]\nbundle = "app"\ncommand = ["./app"]\naccount = "app"\n'
-    )
-    ok(cli(secured, secured.admin, "push", str(built), "--timeout", "120"))
-    logs = cli(secured, secured.viewer, "build", "logs", "built")
+    ok(secured.cli(secured.admin, "push", str(built), "--timeout", "120"))
+    logs = secured.cli(secured.viewer, "build", "logs", "built")
     assert "building under credentials" in ok(logs) and "node-1" in logs.stderr
 
 
 async def test_viewers_list_tools_a_tools_operator_and_an_admin_call_them(
-    fleet, secured, as_identity, tmp_path
+    secured_fleet, secured, as_identity, tmp_path
 ):
     """Who may list and call the fleet's tools is the server's to enforce, as every verb is."""
     viewer = await as_identity(secured.viewer)
@@ -163,29 +151,29 @@ async def test_viewers_list_tools_a_tools_operator_and_an_admin_call_them(
     assert await tooler.subscribe_refused("mesh.host.node-2.tool")
 
     example = ROOT / "docs" / "examples" / "files"
-    ok(cli(secured, secured.admin, "push", str(example), "--timeout", "120"))
-    ok(cli(secured, secured.admin, "assign", "files", "node-2", "--timeout", "120"))
+    ok(secured.cli(secured.admin, "push", str(example), "--timeout", "120"))
+    ok(secured.cli(secured.admin, "assign", "files", "node-2", "--timeout", "120"))
 
     async def ready():
-        done = cli(secured, secured.viewer, "tools", "--json")
+        done = secured.cli(secured.viewer, "tools", "--json")
         tools = json.loads(done.stdout)["tools"] if done.returncode == 0 else []
         return tools if any(t["state"] == "ready" for t in tools) else None
 
     tools = await await_until(ready, within=60, what="the viewer to list node-2's tools")
     assert {t["machine"] for t in tools} == {"node-2"}
     call = ("tool", "call", "node-2", "files", "echo", "--args", '{"text": "hi"}')
-    line = one_line_error(cli(secured, secured.viewer, *call))
+    line = one_line_error(secured.cli(secured.viewer, *call))
     assert "forbidden" in line and "mesh.host.node-2.tool" in line
-    assert ok(cli(secured, secured.tools, *call)) == "hi\n"
-    assert ok(cli(secured, secured.admin, *call)) == "hi\n"
-    line = one_line_error(cli(secured, secured.tools, "push", str(example)))
+    assert ok(secured.cli(secured.tools, *call)) == "hi\n"
+    assert ok(secured.cli(secured.admin, *call)) == "hi\n"
+    line = one_line_error(secured.cli(secured.tools, "push", str(example)))
     assert line.startswith("mesh: error: forbidden:") and "tools.creds" in line
 
 
-async def test_a_host_can_touch_only_what_is_its_own(fleet, secured, as_identity):
-    ok(cli(secured, secured.admin, "push", str(EXAMPLE), "--timeout", "120"))
-    ok(cli(secured, secured.admin, "secret", "set", "hello-token", stdin=SECRET))
-    ok(cli(secured, secured.admin, "assign", "hello", "node-2", "--timeout", "120"))
+async def test_a_host_can_touch_only_what_is_its_own(secured_fleet, secured, as_identity):
+    ok(secured.cli(secured.admin, "push", str(HELLO), "--timeout", "120"))
+    ok(secured.cli(secured.admin, "secret", "set", "hello-token", stdin=SECRET))
+    ok(secured.cli(secured.admin, "assign", "hello", "node-2", "--timeout", "120"))
     a = await as_identity(secured.creds("host", "node-1"))  # host A; B is node-2
 
     # It speaks for itself only.
@@ -284,13 +272,13 @@ async def _admitted(secured: Secured, creds: str) -> Client:
     return got[0]
 
 
-async def test_a_host_cannot_choose_its_own_tier_or_labels(fleet, secured):
+async def test_a_host_cannot_choose_its_own_tier_or_labels(secured_fleet, secured):
     """NodeRestriction: with its own credentials, a host asks for tier 0 and builder=true in
     its registration, and gets what the operator decided: tier 2 and no labels for a machine
     added without --builder, the operator's tier 1 for node-2. Assignment by label reaches only
     the machine the operator labelled."""
     folder = str(secured.dir.root)
-    ok(cli(secured, None, "machine", "add", "node-3", "--dir", folder))  # not a builder
+    ok(secured.cli(None, "machine", "add", "node-3", "--dir", folder))  # not a builder
     claim = {"tier": 0, "labels": {"builder": "true"}, "facts": msgspec.to_builtins(gather()),
              "beat_interval": 1, "pid": 1}  # fmt: skip
     for name, kept in (("node-3", 2), ("node-2", 1)):  # a first registration; a placed machine
@@ -301,33 +289,31 @@ async def test_a_host_cannot_choose_its_own_tier_or_labels(fleet, secured):
             await nc.close()
         assert reply is not None and "error" not in reply, reply
         assert (reply["tier"], reply["labels"]) == (kept, {}), reply
-    nodes = {n["name"]: n for n in (await ask(fleet, "mesh.ctl.nodes"))["nodes"]}
+    nodes = {n["name"]: n for n in (await ask(secured_fleet, "mesh.ctl.nodes"))["nodes"]}
     assert [(nodes[n]["tier"], nodes[n]["labels"]) for n in ("node-1", "node-2", "node-3")] == [
         (0, {"builder": "true"}), (1, {}), (2, {}),
     ]  # fmt: skip
 
-    ok(cli(secured, secured.admin, "secret", "set", "hello-token", stdin=SECRET))
-    ok(cli(secured, secured.admin, "push", str(EXAMPLE), "--timeout", "120"))
-    assigned = json.loads(ok(cli(secured, secured.admin, "--json", "assign", "hello", "--label",
-                                 "builder=true", "--timeout", "120")))  # fmt: skip
+    ok(secured.cli(secured.admin, "secret", "set", "hello-token", stdin=SECRET))
+    ok(secured.cli(secured.admin, "push", str(HELLO), "--timeout", "120"))
+    assigned = ok_json(secured.cli(secured.admin, "--json", "assign", "hello", "--label",
+                                 "builder=true", "--timeout", "120"))  # fmt: skip
     assert assigned["machines"] == ["node-1"], assigned
 
     # The operator's way: an admin labels a machine; a viewer may not.
-    line = one_line_error(cli(secured, secured.viewer, "label", "node-3", "builder=true"))
+    line = one_line_error(secured.cli(secured.viewer, "label", "node-3", "builder=true"))
     assert "forbidden" in line and "mesh.ctl.label" in line
-    labelled = json.loads(ok(cli(secured, secured.admin, "--json", "label", "node-3", "zone=b")))
+    labelled = ok_json(secured.cli(secured.admin, "--json", "label", "node-3", "zone=b"))
     assert labelled == {"machine": "node-3", "labels": {"zone": "b"}, "was": {},
                         "registered": True}  # fmt: skip
-    removed = json.loads(
-        ok(cli(secured, secured.admin, "--json", "label", "node-3", "--remove", "zone"))
-    )
+    removed = ok_json(secured.cli(secured.admin, "--json", "label", "node-3", "--remove", "zone"))
     assert (removed["labels"], removed["was"]) == ({}, {"zone": "b"})
-    line = one_line_error(cli(secured, secured.admin, "label", "node-3", "a=1", "--remove", "a"))
+    line = one_line_error(secured.cli(secured.admin, "label", "node-3", "a=1", "--remove", "a"))
     assert "label a: both set and removed" in line
 
     # A machine added with its place takes it at its first registration, whatever it asks.
-    added = json.loads(ok(cli(secured, None, "--json", "machine", "add", "node-4", "--dir",
-                              folder, "--tier", "1", "--label", "zone=a")))  # fmt: skip
+    added = ok_json(secured.cli(None, "--json", "machine", "add", "node-4", "--dir",
+                              folder, "--tier", "1", "--label", "zone=a"))  # fmt: skip
     assert (added["tier"], added["labels"]) == (1, {"zone": "a"}), added
     assert "--label" not in added["command"] and "--tier" not in added["command"]
     nc = await _admitted(secured, secured.creds("host", "node-4"))
@@ -337,26 +323,28 @@ async def test_a_host_cannot_choose_its_own_tier_or_labels(fleet, secured):
         await nc.close()
     assert (reply["tier"], reply["labels"]) == (1, {"zone": "a"}), reply
     # `mesh dev place` (compose.dev.yaml's) places only the machines never seen: node-5 here.
-    placed = json.loads(ok(cli(secured, secured.admin, "--json", "dev", "place", "--hosts", "5")))
+    placed = ok_json(secured.cli(secured.admin, "--json", "dev", "place", "--hosts", "5"))
     assert placed == {"placed": ["machine node-5 placed: tier 2, labels none"]}, placed
 
 
-async def test_the_controllers_secrets_reach_no_machine_outside_the_control_set(fleet, secured):
+async def test_the_controllers_secrets_reach_no_machine_outside_the_control_set(
+    secured_fleet, secured
+):
     """services/controller names the controllers' NATS identity and the store's connection as
     secrets; it runs on the machines labelled role=control (none here), so no host can have
     them, while the same verb hands a host a secret its declaration names."""
     admin = secured.admin
-    ok(cli(secured, admin, "secret", "set", "mesh-controller-creds", stdin="controller seed"))
-    ok(cli(secured, admin, "secret", "set", "mesh-database-url", stdin="postgresql://db/mesh"))
-    ok(cli(secured, admin, "secret", "set", "hello-token", stdin=SECRET))
-    pushed = json.loads(
-        ok(cli(secured, admin, "--json", "push", str(CONTROLLER_MODULE), "--timeout", "120"))
+    ok(secured.cli(admin, "secret", "set", "mesh-controller-creds", stdin="controller seed"))
+    ok(secured.cli(admin, "secret", "set", "mesh-database-url", stdin="postgresql://db/mesh"))
+    ok(secured.cli(admin, "secret", "set", "hello-token", stdin=SECRET))
+    pushed = ok_json(
+        secured.cli(admin, "--json", "push", str(CONTROLLER_MODULE), "--timeout", "120")
     )
     # Assigned by label, not by tier: no machine here is a control machine, so no declaration
     # names the controller's secrets (by tiers, node-1 and node-2 would run it and have them).
     assert pushed["machines"] == [], pushed
-    ok(cli(secured, admin, "push", str(EXAMPLE), "--timeout", "120"))
-    ok(cli(secured, admin, "assign", "hello", "node-2", "--timeout", "120"))
+    ok(secured.cli(admin, "push", str(HELLO), "--timeout", "120"))
+    ok(secured.cli(admin, "assign", "hello", "node-2", "--timeout", "120"))
 
     hosts = {name: await secured.connect(secured.creds("host", name)) for name in NODES}
     try:
@@ -406,18 +394,18 @@ class _Added(msgspec.Struct):
 
 
 async def test_machine_add_issues_a_working_host_and_remove_revokes_it(
-    fleet, secured, procs, tmp_path
+    secured_fleet, secured, procs, tmp_path
 ):
     folder = str(secured.dir.root)
     added = msgspec.json.decode(
-        ok(cli(secured, None, "machine", "add", "node-9", "--dir", folder, "--json")), type=_Added
+        ok(secured.cli(None, "machine", "add", "node-9", "--dir", folder, "--json")), type=_Added
     )
     assert added.name == "node-9" and added.reloaded
     assert stat.S_IMODE(os.stat(added.creds).st_mode) == 0o600
     argv = shlex.split(added.command)
     assert argv[:3] == ["mesh", "host", "run"] and "--nats-url" not in argv
     assert added.servers == secured.url  # the one file names the server: the command need not
-    again = one_line_error(cli(secured, None, "machine", "add", "node-9", "--dir", folder))
+    again = one_line_error(secured.cli(None, "machine", "add", "node-9", "--dir", folder))
     assert "already has credentials" in again
 
     # The printed command, as a user on the new machine runs it (confined to a folder here).
@@ -428,15 +416,13 @@ async def test_machine_add_issues_a_working_host_and_remove_revokes_it(
     )
 
     async def state(up: bool):
-        n = await _node(fleet, "node-9")
+        n = await node_named(secured_fleet, "node-9")
         return n if n and n["up"] is up else None
 
     await await_until(lambda: state(True), within=30, what="node-9 up with its new credentials")
     seed = Path(added.creds).read_text()
 
-    removed = json.loads(
-        ok(cli(secured, None, "machine", "remove", "node-9", "--dir", folder, "--json"))
-    )
+    removed = ok_json(secured.cli(None, "machine", "remove", "node-9", "--dir", folder, "--json"))
     assert removed["reloaded"] and not Path(added.creds).exists()
     # The server closed the revoked host's connection: its beats stop and it goes down.
     await await_until(lambda: state(False), within=30, what="node-9 down after revocation")
@@ -445,7 +431,7 @@ async def test_machine_add_issues_a_working_host_and_remove_revokes_it(
     with pytest.raises(bus.Unauthorized):
         await secured.connect(str(kept))
     assert "node-9" not in secured.dir.auth_conf.read_text()
-    line = one_line_error(cli(secured, None, "machine", "remove", "node-9", "--dir", folder))
+    line = one_line_error(secured.cli(None, "machine", "remove", "node-9", "--dir", folder))
     assert "no credentials" in line
 
 

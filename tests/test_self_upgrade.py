@@ -6,16 +6,22 @@ is a new bundle, built by the builder host from the pushed source. Real hosts, a
 PostgreSQL, real processes; as root, real accounts.
 """
 
-import json
-import subprocess
-
 import anyio
 import pytest
-from helpers import MESH, StatusEvery10ms, ask, await_until, mesh_cli, mesh_copy
-from helpers import ok as succeeded
-from test_plans import assert_tier_order
+from helpers import (
+    StatusEvery10ms,
+    ask,
+    assert_tier_order,
+    await_until,
+    hosts_up,
+    mesh_copy,
+    ok,
+    ok_json,
+)
+from module_folders import write_module
 
 NODES = ("node-1", "node-2", "node-3")
+UPGRADE = 600  # seconds a command may take while the mesh upgrades itself
 
 SLEEPER = """\
 [module]
@@ -33,14 +39,6 @@ tiers = [0, 1, 2]
 """
 
 
-def mesh(nats_url: str, *args: str) -> subprocess.CompletedProcess:
-    return mesh_cli(*args, "--timeout", "120", nats_url=nats_url, timeout=600)
-
-
-def ok(done: subprocess.CompletedProcess) -> dict:
-    return json.loads(succeeded(done))
-
-
 async def processes(nc) -> dict[str, dict[str, int]]:
     """Machine -> process -> pid."""
     nodes = (await ask(nc, "mesh.ctl.nodes"))["nodes"]
@@ -53,27 +51,17 @@ async def versions(nc) -> dict[str, str | None]:
 
 
 @pytest.fixture
-async def fleet(nc, nats_url, start_controller, start_host, tmp_path):
-    """Two controllers, node-1..3 in tiers 0, 1, 2 (node-1 builds), each running `sleeper`."""
-    start_controller("ctl-a")
-    start_controller("ctl-b")
-    start_host("node-1", "--tier", "0", "--label", "builder=true")
-    start_host("node-2", "--tier", "1")
-    start_host("node-3", "--tier", "2")
-
-    async def up():
-        s = await ask(nc, "mesh.ctl.status")
-        return s if s and s["nodes"]["up"] == 3 and s["standbys"] else None
-
-    await await_until(up, within=60, what="three hosts up and a standby")
-    module = tmp_path / "sleeper"
-    module.mkdir()
-    (module / "module.toml").write_text(SLEEPER)
-    assert ok(mesh(nats_url, "push", str(module), "--wait", "--json"))["outcome"]["state"] == "done"
+async def sleeping(start_fleet, cli, tmp_path):
+    """Two controllers, node-1..3 in tiers 0, 1, 2 (node-1 builds), each running `sleeper`;
+    a folder for the mesh's versions."""
+    await start_fleet(hosts=3, builder=True, controllers=("ctl-a", "ctl-b"), within=60)
+    module = write_module(tmp_path / "sleeper", SLEEPER)
+    pushed = ok_json(cli("push", str(module), "--wait", "--json", timeout=UPGRADE))
+    assert pushed["outcome"]["state"] == "done"
     return tmp_path
 
 
-async def test_host_agents_upgrade_through_tiers_keeping_every_process(fleet, nc, nats_url) -> None:
+async def test_host_agents_upgrade_through_tiers_keeping_every_process(sleeping, nc, cli) -> None:
     before = await processes(nc)
     sleepers = {m: before[m]["sleeper"] for m in NODES}
     assert all(sleepers.values())
@@ -86,12 +74,12 @@ async def test_host_agents_upgrade_through_tiers_keeping_every_process(fleet, nc
     async with anyio.create_task_group() as tg:
         tg.start_soon(client.run, nc, stop)
         for marker in ("v1", "v2"):
-            source = mesh_copy(fleet / marker, marker)
+            source = mesh_copy(sleeping / marker, marker)
             host_module = str(source / "services" / "host")
             pushed = await anyio.to_thread.run_sync(
-                lambda m=host_module: mesh(nats_url, "push", m, "--wait", "--json")
+                lambda m=host_module: cli("push", m, "--wait", "--json", timeout=UPGRADE)
             )
-            plans.append(ok(pushed)["outcome"])
+            plans.append(ok_json(pushed)["outcome"])
             after = await processes(nc)
             agents = {m: after[m].get("mesh-host") for m in NODES}
             now = await versions(nc)
@@ -123,15 +111,15 @@ async def test_host_agents_upgrade_through_tiers_keeping_every_process(fleet, nc
         ("v4", "after go", "exited with code 4 after it was handed"),
     ]
     for marker, how, says in broken_versions:
-        broken = mesh_copy(fleet / marker, marker, broken_agent=how)
+        broken = mesh_copy(sleeping / marker, marker, broken_agent=how)
         failed = await anyio.to_thread.run_sync(
-            lambda b=broken: mesh(nats_url, "push", str(b / "services" / "host"), "--wait")
+            lambda b=broken: cli("push", str(b / "services" / "host"), "--wait", timeout=UPGRADE)
         )
         assert failed.returncode == 1, failed.stdout
         assert "Traceback" not in failed.stderr
         assert says in failed.stderr, failed.stderr
-        plan = ok(mesh(nats_url, "plan", "--json"))["plans"][0]
-        plan = ok(mesh(nats_url, "plan", str(plan["id"]), "--json"))
+        plan = ok_json(cli("plan", "--json", timeout=UPGRADE))["plans"][0]
+        plan = ok_json(cli("plan", str(plan["id"]), "--json", timeout=UPGRADE))
         assert plan["state"] == "reverted", plan
         steps = {s["machine"]: s for s in plan["steps"]}
         assert steps["node-1"]["state"] == "failed" and "agent" in steps["node-1"]["error"]
@@ -152,26 +140,19 @@ async def test_host_agents_upgrade_through_tiers_keeping_every_process(fleet, nc
 
 
 async def test_the_controller_upgrades_through_a_plan_with_nothing_unanswered(
-    nc, nats_url, database_url, start_controller, start_host, tmp_path
+    nc, cli, database_url, start_controller, start_host, tmp_path
 ) -> None:
     first = start_controller("ctl-a")
     start_host("node-1", "--tier", "0", "--label", "builder=true", "--label", "role=control")
     start_host("node-2", "--tier", "1", "--label", "role=control")
-
-    async def up():
-        s = await ask(nc, "mesh.ctl.status")
-        return s if s and s["nodes"]["up"] == 2 else None
-
-    await await_until(up, within=60, what="two hosts up")
+    await hosts_up(nc, 2, within=60)
     for name, value in (("mesh-database-url", database_url), ("mesh-controller-creds", "")):
-        done = subprocess.run(
-            [*MESH, "secret", "set", name, "--nats-url", nats_url],
-            input=value, capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
-        assert done.returncode == 0, done.stderr
+        ok(cli("secret", "set", name, stdin=value, timeout=60))
 
     v1 = mesh_copy(tmp_path / "v1", "v1")
-    plan = ok(mesh(nats_url, "push", str(v1 / "services" / "controller"), "--wait", "--json"))
+    plan = ok_json(
+        cli("push", str(v1 / "services" / "controller"), "--wait", "--json", timeout=UPGRADE)
+    )
     assert plan["outcome"]["state"] == "done", plan
     first.terminate()  # the installed controller hands the seat to a v1 process and leaves
 
@@ -189,10 +170,12 @@ async def test_the_controller_upgrades_through_a_plan_with_nothing_unanswered(
         tg.start_soon(client.run, nc, stop)
         v2 = mesh_copy(tmp_path / "v2", "v2")
         pushed = await anyio.to_thread.run_sync(
-            lambda: mesh(nats_url, "push", str(v2 / "services" / "controller"), "--wait", "--json")
+            lambda: cli(
+                "push", str(v2 / "services" / "controller"), "--wait", "--json", timeout=UPGRADE
+            )
         )
         stop.set()
-    plan = ok(pushed)["outcome"]
+    plan = ok_json(pushed)["outcome"]
     assert plan["state"] == "done", plan
     assert [(s["machine"], s["tier"], s["state"]) for s in plan["steps"]] == [
         ("node-1", 0, "done"), ("node-2", 1, "done"),

@@ -18,7 +18,8 @@ import asyncpg
 import msgspec
 import nats
 import pytest
-from helpers import ask, await_until, mesh_cli, ok, one_line_error
+from helpers import ask, await_until, mesh_cli, ok, ok_json, one_line_error
+from module_folders import write_module
 from nats.aio.client import Client
 from nats.errors import TimeoutError as NatsTimeout
 
@@ -55,12 +56,12 @@ SMALL_PAYLOAD = 16 * 1024
 def _module(folder, name: str, *, words: int = 1) -> None:
     """A module of one process whose command says `${machine}` `words` times: on a machine of
     a long name its declaration is many times larger than its manifest (and its push)."""
-    (folder / "src").mkdir(parents=True)
-    (folder / "src" / "run.sh").write_text("sleep 3600\n")
     argv = ", ".join(['"sleep"', *['"${machine}"'] * words])
-    (folder / "module.toml").write_text(
+    write_module(
+        folder,
         f'[module]\nname = "{name}"\n[bundle.code]\nkind = "files"\nsource = "src"\n'
-        f'[process.{name}]\nbundle = "code"\ncommand = [{argv}]\nroot = true\n'
+        f'[process.{name}]\nbundle = "code"\ncommand = [{argv}]\nroot = true\n',
+        files={"src/run.sh": "sleep 3600\n"},
     )
 
 
@@ -97,7 +98,7 @@ async def test_a_reply_past_max_payload_is_too_large_and_the_holder_stays(
     # ...and an archive of 48 KiB that does not compress: stored in chunks the server takes
     (tmp_path / "big" / "src" / "noise.bin").write_bytes(os.urandom(48 * 1024))
     ok(mesh_cli("push", str(tmp_path / "big"), nats_url=nats_url))
-    assigned = json.loads(ok(mesh_cli("--json", "assign", "big", "--tier", "0", nats_url=nats_url)))
+    assigned = ok_json(mesh_cli("--json", "assign", "big", "--tier", "0", nats_url=nats_url))
     assert assigned["changed"] == len(names), assigned
 
     # plan: pages, each under the server's limit, every step once
@@ -113,7 +114,7 @@ async def test_a_reply_past_max_payload_is_too_large_and_the_holder_stays(
             break
         body = {"id": assigned["plan"], "after": page["next"]}
     assert steps == names and pages > 1, (pages, steps[:3])
-    shown = json.loads(ok(mesh_cli("--json", "plan", str(assigned["plan"]), nats_url=nats_url)))
+    shown = ok_json(mesh_cli("--json", "plan", str(assigned["plan"]), nats_url=nats_url))
     assert [s["machine"] for s in shown["steps"]] == names and "next" not in shown
 
     # declaration: one machine's, too big for this server

@@ -10,20 +10,19 @@ PostgreSQL to its streaming standby, with a status client asking throughout.
 3. Partitions (tests/netns.py; see the part's own docstring).
 
 Real PostgreSQL servers, nats-server, controllers and hosts; every wait polls with a deadline.
-The store's history is read through test_faults' audit trigger (installed on the primary and
-replicated with everything else); the hosts' `applied` events are recorded throughout.
+The store's history is read through the fault tests' audit trigger (tests/faults.py, installed
+on the primary and replicated with everything else); the hosts' `applied` events are recorded
+throughout.
 """
 
 import json
 import os
-import shutil
 import signal
 import subprocess
-import tempfile
 import time
 import urllib.request
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 
 import anyio
@@ -31,23 +30,30 @@ import asyncpg
 import nats
 import netns
 import pytest
-from helpers import MESH, await_until
-from test_faults import (
-    DEADLINE,
+from faults import (
     Verbs,
-    _exited,
-    _true,
     assert_kv_epochs_rise,
     assert_one_epoch_at_a_time,
-    fleet,
+    finished,
+    holder_above,
     install_audit,
-    plan_of,
     query,
-    status,
     steps,
+    waiting_in,
 )
-from test_plans import assert_tier_order, mesh, module, ok
-from test_store_standby import DATABASE, Pair, _promote, _start_pair
+from helpers import (
+    MESH,
+    already,
+    assert_tier_order,
+    await_until,
+    exited,
+    fleet_up,
+    held_status,
+    mesh_cli,
+    ok_json,
+)
+from module_folders import gated_module
+from standby import DATABASE, Pair, promote, start_pair, sync_pair
 
 from mesh.embedded import natsd, pgauth, postgres
 from mesh.embedded.children import spawn
@@ -56,28 +62,10 @@ from mesh.embedded.ports import free_port
 pytestmark = pytest.mark.slow
 
 HOSTS = ["node-1", "node-2", "node-3"]
+CONTROLLERS = ("ctl-0", "ctl-1")  # the holder, then the standby
 
 
 # --- shared pieces --------------------------------------------------------------------------------
-
-
-@pytest.fixture
-async def store_folder() -> AsyncIterator[Path]:
-    # Not under pytest's folder (made private again by every session start): the servers run
-    # as their own account and must keep reaching their data.
-    path = Path(tempfile.mkdtemp(prefix="mesh-test-store-faults-"))
-    path.chmod(0o755)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture
-async def pairs() -> AsyncIterator[list[Pair]]:
-    started: list[Pair] = []
-    yield started
-    for pair in started:
-        for child in reversed(pair.children):
-            await child.stop(sig=signal.SIGINT, timeout=20)
 
 
 def direct(pair: Pair, port: int) -> str:
@@ -126,38 +114,8 @@ async def bus_epoch(nc) -> dict:
     return json.loads((await kv.get("mesh-controller")).value)
 
 
-async def waiting_in(nc, plan_id: int, machine: str, within: float = 60) -> dict:
-    async def applying():
-        p = await plan_of(nc, plan_id)
-        return p if p and p["state"] == "rolling" and steps(p)[machine] == "applying" else None
-
-    return await await_until(applying, within=within, what=f"{machine}'s step applying")
-
-
-async def finished(nc, plan_id: int, within: float = 120) -> dict:
-    async def done():
-        p = await plan_of(nc, plan_id)
-        return p if p and p["state"] not in ("pending", "rolling") else None
-
-    return await await_until(done, within=within, what="the plan to finish")
-
-
-async def holder_above(nc, epoch: int, within: float = 60) -> dict:
-    async def above():
-        s = await status(nc)
-        return s if s and s["seat"]["epoch"] > epoch else None
-
-    return await await_until(above, within=within, what=f"a holder above epoch {epoch}")
-
-
 async def _append(into: list, awaitable) -> None:
     into.append(await awaitable)
-
-
-async def answers_after(verbs: Verbs) -> None:
-    answered = verbs.answered
-    await await_until(lambda: _true(verbs.answered > answered + 20), within=DEADLINE,
-                      what="answers after the fault")  # fmt: skip
 
 
 def controllers_on(procs, nats_url: str, database_url: str) -> Callable[[str], object]:
@@ -171,8 +129,9 @@ def controllers_on(procs, nats_url: str, database_url: str) -> Callable[[str], o
     return start
 
 
-async def promote(data: Path) -> None:
-    await anyio.to_thread.run_sync(_promote, data)
+async def promoted(data: Path) -> None:
+    """The standby in `data` promoted (standby.promote), off the event loop."""
+    await anyio.to_thread.run_sync(promote, data)
 
 
 # --- 1: the primary killed, the synchronous standby promoted --------------------------------------
@@ -185,30 +144,28 @@ async def rolling(
     through, tier 1 applying: the plan's id, the plan and the status then, and the hosts'
     `applied` reports recorded from before the push."""
     applied = await Applied().start(nc)
-    source = module(tmp_path / "m", marker="ready", deadline=deadline)
-    plan_id = ok(mesh(nats_url, "push", str(source), "--json"))["plan"]
+    source = gated_module(tmp_path / "m", marker="ready", deadline=deadline)
+    pushed = mesh_cli("push", str(source), "--json", nats_url=nats_url, answer=60, timeout=180)
+    plan_id = ok_json(pushed)["plan"]
     (tmp_path / "hosts" / "node-1" / "ready").write_text("")
     plan = await waiting_in(nc, plan_id, "node-2")
-    before = await status(nc)
+    before = await held_status(nc)
     assert before is not None
     return plan_id, plan, before, applied
 
 
 async def test_the_primary_killed_and_the_standby_promoted_during_a_plan(
-    nc, nats_url, procs, start_host, tmp_path, store_folder, pairs
+    nc, nats_url, procs, start_fleet, tmp_path, open_dir, pairs
 ) -> None:
     """Tier 1 waits: SIGKILL the primary and promote the synchronous standby. The holder's
     session died with the primary: it steps down (exit 1). A controller takes the seat on the
     new primary through the same two-server URL, with an epoch above every one the store and
     the bus saw; the plan finishes; every status is answered within its deadline; what the old
     primary acknowledged (tier 0 done, the audit of every write) is on the new one."""
-    pair = await _start_pair(store_folder, synchronous=True)
-    pairs.append(pair)
-    await postgres.wait_synchronous(
-        pair.primary_port, password=pair.passwords.of(postgres.PG_USER), deadline=60
-    )
+    pair = await sync_pair(open_dir, pairs)
     start = controllers_on(procs, nats_url, pair.url(pair.primary_port, pair.standby_port))
-    controllers = await fleet(nc, start, start_host, tmp_path, hosts=len(HOSTS))
+    fleet = await start_fleet(hosts=len(HOSTS), controllers=CONTROLLERS, start_controller=start)
+    controllers = fleet.controllers
     await install_audit(direct(pair, pair.primary_port))
     roots = tmp_path / "hosts"
     plan_id, before_plan, before, applied = await rolling(nc, nats_url, tmp_path, deadline="90s")
@@ -221,20 +178,20 @@ async def test_the_primary_killed_and_the_standby_promoted_during_a_plan(
         killed = time.monotonic()
         pair.primary.proc.kill()
         await pair.primary.proc.wait()
-        await promote(store_folder / "pg-standby")
-        promoted = time.monotonic() - killed
-        code = await await_until(lambda: _exited(controllers[holder]), within=30,
+        await promoted(open_dir / "pg-standby")
+        promotion = time.monotonic() - killed
+        code = await await_until(lambda: exited(controllers[holder]), within=30,
                                  what=f"{holder} to step down")  # fmt: skip
         after = await holder_above(nc, epoch)
         took = time.monotonic() - killed
         controllers["ctl-2"] = start("ctl-2")  # what the old holder's supervisor would do
         (roots / "node-2" / "ready").write_text("")
         (roots / "node-3" / "ready").write_text("")
-        plan = await finished(nc, plan_id)
-        await answers_after(verbs)
+        plan = await finished(nc, plan_id, within=120)
+        await verbs.answers_after("answers after the fault")
         stop.set()
 
-    print(f"promoted {promoted:.1f}s after the kill; {after['seat']['holder']} held epoch "
+    print(f"promoted {promotion:.1f}s after the kill; {after['seat']['holder']} held epoch "
           f"{after['seat']['epoch']} {took:.1f}s after; {verbs.answered} status answered, the "
           f"slowest in {verbs.worst:.2f}s")  # fmt: skip
     log = controllers[holder].log_path.read_text()
@@ -319,7 +276,7 @@ async def cut_off(pair: Pair, data: Path) -> None:
 
 
 async def test_a_promoted_asynchronous_standby_without_the_last_takeover(
-    nc, nats_url, procs, start_host, tmp_path, store_folder, pairs
+    nc, nats_url, procs, start_fleet, tmp_path, open_dir, pairs
 ) -> None:
     """An asynchronous standby has everything up to ctl-0's takeover (epoch E) and tier 1
     starting; then it stops receiving (restarted against a primary that is not there). SIGKILL
@@ -327,11 +284,12 @@ async def test_a_promoted_asynchronous_standby_without_the_last_takeover(
     The primary dies; the standby, which never got E+1, is promoted. The next holder takes an
     epoch above the bus's (E+2, not the store's E+1 again), `mesh status` says the store was
     behind, the plan finishes, and no host applied two declarations under one epoch."""
-    pair = await _start_pair(store_folder, synchronous=False)
+    pair = await start_pair(open_dir, synchronous=False)
     pairs.append(pair)
     await streaming(pair)
     start = controllers_on(procs, nats_url, pair.url(pair.primary_port, pair.standby_port))
-    controllers = await fleet(nc, start, start_host, tmp_path, hosts=len(HOSTS))
+    fleet = await start_fleet(hosts=len(HOSTS), controllers=CONTROLLERS, start_controller=start)
+    controllers = fleet.controllers
     await install_audit(direct(pair, pair.primary_port))
     roots = tmp_path / "hosts"
     plan_id, _, first, applied = await rolling(nc, nats_url, tmp_path, deadline="90s")
@@ -340,7 +298,7 @@ async def test_a_promoted_asynchronous_standby_without_the_last_takeover(
     assert any("without synchronous replication" in w for w in first["seat"]["warnings"]), first
     await caught_up(pair)
 
-    await cut_off(pair, store_folder / "pg-standby")
+    await cut_off(pair, open_dir / "pg-standby")
 
     verbs, stop = Verbs(), anyio.Event()
     async with anyio.create_task_group() as tg:
@@ -359,15 +317,15 @@ async def test_a_promoted_asynchronous_standby_without_the_last_takeover(
         killed = time.monotonic()
         pair.primary.proc.kill()
         await pair.primary.proc.wait()
-        await promote(store_folder / "pg-standby")
-        code = await await_until(lambda: _exited(controllers["ctl-1"]), within=30,
+        await promoted(open_dir / "pg-standby")
+        code = await await_until(lambda: exited(controllers["ctl-1"]), within=30,
                                  what="ctl-1 to step down")  # fmt: skip
         after = await holder_above(nc, epoch + 1)
         took = time.monotonic() - killed
         controllers["ctl-3"] = start("ctl-3")
         (roots / "node-3" / "ready").write_text("")
-        plan = await finished(nc, plan_id)
-        await answers_after(verbs)
+        plan = await finished(nc, plan_id, within=120)
+        await verbs.answers_after("answers after the fault")
         stop.set()
 
     print(f"{after['seat']['holder']} held epoch {after['seat']['epoch']} {took:.1f}s after the "
@@ -384,7 +342,7 @@ async def test_a_promoted_asynchronous_standby_without_the_last_takeover(
     assert said and f"the store's epoch ({epoch}) was below the bus's ({epoch + 1})" in said[0]
     behind = await query(new, "SELECT detail FROM events WHERE kind = 'seat.store_behind'")
     assert len(behind) == 1, behind
-    shown = ok(mesh(nats_url, "status", "--json"))
+    shown = ok_json(mesh_cli("status", "--json", nats_url=nats_url, answer=60, timeout=180))
     assert said[0] in shown["seat"]["warnings"], shown
 
     assert plan["state"] == "done", plan
@@ -526,7 +484,7 @@ class StoreNet:
         await await_until(synchronous, within=60, what="pg2 streaming synchronously")
 
     async def promote(self) -> None:
-        await promote(self.folder / "pg2")
+        await promoted(self.folder / "pg2")
 
     async def connections_of(self, member: str) -> set[int]:
         """The ids of nats-server's client connections from `member`'s address (/connz)."""
@@ -564,19 +522,20 @@ class StoreNet:
 
 
 @pytest.fixture
-async def storenet(net, procs, tmp_path, store_folder, monkeypatch):
+async def storenet(net, procs, tmp_path, open_dir, monkeypatch):
     """The test thread sits in the client namespace throughout: its sockets go over the switch."""
     monkeypatch.delenv("MESH_CA", raising=False)
     monkeypatch.delenv("MESH_CREDS", raising=False)
     with net.inside("client"):
-        m = StoreNet(net, procs, tmp_path, store_folder)
+        m = StoreNet(net, procs, tmp_path, open_dir)
         try:
             await m.start_nats()
             await m.start_store()
             nc = await nats.connect(m.url, reconnect_time_wait=0.1, max_reconnect_attempts=-1)
             try:
                 m.nc = nc
-                await fleet(nc, m.start_controller, m.start_host, tmp_path, hosts=len(HOSTS))
+                await fleet_up(nc, start_controller=m.start_controller, start_host=m.start_host,
+                               hosts=len(HOSTS), controllers=CONTROLLERS)  # fmt: skip
                 await install_audit(m.direct("pg1"))
                 yield m
             finally:
@@ -594,8 +553,8 @@ async def rolling_tier_1(m: StoreNet, tmp_path: Path) -> tuple[int, dict, Applie
 async def finish(m: StoreNet, tmp_path: Path, plan_id: int, verbs: Verbs) -> dict:
     for name in ("node-2", "node-3"):
         (tmp_path / "hosts" / name / "ready").write_text("")
-    plan = await finished(m.nc, plan_id)
-    await answers_after(verbs)
+    plan = await finished(m.nc, plan_id, within=120)
+    await verbs.answers_after("answers after the fault")
     return plan
 
 
@@ -607,13 +566,13 @@ async def assert_finished_well(m: StoreNet, plan: dict, applied: Applied, store:
     await assert_kv_epochs_rise(m.nc)
     applied.assert_one_declaration_per_epoch()
     applied.assert_epochs_rise()
-    now = await status(m.nc)
+    now = await held_status(m.nc)
     assert now is not None
     await assert_declarations_of(m.nc, now["seat"]["epoch"])
 
 
 async def stepped_down(m: StoreNet, holder: str, within: float = 120) -> tuple[int]:
-    return await await_until(lambda: _exited(m.controllers[holder]), within=within,
+    return await await_until(lambda: exited(m.controllers[holder]), within=within,
                              what=f"{holder} to step down")  # fmt: skip
 
 
@@ -679,7 +638,7 @@ async def test_the_holder_cut_off_from_nats_and_the_store(storenet, tmp_path) ->
             gave_up = time.monotonic() - cut
         finally:
             m.net.restore(holder)
-        await await_until(lambda: _true(bool(dropped)), within=60, what="the cut link dropped")
+        await await_until(lambda: already(bool(dropped)), within=60, what="the cut link dropped")
         m.start_controller(holder)
         plan = await finish(m, tmp_path, plan_id, verbs)
         stop.set()

@@ -8,97 +8,18 @@ import asyncio
 import json
 import os
 import re
-import shlex
-import shutil
 import signal
-import subprocess
-import tempfile
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import asyncpg
 import pytest
-from helpers import DevUp, await_until, mesh_cli, wait_until
+from helpers import DevUp, await_until, env_file, mesh_cli, wait_until
+from standby import Pair, promote, start_pair, sync_pair
 
-from mesh.embedded import pgauth, postgres
-from mesh.embedded.children import Child
+from mesh.embedded import postgres
 from mesh.store import db, replication
 
 pytestmark = pytest.mark.slow
-
-DATABASE = "mesh"
-
-
-@dataclass
-class Pair:
-    folder: Path
-    primary: Child
-    primary_port: int
-    passwords: pgauth.Passwords
-    standby: Child | None = None
-    standby_port: int = 0
-    children: list[Child] = field(default_factory=list)
-
-    def url(self, *ports: int) -> str:
-        """The controllers' URL, as `mesh dev up --store-standby` gives it (their role)."""
-        return postgres.multi_host_url(
-            list(ports), DATABASE, user=postgres.CONTROLLER_USER,
-            password=self.passwords.of(postgres.CONTROLLER_USER),
-        )  # fmt: skip
-
-    def admin(self, port: int) -> str:
-        """The superuser's, on one server: the test's own look inside."""
-        return postgres.url(port, DATABASE, password=self.passwords.of(postgres.PG_USER))
-
-
-async def _start_pair(folder: Path, *, synchronous: bool) -> Pair:
-    settings = (
-        postgres.PRIMARY
-        if synchronous
-        else tuple(s for s in postgres.PRIMARY if not s.startswith("synchronous_"))
-    )
-    passwords = pgauth.Passwords(folder / "passwords")
-    primary, url = await postgres.start(
-        folder / "pg", log=folder / "primary.log", database=DATABASE, settings=settings,
-        passwords=passwords,
-    )  # fmt: skip
-    port = int(url.rsplit(":", 1)[1].split("/")[0])
-    pair = Pair(folder, primary, port, passwords, children=[primary])
-    standby, standby_port = await postgres.start_standby(
-        folder / "pg-standby", primary_port=port, log=folder / "standby.log",
-        passwords=passwords,
-    )  # fmt: skip
-    pair.standby, pair.standby_port = standby, standby_port
-    pair.children.append(standby)
-    return pair
-
-
-@pytest.fixture
-async def folder() -> AsyncIterator[Path]:
-    # Not under pytest's folder, which a starting session makes private (0700) again: the
-    # servers run as their own account (as root) and must keep reaching their data.
-    path = Path(tempfile.mkdtemp(prefix="mesh-test-standby-"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture
-async def pairs(folder: Path) -> AsyncIterator[list[Pair]]:
-    started: list[Pair] = []
-    yield started
-    for pair in started:
-        for child in reversed(pair.children):
-            await child.stop(sig=signal.SIGINT, timeout=20)
-
-
-async def _sync_pair(folder: Path, pairs: list[Pair]) -> Pair:
-    pair = await _start_pair(folder, synchronous=True)
-    pairs.append(pair)
-    await postgres.wait_synchronous(
-        pair.primary_port, password=pair.passwords.of(postgres.PG_USER), deadline=60
-    )
-    return pair
 
 
 async def _server_of(conn: asyncpg.Connection) -> tuple[int, bool]:
@@ -106,8 +27,8 @@ async def _server_of(conn: asyncpg.Connection) -> tuple[int, bool]:
     return port, await conn.fetchval("SELECT pg_is_in_recovery()")
 
 
-async def test_the_standby_streams_synchronously(folder: Path, pairs: list[Pair]) -> None:
-    pair = await _sync_pair(folder, pairs)
+async def test_the_standby_streams_synchronously(open_dir: Path, pairs: list[Pair]) -> None:
+    pair = await sync_pair(open_dir, pairs)
     conn = await asyncpg.connect(pair.admin(pair.primary_port))
     try:
         row = await conn.fetchrow(
@@ -130,9 +51,9 @@ async def test_the_standby_streams_synchronously(folder: Path, pairs: list[Pair]
 
 
 async def test_the_multi_host_url_reaches_the_primary_whichever_order(
-    folder: Path, pairs: list[Pair]
+    open_dir: Path, pairs: list[Pair]
 ) -> None:
-    pair = await _sync_pair(folder, pairs)
+    pair = await sync_pair(open_dir, pairs)
     for order in ((pair.primary_port, pair.standby_port), (pair.standby_port, pair.primary_port)):
         url = pair.url(*order)
         conn = await db.connect(url)
@@ -168,9 +89,9 @@ async def test_the_multi_host_url_reaches_the_primary_whichever_order(
 
 
 async def test_after_a_promotion_the_same_url_reaches_the_new_primary(
-    folder: Path, pairs: list[Pair]
+    open_dir: Path, pairs: list[Pair]
 ) -> None:
-    pair = await _sync_pair(folder, pairs)
+    pair = await sync_pair(open_dir, pairs)
     url = pair.url(pair.primary_port, pair.standby_port)
     conn = await db.connect(url)
     try:
@@ -179,7 +100,7 @@ async def test_after_a_promotion_the_same_url_reaches_the_new_primary(
         await conn.close()
     pair.primary.proc.kill()  # the primary dies; the HA manager promotes the standby
     await pair.primary.proc.wait()
-    _promote(folder / "pg-standby")
+    promote(open_dir / "pg-standby")
     conn = await db.connect(url)
     try:
         assert await _server_of(conn) == (pair.standby_port, False)
@@ -193,9 +114,9 @@ async def test_after_a_promotion_the_same_url_reaches_the_new_primary(
 
 
 async def test_the_replication_check_warns_about_an_asynchronous_standby(
-    folder: Path, pairs: list[Pair]
+    open_dir: Path, pairs: list[Pair]
 ) -> None:
-    sync = await _sync_pair(folder / "sync", pairs)
+    sync = await sync_pair(open_dir / "sync", pairs)
     conn = await db.connect(sync.url(sync.standby_port, sync.primary_port))
     try:
         said = await replication.check(conn)
@@ -205,7 +126,7 @@ async def test_the_replication_check_warns_about_an_asynchronous_standby(
     assert said.synchronous_standby_names == postgres.STANDBY_NAME
     assert said.standbys == [replication.Standby(postgres.STANDBY_NAME, "streaming", "sync")]
 
-    lax = await _start_pair(folder / "async", synchronous=False)
+    lax = await start_pair(open_dir / "async", synchronous=False)
     pairs.append(lax)
 
     async def streaming() -> replication.Replication | None:
@@ -233,29 +154,12 @@ async def test_the_replication_check_warns_about_an_asynchronous_standby(
 # --- mesh dev up --store-standby ----------------------------------------------------------------
 
 
-def _env_file(folder: Path) -> dict[str, str]:
-    exported = {}
-    for line in (folder / "env").read_text().splitlines():
-        name, _, value = line.removeprefix("export ").partition("=")
-        exported[name] = shlex.split(value)[0]
-    return exported
-
-
 def _gone(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return True
     return False
-
-
-def _promote(data: Path) -> None:
-    """What an HA manager does (docs/operations.md, A store standby)."""
-    done = subprocess.run(
-        [postgres.bin("pg_ctl"), "promote", "-w", "-t", "60", "-D", str(data)],
-        capture_output=True, text=True, **postgres.run_as(),
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
 
 
 def _epoch(url: str, creds: str) -> int:
@@ -271,8 +175,8 @@ def _postgres_line(dev: DevUp, role: str, data: Path) -> tuple[int, int]:
     return int(m.group(1)), int(m.group(3))
 
 
-def test_dev_up_with_a_store_standby(folder: Path) -> None:
-    dir = folder / "dev"
+def test_dev_up_with_a_store_standby(open_dir: Path) -> None:
+    dir = open_dir / "dev"
     for run in (1, 2):  # the second on the same folder: the standby comes back
         dev = DevUp(dir, "--store-standby", hosts=1)
         try:
@@ -282,7 +186,7 @@ def test_dev_up_with_a_store_standby(folder: Path) -> None:
             copied = any(line.startswith("copying the primary") for line in dev.seen)
             assert copied == (run == 1), dev.seen
             assert not any(line.startswith("postgres up on") for line in dev.seen)
-            env = _env_file(dir)
+            env = env_file(dir)
             password = (dir / "creds" / "store" / "mesh.password").read_text().strip()
             assert env["MESH_DATABASE_URL"] == (  # the controllers' role, not the superuser
                 f"postgresql://mesh:{password}@127.0.0.1:{primary},127.0.0.1:{standby}/mesh"
@@ -293,7 +197,7 @@ def test_dev_up_with_a_store_standby(folder: Path) -> None:
             epoch = json.loads(done.stdout)["seat"]["epoch"]
             if run == 2:  # the primary dies, the standby is promoted: the mesh answers on
                 os.kill(primary_pid, signal.SIGKILL)
-                _promote(dir / "pg-standby")
+                promote(dir / "pg-standby")
                 wait_until(
                     lambda u=url, c=env["MESH_CREDS"], e=epoch: _epoch(u, c) > e,
                     within=60, what="a holder on the promoted standby",

@@ -20,15 +20,15 @@ from pathlib import Path
 import anyio
 import pytest
 from helpers import (
-    MESH,
     StatusEvery10ms,
     account_of,
     ask,
+    assert_tier_order,
     await_until,
     engine_answers,
+    hosts_up,
     mesh_copy,
 )
-from test_plans import assert_tier_order
 
 ROOT = Path(__file__).parent.parent
 CONTAINER = "mesh-controller"
@@ -88,15 +88,8 @@ def container_controller(rootfs_image, nats_url, database_url):
     subprocess.run(["docker", "rm", "-f", CONTAINER], capture_output=True, timeout=60)
 
 
-def _mesh(nats_url: str, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [*MESH, *args, "--nats-url", nats_url, "--timeout", "60"],
-        capture_output=True, text=True, input=stdin, timeout=600,
-    )  # fmt: skip
-
-
 async def test_the_controller_moves_from_a_container_to_a_process(
-    container_controller, nc, nats_url, database_url, start_host, tmp_path
+    container_controller, nc, database_url, start_host, tmp_path, cli
 ) -> None:
     async def container_holds():
         s = await ask(nc, "mesh.ctl.status")
@@ -106,19 +99,15 @@ async def test_the_controller_moves_from_a_container_to_a_process(
     for tier in range(3):
         start_host(f"node-{tier + 1}", "--tier", str(tier))
 
-    async def hosts_up():
-        s = await ask(nc, "mesh.ctl.status")
-        return s if s and s["nodes"]["up"] == 3 else None
-
-    await await_until(hosts_up, within=60, what="three hosts up")
+    await hosts_up(nc, 3, within=60)
     # The control machines, named by the operator: services/controller is assigned by label.
     # node-1 builds bundles (the controller's is the mesh's own code, built from this checkout).
     for tier in range(3):
         builder = ["builder=true"] if tier == 0 else []
-        done = _mesh(nats_url, "label", f"node-{tier + 1}", "role=control", *builder)
+        done = cli("label", f"node-{tier + 1}", "role=control", *builder, timeout=600)
         assert done.returncode == 0, done.stderr
     for name, value in (("mesh-database-url", database_url), ("mesh-controller-creds", "")):
-        done = _mesh(nats_url, "secret", "set", name, stdin=value)
+        done = cli("secret", "set", name, stdin=value, timeout=600)
         assert done.returncode == 0, done.stderr
 
     client = StatusEvery10ms()
@@ -126,8 +115,8 @@ async def test_the_controller_moves_from_a_container_to_a_process(
     async with anyio.create_task_group() as tg:
         tg.start_soon(client.run, nc, stop)
         pushed = await anyio.to_thread.run_sync(
-            lambda: _mesh(
-                nats_url, "push", str(ROOT / "services" / "controller"), "--wait", "--json"
+            lambda: cli(
+                "push", str(ROOT / "services" / "controller"), "--wait", "--json", timeout=600
             )
         )
         assert pushed.returncode == 0, pushed.stderr + pushed.stdout
@@ -136,7 +125,7 @@ async def test_the_controller_moves_from_a_container_to_a_process(
         # 2. An upgrade, process to process: a new version of the mesh's code, start-first.
         upgrade = mesh_copy(tmp_path / "v2", "v2") / "services" / "controller"
         upgraded = await anyio.to_thread.run_sync(
-            lambda: _mesh(nats_url, "push", str(upgrade), "--wait", "--json")
+            lambda: cli("push", str(upgrade), "--wait", "--json", timeout=600)
         )
         stop.set()
     assert upgraded.returncode == 0, upgraded.stderr + upgraded.stdout

@@ -4,7 +4,7 @@ naming both modules, and a declaration stays canonical: a machine without tool s
 the bytes it had before they existed, `${machine}` is substituted, and the diff names them."""
 
 import pytest
-from test_composition import module
+from module_folders import module_version
 
 from mesh.modules.compose import Conflict, canonical, compose, digest, encode, merge, prepare
 from mesh.modules.diff import diff
@@ -99,45 +99,48 @@ def test_composition_refuses_two_tool_servers_of_one_name_naming_both_modules() 
     with pytest.raises(
         Conflict, match=r"tool server files is declared by modules a and b \(on n1\)"
     ):
-        compose("n1", [module("b", FILES), module("a", FILES)])
+        compose("n1", [module_version("b", FILES), module_version("a", FILES)])
 
 
 def test_a_tool_server_named_like_another_modules_process_is_a_conflict() -> None:
     proc = BUNDLE + '[process.files]\nbundle = "files"\ncommand = ["x"]\naccount = "files"\n'
-    for mods in ([module("a", FILES), module("b", proc)], [module("a", proc), module("b", FILES)]):
+    for mods in (
+        [module_version("a", FILES), module_version("b", proc)],
+        [module_version("a", proc), module_version("b", FILES)],
+    ):
         with pytest.raises(Conflict, match="files of module a and .* files of module b would "
                            r"share a folder and a log \(on n1\)"):  # fmt: skip
             compose("n1", mods)
 
 
 def test_a_declaration_with_tool_servers_is_canonical() -> None:
-    one = compose("node-2", [module("files", FILES), module("other", "")])
-    two = compose("node-2", [module("other", ""), module("files", FILES)])
+    one = compose("node-2", [module_version("files", FILES), module_version("other", "")])
+    two = compose("node-2", [module_version("other", ""), module_version("files", FILES)])
     assert canonical(one) == canonical(two) and digest(one) == digest(two)
-    merged = merge("node-2", [prepare(module("files", FILES))])
-    assert encode(merged)[0] == canonical(compose("node-2", [module("files", FILES)]))
+    merged = merge("node-2", [prepare(module_version("files", FILES))])
+    assert encode(merged)[0] == canonical(compose("node-2", [module_version("files", FILES)]))
     t = one.tools["files"]
     assert t.command[-1] == "node-2" and t.files["notes.txt"].text == "on node-2"
     assert t.bundle in one.bundles and t.module == "files"
-    other = compose("node-3", [module("files", FILES)])
+    other = compose("node-3", [module_version("files", FILES)])
     assert other.tools["files"].command[-1] == "node-3" and digest(other) != digest(one)
 
 
 def test_a_declaration_without_tool_servers_has_the_bytes_it_had_before_them() -> None:
-    body = canonical(compose("n1", [module("m", "")]))
+    body = canonical(compose("n1", [module_version("m", "")]))
     assert b"tools" not in body
     assert body == (
         b'{"accounts":{},"bundles":{},"containers":{},"machine":"n1",'
         b'"modules":{"m":"sha256:v-m"},"processes":{}}'
     )
-    assert encode(merge("n1", [prepare(module("m", ""))]))[0] == body
+    assert encode(merge("n1", [prepare(module_version("m", ""))]))[0] == body
 
 
 def test_the_diff_names_tool_servers() -> None:
-    before = compose("n1", [module("files", FILES)])
-    after = compose("n1", [module("files", FILES.replace('"on ${machine}"', '"changed"'))])
+    before = compose("n1", [module_version("files", FILES)])
+    after = compose("n1", [module_version("files", FILES.replace('"on ${machine}"', '"changed"'))])
     changes = diff(before, after)
     assert [(c.op, c.kind, c.name) for c in changes] == [("~", "tool", "files")]
     assert list(changes[0].fields) == ["files"]
-    gone = diff(before, compose("n1", [module("m", "")]))
+    gone = diff(before, compose("n1", [module_version("m", "")]))
     assert ("-", "tool", "files") in [(c.op, c.kind, c.name) for c in gone]

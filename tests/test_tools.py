@@ -14,8 +14,7 @@ import sys
 from pathlib import Path
 
 import anyio
-import pytest
-from helpers import MESH, ask, await_until, mesh_cli, ok, one_line_error, wait_until
+from helpers import MESH, ask, await_until, ok, ok_json, one_line_error, wait_until
 from mcp import ClientSession, StdioServerParameters, stdio_client
 from mcp.client.streamable_http import streamable_http_client
 from nats.errors import NoRespondersError
@@ -41,38 +40,17 @@ def files_module(folder: Path, *, version: str = "1", timeout: str = "2s") -> Pa
     return folder
 
 
-@pytest.fixture
-async def fleet(nc, start_controller, start_host):
-    """A controller and two hosts (node-1 tier 0, node-2 tier 1), up; the hosts' processes."""
-    start_controller("ctl-a")
-    hosts = {
-        "node-1": start_host("node-1", "--tier", "0"),
-        "node-2": start_host("node-2", "--tier", "1"),
-    }
-
-    async def up():
-        s = await ask(nc, "mesh.ctl.status")
-        return s if s and s["nodes"]["up"] == 2 else None
-
-    await await_until(up, within=40, what="two hosts up")
-    return hosts
-
-
 def _listening(port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(0.2)
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-def cli(nats_url: str, *args: str, timeout: float = 120) -> object:
-    return mesh_cli(*args, nats_url=nats_url, timeout=timeout)
-
-
-async def listed(nats_url: str, *, machines: set[str], version: str | None = None):
+async def listed(cli, *, machines: set[str], version: str | None = None):
     """`mesh tools --json` once every machine's files server is ready (and runs `version`)."""
 
     async def ready():
-        done = cli(nats_url, "tools", "--json")
+        done = cli("tools", "--json")
         if done.returncode != 0:
             return None
         tools = json.loads(done.stdout)["tools"]
@@ -83,28 +61,29 @@ async def listed(nats_url: str, *, machines: set[str], version: str | None = Non
 
 
 async def test_a_tool_module_on_two_hosts_is_listed_and_called_from_the_cli(
-    fleet, nc, nats_url, tmp_path
+    start_fleet, nc, tmp_path, cli
 ) -> None:
+    await start_fleet(hosts=2, within=40)
     folder = files_module(tmp_path / "files")
-    ok(cli(nats_url, "push", str(folder)))
-    ok(cli(nats_url, "assign", "files", "node-1", "node-2", "--wait"))
-    tools = await listed(nats_url, machines={"node-1", "node-2"})
+    ok(cli("push", str(folder)))
+    ok(cli("assign", "files", "node-1", "node-2", "--wait"))
+    tools = await listed(cli, machines={"node-1", "node-2"})
     assert all(CONTRACT <= set(t) for t in tools)
     names = sorted((t["machine"], t["server"], t["name"]) for t in tools)
     assert names == [(m, "files", n) for m in ("node-1", "node-2")
                      for n in ("echo", "fail", "list", "read", "sleep", "whoami")]  # fmt: skip
     read = next(t for t in tools if t["name"] == "read")
     assert read["input_schema"]["required"] == ["path"] and "256 KiB" in read["description"]
-    only = json.loads(ok(cli(nats_url, "tools", "node-2", "--json")))["tools"]
+    only = ok_json(cli("tools", "node-2", "--json"))["tools"]
     assert {t["machine"] for t in only} == {"node-2"} and len(only) == 6
-    table = ok(cli(nats_url, "tools"))
+    table = ok(cli("tools"))
     assert "node-2" in table and "whoami" in table and "MACHINE" in table
 
     # a call, on the machine named, as the tool server's account, in its own folder
-    said = ok(cli(nats_url, "tool", "call", "node-2", "files", "read", "--args",
+    said = ok(cli("tool", "call", "node-2", "files", "read", "--args",
                   '{"path": "notes.txt"}'))  # fmt: skip
     assert said == "Tools are launched by the node's runtime, which knows no language.\n"
-    me = json.loads(ok(cli(nats_url, "tool", "call", "node-2", "files", "whoami", "--json")))
+    me = ok_json(cli("tool", "call", "node-2", "files", "whoami", "--json"))
     assert me["structuredContent"]["machine"] == "node-2" and me["isError"] is False
     assert me["machine"] == "node-2" and me["server"] == "files" and me["tool"] == "whoami"
     nodes = await ask(nc, "mesh.ctl.nodes")
@@ -115,10 +94,10 @@ async def test_a_tool_module_on_two_hosts_is_listed_and_called_from_the_cli(
         and server["healthy"]
         and server["pid"] == me["structuredContent"]["pid"]
     )
-    assert "files 1 on node-2" in ok(cli(nats_url, "logs", "node-2", "files"))
+    assert "files 1 on node-2" in ok(cli("logs", "node-2", "files"))
 
     # what keeps a call from a result: one line, exit 1
-    failed = cli(nats_url, "tool", "call", "node-1", "files", "fail", "--args", '{"message": "no"}')
+    failed = cli("tool", "call", "node-1", "files", "fail", "--args", '{"message": "no"}')
     assert one_line_error(failed) == "mesh: error: node-1 files.fail reported an error: no"
     for args, words in [
         (("node-2", "files", "nope"), "tool server files has no tool 'nope'"),
@@ -127,22 +106,22 @@ async def test_a_tool_module_on_two_hosts_is_listed_and_called_from_the_cli(
         (("node-9", "files", "echo"), "machine node-9 does not answer"),
         (("node-2", "files", "echo", "--args", "[1]"), "--args: '[1]' is not a JSON object"),
     ]:
-        assert words in one_line_error(cli(nats_url, "tool", "call", *args)), args
+        assert words in one_line_error(cli("tool", "call", *args)), args
 
     # killed mid-call: that call fails in words, the next works once it is back
     def sleep_call():
-        return cli(nats_url, "tool", "call", "node-2", "files", "sleep", "--args",
-                   '{"seconds": 20}', "--timeout", "30")  # fmt: skip
+        return cli("tool", "call", "node-2", "files", "sleep", "--args", '{"seconds": 20}',
+                   answer=30)  # fmt: skip
 
     async def slow_call() -> None:
         killed.append(await anyio.to_thread.run_sync(sleep_call))
 
     killed: list = []
     files2 = files_module(tmp_path / "files", timeout="30s")
-    ok(cli(nats_url, "push", str(files2), "--wait"))
-    await listed(nats_url, machines={"node-1", "node-2"})
-    pid = json.loads(ok(cli(nats_url, "tool", "call", "node-2", "files", "whoami", "--json")))[
-        "structuredContent"]["pid"]  # fmt: skip
+    ok(cli("push", str(files2), "--wait"))
+    await listed(cli, machines={"node-1", "node-2"})
+    me = ok_json(cli("tool", "call", "node-2", "files", "whoami", "--json"))
+    pid = me["structuredContent"]["pid"]
     async with anyio.create_task_group() as tg:
         tg.start_soon(slow_call)
 
@@ -155,18 +134,19 @@ async def test_a_tool_module_on_two_hosts_is_listed_and_called_from_the_cli(
     assert "node-2 files.sleep: tool server files stopped during the call" in line, line
 
     async def back():
-        done = cli(nats_url, "tool", "call", "node-2", "files", "echo", "--args", '{"text": "b"}')
+        done = cli("tool", "call", "node-2", "files", "echo", "--args", '{"text": "b"}')
         return done.stdout == "b\n"
 
     await await_until(back, within=30, what="files on node-2 to be back")
 
 
 async def test_mesh_mcp_lists_and_calls_the_fleets_tools(
-    fleet, nc, nats_url, tmp_path, procs
+    start_fleet, nc, nats_url, tmp_path, procs, cli
 ) -> None:
-    ok(cli(nats_url, "push", str(files_module(tmp_path / "files"))))
-    ok(cli(nats_url, "assign", "files", "node-1", "node-2", "--wait"))
-    await listed(nats_url, machines={"node-1", "node-2"})
+    fleet = await start_fleet(hosts=2, within=40)
+    ok(cli("push", str(files_module(tmp_path / "files"))))
+    ok(cli("assign", "files", "node-1", "node-2", "--wait"))
+    await listed(cli, machines={"node-1", "node-2"})
 
     # streamable HTTP on loopback, as an option (and never on another address)
     port = ports.free_port()
@@ -180,7 +160,7 @@ async def test_mesh_mcp_lists_and_calls_the_fleets_tools(
                 assert len((await session.list_tools()).tools) == 12
                 echoed = await session.call_tool("node-2.files.echo", {"text": "over http"})
             assert not echoed.is_error and echoed.content[0].text == "over http"
-    line = one_line_error(cli(nats_url, "mcp", "--http", "0.0.0.0:8765"))
+    line = one_line_error(cli("mcp", "--http", "0.0.0.0:8765"))
     assert "0.0.0.0 is not a loopback address" in line
     params = StdioServerParameters(
         command=MESH[0], args=[*MESH[1:], "mcp"],
@@ -222,7 +202,7 @@ async def test_mesh_mcp_lists_and_calls_the_fleets_tools(
                 assert unknown.is_error and "has no tool 'nope'" in unknown.content[0].text
 
                 # a machine that is down: its host is gone, nothing answers its subject
-                host = fleet["node-1"]
+                host = fleet.hosts["node-1"]
                 os.killpg(host.pid, signal.SIGKILL)
                 host.wait(timeout=10)
 
@@ -263,12 +243,13 @@ async def test_mesh_mcp_lists_and_calls_the_fleets_tools(
 
 
 async def test_an_update_through_a_plan_swaps_the_servers_while_calls_run(
-    fleet, nats_url, tmp_path
+    start_fleet, nats_url, tmp_path, cli
 ) -> None:
+    await start_fleet(hosts=2, within=40)
     folder = files_module(tmp_path / "files", version="1", timeout="30s")
-    ok(cli(nats_url, "push", str(folder)))
-    ok(cli(nats_url, "assign", "files", "node-1", "node-2", "--wait"))
-    await listed(nats_url, machines={"node-1", "node-2"})
+    ok(cli("push", str(folder)))
+    ok(cli("assign", "files", "node-1", "node-2", "--wait"))
+    await listed(cli, machines={"node-1", "node-2"})
     nc = await bus.connect(nats_url, name="test calls", reconnect=False)
     seen: dict[str, list[str]] = {"node-1": [], "node-2": []}
     failures: list[str] = []
@@ -289,9 +270,7 @@ async def test_an_update_through_a_plan_swaps_the_servers_while_calls_run(
             for machine in seen:
                 tg.start_soon(keep_calling, machine)
             files_module(folder, version="2", timeout="30s")
-            done = await anyio.to_thread.run_sync(
-                lambda: cli(nats_url, "push", str(folder), "--wait", timeout=180)
-            )
+            done = await anyio.to_thread.run_sync(lambda: cli("push", str(folder), "--wait"))
             ok(done)
             assert "done" in done.stdout
 
@@ -310,7 +289,7 @@ async def test_an_update_through_a_plan_swaps_the_servers_while_calls_run(
     print(f"calls during the update: {sum(map(len, seen.values()))}", file=sys.stderr)
 
 
-async def test_the_tools_verb_pages_a_large_fleets_tools(nc, start_controller, nats_url) -> None:
+async def test_the_tools_verb_pages_a_large_fleets_tools(nc, start_controller, cli) -> None:
     """Hosts' reports of many tools with big schemas: every page stays well under a NATS
     message, `next` leads through all of them in order, and `mesh tools` prints them all."""
     from mesh import paging, wire
@@ -355,9 +334,9 @@ async def test_the_tools_verb_pages_a_large_fleets_tools(nc, start_controller, n
     found = [(t["machine"], t["server"], t["name"]) for p in pages for t in p]
     assert len(pages) > 2 and len(found) == 3 * 2 * 150
     assert found == sorted(found) and len(set(found)) == len(found)
-    one = json.loads(ok(cli(nats_url, "tools", "m-1", "--json")))["tools"]
+    one = ok_json(cli("tools", "m-1", "--json"))["tools"]
     assert len(one) == 300 and {t["machine"] for t in one} == {"m-1"}
-    every = json.loads(ok(cli(nats_url, "tools", "--json")))["tools"]
+    every = ok_json(cli("tools", "--json"))["tools"]
     assert [(t["machine"], t["server"], t["name"]) for t in every] == found
     bad = await ask(nc, "mesh.ctl.tools", {"after": "bm90LWEtY3Vyc29y"})
     assert bad["error"]["code"] == "bad_request" and "after" in bad["error"]["message"]
@@ -373,29 +352,27 @@ async def test_the_tools_verb_pages_a_large_fleets_tools(nc, start_controller, n
         return reply if reply and [t["server"] for t in reply["tools"]] == ["marker"] else None
 
     await await_until(marked, within=30, what="m-1's own report")
-    servers = {
-        t["server"] for t in json.loads(ok(cli(nats_url, "tools", "m-0", "--json")))["tools"]
-    }
+    servers = {t["server"] for t in ok_json(cli("tools", "m-0", "--json"))["tools"]}
     assert servers == {"a", "b"}
 
 
 async def test_a_restarted_host_starts_its_tool_servers_again(
-    host, nc, nats_url, tmp_path, start_host
+    host, nc, tmp_path, start_host, cli
 ) -> None:
     """A tool server's pipes are its host's: it cannot be adopted. A host killed with SIGKILL
     leaves it without its stdin (it exits, or the next host kills it), and the next host
     starts it again; processes, meanwhile, are adopted as ever."""
-    ok(cli(nats_url, "push", str(files_module(tmp_path / "files", timeout="30s"))))
-    ok(cli(nats_url, "assign", "files", "node-1", "--wait"))
-    await listed(nats_url, machines={"node-1"})
-    before = json.loads(ok(cli(nats_url, "tool", "call", "node-1", "files", "whoami", "--json")))
+    ok(cli("push", str(files_module(tmp_path / "files", timeout="30s"))))
+    ok(cli("assign", "files", "node-1", "--wait"))
+    await listed(cli, machines={"node-1"})
+    before = ok_json(cli("tool", "call", "node-1", "files", "whoami", "--json"))
     old = before["structuredContent"]["pid"]
     os.killpg(host.pid, signal.SIGKILL)
     host.wait(timeout=10)
     start_host("node-1", "--tier", "0")
 
     async def started_again():
-        done = cli(nats_url, "tool", "call", "node-1", "files", "whoami", "--json")
+        done = cli("tool", "call", "node-1", "files", "whoami", "--json")
         if done.returncode != 0:
             return None
         pid = json.loads(done.stdout)["structuredContent"]["pid"]

@@ -18,8 +18,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from helpers import MESH, ask, await_until
-from test_init import made  # noqa: F401 (a fixture: a folder for `mesh init`, cleaned after)
+from helpers import MESH, already, ask, await_until
 
 from mesh.embedded import natsd, postgres
 from mesh.embedded.children import stop_supervised
@@ -144,7 +143,7 @@ def test_systemd_analyze_verify_accepts_each_kind_of_unit(tmp_path: Path) -> Non
 
 @needs_verify
 @pytest.mark.slow
-async def test_init_prints_units_that_start_each_piece_as_it_runs(made) -> None:  # noqa: F811
+async def test_init_prints_units_that_start_each_piece_as_it_runs(made) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MESH_")}
     done = subprocess.run(
         [*MESH, "init", "--dir", str(made), "--port", "0", "--name", "ctl-machine",
@@ -211,7 +210,7 @@ async def test_init_prints_units_that_start_each_piece_as_it_runs(made) -> None:
     for pid in pids.values():
         os.killpg(pid, signal.SIGKILL)  # each piece's group: PostgreSQL's backends too
     stop_supervised(folder)
-    await await_until(lambda: _async(not any(map(_group_alive, pids.values()))), within=30,
+    await await_until(lambda: already(not any(map(_group_alive, pids.values()))), within=30,
                       what="every process of the mesh gone")  # fmt: skip
     # nats-server, PostgreSQL, then the host, each once the one before listens (systemd would
     # start the host again until it connects: Restart=always)
@@ -222,7 +221,7 @@ async def test_init_prints_units_that_start_each_piece_as_it_runs(made) -> None:
         if url is not None:
             port = int(url.rsplit(":", 1)[1].split("/")[0])
             await await_until(
-                lambda p=port, b=booted: _async(_listens(p) or b.poll() is not None),
+                lambda p=port, b=booted: already(_listens(p) or b.poll() is not None),
                 within=30,
                 what=url,
             )
@@ -245,10 +244,6 @@ def _listens(port: int) -> bool:
         return True
     except OSError:
         return False
-
-
-async def _async(value: object) -> object:
-    return value
 
 
 async def _status(env: dict[str, str]) -> dict | None:
