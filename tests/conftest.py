@@ -346,7 +346,8 @@ REAL_SERVICES = {"procs", "nats_server", "pg_admin_url", "database_url"}
 WHOLE_MESHES = {"test_dev_up", "test_init", "test_cluster", "test_network"}
 
 
-# What in a test module's source says it starts a host agent (its own, or inside a whole mesh).
+# What in a test module's source says it starts host agents otherwise than by the `start_host`
+# fixture (itself, or inside a whole mesh).
 _STARTS_HOSTS = re.compile(r'start_host|"host", "run"|DevUp\(|"dev", "up"|"init"|secured_fleet')
 
 
@@ -374,8 +375,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.module is not None and item.module.__name__ in WHOLE_MESHES
         ):
             item.add_marker(pytest.mark.slow)
-            if _starts_hosts(item.module, sources):
-                item.add_marker(pytest.mark.hosts)
+        if item.get_closest_marker("slow") is not None and (
+            "start_host" in item.fixturenames or _starts_hosts(item.module, sources)
+        ):
+            item.add_marker(pytest.mark.hosts)
     # Slow tests first (in their order): in workers, the quick ones then fill the gaps at the
     # end rather than a minute-long test starting last and running alone.
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
