@@ -46,7 +46,7 @@ def built_module(
 SERVER = """\
 import socket, sys, time
 version, port, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-print(f"version {version} starting", flush=True)
+print(f"version {version} starting at {time.time():.3f}", flush=True)
 if mode == "crash":
     sys.exit(3)
 if mode == "deaf":  # runs, never listens: never healthy

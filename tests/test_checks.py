@@ -64,15 +64,22 @@ def http_port():
     server.server_close()
 
 
+# A generous timeout where the server answers: what these show is what an answer makes of the
+# check; a loaded machine (the suite in workers) may take more than the default 1 s to answer.
+ANSWERED = "10s"
+
+
 async def test_http(nc, http_port) -> None:
-    assert (await once(nc, Check(http=f"http://127.0.0.1:{http_port}/ok")))[0]
-    passed, why = await once(nc, Check(http=f"http://127.0.0.1:{http_port}/sick"))
+    assert (await once(nc, Check(http=f"http://127.0.0.1:{http_port}/ok", timeout=ANSWERED)))[0]
+    passed, why = await once(nc, Check(http=f"http://127.0.0.1:{http_port}/sick", timeout=ANSWERED))
     assert not passed and "503" in why
 
 
 async def test_http_a_redirect_fails_and_is_not_followed(nc, http_port) -> None:
     _Status.hosts.clear()
-    passed, why = await once(nc, Check(http=f"http://127.0.0.1:{http_port}/moved"))
+    passed, why = await once(
+        nc, Check(http=f"http://127.0.0.1:{http_port}/moved", timeout=ANSWERED)
+    )
     assert not passed and "302" in why
     assert len(_Status.hosts) == 1  # the redirect to /ok was not followed
 
@@ -80,7 +87,7 @@ async def test_http_a_redirect_fails_and_is_not_followed(nc, http_port) -> None:
 async def test_http_sends_the_port_in_the_host_header(nc, http_port) -> None:
     # A server routing by Host (virtual hosts, a proxy) must see the port the URL names.
     _Status.hosts.clear()
-    assert (await once(nc, Check(http=f"http://localhost:{http_port}/ok")))[0]
+    assert (await once(nc, Check(http=f"http://localhost:{http_port}/ok", timeout=ANSWERED)))[0]
     assert _Status.hosts == [f"localhost:{http_port}"]
 
 
