@@ -604,9 +604,10 @@ async def fetch(mesh: Mesh, digest: str, times: int, top: int) -> Fetch:
     nc = await bus.connect(mesh.url, name="bench fetch (node-1's creds)", creds=str(creds),
                            reconnect=False, ca=str(mesh.dir.ca))  # fmt: skip
     # nats-py's ObjectStore.get (an ordered consumer) is the baseline: hosts may not make
-    # consumers on the bundle store (docs/security.md, the bus), so it reads as the admin.
-    admin = await bus.connect(mesh.url, name="bench fetch (the admin's creds)",
-                              creds=str(mesh.dir.creds / "admin.creds"), reconnect=False,
+    # consumers on the bundle store (docs/security.md, the bus), so it reads as the controllers
+    # (who also may answer the consumer's flow control).
+    admin = await bus.connect(mesh.url, name="bench fetch (the controllers' creds)",
+                              creds=str(mesh.dir.creds / "controller.creds"), reconnect=False,
                               ca=str(mesh.dir.ca))  # fmt: skip
     f = Fetch()
     scratch = mesh.folder / "fetch"
