@@ -60,18 +60,8 @@ async def record_version(
     by: str,
 ) -> bool:
     """Make `version` the module's current one (history kept). False if it already was."""
-    vid = await conn.fetchval(
-        """
-        INSERT INTO module_versions (module, version, manifest, bundles, pushed_by)
-        VALUES ($1, $2, $3, $4::jsonb, $5)
-        ON CONFLICT (module, version) DO UPDATE SET module = excluded.module
-        RETURNING id
-        """,
-        module,
-        version,
-        manifest,
-        json.dumps(bundles, sort_keys=True),
-        by,
+    vid = await keep_version(
+        conn, module=module, version=version, manifest=manifest, bundles=bundles, by=by
     )
     current = await conn.fetchval("SELECT version_id FROM modules WHERE name = $1", module)
     if current == vid:
@@ -85,6 +75,38 @@ async def record_version(
         vid,
     )
     return True
+
+
+async def keep_version(
+    conn: asyncpg.Connection,
+    *,
+    module: str,
+    version: str,
+    manifest: str,
+    bundles: dict[str, str],
+    by: str,
+) -> int:
+    """Store a version (once) without making it current, as a held push does; its id."""
+    return await conn.fetchval(
+        """
+        INSERT INTO module_versions (module, version, manifest, bundles, pushed_by)
+        VALUES ($1, $2, $3, $4::jsonb, $5)
+        ON CONFLICT (module, version) DO UPDATE SET module = excluded.module
+        RETURNING id
+        """,
+        module,
+        version,
+        manifest,
+        json.dumps(bundles, sort_keys=True),
+        by,
+    )
+
+
+async def version_of(conn: asyncpg.Connection, version_id: int) -> StoredVersion:
+    """A stored version by its id (a held push's, being approved)."""
+    r = await conn.fetchrow(f"SELECT {_VERSION} FROM module_versions v WHERE v.id = $1", version_id)
+    assert r is not None, version_id  # versions are never deleted
+    return _version(r)
 
 
 async def assignments(conn: asyncpg.Connection) -> dict[str, set[str]]:

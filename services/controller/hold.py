@@ -36,6 +36,7 @@ from services.controller.readiness import Readiness
 from services.controller.reports import HostReports
 from services.controller.seat import SeatLock, SeatLost
 from services.controller.standbys import Releases, Standbys
+from services.controller.steering import Steering
 from services.controller.stopping import Stop, attempt
 from services.controller.verbs import Holder
 from services.controller.views import Views
@@ -128,6 +129,8 @@ class Hold:
                 )  # fmt: skip
                 planner = Planner(pool=self.pool, publisher=publisher, fleet=fleet, epoch=row.epoch,
                                   nc=self.nc, obs=obs)  # fmt: skip
+                steering = Steering(pool=self.pool, epoch=row.epoch, planner=planner,
+                                    one_change=changes.one_change)  # fmt: skip
                 # Slow verbs run in `serving`, answered before we go.
                 async with anyio.create_task_group() as serving:
                     assert row.since is not None
@@ -138,6 +141,7 @@ class Hold:
                         fleet=fleet, standbys=self.standbys, changes=changes, views=views,
                         publisher=publisher, planner=planner,
                         tasks=serving, handover=taken, stop=self.stop.handover,
+                        steering=steering,
                     )  # fmt: skip
                     await self._serve(
                         holder=holder, reports=HostReports(fleet=fleet, publisher=publisher),

@@ -7,16 +7,23 @@ machine's report makes a step done or failed and why, when a step's deadline has
 failure does to the tier's other steps, and which machines a revert gives their old declaration
 back, tier by tier in reverse. Times come in as arguments: `now` is monotonic seconds (for
 deadlines), `at` the wall-clock time written into a step.
+
+The operator's hand (docs/operations.md, Steering a change) is here too: a tier's waves (its
+canaries, then the rest), when a soak starts, goes on or has passed, whether a machine stayed
+healthy through it, and when the plan pauses itself (`pause_after`).
 """
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from functools import partial
+from typing import Literal
 
 import msgspec
 
 from mesh.model import PlanSettings, PlanTier, ProcessState, TierState
+from mesh.modules import gate
 from mesh.modules.compose import encode, merge
 from mesh.store.plans import Step, TierCounts
 
@@ -113,13 +120,16 @@ def _counted(tier: int, steps: list[Step]) -> TierCounts:
     )  # fmt: skip
 
 
-def tier_shown(t: TierCounts) -> PlanTier:
-    """A tier as `plan` and the told progress show it: its counts and its state."""
+def tier_shown(t: TierCounts, *, soaking: bool = False) -> PlanTier:
+    """A tier as `plan` and the told progress show it: its counts and its state (`soaking`:
+    the plan's soak in progress is this tier's)."""
     state: TierState
     if t.failed:
         state = "failed"
     elif t.reverted:
         state = "reverted"
+    elif soaking:
+        state = "soaking"
     elif t.done == t.total:
         state = "done"
     else:
@@ -314,3 +324,108 @@ def settled(
         verdict = judge(report=report(machine), digest=digest, names=partial(names, digest, body))
         if verdict is not None:
             del waiting[machine]
+
+
+# --- canaries, soaks and pauses (docs/operations.md, Steering a change) ------------------------
+
+
+def canaries(size: int, canary: int | str | None) -> int:
+    """How many machines of a tier of `size` go first: `canary` machines, or its share of the
+    tier rounded up (10% of 3 machines is 1), never more than the tier; 0 without canaries."""
+    if canary is None or size == 0:
+        return 0
+    count, share = gate.canary(canary)
+    return min(size, count or math.ceil(size * share / 100))
+
+
+@dataclass
+class Wave:
+    """Steps of one tier that go together: its canaries, or the rest (or the whole tier);
+    `soaks`: the plan soaks after them."""
+
+    steps: list[Step]
+    soaks: bool
+    canary: bool = False
+
+
+def waves(steps: list[Step], *, tier: int, settings: PlanSettings) -> list[Wave]:
+    """A tier's steps in the order they go. With canaries, the first of the tier by machine
+    name (the same on every holder: a takeover finds the same canaries), then the rest; the
+    soak follows the canaries. Without (or when the canaries are the whole tier), one wave
+    the soak follows."""
+    mine = sorted((s for s in steps if s.tier == tier), key=lambda s: s.machine)
+    n = canaries(len(mine), settings.canary)
+    soaks = settings.soak > 0
+    if 0 < n < len(mine):
+        return [Wave(mine[:n], soaks=soaks, canary=True), Wave(mine[n:], soaks=False)]
+    return [Wave(mine, soaks=soaks, canary=n > 0)]
+
+
+SoakStage = Literal["start", "soaking", "passed"]
+
+
+def soak_stage(*, tier: int, soak_tier: int | None, soak_until: datetime | None) -> SoakStage:
+    """Where the plan stands with tier `tier`'s soak, from what the store keeps (the soak in
+    progress or last passed: tiers soak in order): not started, in progress, or passed (a
+    takeover never soaks a tier twice)."""
+    if soak_tier is None or soak_tier < tier:
+        return "start"
+    if soak_tier == tier and soak_until is not None:
+        return "soaking"
+    return "passed"
+
+
+def soaking(wave: Wave) -> list[Step]:
+    """The machines a soak watches: the wave's steps done (not those skipped)."""
+    return [s for s in wave.steps if s.state == "done"]
+
+
+def unsoaked(*, report: Report, digest: str, names: Callable[[], frozenset[str]]) -> str | None:
+    """Why a machine whose step is done is no longer what it was during its soak; None while
+    it is: up, its declaration applied, every process healthy (a start-first trial aside)."""
+    if not report.up:
+        return "went down"
+    if report.failed == digest:
+        return f"its apply failed: {report.error or 'no reason given'}"
+    if report.applied != digest:
+        return "no longer reports its new declaration applied"
+    states = {ps.name: ps for ps in report.processes if not ps.trial}
+    for name in sorted(names()):
+        ps = states.get(name)
+        if ps is None:
+            return f"process {name} is not running"
+        if not ps.healthy:
+            why = f": {ps.error}" if ps.error else ""
+            return f"process {name} is {ps.state}, not healthy{why}"
+    return None
+
+
+def soak_look(
+    steps: list[Step],
+    *,
+    machines: set[str],
+    report: Callable[[str], Report],
+    names: Names,
+    soak: float,
+    left: float,
+    at: datetime,
+) -> str | None:
+    """Judge the soaking machines among `machines`: the first that is no longer healthy fails
+    its step (the plan stops there, and the rest of its tier never starts); the plan's
+    failure, or None."""
+    for s in steps:
+        if s.machine not in machines:
+            continue
+        why = unsoaked(report=report(s.machine), digest=s.after,
+                       names=partial(names, s.after, s.after_body))  # fmt: skip
+        if why is not None:
+            s.state, s.finished = "failed", at
+            s.error = f"{why} during the soak ({soak - left:.1f}s of {soak:g}s)"
+            return f"machine {s.machine}: {s.error}"
+    return None
+
+
+def pause_due(*, tier: int, settings: PlanSettings, paused_after: int | None) -> bool:
+    """The plan pauses itself after `tier` (`pause_after`), once: not again after a resume or
+    a takeover (`paused_after`, the last tier it paused after, is kept in the store)."""
+    return tier in settings.pause_after and (paused_after is None or paused_after < tier)

@@ -196,12 +196,14 @@ class Views:
                 raise wire.BadRequest(f"plan {req.id} does not exist", code="not_found")
             counted = await plans.tiers(conn, req.id)
             steps = await plans.step_views(conn, req.id, after=at, most=req.limit + 1)
-        tiers = [rollout.tier_shown(t) for t in counted]
+        soaking = p.soak_tier if p.soak_until is not None else None
+        tiers = [rollout.tier_shown(t, soaking=t.tier == soaking) for t in counted]
         reply = PlanReply(
             id=p.id, state=p.state, trigger=p.trigger, subject=p.subject, by=p.by,
             epoch=p.epoch, created=p.created, started=p.started, finished=p.finished,
             phase=p.phase, failure=p.error, settings=p.settings, builds=p.builds, tiers=tiers,
             steps=[], total=sum(t.total for t in counted),
+            soak=plans.soak_shown(p.soak_tier, p.soak_until), cancelled=p.cancel,
         )  # fmt: skip
         page = paging.fill(
             (((s.tier, s.machine), s) for s in steps), verb="plan", limit=req.limit,
