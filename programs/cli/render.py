@@ -74,7 +74,7 @@ def plan_line(p: PlanSummary) -> str:
     where = f", tier {p.tier}" if p.tier is not None else ""
     doing = ("cancelling" if p.cancelled else "reverting") if p.phase == "revert" else p.state
     if p.soak is not None:  # steering: canaries (or a tier) soaking
-        where += f", tier {p.soak.tier} soaking ({p.soak.left:.0f}s left)"
+        where = f", tier {p.soak.tier} soaking ({p.soak.left:.0f}s left)"
     return f"{p.id} {p.trigger} {p.subject}: {doing}{where}, {p.done}/{p.machines} machine(s) done"
 
 

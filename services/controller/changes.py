@@ -617,10 +617,7 @@ class Changes:
                 await seats.fence(conn, epoch=self._epoch)
                 p = steering.found(await plans.locked(conn, req.id), req.id)
                 if p.state != "held" or p.hold is None:
-                    approved = p.hold is not None and "approved_by" in p.hold
-                    raise steering.refused(
-                        p, "it was approved already" if approved else "it was not held"
-                    )
+                    raise steering.refused(p, steering.why_not_approved(p))
                 targets, undo, settings = await self._make(conn, p)
                 steps = await self._steps(conn, targets)
                 await plans.replace_steps(conn, p.id, steps)
@@ -681,7 +678,7 @@ class Changes:
         self, conn: asyncpg.Connection, old: list[int], *, plan: int | None, what: str
     ) -> None:
         for plan_id in old:
-            why = f"superseded by plan {plan}" if plan else f"superseded by {what} (no plan)"
+            why = f"superseded by {f'plan {plan}' if plan else f'{what}, which changed no machine'}"
             await plans.set_plan(conn, plan_id, cancel=why)
             await events.record(conn, "plan.superseded", epoch=self._epoch, plan=plan_id,
                                 by_plan=plan)  # fmt: skip

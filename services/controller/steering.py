@@ -142,6 +142,15 @@ class Steering:
         return SteerReply(plan=p.id, state=p.state, message=message, phase=p.phase)
 
 
+def why_not_approved(p: plans.Plan) -> str:
+    """Why `approve` does nothing to `p`, a plan not held."""
+    if p.state in plans.OPEN and p.hold is not None and "approved_by" in p.hold:
+        return f"it was approved already, by {p.hold['approved_by'] or 'an operator'}"
+    if p.state in plans.OPEN:
+        return "it was not held: nothing to approve"
+    return "nothing to approve"
+
+
 def _why_not(verb: str, p: plans.Plan) -> str:
     """Why `verb` does nothing to `p`, after its state."""
     if p.state in ("done", "failed", "reverted", "cancelled"):

@@ -64,6 +64,34 @@ function card(id, title, ...body) {
   return el("section", { class: "card", id }, el("h2", {}, title), ...body);
 }
 
+// --- steering (docs/operations.md, Steering a change) ----------------------------------------
+
+const FINAL = new Set(["done", "failed", "reverted", "cancelled"]);
+
+// What the operator's hand adds to a plan's state: held (waiting for approval), paused, a
+// revert or a cancel in progress, a tier soaking (its time left, counting down), why cancelled.
+function steering(p) {
+  const notes = [];
+  if (p.state === "held") notes.push(` — waiting for approval (mesh plan approve ${p.id})`);
+  if (p.state === "paused") notes.push(` — until mesh plan resume ${p.id}`);
+  if (p.phase === "revert" && !FINAL.has(p.state)) notes.push(p.cancelled ? " (cancelling)" : " (reverting)");
+  if (p.soak && !FINAL.has(p.state)) {
+    notes.push(" — ", el("span", { class: "soaking", "data-soak-until": p.soak.until, "data-soak-tier": p.soak.tier },
+      soak_text(p.soak.until, p.soak.tier)));
+  }
+  if (p.cancelled) notes.push(" — ", word(p.cancelled, "cancelled"));
+  return notes;
+}
+
+function soak_text(until, tier) {
+  const left = Math.max(0, Math.round((Date.parse(until) - Date.now()) / 1000));
+  return `tier ${tier} soaking, ${left}s left`;
+}
+
+function render_soaks() {
+  for (const cell of document.querySelectorAll("[data-soak-until]")) cell.textContent = soak_text(cell.dataset.soakUntil, cell.dataset.soakTier);
+}
+
 // --- the views ------------------------------------------------------------------------------
 
 function seat_card() {
@@ -90,7 +118,7 @@ function seat_card() {
   else if (h) handover = `${when(h.at)}: ${h.to} took it over from ${h.from} (gone without handing over)`;
   add("last handover", handover);
   add("machines", `${s.nodes.up} up, ${s.nodes.down} down, ${s.nodes.total} in all`);
-  add("plan in progress", s.plan ? link(["plan", s.plan.id], `plan ${s.plan.id}`, ` ${s.plan.trigger} ${s.plan.subject}`) : "none");
+  add("plan in progress", s.plan ? [link(["plan", s.plan.id], `plan ${s.plan.id}`, ` ${s.plan.trigger} ${s.plan.subject}`), ": ", word(s.plan.state), steering(s.plan)] : "none");
   return card("seat", "Seat", el("dl", {}, rows));
 }
 
@@ -153,7 +181,7 @@ function plans_card() {
   const rows = state.plans.plans.map((p) =>
     el("tr", { "data-plan": p.id },
       el("td", {}, link(["plan", p.id], `plan ${p.id}`)),
-      el("td", { class: "state" }, word(p.state), p.phase === "revert" ? " (reverting)" : ""),
+      el("td", { class: "state" }, word(p.state), steering(p)),
       el("td", {}, `${p.trigger} ${p.subject}`),
       el("td", {}, p.by),
       el("td", {}, `${p.done}/${p.machines}`),
@@ -184,7 +212,7 @@ function plan_card(id) {
   return card("plan", `Plan ${p.id}`,
     el("p", { id: "plan-summary" },
       el("strong", {}, `${p.trigger} ${p.subject}`), ` by ${p.by || "?"}: `, word(p.state),
-      p.phase === "revert" ? " (reverting)" : "",
+      steering(p),
       p.failure ? [" — ", word(p.failure, "error")] : ""),
     el("h3", {}, "Tiers"),
     p.tiers.length ? table("plan-tiers", ["tier", "state", "done"], tiers) : el("p", { class: "quiet" }, "no steps yet"),
@@ -369,5 +397,5 @@ document.addEventListener("DOMContentLoaded", () => {
   });
   listen();
   render();
-  setInterval(render_beats, 1000);
+  setInterval(() => { render_beats(); render_soaks(); }, 1000);
 });
