@@ -29,6 +29,7 @@ ROLES: tuple[Role, ...] = ("admin", "viewer", "tools")
 # listed here, is for admins only: a new verb fails closed.
 READ_VERBS = frozenset(
     {"status", "nodes", "plan", "plans", "modules", "declaration", "build-logs", "tools"}
+    | {"history"}  # a module's versions (issue 27)
 )
 HOST_READ_VERBS = ("status", "logs")  # mesh.host.<name>.<verb> an operator may ask
 HOST_ADMIN_VERBS = ("restart",)
