@@ -610,6 +610,13 @@ class DrainRequest(Request):
     by: By = ""
 
 
+class MachineChanged(msgspec.Struct):
+    """Told on mesh.machine.<name> when an operator drains or undrains it (not stored)."""
+
+    machine: str
+    drained: bool
+
+
 class DrainReply(msgspec.Struct):
     machine: str
     drained: bool  # as it is now

@@ -30,7 +30,7 @@ import msgspec
 from nats.aio.client import Client
 from nats.js.object_store import ObjectStore
 
-from mesh import blobs, wire
+from mesh import blobs, subjects, wire
 from mesh.auth.signing import Signing
 from mesh.model import (
     CHANGED_LISTED,
@@ -38,6 +38,7 @@ from mesh.model import (
     ChangeReply,
     DrainReply,
     DrainRequest,
+    MachineChanged,
     PlanBuild,
     PlanSettings,
     PushRequest,
@@ -620,6 +621,7 @@ class Changes:
         if undo and plan is None:
             self._fleet.wants_what_it_is_sent(name)  # nothing left to bring it
         self._wake()
+        await self._tell(MachineChanged(machine=name, drained=not undo))
         if undo:
             message = f"machine {name} undrained" + (
                 f": plan {plan} brings it up to date" if plan is not None else ": it is up to date"
@@ -630,6 +632,13 @@ class Changes:
         if was == (not undo):
             message += f" (it already was {'drained' if was else 'undrained'})"
         return DrainReply(machine=name, drained=not undo, was=was, message=message, plan=plan)
+
+    async def _tell(self, changed: MachineChanged) -> None:
+        """Tell watchers (the console) that a machine changed: no host reports a drain."""
+        try:
+            await self._nc.publish(subjects.machine(changed.machine), wire.encode(changed))
+        except Exception as e:  # told, not stored: a watcher that missed it asks `nodes` later
+            log.debug("machine %s: change not told: %s: %s", changed.machine, type(e).__name__, e)
 
     async def _settings_of_machine(self, conn: asyncpg.Connection, machine: str) -> PlanSettings:
         """An undrain's plan: as patient as the most patient module on the machine, reverting

@@ -5,8 +5,8 @@ is here, so each rule can be tested in microseconds instead of through a whole m
 (tests/test_rollout.py): which steps of a tier to send next (`max_parallel` at a time), when a
 machine's report makes a step done or failed and why, when a step's deadline has passed, what a
 failure does to the tier's other steps, which machines a revert gives their old declaration
-back, tier by tier in reverse, and which a drain keeps out of both. Times come in as arguments: `now` is monotonic seconds (for
-deadlines), `at` the wall-clock time written into a step.
+back, tier by tier in reverse, and which a drain keeps out of both. Times come in as arguments:
+`now` is monotonic seconds (for deadlines), `at` the wall-clock time written into a step.
 """
 
 from collections.abc import Callable
