@@ -36,7 +36,9 @@ PlanState = Literal[
 ]
 StepState = Literal["pending", "applying", "done", "failed", "skipped", "reverted"]
 TierState = Literal["pending", "rolling", "soaking", "done", "failed", "reverted"]
-Trigger = Literal["push", "assign", "unassign", "secret"]
+# `rollback`: a module back at an earlier version; `undrain`: a machine brought up to date as it
+# leaves the drain (docs/operations.md, Steering a change).
+Trigger = Literal["push", "assign", "unassign", "secret", "rollback", "undrain"]
 Phase = Literal["forward", "revert"]  # rolling forward, or giving machines `before` back
 # The words a machine's life is told in, between the mesh's own pieces (mesh.event.<name>.*):
 # a supervised process's state; a tool server's state as a caller sees it (`ready`: callable);
@@ -271,6 +273,9 @@ class Node(msgspec.Struct):
     digest_applied: str | None = None
     apply_error: str | None = None  # why the last apply of digest_wanted stopped, if it did
     version: str | None = None  # the host agent's running mesh; None: it never said
+    # Skipped by every plan, keeping what it runs (`mesh drain`); `digest_wanted` is then what
+    # the catalog composes for it, which it gets once undrained.
+    drained: bool = False
 
 
 class NodesReply(msgspec.Struct):
@@ -604,6 +609,67 @@ class BuildLogsReply(msgspec.Struct):
     state: str
     builder: str | None
     log: str
+
+
+# --- a module's versions and going back to one; machines out of the plans ----------------------
+# (docs/verbs.md, history, rollback, drain). A version is named by its number (1 for a module's
+# first push, then 2, 3, ... in the order they were first pushed) or by its digest (the source
+# archive's sha256, what `modules` and `push` call `version`), or a unique prefix of it.
+
+VersionWord = Annotated[str, msgspec.Meta(min_length=1, max_length=80, pattern=r"^[A-Za-z0-9:]+\Z")]
+
+
+class HistoryRequest(Request, omit_defaults=True):
+    module: Name
+    after: Cursor | None = None  # the previous page's `next`
+    limit: int = PAGE_LIMIT
+
+    def __post_init__(self) -> None:
+        check_limit(self.limit)
+
+
+class VersionEntry(msgspec.Struct):
+    version: int  # its number in the module's history: 1, 2, 3, ...
+    digest: str  # its source archive's sha256 (`modules`' `version`)
+    pushed: datetime  # when it was first pushed
+    by: str  # who pushed it, as the client said
+    plan: int | None  # the last plan that rolled it out (a push or a rollback); None: none did
+    state: PlanState | None  # how that plan ended (or where it is)
+    current: bool = False  # the module's version now
+    kept: bool = True  # its bundles are still stored: a rollback to it needs no push
+
+
+class HistoryReply(msgspec.Struct):
+    module: str
+    versions: list[VersionEntry]  # a page of them, newest first
+    next: str | None = None
+    total: int = 0  # versions in all
+
+
+class RollbackRequest(Request):
+    module: Name
+    to: VersionWord | None = None  # a number or a digest (prefix); None: the one before
+    by: By = ""
+
+
+class DrainRequest(Request):
+    machine: Name
+    by: By = ""
+
+
+class MachineChanged(msgspec.Struct):
+    """Told on mesh.machine.<name> when an operator drains or undrains it (not stored)."""
+
+    machine: str
+    drained: bool
+
+
+class DrainReply(msgspec.Struct):
+    machine: str
+    drained: bool  # as it is now
+    was: bool  # as it was before
+    message: str
+    plan: int | None = None  # undrain: the plan that brings the machine up to date, if any
 
 
 # --- builds (controller -> builder host) -------------------------------------------------------

@@ -371,3 +371,36 @@ def test_a_soaking_tier_is_shown_soaking_unless_it_failed() -> None:
     steps[0].state = "failed"
     [counted] = rollout.tier_counts(steps)
     assert rollout.tier_shown(counted, soaking=True).state == "failed"
+
+
+# --- drained machines (`mesh drain`) ---------------------------------------------------------
+
+
+def test_a_drained_machine_s_step_is_skipped_unsent_when_it_would_start() -> None:
+    pending, in_flight, free = step("node-1"), step("node-2", state="applying"), step("node-3")
+    assert rollout.skip_drained(pending, drained=True, at=AT) is True
+    assert (pending.state, pending.published, pending.started, pending.finished) == (
+        "skipped", False, None, AT,
+    )  # fmt: skip
+    assert pending.error is not None and "machine node-1 is drained" in pending.error
+    assert "mesh undrain node-1" in pending.error
+    # A step already in flight (resumed by a new holder) goes on; one not drained starts.
+    assert rollout.skip_drained(in_flight, drained=True, at=AT) is False
+    assert in_flight.state == "applying"
+    assert rollout.skip_drained(free, drained=False, at=AT) is False and free.state == "pending"
+
+
+def test_a_revert_keeps_machines_drained_since_they_changed_noting_it_once() -> None:
+    changed = [step("node-1", state="done"), step("node-2", state="failed")]
+    for s in changed:
+        s.published = True
+    changed[1].error = "process hello is starting, not healthy, after 60s"
+    drained = {"node-2"}.__contains__
+    for _ in range(2):  # a new holder reverting again notes nothing twice
+        kept = rollout.kept_by_drain(changed, drained=drained)
+        assert [s.machine for s in kept] == ["node-2"]
+    assert changed[1].error == (
+        "process hello is starting, not healthy, after 60s; machine node-2 is drained: not "
+        "reverted; it keeps this declaration"
+    )
+    assert changed[0].error is None and not any(s.reverted for s in changed)

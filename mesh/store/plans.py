@@ -271,12 +271,14 @@ async def expected(conn: asyncpg.Connection, machines: list[str]) -> dict[str, s
             "SELECT machine, digest FROM declarations WHERE machine = ANY($1::text[])", machines
         )
     }
-    # A plan that is reverting leaves its machines at `before`, not `after`.
+    # A plan that is reverting leaves its machines at `before`, not `after`; a step skipped
+    # without being sent (a drained machine) leaves its machine at what it has.
     planned = await conn.fetch(
         "SELECT DISTINCT ON (s.machine) s.machine,"
         " CASE WHEN p.phase = 'revert' THEN coalesce(s.before, '') ELSE s.after END AS digest"
         " FROM plan_steps s JOIN plans p ON p.id = s.plan_id"
         " WHERE s.machine = ANY($1::text[]) AND p.state = ANY($2::text[])"
+        " AND NOT (s.state = 'skipped' AND NOT s.published)"
         " ORDER BY s.machine, p.id DESC",
         machines,
         list(CHANGING),

@@ -1,4 +1,5 @@
-"""The holder's changes to the catalog: push, assign, unassign and setting a secret.
+"""The holder's changes to the catalog: push, assign, unassign, setting a secret, a rollback to
+an earlier version, and draining a machine out of the plans (and undraining it).
 
 Each change runs in one transaction that checks the seat's epoch, records the change,
 recomposes the affected machines' declarations (a conflict rolls everything back and names both
@@ -30,16 +31,20 @@ import msgspec
 from nats.aio.client import Client
 from nats.js.object_store import ObjectStore
 
-from mesh import blobs, wire
+from mesh import blobs, subjects, wire
 from mesh.auth.signing import Signing
 from mesh.model import (
     CHANGED_LISTED,
     AssignRequest,
     ChangeReply,
+    DrainReply,
+    DrainRequest,
+    MachineChanged,
     PlanBuild,
     PlanSettings,
     PlanState,
     PushRequest,
+    RollbackRequest,
     SecretSetRequest,
     SteerReply,
     SteerRequest,
@@ -48,6 +53,7 @@ from mesh.modules import archive, gate, load, meshsource
 from mesh.modules.manifest import ON_THE_MACHINE, Assign, Bundle, Manifest
 from mesh.store import events, modules, plans, seats, secrets
 from services.controller import build_requests, steering
+from services.controller import rollback as versions
 from services.controller.fleet import Fleet
 from services.controller.publishing import Manifests, Publisher
 
@@ -256,6 +262,12 @@ class Changes:
             for m, (d, b) in composed.items()
             if expected.get(m) != d
         ]
+
+    @property
+    def one_change(self) -> anyio.Lock:
+        """Held by each change while it records (steering.py takes it to cancel; the holder
+        pruning bundles takes it so none goes between a rollback's check and its plan)."""
+        return self._one_change
 
     async def _plan(
         self,
@@ -552,11 +564,6 @@ class Changes:
 
     # --- held changes, their approval, and superseding (see the section at the end) ---------
 
-    @property
-    def one_change(self) -> anyio.Lock:
-        """The catalog's lock: one change at a time (steering.py takes it to cancel)."""
-        return self._one_change
-
     async def _hold_push(
         self,
         conn: asyncpg.Connection,
@@ -733,3 +740,126 @@ async def _tried(conn: asyncpg.Connection) -> AsyncIterator[None]:
         yield
     finally:
         await savepoint.rollback()
+    # --- going back to a version; machines out of the plans and back ---------------------------
+
+    async def rollback(self, req: RollbackRequest) -> ChangeReply:
+        """The module back at an earlier version (rollback.py) through an ordinary plan of
+        its machines: the catalog names that version again, each machine is composed with it,
+        and the plan rolls tier by tier (and reverts) as a push's does. Nothing is built: the
+        version's bundles must still be stored (bundles.py keeps the newest versions')."""
+        name = req.module
+        async with self._pushes_of(name):  # after a push of the module still building
+            async with self._pool.acquire() as conn:
+                rows = await modules.history(conn, name)
+            target = versions.pick(rows, module=name, to=req.to)
+            current = next((r for r in rows if r.current), None)
+            if current is None:
+                raise wire.BadRequest(
+                    f"module {name} is not registered (its first push was taken back): push it",
+                    code="not_found",
+                )
+            what = f"{name} version {target.number} ({target.digest[:19]})"
+            if target.id == current.id:
+                return replied(plan=None, changed=[], version=target.digest,
+                               message=f"{what} is the current version: no change")  # fmt: skip
+            async with self._one_change:
+                await self._still_stored(name, target)
+                async with self._pool.acquire() as conn, conn.transaction():
+                    await seats.fence(conn, epoch=self._epoch)
+                    now = (await modules.current_modules(conn)).get(name)
+                    if now is None or now.id != current.id:  # a revert moved it meanwhile
+                        raise wire.BadRequest(
+                            f"module {name} changed version meanwhile: ask again", code="conflict"
+                        )
+                    stored = await modules.stored_version(conn, target.id)
+                    assert stored is not None  # versions are never deleted
+                    await modules.set_current(conn, module=name, version_id=target.id)
+                    targets = sorted(m for m, mods in (await modules.assignments(conn)).items()
+                                     if name in mods)  # fmt: skip
+                    plan, changed = await self._plan(
+                        conn, targets, trigger="rollback", subject=name, by=req.by,
+                        settings=settings_of(self._manifests.of(stored)),
+                        undo={"module": name, "from": current.id, "to": target.id},
+                    )  # fmt: skip
+                    await events.record(
+                        conn, "module.rollback", epoch=self._epoch, module=name, by=req.by,
+                        to=target.number, digest=target.digest, was=current.number, plan=plan,
+                    )  # fmt: skip
+        self._wake()
+        log.info("%s: back from version %d: plan %s for %d machine(s)", what, current.number,
+                 plan, len(changed))  # fmt: skip
+        return replied(
+            plan=plan, changed=changed, version=target.digest,
+            message=f"{what}, back from version {current.number}: "
+            + (f"plan {plan} changes {len(changed)} machine(s)" if changed
+               else "no machine's declaration changes"),
+        )  # fmt: skip
+
+    async def _still_stored(self, module: str, v: modules.HistoryRow) -> None:
+        """Refuse a rollback to a version whose bundles are gone from the bundle store (pruned,
+        or lost with JetStream's data): its machines could not fetch them."""
+        async with self._pool.acquire() as conn:
+            stored = await modules.stored_version(conn, v.id)
+        assert stored is not None
+        for bundle, digest in sorted(stored.bundles.items()):
+            if digest.startswith("sha256:") and not await blobs.has(self._obs, digest):
+                why = "pruned: only the newest versions' are kept" if v.pruned else "gone"
+                raise wire.BadRequest(
+                    f"module {module} version {v.number}: bundle {bundle} ({digest[:19]}) is no "
+                    f"longer in the bundle store ({why}); push that version's folder again",
+                    code="not_found",
+                )
+
+    async def drain(self, req: DrainRequest, *, undo: bool = False) -> DrainReply:
+        """Drain a machine (every plan skips it; it keeps what it runs), or undrain it: then a
+        plan brings it up to date if what the catalog composes for it differs from what it
+        has (or will have once the plans already recorded finish)."""
+        name = req.machine
+
+        async def up_to_date(conn: asyncpg.Connection) -> int | None:
+            if not undo:
+                return None
+            plan, _ = await self._plan(
+                conn, [name], trigger="undrain", subject=name, by=req.by,
+                settings=await self._settings_of_machine(conn, name), undo={},
+            )  # fmt: skip
+            return plan
+
+        async with self._one_change:
+            was, plan = await self._fleet.set_drained(
+                name, drained=not undo, by=req.by, then=up_to_date
+            )
+        if undo and plan is None:
+            self._fleet.wants_what_it_is_sent(name)  # nothing left to bring it
+        self._wake()
+        await self._tell(MachineChanged(machine=name, drained=not undo))
+        if undo:
+            message = f"machine {name} undrained" + (
+                f": plan {plan} brings it up to date" if plan is not None else ": it is up to date"
+            )
+        else:
+            message = (f"machine {name} drained: every plan skips it, and it keeps what it runs "
+                       f"until `mesh undrain {name}`")  # fmt: skip
+        if was == (not undo):
+            message += f" (it already was {'drained' if was else 'undrained'})"
+        return DrainReply(machine=name, drained=not undo, was=was, message=message, plan=plan)
+
+    async def _tell(self, changed: MachineChanged) -> None:
+        """Tell watchers (the console) that a machine changed: no host reports a drain."""
+        try:
+            await self._nc.publish(subjects.machine(changed.machine), wire.encode(changed))
+        except Exception as e:  # told, not stored: a watcher that missed it asks `nodes` later
+            log.debug("machine %s: change not told: %s: %s", changed.machine, type(e).__name__, e)
+
+    async def _settings_of_machine(self, conn: asyncpg.Connection, machine: str) -> PlanSettings:
+        """An undrain's plan: as patient as the most patient module on the machine, reverting
+        only if every one of them would."""
+        current = await modules.current_modules(conn)
+        mine = sorted((await modules.assignments(conn)).get(machine, ()))
+        manifests = [settings_of(self._manifests.of(current[m])) for m in mine if m in current]
+        if not manifests:
+            return PlanSettings()
+        return PlanSettings(
+            deadline=max(s.deadline for s in manifests),
+            auto_revert=all(s.auto_revert for s in manifests),
+        )

@@ -205,7 +205,7 @@ class Planner:
         """Why the plan cannot start, if a bundle its module needs is not in the bundle store
         (lost with JetStream's data, or purged): then every machine would fail to fetch it.
         A push of the module's folder stores it again (changes.Changes.push)."""
-        if self._obs is None or p.trigger not in ("push", "assign"):
+        if self._obs is None or p.trigger not in ("push", "assign", "rollback"):
             return None
         async with self._pool.acquire() as conn:
             current = (await modules.current_modules(conn)).get(p.subject)
@@ -419,6 +419,9 @@ class Planner:
         now = datetime.now(UTC)
         bodies: dict[str, tuple[str, bytes]] = {}
         for s in steps:
+            if which == "after" and self._skipped_for_drain(p, s, at=now):
+                continue  # nothing stored or published: it keeps what it runs
+            self._fleet.wants_what_it_is_sent(s.machine)
             if which == "after":
                 bodies[s.machine] = (s.after, s.after_body)
                 up = self._fleet.up(s.machine)
@@ -432,6 +435,15 @@ class Planner:
             await plans.set_steps(conn, p.id, steps, epoch=self._epoch)
         await self._publisher.publish(bodies)
         await self._show(p)
+
+    def _skipped_for_drain(self, p: plans.Plan, s: plans.Step, *, at: datetime) -> bool:
+        """A step whose machine is drained as it would start: skipped (rollout.skip_drained),
+        and `nodes` shows what it would have got as its wanted declaration."""
+        if not rollout.skip_drained(s, drained=self._fleet.drained(s.machine), at=at):
+            return False
+        self._fleet.skipped_for_drain(s.machine, s.after)
+        log.info("plan %d: machine %s is drained: skipped", p.id, s.machine)
+        return True
 
     async def _write(self, p: plans.Plan, steps: list[plans.Step], **plan: Any) -> None:
         """Steps (and, given, the plan's own fields) in one fenced transaction."""
@@ -448,6 +460,10 @@ class Planner:
         """Give this tier's changed machines their old declarations back and wait, within the
         deadline, for them to settle; a machine that does not is noted, not waited for longer."""
         steps = rollout.to_revert(p.steps, tier=tier)
+        kept = rollout.kept_by_drain(steps, drained=self._fleet.drained)
+        if kept:  # noted, never sent: a drained machine keeps what it runs
+            await self._write(p, kept)
+            steps = [s for s in steps if s not in kept]
         if not steps:
             return
         self._tier = tier

@@ -4,9 +4,9 @@ The planner (planner.py) does the store writes, the publishing and the waiting; 
 is here, so each rule can be tested in microseconds instead of through a whole mesh
 (tests/test_rollout.py): which steps of a tier to send next (`max_parallel` at a time), when a
 machine's report makes a step done or failed and why, when a step's deadline has passed, what a
-failure does to the tier's other steps, and which machines a revert gives their old declaration
-back, tier by tier in reverse. Times come in as arguments: `now` is monotonic seconds (for
-deadlines), `at` the wall-clock time written into a step.
+failure does to the tier's other steps, which machines a revert gives their old declaration
+back, tier by tier in reverse, and which a drain keeps out of both. Times come in as arguments:
+`now` is monotonic seconds (for deadlines), `at` the wall-clock time written into a step.
 
 The operator's hand (docs/operations.md, Steering a change) is here too: a tier's waves (its
 canaries, then the rest), when a soak starts, goes on or has passed, whether a machine stayed
@@ -244,6 +244,38 @@ def send(step: Step, *, up: bool, skip_down: bool, at: datetime) -> None:
         step.state, step.finished = "skipped", at
         step.error = (f"machine {step.machine} is down: skipped; it gets this "
                       "declaration when it comes back")  # fmt: skip
+
+
+# --- drained machines (`mesh drain`): out of every plan, keeping what they run ------------------
+
+
+def drain_note(machine: str) -> str:
+    return (f"machine {machine} is drained: skipped; it keeps what it runs until `mesh undrain "
+            f"{machine}`")  # fmt: skip
+
+
+def skip_drained(step: Step, *, drained: bool, at: datetime) -> bool:
+    """A step about to start on a drained machine is skipped, unsent: its machine's declaration
+    is neither stored nor published (a step already in flight, resumed by a new holder, goes
+    on). True if it was skipped. Asked at the moment each step would start, so a machine
+    drained while its plan rolls is skipped from then on."""
+    if step.state != "pending" or not drained:
+        return False
+    step.state, step.finished, step.error = "skipped", at, drain_note(step.machine)
+    return True
+
+
+def kept_by_drain(steps: list[Step], *, drained: Callable[[str], bool]) -> list[Step]:
+    """Of a tier's steps to revert, those of machines drained since they changed: they keep the
+    new declaration (a drained machine keeps what it runs, a revert included), noted on the
+    step once; they are reverted by no plan, and undrained, their machine gets what the catalog
+    composes for it then."""
+    kept = [s for s in steps if drained(s.machine)]
+    for s in kept:
+        said = f"machine {s.machine} is drained: not reverted; it keeps this declaration"
+        if s.error is None or said not in s.error:
+            s.error = f"{s.error}; {said}" if s.error else said
+    return kept
 
 
 def await_(t: Tier, steps: list[Step], *, now: float) -> None:

@@ -21,9 +21,13 @@ from mesh.model import (
     DeclarationRequest,
     DiffReply,
     DiffRequest,
+    DrainReply,
+    DrainRequest,
     Handover,
     HandoverReply,
     HandoverRequest,
+    HistoryReply,
+    HistoryRequest,
     LabelReply,
     LabelRequest,
     ModulesReply,
@@ -37,6 +41,7 @@ from mesh.model import (
     PushRequest,
     Register,
     RegisterReply,
+    RollbackRequest,
     SeatInfo,
     SecretReply,
     SecretRequest,
@@ -229,6 +234,22 @@ async def label(h: Holder, req: LabelRequest) -> LabelReply:
     return LabelReply(machine=req.machine, labels=labels, was=was, registered=registered)
 
 
+async def history(h: Holder, req: HistoryRequest) -> HistoryReply:
+    return await h.views.history(req)
+
+
+async def rollback(h: Holder, req: RollbackRequest) -> ChangeReply:
+    return await h.changes.rollback(req)
+
+
+async def drain(h: Holder, req: DrainRequest) -> DrainReply:
+    return await h.changes.drain(req)
+
+
+async def undrain(h: Holder, req: DrainRequest) -> DrainReply:
+    return await h.changes.drain(req, undo=True)
+
+
 # Bytes of body per verb (docs/verbs.md, Limits); nats-server's max_payload (1 MiB) caps them all.
 _SMALL = 4 * 1024  # names and numbers
 _MODULE_BODY = 640 * 1024  # a manifest of up to 256 KiB, JSON-escaped; thousands of names
@@ -272,6 +293,13 @@ VERBS: dict[str, Verb] = {
     "plan-pause": Verb(SteerRequest, SteerReply, plan_pause, bound=SLOW, limit=_SMALL),
     "plan-resume": Verb(SteerRequest, SteerReply, plan_resume, bound=SLOW, limit=_SMALL),
     "plan-cancel": Verb(SteerRequest, SteerReply, plan_cancel, bound=SLOW, limit=_SMALL),
+    # going back, and machines out of the plans (docs/operations.md, Steering a change)
+    "history": Verb(
+        HistoryRequest, HistoryReply, history, bound=SLOW, limit=_SMALL, too_large=_PAGED
+    ),
+    "rollback": Verb(RollbackRequest, ChangeReply, rollback, bound=SLOW, limit=_SMALL),
+    "drain": Verb(DrainRequest, DrainReply, drain, bound=SLOW, limit=_SMALL),
+    "undrain": Verb(DrainRequest, DrainReply, undrain, bound=SLOW, limit=_SMALL),
 }
 
 

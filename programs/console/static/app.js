@@ -133,8 +133,17 @@ function processes_of(node) {
 
 function declaration_of(node) {
   if (!node.digest_wanted) return word("none", "quiet");
+  if (node.drained && node.digest_wanted !== node.digest_applied) {
+    // drained: what it has stays; what the catalog composes waits for `mesh undrain`
+    return [el("code", {}, short(node.digest_applied)), " (wants ", el("code", {}, short(node.digest_wanted)), ") ", word("held by the drain", "drained")];
+  }
   if (node.digest_wanted === node.digest_applied) return [el("code", {}, short(node.digest_applied)), " applied"];
   return [el("code", {}, short(node.digest_applied)), " → ", el("code", {}, short(node.digest_wanted)), " ", word("applying", "applying")];
+}
+
+function drained_of(node) {
+  // `mesh drain`: every plan skips the machine; it keeps what it runs until `mesh undrain`
+  return node.drained ? word("drained", "drained") : word("in plans", "quiet");
 }
 
 function beat_text(name) {
@@ -151,13 +160,14 @@ function machines_card() {
       el("td", { class: "name" }, link(["machine", n.name], n.name)),
       el("td", { class: "tier" }, n.tier),
       el("td", { class: "state" }, word(n.up ? "up" : "down")),
+      el("td", { class: "drain" }, drained_of(n)),
       el("td", { class: "beat", "data-beat": n.name }, beat_text(n.name)),
       el("td", { class: "processes" }, n.up ? null : el("span", { class: "quiet" }, "as last reported: "), processes_of(n)),
       el("td", { class: "declaration" }, declaration_of(n)),
       el("td", { class: "apply-error" }, n.apply_error ? word(n.apply_error, "error") : ""),
       el("td", { class: "version" }, el("code", {}, n.version === null ? "?" : short(n.version)))));
   return card("machines-card", "Machines",
-    table("machines", ["machine", "tier", "", "last beat", "processes", "declaration", "apply error", "mesh version"], rows));
+    table("machines", ["machine", "tier", "", "plans", "last beat", "processes", "declaration", "apply error", "mesh version"], rows));
 }
 
 function modules_card() {
@@ -243,6 +253,7 @@ function machine_view(name) {
   add("state", word(node.up ? "up" : "down"), " (last seen ", when(node.last_seen), ")");
   add("last beat", el("span", { "data-beat": node.name }, beat_text(node.name)));
   add("tier", node.tier);
+  add("plans", drained_of(node));
   add("labels", Object.entries(node.labels).map(([k, v]) => `${k}=${v}`).join(", ") || "none");
   add("declaration", declaration_of(node));
   if (node.apply_error) add("apply error", word(node.apply_error, "error"));
