@@ -713,33 +713,6 @@ class Changes:
             + (f"plan {plan} changes {len(changed)} machine(s)" if changed else "no change"),
         )
 
-
-# --- held changes and their approval (docs/operations.md, Steering a change) -------------------
-#
-# A held change is recorded but not made: its plan (`held`) keeps the steps a dry run of the
-# change found (what it would change, in a savepoint rolled back) and, in `hold`, the change
-# to make (a push's stored version, an assign's machines). So nothing composes it meanwhile:
-# no machine gets it, whatever plan rolls before its approval. Approving makes the change in
-# the catalog, as the push or assign would have, composes its machines again from the catalog
-# as it is then, and puts the plan in the queue (`pending`). A newer change of the same module
-# (push, assign, unassign) supersedes the module's held and paused plans: they are cancelled
-# (a paused one reverts first), naming the plan that superseded them.
-
-
-def _held(plan: int | None, changed: list[str]) -> str:
-    return (f"plan {plan} is held: it would change {len(changed)} machine(s); nothing changes "
-            f"until mesh plan approve {plan}")  # fmt: skip
-
-
-@contextlib.asynccontextmanager
-async def _tried(conn: asyncpg.Connection) -> AsyncIterator[None]:
-    """A savepoint rolled back at the end: the change made inside is tried, never kept."""
-    savepoint = conn.transaction()
-    await savepoint.start()
-    try:
-        yield
-    finally:
-        await savepoint.rollback()
     # --- going back to a version; machines out of the plans and back ---------------------------
 
     async def rollback(self, req: RollbackRequest) -> ChangeReply:
@@ -863,3 +836,31 @@ async def _tried(conn: asyncpg.Connection) -> AsyncIterator[None]:
             deadline=max(s.deadline for s in manifests),
             auto_revert=all(s.auto_revert for s in manifests),
         )
+
+
+# --- held changes and their approval (docs/operations.md, Steering a change) -------------------
+#
+# A held change is recorded but not made: its plan (`held`) keeps the steps a dry run of the
+# change found (what it would change, in a savepoint rolled back) and, in `hold`, the change
+# to make (a push's stored version, an assign's machines). So nothing composes it meanwhile:
+# no machine gets it, whatever plan rolls before its approval. Approving makes the change in
+# the catalog, as the push or assign would have, composes its machines again from the catalog
+# as it is then, and puts the plan in the queue (`pending`). A newer change of the same module
+# (push, assign, unassign) supersedes the module's held and paused plans: they are cancelled
+# (a paused one reverts first), naming the plan that superseded them.
+
+
+def _held(plan: int | None, changed: list[str]) -> str:
+    return (f"plan {plan} is held: it would change {len(changed)} machine(s); nothing changes "
+            f"until mesh plan approve {plan}")  # fmt: skip
+
+
+@contextlib.asynccontextmanager
+async def _tried(conn: asyncpg.Connection) -> AsyncIterator[None]:
+    """A savepoint rolled back at the end: the change made inside is tried, never kept."""
+    savepoint = conn.transaction()
+    await savepoint.start()
+    try:
+        yield
+    finally:
+        await savepoint.rollback()
