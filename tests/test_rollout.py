@@ -343,6 +343,8 @@ def test_why_a_machine_no_longer_holds_during_its_soak() -> None:
 
     assert why(healthy("d")) is None
     assert why(healthy("d", up=False)) == "went down"
+    assert why(Report()) is None  # not heard from since a takeover: not yet judged
+    assert why(Report(up=False)) == "went down"
     assert why(Report(applied="old", failed="d", error="prepare: exit 3")) == (
         "its apply failed: prepare: exit 3"
     )

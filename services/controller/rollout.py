@@ -414,9 +414,13 @@ def soaking(wave: Wave) -> list[Step]:
 
 def unsoaked(*, report: Report, digest: str, names: Callable[[], frozenset[str]]) -> str | None:
     """Why a machine whose step is done is no longer what it was during its soak; None while
-    it is: up, its declaration applied, every process healthy (a start-first trial aside)."""
+    it is: up, its declaration applied, every process healthy (a start-first trial aside).
+    A machine not heard from yet (a new holder's fleet, until the host reports again after
+    `held`) is judged when it is: up, it will; one that stays silent goes down."""
     if not report.up:
         return "went down"
+    if report.applied is None and report.failed is None:
+        return None
     if report.failed == digest:
         return f"its apply failed: {report.error or 'no reason given'}"
     if report.applied != digest:
