@@ -343,7 +343,11 @@ def test_why_a_machine_no_longer_holds_during_its_soak() -> None:
 
     assert why(healthy("d")) is None
     assert why(healthy("d", up=False)) == "went down"
-    assert why(Report()) is None  # not heard from since a takeover: not yet judged
+    # Not heard from since a takeover, or only its registration (no processes yet): not
+    # judged until it reports.
+    assert why(Report()) is None
+    assert why(Report(applied="d", heard=False)) is None
+    assert why(Report(applied="old", failed="d", error="x", heard=False)) == "its apply failed: x"
     assert why(Report(up=False)) == "went down"
     assert why(Report(applied="old", failed="d", error="prepare: exit 3")) == (
         "its apply failed: prepare: exit 3"

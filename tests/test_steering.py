@@ -10,12 +10,14 @@ when, and on which machine, a version becomes healthy, never by sleeping; which 
 machine has is read from the declarations bucket and from the hosts' apply reports.
 """
 
+import functools
 import json
 import os
 import signal
 import subprocess
 from pathlib import Path
 
+import anyio
 import httpx
 import pytest
 from faults import finished, holder_above, plan_of, steps
@@ -37,6 +39,18 @@ from prometheus_client.parser import text_string_to_metric_families
 from mesh.embedded import ports
 
 NODES = ("node-1", "node-2", "node-3")
+
+
+@pytest.fixture
+def mesh(cli):
+    """`await mesh(*args)`: the command line as conftest's `cli` runs it, in a worker thread,
+    so that this test's own NATS connection answers the server's pings meanwhile (a loaded
+    machine's commands take seconds each, and the server drops a client silent for 20 s)."""
+
+    async def run(*args: str, **kw: object) -> subprocess.CompletedProcess:
+        return await anyio.to_thread.run_sync(functools.partial(cli, *args, **kw))
+
+    return run
 
 
 @pytest.fixture
@@ -70,9 +84,9 @@ async def declared(nc) -> dict[str, str]:
     return await declared_of(nc, NODES)
 
 
-def version_1(cli, tmp_path: Path) -> dict:
-    pushed = ok_json(cli("push", str(gated_module(tmp_path / "v1", marker="v1")), "--wait",
-                         "--json"))  # fmt: skip
+async def version_1(mesh, tmp_path: Path) -> dict:
+    v1 = gated_module(tmp_path / "v1", marker="v1", deadline="120s")  # a loaded machine's pace
+    pushed = ok_json(await mesh("push", str(v1), "--wait", "--json"))
     assert pushed["outcome"]["state"] == "done"
     return pushed
 
@@ -137,12 +151,12 @@ async def counted(port: int, **states: int) -> dict[str, float]:
 
 
 async def test_a_held_push_changes_nothing_until_approved(
-    three, nc, cli, nats_url, metrics_port, tmp_path
+    three, nc, mesh, nats_url, metrics_port, tmp_path
 ) -> None:
     """`push --hold --wait` says it waits for approval; meanwhile `plan diff` shows what it
     would change, `status`, `secret set`, reading and another module's plan go on, and no
     machine's declaration moves; `plan approve` rolls it out and the follower ends 0."""
-    first = version_1(cli, tmp_path)
+    first = await version_1(mesh, tmp_path)
     good = await declared(nc)
     for name in NODES:
         (three / name / "go").write_text("")
@@ -162,27 +176,28 @@ async def test_a_held_push_changes_nothing_until_approved(
         plan_id = int(line.split()[1])
         assert line.startswith(f"plan {plan_id} push gated: held, waiting for approval "
                                f"(mesh plan approve {plan_id})"), line  # fmt: skip
-        held = ok_json(cli("plan", str(plan_id), "--json"))
+        held = ok_json(await mesh("plan", str(plan_id), "--json"))
         assert held["state"] == "held"
         assert sorted(s["machine"] for s in held["steps"]) == list(NODES)
         assert all(s["state"] == "pending" and s["started"] is None for s in held["steps"])
 
-        diff = ok_json(cli("plan", "diff", str(tmp_path / "v2"), "--json"))
+        diff = ok_json(await mesh("plan", "diff", str(tmp_path / "v2"), "--json"))
         assert sorted(m["machine"] for m in diff["machines"]) == list(NODES)
-        assert ok_json(cli("status", "--json"))["seat"]["holder"] == "ctl-a"
-        modules = ok_json(cli("modules", "--json"))["modules"]
+        assert ok_json(await mesh("status", "--json"))["seat"]["holder"] == "ctl-a"
+        modules = ok_json(await mesh("modules", "--json"))["modules"]
         assert [m["version"] for m in modules if m["name"] == "gated"] == [first["version"]]
-        ok(cli("secret", "set", "steering-token", stdin="x"))
-        other = gated_module(tmp_path / "other", name="other", tiers="[2]")
-        assert ok_json(cli("push", str(other), "--wait", "--json"))["outcome"]["state"] == "done"
+        ok(await mesh("secret", "set", "steering-token", stdin="x"))
+        other = gated_module(tmp_path / "other", name="other", tiers="[2]", deadline="120s")
+        pushed = ok_json(await mesh("push", str(other), "--wait", "--json"))
+        assert pushed["outcome"]["state"] == "done"
         assert (await declared(nc))["node-1"] == good["node-1"]  # not gated's version 2
         assert (await declared(nc))["node-2"] == good["node-2"]
-        assert ok_json(cli("plan", str(plan_id), "--json"))["state"] == "held"
+        assert ok_json(await mesh("plan", str(plan_id), "--json"))["state"] == "held"
         await counted(metrics_port, held=1)
 
-        said = ok(cli("plan", "approve", str(plan_id)))
+        said = ok(await mesh("plan", "approve", str(plan_id)))
         assert f"plan {plan_id} approved: it changes 3 machine(s)" in said, said
-        follower.wait(timeout=120)
+        await anyio.to_thread.run_sync(lambda: follower.wait(timeout=120))
     finally:
         follower.kill()
         _, err = follower.communicate(timeout=10)
@@ -194,11 +209,11 @@ async def test_a_held_push_changes_nothing_until_approved(
 
     # Approving, pausing, resuming, cancelling a plan that ended: one line naming its state.
     for word in ("approve", "pause", "resume", "cancel"):
-        line = one_line_error(cli("plan", word, str(plan_id)))
+        line = one_line_error(await mesh("plan", word, str(plan_id)))
         assert line == f"mesh: error: plan-{word}: plan {plan_id} is done: nothing to {word}", line
-    line = one_line_error(cli("plan", "approve", "9999"))
+    line = one_line_error(await mesh("plan", "approve", "9999"))
     assert line == "mesh: error: plan-approve: plan 9999 does not exist", line
-    line = one_line_error(cli("plan", "pause", "x"))
+    line = one_line_error(await mesh("plan", "pause", "x"))
     assert "usage: mesh plan pause ID" in line, line
 
 
@@ -206,17 +221,17 @@ async def test_a_held_push_changes_nothing_until_approved(
 
 
 async def test_a_paused_plan_finishes_its_steps_in_flight_and_starts_no_machine_until_resumed(
-    three, nc, cli, metrics_port, tmp_path
+    three, nc, mesh, metrics_port, tmp_path
 ) -> None:
-    version_1(cli, tmp_path)
+    await version_1(mesh, tmp_path)
     (three / "node-1" / "go").write_text("")
-    plan_id = ok_json(cli("push", str(version_2(tmp_path)), "--json"))["plan"]
+    plan_id = ok_json(await mesh("push", str(version_2(tmp_path)), "--json"))["plan"]
     await plan_state(nc, plan_id, "rolling", node_1="done", node_2="applying")
 
-    paused = ok_json(cli("plan", "pause", str(plan_id), "--json"))
+    paused = ok_json(await mesh("plan", "pause", str(plan_id), "--json"))
     assert (paused["plan"], paused["state"]) == (plan_id, "paused")
-    assert "already paused" in ok(cli("plan", "pause", str(plan_id)))
-    assert "paused (mesh plan resume" in ok(cli("plan", str(plan_id)))
+    assert "already paused" in ok(await mesh("plan", "pause", str(plan_id)))
+    assert "paused (mesh plan resume" in ok(await mesh("plan", str(plan_id)))
     (three / "node-2" / "go").write_text("")  # the step in flight finishes
     (three / "node-3" / "go").write_text("")
     await plan_state(nc, plan_id, "paused", node_2="done", node_3="pending")
@@ -224,12 +239,12 @@ async def test_a_paused_plan_finishes_its_steps_in_flight_and_starts_no_machine_
     p = await plan_state(nc, plan_id, "paused", node_3="pending")
     assert steps(p)["node-3"] == "pending" and p["steps"][2]["started"] is None
     await counted(metrics_port, paused=1)
-    assert ok_json(cli("status", "--json"))["plan"]["state"] == "paused"
+    assert ok_json(await mesh("status", "--json"))["plan"]["state"] == "paused"
 
-    resumed = ok_json(cli("plan", "resume", str(plan_id), "--wait", "--json"))
+    resumed = ok_json(await mesh("plan", "resume", str(plan_id), "--wait", "--json"))
     assert resumed["state"] == "done" and resumed["outcome"]["state"] == "done"
     assert_tier_order(resumed["outcome"])
-    line = one_line_error(cli("plan", "resume", str(plan_id)))
+    line = one_line_error(await mesh("plan", "resume", str(plan_id)))
     assert line.endswith(f"plan {plan_id} is done: nothing to resume"), line
 
 
@@ -269,74 +284,74 @@ def reverse_tier_order(applied: list[tuple[str, str]], good: dict[str, str]) -> 
 
 
 async def test_cancel_gives_the_changed_machines_their_previous_declarations_in_reverse(
-    three, nc, cli, metrics_port, tmp_path
+    three, nc, mesh, metrics_port, tmp_path
 ) -> None:
-    first = version_1(cli, tmp_path)
+    first = await version_1(mesh, tmp_path)
     good = await declared(nc)
     applied = await Applied.start(nc)
     for name in ("node-1", "node-2"):
         (three / name / "go").write_text("")
-    plan_id = ok_json(cli("push", str(version_2(tmp_path)), "--json"))["plan"]
+    plan_id = ok_json(await mesh("push", str(version_2(tmp_path)), "--json"))["plan"]
     await plan_state(nc, plan_id, "rolling", node_2="done", node_3="applying")
 
-    cancelled = ok_json(cli("plan", "cancel", str(plan_id), "--wait", "--json"))
+    cancelled = ok_json(await mesh("plan", "cancel", str(plan_id), "--wait", "--json"))
     assert cancelled["state"] == "cancelled" and cancelled["outcome"]["state"] == "cancelled"
     plan = cancelled["outcome"]
     assert plan["cancelled"].startswith("cancelled by "), plan
     assert all(s["reverted"] for s in plan["steps"]), plan["steps"]
     reverse_tier_order(await applied.until(good), good)
     assert await declared(nc) == good
-    modules = ok_json(cli("modules", "--json"))["modules"]
+    modules = ok_json(await mesh("modules", "--json"))["modules"]
     assert [m["version"] for m in modules if m["name"] == "gated"] == [first["version"]]
     await counted(metrics_port, cancelled=1)
     for word in ("pause", "cancel"):
-        line = one_line_error(cli("plan", word, str(plan_id)))
+        line = one_line_error(await mesh("plan", word, str(plan_id)))
         assert line.endswith(f"plan {plan_id} is cancelled: nothing to {word}"), line
 
 
 async def test_a_newer_change_of_the_module_supersedes_its_held_and_paused_plans(
-    three, nc, cli, tmp_path
+    three, nc, mesh, tmp_path
 ) -> None:
     """The decision (docs/operations.md, Steering a change): a push, assign or unassign of a
     module cancels the module's held and paused plans, naming the plan that supersedes them; a
     paused one's changed machines get their previous declarations back before the new plan
     rolls."""
-    version_1(cli, tmp_path)
-    held = ok_json(cli("push", str(version_2(tmp_path)), "--hold", "--json"))
+    await version_1(mesh, tmp_path)
+    held = ok_json(await mesh("push", str(version_2(tmp_path)), "--hold", "--json"))
     assert held["state"] == "held"
     (three / "node-1" / "go").write_text("")
     v3 = gated_module(tmp_path / "v3", marker="go", version="3", deadline="120s")
-    paused = ok_json(cli("push", str(v3), "--json"))["plan"]
-    first = ok_json(cli("plan", str(held["plan"]), "--json"))
+    paused = ok_json(await mesh("push", str(v3), "--json"))["plan"]
+    first = ok_json(await mesh("plan", str(held["plan"]), "--json"))
     assert first["state"] == "cancelled", first
     assert first["cancelled"] == f"superseded by plan {paused}", first
     await plan_state(nc, paused, "rolling", node_1="done", node_2="applying")
-    ok(cli("plan", "pause", str(paused)))
+    ok(await mesh("plan", "pause", str(paused)))
 
-    v4 = gated_module(tmp_path / "v4", marker="v1", version="4")
-    newest = ok_json(cli("push", str(v4), "--wait", "--json"))
+    v4 = gated_module(tmp_path / "v4", marker="v1", version="4", deadline="120s")
+    newest = ok_json(await mesh("push", str(v4), "--wait", "--json"))
     assert newest["outcome"]["state"] == "done"
-    second = ok_json(cli("plan", str(paused), "--json"))
+    second = ok_json(await mesh("plan", str(paused), "--json"))
     assert second["state"] == "cancelled", second
     assert second["cancelled"] == f"superseded by plan {newest['plan']}", second
     assert steps(second) == {"node-1": "reverted", "node-2": "reverted", "node-3": "pending"}
     assert when(second["finished"]) <= when(newest["outcome"]["started"])
     after = {s["machine"]: s["after"] for s in newest["outcome"]["steps"]}
     assert await declared(nc) == after
-    modules = ok_json(cli("modules", "--json"))["modules"]
+    modules = ok_json(await mesh("modules", "--json"))["modules"]
     assert [m["version"] for m in modules if m["name"] == "gated"] == [newest["version"]]
 
 
-async def test_pause_after_pauses_the_plan_after_that_tier_once(three, nc, cli, tmp_path):
-    version_1(cli, tmp_path)
+async def test_pause_after_pauses_the_plan_after_that_tier_once(three, nc, mesh, tmp_path):
+    await version_1(mesh, tmp_path)
     v2 = version_2(tmp_path, marker="v1", extra="pause_after = [0]\n")
-    plan_id = ok_json(cli("push", str(v2), "--json"))["plan"]
+    plan_id = ok_json(await mesh("push", str(v2), "--json"))["plan"]
     await plan_state(nc, plan_id, "paused", node_1="done", node_2="pending")
-    shown = ok(cli("plan", str(plan_id)))
+    shown = ok(await mesh("plan", str(plan_id)))
     assert "paused (mesh plan resume" in shown and "pause after tier 0" in shown, shown
     await beats(nc, "node-2", 2)
     await plan_state(nc, plan_id, "paused", node_2="pending")
-    done = ok_json(cli("plan", "resume", str(plan_id), "--wait", "--json"))["outcome"]
+    done = ok_json(await mesh("plan", "resume", str(plan_id), "--wait", "--json"))["outcome"]
     assert done["state"] == "done"  # not paused again after tier 0
     assert_tier_order(done)
 
@@ -345,15 +360,15 @@ async def test_pause_after_pauses_the_plan_after_that_tier_once(three, nc, cli, 
 
 
 @pytest.fixture
-async def four(start_fleet, cli, tmp_path):
+async def four(start_fleet, mesh, tmp_path):
     """ctl-a holding the seat, ctl-b standing by, node-1..4 (node-3 and node-4 in tier 2),
     version 1 of `gated` on tier 2 (node-3, node-4). The hosts' roots."""
     await start_fleet(hosts=4, controllers=("ctl-a", "ctl-b"))
     roots = tmp_path / "hosts"
     for name in ("node-3", "node-4"):
         (roots / name / "v1").write_text("")
-    v1 = gated_module(tmp_path / "v1", marker="v1", tiers="[2]")
-    assert ok_json(cli("push", str(v1), "--wait", "--json"))["outcome"]["state"] == "done"
+    v1 = gated_module(tmp_path / "v1", marker="v1", tiers="[2]", deadline="120s")
+    assert ok_json(await mesh("push", str(v1), "--wait", "--json"))["outcome"]["state"] == "done"
     return roots
 
 
@@ -370,18 +385,18 @@ async def soaking(nc, plan_id: int) -> dict:
 
 
 async def test_a_canary_failing_during_its_soak_stops_the_plan_before_the_rest_of_its_tier(
-    four, nc, cli, tmp_path
+    four, nc, mesh, tmp_path
 ) -> None:
     good = await declared_of(nc, ("node-3", "node-4"))
     v2 = version_2(tmp_path, mode="fails-if", marker="broken", tiers="[2]",
                    extra='canary = 1\nsoak = "120s"\n')  # fmt: skip
-    plan_id = ok_json(cli("push", str(v2), "--json"))["plan"]
+    plan_id = ok_json(await mesh("push", str(v2), "--json"))["plan"]
     p = await soaking(nc, plan_id)
     assert p["soak"]["tier"] == 2 and p["soak"]["left"] > 0
     assert [t["state"] for t in p["tiers"]] == ["soaking"], p["tiers"]
-    shown = ok(cli("plan", str(plan_id)))
+    shown = ok(await mesh("plan", str(plan_id)))
     assert "tier 2 soaking (" in shown and "canary 1, soak 120s" in shown, shown
-    assert "soaking" in ok(cli("status"))
+    assert "soaking" in ok(await mesh("status"))
 
     (four / "node-3" / "broken").write_text("")  # the canary fails during its soak
     plan = await finished(nc, plan_id, within=60)
@@ -395,10 +410,10 @@ async def test_a_canary_failing_during_its_soak_stops_the_plan_before_the_rest_o
 
 
 async def test_a_soak_outlives_the_holder_and_the_rest_go_when_it_ends(
-    four, nc, cli, tmp_path
+    four, nc, mesh, tmp_path
 ) -> None:
     v2 = version_2(tmp_path, marker="v1", tiers="[2]", extra='canary = "50%"\nsoak = "8s"\n')
-    plan_id = ok_json(cli("push", str(v2), "--json"))["plan"]
+    plan_id = ok_json(await mesh("push", str(v2), "--json"))["plan"]
     p = await soaking(nc, plan_id)
     until = when(p["soak"]["until"])
     epoch = await kill_the_holder(nc)
@@ -425,22 +440,22 @@ async def kill_the_holder(nc) -> int:
 
 
 async def test_held_and_paused_plans_stay_so_across_takeovers(
-    three, nc, cli, start_controller, tmp_path
+    three, nc, mesh, start_controller, tmp_path
 ) -> None:
     """SIGKILL the holder while the plan is held: the next keeps it held; approved, it pauses
     itself after tier 0 (pause_after); SIGKILL that holder: the next keeps it paused, starts no
     machine, and once resumed finishes it without pausing again."""
-    version_1(cli, tmp_path)
+    await version_1(mesh, tmp_path)
     good = await declared(nc)
     v2 = version_2(tmp_path, marker="v1", extra="pause_after = [0]\n")
-    plan_id = ok_json(cli("push", str(v2), "--hold", "--json"))["plan"]
+    plan_id = ok_json(await mesh("push", str(v2), "--hold", "--json"))["plan"]
     epoch = await kill_the_holder(nc)
     start_controller("ctl-c")
     await holder_above(nc, epoch)
     await await_until(lambda: standing_by(nc, "ctl-c"), within=60, what="ctl-c standing by")
     assert (await plan_of(nc, plan_id))["state"] == "held"
     assert await declared(nc) == good
-    ok(cli("plan", "approve", str(plan_id)))
+    ok(await mesh("plan", "approve", str(plan_id)))
     await plan_state(nc, plan_id, "paused", node_1="done", node_2="pending")
 
     epoch = await kill_the_holder(nc)
@@ -449,27 +464,27 @@ async def test_held_and_paused_plans_stay_so_across_takeovers(
     p = await plan_state(nc, plan_id, "paused", node_1="done", node_2="pending")
     assert (await declared(nc))["node-2"] == good["node-2"]
     assert p["steps"][1]["started"] is None
-    done = ok_json(cli("plan", "resume", str(plan_id), "--wait", "--json"))["outcome"]
+    done = ok_json(await mesh("plan", "resume", str(plan_id), "--wait", "--json"))["outcome"]
     assert done["state"] == "done"
     assert_tier_order(done)
 
 
 async def test_a_half_cancelled_plan_is_cancelled_to_the_end_by_the_next_holder(
-    three, nc, cli, tmp_path
+    three, nc, mesh, tmp_path
 ) -> None:
     """Cancel a plan whose three machines changed; version 1 is not healthy on node-3 until a
     marker comes back, so the revert waits in tier 2; SIGKILL the holder there: the next one
     reverts tier 2, then 1, then 0, and ends it cancelled."""
-    version_1(cli, tmp_path)
+    await version_1(mesh, tmp_path)
     good = await declared(nc)
     applied = await Applied.start(nc)
     for name in NODES:
         (three / name / "go").write_text("")
-    plan_id = ok_json(cli("push", str(version_2(tmp_path)), "--json"))["plan"]
+    plan_id = ok_json(await mesh("push", str(version_2(tmp_path)), "--json"))["plan"]
     (three / "node-3" / "go").unlink()  # node-3 waits in its step
     await plan_state(nc, plan_id, "rolling", node_2="done", node_3="applying")
     (three / "node-3" / "v1").unlink()  # and version 1 will not settle there
-    ok(cli("plan", "cancel", str(plan_id)))
+    ok(await mesh("plan", "cancel", str(plan_id)))
 
     async def reverting_tier_2():
         return (await declared(nc))["node-3"] == good["node-3"]

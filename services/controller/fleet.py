@@ -203,6 +203,7 @@ class Fleet:
             failed=self.failed_digest.get(name),
             error=self.apply_errors.get(name),
             processes=self.processes.get(name, []),
+            heard=name in self.processes,
         )
 
     def heard_tools(self, name: str, servers: list[ToolServerReport]) -> None:

@@ -39,6 +39,9 @@ class Report(msgspec.Struct, frozen=True):
     failed: str | None = None  # the digest whose apply stopped
     error: str | None = None  # where and why that apply stopped
     processes: list[ProcessState] = []
+    # Its processes reported since this holder took the seat (a registration says only the
+    # digest applied; its processes come in a report of their own, moments later).
+    heard: bool = True
 
 
 # --- one machine ---------------------------------------------------------------------------------
@@ -416,13 +419,13 @@ def unsoaked(*, report: Report, digest: str, names: Callable[[], frozenset[str]]
     """Why a machine whose step is done is no longer what it was during its soak; None while
     it is: up, its declaration applied, every process healthy (a start-first trial aside).
     A machine not heard from yet (a new holder's fleet, until the host reports again after
-    `held`) is judged when it is: up, it will; one that stays silent goes down."""
+    `held`) is judged once it is: up, it will be; one that stays silent goes down."""
     if not report.up:
         return "went down"
-    if report.applied is None and report.failed is None:
-        return None
     if report.failed == digest:
         return f"its apply failed: {report.error or 'no reason given'}"
+    if report.applied is None or not report.heard:
+        return None
     if report.applied != digest:
         return "no longer reports its new declaration applied"
     states = {ps.name: ps for ps in report.processes if not ps.trial}
