@@ -106,17 +106,20 @@ def gated_module(
     version: str = "1",
     tiers: str = "[0, 1, 2]",
     extra: str = "",
+    check_timeout: str = "1s",
 ) -> Path:
     """A module whose process is healthy when `marker` exists in its host's root (mode
     "needs") or as long as it does not ("fails-if"); "" means always healthy. A test decides
-    when, and on which machine, a version becomes healthy, without sleeping."""
+    when, and on which machine, a version becomes healthy, without sleeping. A test that
+    judges a process's health over a while (a soak) gives its check more than a second to
+    answer (`check_timeout`): python3 starting on a loaded machine may take longer."""
     check = f'exec = ["python3", "check.py", "{mode}", "{marker}"]' if marker else 'exec = ["true"]'
     return write_module(
         folder,
         f'[module]\nname = "{name}"\ndescription = "version {version}"\n'
         '[bundle.code]\nkind = "files"\nsource = "src"\n'
         f'[process.{name}]\nbundle = "code"\ncommand = ["sleep", "3600"]\nroot = true\n'
-        f'check = {{ {check}, every = "200ms", passes = 1 }}\n'
+        f'check = {{ {check}, every = "200ms", timeout = "{check_timeout}", passes = 1 }}\n'
         f'[rollout]\ndeadline = "{deadline}"\n{extra}'
         f"[assign]\ntiers = {tiers}\n",
         files={"src/check.py": GATED_CHECK},

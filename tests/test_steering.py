@@ -38,6 +38,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from mesh.embedded import ports
 
+# Real meshes, several plans each: a minute or so here, several on a machine loaded by others.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]
+
 NODES = ("node-1", "node-2", "node-3")
 
 
@@ -96,7 +99,7 @@ def version_2(tmp_path: Path, *, marker: str = "go", extra: str = "", **kw: str)
     loaded machine's commands take seconds): a step in flight fails at its deadline, and
     these tests decide when it ends."""
     return gated_module(tmp_path / "v2", marker=marker, version="2", extra=extra,
-                        deadline=kw.pop("deadline", "120s"), **kw)  # fmt: skip
+                        deadline=kw.pop("deadline", "120s"), check_timeout="10s", **kw)  # fmt: skip
 
 
 async def plan_state(nc, plan_id: int, state: str, **when_steps: str) -> dict:
