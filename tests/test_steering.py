@@ -44,6 +44,13 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]
 NODES = ("node-1", "node-2", "node-3")
 
 
+def gated(folder: Path, **kw: str) -> Path:
+    """module_folders.gated_module as these tests push it: its check given ten seconds to
+    answer (python3 starting on a loaded machine may take more than the default second, and a
+    soak, or a step waiting, judges every answer) and its steps two minutes."""
+    return gated_module(folder, **{"deadline": "120s", "check_timeout": "10s", **kw})
+
+
 @pytest.fixture
 def mesh(cli):
     """`await mesh(*args)`: the command line as conftest's `cli` runs it, in a worker thread,
@@ -88,7 +95,7 @@ async def declared(nc) -> dict[str, str]:
 
 
 async def version_1(mesh, tmp_path: Path) -> dict:
-    v1 = gated_module(tmp_path / "v1", marker="v1", deadline="120s")  # a loaded machine's pace
+    v1 = gated(tmp_path / "v1", marker="v1")
     pushed = ok_json(await mesh("push", str(v1), "--wait", "--json"))
     assert pushed["outcome"]["state"] == "done"
     return pushed
@@ -98,8 +105,7 @@ def version_2(tmp_path: Path, *, marker: str = "go", extra: str = "", **kw: str)
     """Version 2 of `gated`: healthy where `marker` is. Its steps wait for two minutes (a
     loaded machine's commands take seconds): a step in flight fails at its deadline, and
     these tests decide when it ends."""
-    return gated_module(tmp_path / "v2", marker=marker, version="2", extra=extra,
-                        deadline=kw.pop("deadline", "120s"), check_timeout="10s", **kw)  # fmt: skip
+    return gated(tmp_path / "v2", marker=marker, version="2", extra=extra, **kw)
 
 
 async def plan_state(nc, plan_id: int, state: str, **when_steps: str) -> dict:
@@ -190,7 +196,7 @@ async def test_a_held_push_changes_nothing_until_approved(
         modules = ok_json(await mesh("modules", "--json"))["modules"]
         assert [m["version"] for m in modules if m["name"] == "gated"] == [first["version"]]
         ok(await mesh("secret", "set", "steering-token", stdin="x"))
-        other = gated_module(tmp_path / "other", name="other", tiers="[2]", deadline="120s")
+        other = gated(tmp_path / "other", name="other", tiers="[2]")
         pushed = ok_json(await mesh("push", str(other), "--wait", "--json"))
         assert pushed["outcome"]["state"] == "done"
         assert (await declared(nc))["node-1"] == good["node-1"]  # not gated's version 2
@@ -323,7 +329,7 @@ async def test_a_newer_change_of_the_module_supersedes_its_held_and_paused_plans
     held = ok_json(await mesh("push", str(version_2(tmp_path)), "--hold", "--json"))
     assert held["state"] == "held"
     (three / "node-1" / "go").write_text("")
-    v3 = gated_module(tmp_path / "v3", marker="go", version="3", deadline="120s")
+    v3 = gated(tmp_path / "v3", marker="go", version="3")
     paused = ok_json(await mesh("push", str(v3), "--json"))["plan"]
     first = ok_json(await mesh("plan", str(held["plan"]), "--json"))
     assert first["state"] == "cancelled", first
@@ -331,7 +337,7 @@ async def test_a_newer_change_of_the_module_supersedes_its_held_and_paused_plans
     await plan_state(nc, paused, "rolling", node_1="done", node_2="applying")
     ok(await mesh("plan", "pause", str(paused)))
 
-    v4 = gated_module(tmp_path / "v4", marker="v1", version="4", deadline="120s")
+    v4 = gated(tmp_path / "v4", marker="v1", version="4")
     newest = ok_json(await mesh("push", str(v4), "--wait", "--json"))
     assert newest["outcome"]["state"] == "done"
     second = ok_json(await mesh("plan", str(paused), "--json"))
@@ -370,7 +376,7 @@ async def four(start_fleet, mesh, tmp_path):
     roots = tmp_path / "hosts"
     for name in ("node-3", "node-4"):
         (roots / name / "v1").write_text("")
-    v1 = gated_module(tmp_path / "v1", marker="v1", tiers="[2]", deadline="120s")
+    v1 = gated(tmp_path / "v1", marker="v1", tiers="[2]")
     assert ok_json(await mesh("push", str(v1), "--wait", "--json"))["outcome"]["state"] == "done"
     return roots
 

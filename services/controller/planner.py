@@ -380,7 +380,7 @@ class Planner:
         was = p.state
         p.state, p.cancel = head.state, head.cancel
         if head.phase == "revert" and p.phase == "forward":
-            p.phase = "revert"
+            p.phase, p.soak_until = "revert", head.soak_until  # a soak ends with the cancel
             raise _Stopped
         if p.state != was:
             log.info("plan %d: %s (was %s)", p.id, p.state, was)

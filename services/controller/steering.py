@@ -69,7 +69,8 @@ async def cancelled(
         await plans.set_plan(conn, p.id, state="cancelled", finished=now, cancel=why)
         await events.record(conn, "plan.cancelled", epoch=epoch, plan=p.id, by=by, cancel=why)
         return "cancelled"
-    await plans.set_plan(conn, p.id, state="rolling", phase="revert", cancel=why)
+    # A soak in progress ends with the cancel: its plan is reverting, not waiting on it.
+    await plans.set_plan(conn, p.id, state="rolling", phase="revert", cancel=why, soak_until=None)
     await events.record(conn, "plan.cancelling", epoch=epoch, plan=p.id, by=by, cancel=why)
     return "rolling"
 
