@@ -132,18 +132,18 @@ async def beats(nc, machine: str, count: int) -> None:
 
 
 async def scraped(port: int) -> dict[str, float]:
-    """The holder's mesh_plans gauge by state."""
+    """The holder's mesh_plans gauge by state, and mesh_plans_soaking as `soaking`."""
     try:
         async with httpx.AsyncClient(timeout=5) as client:
             text = (await client.get(f"http://127.0.0.1:{port}/metrics")).text
     except httpx.HTTPError:
         return {}
-    return {
-        s.labels["state"]: s.value
-        for f in text_string_to_metric_families(text)
-        for s in f.samples
-        if s.name == "mesh_plans"
-    }
+    samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
+    found = {s.labels["state"]: s.value for s in samples if s.name == "mesh_plans"}
+    for s in samples:
+        if s.name == "mesh_plans_soaking":
+            found["soaking"] = s.value
+    return found
 
 
 async def counted(port: int, **states: int) -> dict[str, float]:
@@ -369,10 +369,15 @@ async def test_pause_after_pauses_the_plan_after_that_tier_once(three, nc, mesh,
 
 
 @pytest.fixture
-async def four(start_fleet, mesh, tmp_path):
-    """ctl-a holding the seat, ctl-b standing by, node-1..4 (node-3 and node-4 in tier 2),
-    version 1 of `gated` on tier 2 (node-3, node-4). The hosts' roots."""
-    await start_fleet(hosts=4, controllers=("ctl-a", "ctl-b"))
+async def four(start_fleet, start_controller, mesh, tmp_path, metrics_port):
+    """ctl-a holding the seat (its metrics on `metrics_port`), ctl-b standing by, node-1..4
+    (node-3 and node-4 in tier 2), version 1 of `gated` on tier 2 (node-3, node-4). The hosts'
+    roots."""
+    extra = {"ctl-a": ("--metrics", str(metrics_port))}
+    await start_fleet(
+        hosts=4, controllers=("ctl-a", "ctl-b"),
+        start_controller=lambda name: start_controller(name, *extra.get(name, ())),
+    )  # fmt: skip
     roots = tmp_path / "hosts"
     for name in ("node-3", "node-4"):
         (roots / name / "v1").write_text("")
@@ -394,7 +399,7 @@ async def soaking(nc, plan_id: int) -> dict:
 
 
 async def test_a_canary_failing_during_its_soak_stops_the_plan_before_the_rest_of_its_tier(
-    four, nc, mesh, tmp_path
+    four, nc, mesh, metrics_port, tmp_path
 ) -> None:
     good = await declared_of(nc, ("node-3", "node-4"))
     v2 = version_2(tmp_path, mode="fails-if", marker="broken", tiers="[2]",
@@ -406,6 +411,7 @@ async def test_a_canary_failing_during_its_soak_stops_the_plan_before_the_rest_o
     shown = ok(await mesh("plan", str(plan_id)))
     assert "tier 2 soaking (" in shown and "canary 1, soak 120s" in shown, shown
     assert "soaking" in ok(await mesh("status"))
+    await counted(metrics_port, rolling=1, soaking=1)
 
     (four / "node-3" / "broken").write_text("")  # the canary fails during its soak
     plan = await finished(nc, plan_id, within=60)
@@ -416,6 +422,7 @@ async def test_a_canary_failing_during_its_soak_stops_the_plan_before_the_rest_o
     assert s["node-4"]["state"] == "pending" and s["node-4"]["started"] is None
     assert "node-3" in plan["failure"] and "during the soak" in plan["failure"]
     assert await declared_of(nc, ("node-3", "node-4")) == good
+    await counted(metrics_port, rolling=0, soaking=0, reverted=1)
 
 
 async def test_a_soak_outlives_the_holder_and_the_rest_go_when_it_ends(
