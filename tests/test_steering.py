@@ -23,6 +23,7 @@ import pytest
 from faults import finished, holder_above, plan_of, steps
 from helpers import (
     MESH,
+    ask,
     assert_tier_order,
     await_until,
     held_status,
@@ -32,7 +33,7 @@ from helpers import (
     standing_by,
     when,
 )
-from module_folders import gated_module
+from module_folders import built_module, gated_module
 from nats.errors import TimeoutError as NatsTimeout
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -423,6 +424,8 @@ async def test_a_canary_failing_during_its_soak_stops_the_plan_before_the_rest_o
     assert "node-3" in plan["failure"] and "during the soak" in plan["failure"]
     assert await declared_of(nc, ("node-3", "node-4")) == good
     await counted(metrics_port, rolling=0, soaking=0, reverted=1)
+    line = one_line_error(await mesh("plan", "cancel", str(plan_id)))
+    assert line.endswith(f"plan {plan_id} is reverted: nothing to cancel"), line
 
 
 async def test_a_soak_outlives_the_holder_and_the_rest_go_when_it_ends(
@@ -518,3 +521,38 @@ async def test_a_half_cancelled_plan_is_cancelled_to_the_end_by_the_next_holder(
     assert all(s["reverted"] for s in plan["steps"]), plan["steps"]
     reverse_tier_order(await applied.until(good), good)
     assert await declared(nc) == good
+
+
+async def test_a_plan_cancelled_while_its_bundles_build_is_not_pushed_again(
+    start_fleet, nc, mesh, tmp_path
+) -> None:
+    """Its push ends with one line naming the cancel (`conflict`, which the command line does
+    not ask again, as it would `unavailable`), and nothing is registered."""
+    await start_fleet(hosts=1, builder=True)
+    go = tmp_path / "build-may-end"
+    script = f"while [ ! -e {go} ]; do sleep 0.1; done\nmkdir -p out && cp build.sh out/app\n"
+    pushing = anyio.Event()
+    result: list[subprocess.CompletedProcess] = []
+
+    async def push() -> None:
+        result.append(await mesh("push", str(built_module(tmp_path / "m", script))))
+        pushing.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(push)
+
+        async def building():
+            plans = (await ask(nc, "mesh.ctl.plans", {}) or {}).get("plans", [])
+            return plans[0]["id"] if plans and plans[0]["state"] == "building" else None
+
+        plan_id = await await_until(building, within=120, what="the push's plan building")
+        said = ok(await mesh("plan", "cancel", str(plan_id)))
+        assert f"plan {plan_id} cancelled: no machine had changed" in said, said
+        go.write_text("")
+        await pushing.wait()
+    line = one_line_error(result[0])
+    assert line.startswith(f"mesh: error: push: plan {plan_id} was cancelled by "), line
+    assert line.endswith(" while its bundles built: nothing was registered"), line
+    assert ok_json(await mesh("modules", "--json"))["modules"] == []
+    plans = ok_json(await mesh("plan", "--json"))["plans"]
+    assert [(p["id"], p["state"]) for p in plans] == [(plan_id, "cancelled")]

@@ -300,11 +300,7 @@ class Changes:
                 conn, building, settings=settings, builds=builds or [], undo=undo, steps=steps,
                 hold=hold,
             ):  # fmt: skip
-                raise wire.BadRequest(
-                    f"plan {building} was stopped (cancelled, or its controller stopped) while "
-                    "its bundles built; push again",
-                    code="unavailable",
-                )
+                raise await _stopped_building(conn, building)
             return building, [s.machine for s in steps]
         if not steps and not kept:
             return None, []
@@ -848,6 +844,22 @@ class Changes:
 # as it is then, and puts the plan in the queue (`pending`). A newer change of the same module
 # (push, assign, unassign) supersedes the module's held and paused plans: they are cancelled
 # (a paused one reverts first), naming the plan that superseded them.
+
+
+async def _stopped_building(conn: asyncpg.Connection, plan_id: int) -> wire.BadRequest:
+    """Why a push's plan is no longer building: cancelled by an operator (`conflict`: the
+    client must not push again on its own), or failed by a new holder (`unavailable`: the
+    client asks again, and the new holder builds it)."""
+    p = await plans.head(conn, plan_id)
+    if p is not None and p.cancel is not None:
+        return wire.BadRequest(
+            f"plan {plan_id} was {p.cancel} while its bundles built: nothing was registered",
+            code="conflict",
+        )
+    return wire.BadRequest(
+        f"plan {plan_id} was stopped while its bundles built (its controller stopped); push again",
+        code="unavailable",
+    )
 
 
 def _held(plan: int | None, changed: list[str]) -> str:
