@@ -13,8 +13,10 @@ machine has is read from the declarations bucket and from the hosts' apply repor
 import functools
 import json
 import os
+import shutil
 import signal
 import subprocess
+import tempfile
 from pathlib import Path
 
 import anyio
@@ -529,7 +531,10 @@ async def test_a_plan_cancelled_while_its_bundles_build_is_not_pushed_again(
     """Its push ends with one line naming the cancel (`conflict`, which the command line does
     not ask again, as it would `unavailable`), and nothing is registered."""
     await start_fleet(hosts=1, builder=True)
-    go = tmp_path / "build-may-end"
+    # Where the build's account can see it (the test's own folder is its account's alone).
+    shared = Path(tempfile.mkdtemp(prefix="mesh-steering-"))
+    shared.chmod(0o755)
+    go = shared / "build-may-end"
     script = f"while [ ! -e {go} ]; do sleep 0.1; done\nmkdir -p out && cp build.sh out/app\n"
     pushing = anyio.Event()
     result: list[subprocess.CompletedProcess] = []
@@ -550,6 +555,7 @@ async def test_a_plan_cancelled_while_its_bundles_build_is_not_pushed_again(
         assert f"plan {plan_id} cancelled: no machine had changed" in said, said
         go.write_text("")
         await pushing.wait()
+    shutil.rmtree(shared)
     line = one_line_error(result[0])
     assert line.startswith(f"mesh: error: push: plan {plan_id} was cancelled by "), line
     assert line.endswith(" while its bundles built: nothing was registered"), line

@@ -384,6 +384,8 @@ class Changes:
         async with self._one_change:
             async with self._pool.acquire() as conn, conn.transaction():
                 await seats.fence(conn, epoch=self._epoch)
+                if building is not None and not await _still_building(conn, building):
+                    raise await _stopped_building(conn, building)  # cancelled, or failed
                 # Read again: a revert may have moved the module while it built. The machines
                 # are composed now, from the catalog as it is, with what was built.
                 current = (await modules.current_modules(conn)).get(name)
@@ -844,6 +846,12 @@ class Changes:
 # as it is then, and puts the plan in the queue (`pending`). A newer change of the same module
 # (push, assign, unassign) supersedes the module's held and paused plans: they are cancelled
 # (a paused one reverts first), naming the plan that superseded them.
+
+
+async def _still_building(conn: asyncpg.Connection, plan_id: int) -> bool:
+    """The push's plan is still `building` (its row locked until the change is recorded)."""
+    p = await plans.locked(conn, plan_id)
+    return p is not None and p.state == "building"
 
 
 async def _stopped_building(conn: asyncpg.Connection, plan_id: int) -> wire.BadRequest:
