@@ -71,16 +71,22 @@ def metrics_port() -> int:
     return ports.free_port()
 
 
+async def two_controllers(start_fleet, start_controller, *, hosts: int, metrics_port: int) -> None:
+    """ctl-a holding the seat, its metrics on `metrics_port`, and ctl-b standing by, with
+    node-1..N up."""
+    extra = {"ctl-a": ("--metrics", str(metrics_port))}
+    await start_fleet(
+        hosts=hosts, controllers=("ctl-a", "ctl-b"),
+        start_controller=lambda name: start_controller(name, *extra.get(name, ())),
+    )  # fmt: skip
+
+
 @pytest.fixture
-async def three(start_fleet, start_controller, tmp_path, metrics_port):
+async def three(start_fleet, start_controller, metrics_port, tmp_path):
     """ctl-a holding the seat (its metrics on `metrics_port`), ctl-b standing by, node-1..3 in
     tiers 0, 1, 2, and version 1 of module `gated` on all three (healthy wherever marker `v1`
     is, which every host has). The hosts' roots."""
-    extra = {"ctl-a": ("--metrics", str(metrics_port))}
-    await start_fleet(
-        hosts=3, controllers=("ctl-a", "ctl-b"),
-        start_controller=lambda name: start_controller(name, *extra.get(name, ())),
-    )  # fmt: skip
+    await two_controllers(start_fleet, start_controller, hosts=3, metrics_port=metrics_port)
     roots = tmp_path / "hosts"
     for name in NODES:
         (roots / name / "v1").write_text("")
@@ -376,11 +382,7 @@ async def four(start_fleet, start_controller, mesh, tmp_path, metrics_port):
     """ctl-a holding the seat (its metrics on `metrics_port`), ctl-b standing by, node-1..4
     (node-3 and node-4 in tier 2), version 1 of `gated` on tier 2 (node-3, node-4). The hosts'
     roots."""
-    extra = {"ctl-a": ("--metrics", str(metrics_port))}
-    await start_fleet(
-        hosts=4, controllers=("ctl-a", "ctl-b"),
-        start_controller=lambda name: start_controller(name, *extra.get(name, ())),
-    )  # fmt: skip
+    await two_controllers(start_fleet, start_controller, hosts=4, metrics_port=metrics_port)
     roots = tmp_path / "hosts"
     for name in ("node-3", "node-4"):
         (roots / name / "v1").write_text("")
