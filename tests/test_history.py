@@ -12,13 +12,16 @@ of the module here carries its name in its process's environment (module_folders
 import getpass
 import json
 
+import httpx
 import pytest
 from faults import query
 from helpers import MESH, ask, await_until, ok, ok_json, one_line_error, running, when
 from module_folders import versioned_module
+from prometheus_client.parser import text_string_to_metric_families
 
 from mesh import blobs
 from mesh.config import ConfigError, versions_kept
+from mesh.embedded import ports
 
 
 async def versions_running(nc) -> dict[str, str | None]:
@@ -215,6 +218,14 @@ async def test_a_rollback_supersedes_a_held_or_paused_push_and_each_change_is_an
     assert {d["by"] for kind, _, d in said if kind != "plan.superseded"} == {getpass.getuser()}
 
 
+async def scraped(port: int) -> dict[str, float]:
+    """The holder's metrics without labels, by sample name."""
+    async with httpx.AsyncClient(timeout=5) as client:
+        text = (await client.get(f"http://127.0.0.1:{port}/metrics")).text
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+            if not s.labels}  # fmt: skip
+
+
 def steps_reverted(plan: dict) -> list[str]:
     return [s["machine"] for s in plan["steps"] if s["reverted"]]
 
@@ -224,7 +235,8 @@ async def test_only_the_newest_versions_keep_their_bundles_unless_a_machine_stil
 ) -> None:
     """--versions-kept 1: the current version's bundles stay; an older one's go, except while
     a drained machine still runs it. A version whose bundles are gone comes back by a push."""
-    kept = ("--versions-kept", "1", "--versions-prune-every", "0.2s")
+    port = ports.free_port()
+    kept = ("--versions-kept", "1", "--versions-prune-every", "0.2s", "--metrics", str(port))
     await start_fleet(hosts=2, start_controller=lambda name: start_controller(name, *kept))
     plans = {}
     for v in ("v1", "v2", "v3"):
@@ -244,6 +256,9 @@ async def test_only_the_newest_versions_keep_their_bundles_unless_a_machine_stil
     # Version 2 goes (past the newest one, run nowhere); version 1 stays: node-2 runs it.
     await await_until(lambda: pruned(2), within=30, what="version 2 pruned")
     assert not await blobs.has(store, bundle["v2"])
+    counted = await scraped(port)
+    assert counted["mesh_bundles_pruned_total"] >= 2  # its bundle and its source archive
+    assert counted["mesh_machines_drained"] == 1
     assert await blobs.has(store, bundle["v1"]) and await blobs.has(store, bundle["v3"])
     line = one_line_error(cli("rollback", "versioned", "--to", "2"))
     assert "version 2: bundle code" in line and "push that version's folder again" in line, line

@@ -457,6 +457,9 @@ class Fleet:
                  "" if was != drained else " (it already was)")  # fmt: skip
         return was, then_gave
 
+    def drained_count(self) -> int:
+        return sum(m.drained for m in self.machines.values())
+
     def skipped_for_drain(self, name: str, digest: str) -> None:
         """A plan skipped this drained machine, which would have got `digest`."""
         self.wanted_while_drained[name] = digest
