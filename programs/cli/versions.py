@@ -18,7 +18,9 @@ from programs.cli.args import LIMIT_HELP, count
 from programs.cli.client import listed, verb
 from programs.cli.output import console, more, print_json, whole
 
-VERSION_WORD = re.compile(r"[0-9]{1,80}|(sha256:)?[0-9a-f]{1,64}")
+# What the controller takes as a version's name (mesh.model.VersionWord); which names a version
+# of the module, it says, listing the versions there are.
+VERSION_WORD = re.compile(r"[A-Za-z0-9:]{1,80}")
 
 
 def add_parsers(verbs: Any, common: argparse.ArgumentParser) -> None:
@@ -44,8 +46,8 @@ def add_parsers(verbs: Any, common: argparse.ArgumentParser) -> None:
 
 
 def version_word(text: str) -> str:
-    """`--to`: a number or a digest (or its prefix), as the controller takes it
-    (mesh.model.VersionWord); which versions there are, the controller says."""
+    """`--to`: a number or a digest (or its prefix): refused here only when it could never be
+    one (a sign, a space), naming the value, as the controller would refuse its shape."""
     if not VERSION_WORD.fullmatch(text):
         raise argparse.ArgumentTypeError(
             f"{text!r} is neither a version number nor a digest (sha256:… or its hex digits)"
