@@ -54,6 +54,7 @@ async def test_a_drained_machine_keeps_its_processes_through_a_plan_until_undrai
         told.append(json.loads(msg.data))
 
     sub = await nc.subscribe("mesh.machine.node-2", cb=heard)
+    await nc.flush()  # subscribed at the server before the push (cli blocks this loop)
 
     pushed = ok_json(cli("push", str(versioned_module(tmp_path / "v2", version="v2")), "--wait",
                          "--json"))  # fmt: skip

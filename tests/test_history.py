@@ -142,7 +142,7 @@ async def test_rollback_refusals_name_what_was_asked_and_list_the_versions(
     first = one_line_error(cli("rollback", "versioned"))
     assert "no version before its current one (1) that ran" in first, first
     # The bad words of a request itself: named by the field, as every verb's.
-    bad = await ask(nc, "mesh.ctl.rollback", {"module": "versioned", "to": "1; rm"})
+    bad = await ask(nc, "mesh.ctl.rollback", {"module": "versioned", "to": "1; rm"}, timeout=10)
     assert bad["error"]["code"] == "bad_request" and "`$.to`" in bad["error"]["message"]
 
 

@@ -773,7 +773,7 @@ class Changes:
         if now is None:  # its first push was paused, and is cancelled now: nothing ran before
             raise wire.BadRequest(
                 f"module {name} has no version to go back to once its paused first push is "
-                f"cancelled: cancel that plan instead (mesh plan cancel)", code="conflict",
+                "cancelled: cancel that plan instead (mesh plan cancel)", code="conflict",
             )  # fmt: skip
         if now.id == target.id:
             return None, []
