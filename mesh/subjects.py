@@ -9,7 +9,7 @@ HOST_BEATS = "mesh.host.*.beat"
 EVENTS = "mesh.event.*.*"  # what hosts report: mesh.event.<name>.<kind>
 SEAT_EVENTS = f"mesh.seat.{SEAT}.*"
 PLANS = "mesh.plan.*"  # the holder's plan progress: mesh.plan.<id>
-MACHINES = "mesh.machine.*"  # the holder's word that an operator drained or undrained a machine
+MACHINES = "mesh.machine.*"  # the holder's word: a machine drained, undrained, or skipped for it
 
 
 def ctl(verb: str) -> str:

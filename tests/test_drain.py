@@ -48,6 +48,13 @@ async def test_a_drained_machine_keeps_its_processes_through_a_plan_until_undrai
     line = one_line_error(cli("drain", "node-9"))
     assert line == "mesh: error: drain: machine node-9 is not registered"
     assert (await node_named(nc, "node-2"))["drained"] is True
+    told: list[dict] = []  # what the console hears: the step skipped changes what node-2 wants
+
+    async def heard(msg) -> None:
+        told.append(json.loads(msg.data))
+
+    sub = await nc.subscribe("mesh.machine.node-2", cb=heard)
+    await nc.flush()  # subscribed at the server before the push (cli blocks this loop)
 
     pushed = ok_json(cli("push", str(versioned_module(tmp_path / "v2", version="v2")), "--wait",
                          "--json"))  # fmt: skip
@@ -57,6 +64,13 @@ async def test_a_drained_machine_keeps_its_processes_through_a_plan_until_undrai
     assert steps["node-2"]["state"] == "skipped" and steps["node-2"]["started"] is None
     assert "machine node-2 is drained" in steps["node-2"]["error"]
     assert steps["node-1"]["state"] == steps["node-3"]["state"] == "done"
+
+    async def told_yet() -> list[dict]:
+        return told
+
+    await await_until(told_yet, within=10, what="node-2's skip told on mesh.machine.node-2")
+    assert told == [{"machine": "node-2", "drained": True}]
+    await sub.unsubscribe()
     during = await settled(nc, {"node-1": "v2", "node-2": "v1", "node-3": "v2"})
     assert during["node-2"] == before["node-2"]  # the same process: same pid, still v1
     node = await node_named(nc, "node-2")

@@ -12,12 +12,16 @@ of the module here carries its name in its process's environment (module_folders
 import getpass
 import json
 
+import httpx
 import pytest
+from faults import query
 from helpers import MESH, ask, await_until, ok, ok_json, one_line_error, running, when
 from module_folders import versioned_module
+from prometheus_client.parser import text_string_to_metric_families
 
 from mesh import blobs
 from mesh.config import ConfigError, versions_kept
+from mesh.embedded import ports
 
 
 async def versions_running(nc) -> dict[str, str | None]:
@@ -126,14 +130,104 @@ async def test_rollback_refusals_name_what_was_asked_and_list_the_versions(
     assert f"no version sha256:{absent};" in line and listed in line
     line = one_line_error(cli("rollback", "versioned", "--to", "zz"))
     assert "to: 'zz' is neither a version number nor a digest" in line and listed in line
+    # What cannot name any version is refused before it is sent, naming the value.
+    usage = cli("rollback", "versioned", "--to", "-1")  # exit 2, as every argument's
+    assert usage.returncode == 2 and len(usage.stderr.strip().splitlines()) == 1, usage.stderr
+    assert "--to: '-1' is neither a version number nor a digest" in usage.stderr
+    line = one_line_error(cli("history", "no such"))
+    assert line.startswith("mesh: error: MODULE: 'no such' is not a valid name"), line
     same = ok_json(cli("rollback", "versioned", "--to", "2", "--json"))
     assert same["plan"] is None and "is the current version: no change" in same["message"]
     ok(cli("rollback", "versioned", "--wait"))  # to 1
     first = one_line_error(cli("rollback", "versioned"))
     assert "no version before its current one (1) that ran" in first, first
     # The bad words of a request itself: named by the field, as every verb's.
-    bad = await ask(nc, "mesh.ctl.rollback", {"module": "versioned", "to": "1; rm"})
+    bad = await ask(nc, "mesh.ctl.rollback", {"module": "versioned", "to": "1; rm"}, timeout=10)
     assert bad["error"]["code"] == "bad_request" and "`$.to`" in bad["error"]["message"]
+
+
+async def test_a_rollback_supersedes_a_held_or_paused_push_and_each_change_is_an_event(
+    start_fleet, nc, cli, tmp_path, database_url
+) -> None:
+    """A rollback is a newer change of its module: a held push of it is cancelled, naming the
+    rollback's plan (history shows the held version, then cancelled); a paused one is taken
+    back, its changed machines given their old declarations, and the rollback needs no plan
+    of its own when that is already the version asked for."""
+    await start_fleet(hosts=2)
+    folder = {v: versioned_module(tmp_path / v, version=v, tiers="[0, 1]") for v in ("v1", "v2")}
+    for v in ("v1", "v2"):
+        ok(cli("push", str(folder[v]), "--wait"))
+    v3 = versioned_module(tmp_path / "v3", version="v3", tiers="[0, 1]")
+    held = ok_json(cli("push", str(v3), "--hold", "--json"))
+    assert held["state"] == "held"
+    assert history(cli)[0] == (3, False, held["plan"], "held", True)
+
+    back = ok_json(cli("rollback", "versioned", "--wait", "--json"))
+    assert back["outcome"]["state"] == "done"
+    assert f"superseded plan {held['plan']}" in back["message"], back["message"]
+    cancelled = ok_json(cli("plan", str(held["plan"]), "--json"))
+    assert (cancelled["state"], cancelled["cancelled"]) == (
+        "cancelled", f"superseded by plan {back['plan']}",
+    )  # fmt: skip
+    assert [(n, current, state) for n, current, _, state, _ in history(cli)] == [
+        (3, False, "cancelled"), (2, False, "done"), (1, True, "done"),
+    ]  # fmt: skip
+    await all_run(nc, "v1", 2)
+
+    # Version 4 pauses itself after tier 0 (node-1 has it); back to 1, its version before.
+    v4 = versioned_module(tmp_path / "v4", version="v4", tiers="[0, 1]")
+    manifest = v4 / "module.toml"
+    manifest.write_text(
+        manifest.read_text().replace("[rollout]\n", "[rollout]\npause_after = [0]\n")
+    )
+    paused = ok_json(cli("push", str(v4), "--json"))["plan"]
+
+    async def is_paused():
+        p = await ask(nc, "mesh.ctl.plan", {"id": paused})
+        return p if p and p["state"] == "paused" else None
+
+    await await_until(is_paused, within=60, what=f"plan {paused} paused after tier 0")
+    assert (await versions_running(nc))["node-1"] == "v4"
+    again = ok_json(cli("rollback", "versioned", "--to", "1", "--json"))
+    assert again["plan"] is None, again  # taking version 4 back is the whole rollback
+    assert f"is the current version again; superseded plan {paused}" in again["message"]
+    followed = cli("plan", str(paused), "--follow", "--json")
+    assert followed.returncode == 1, followed.stderr  # it did not end done
+    final = json.loads(followed.stdout)
+    assert final["state"] == "cancelled" and steps_reverted(final) == ["node-1"]
+    await all_run(nc, "v1", 2)
+    assert history(cli)[0][:4] == (4, False, paused, "cancelled")
+
+    ok(cli("drain", "node-2"))
+    ok(cli("undrain", "node-2"))
+    rows = await query(
+        database_url,
+        "SELECT kind, machine, detail FROM events WHERE kind IN ('module.rollback', "
+        "'plan.superseded', 'machine.drained', 'machine.undrained') ORDER BY id",
+    )
+    said = [(r["kind"], r["machine"], json.loads(r["detail"])) for r in rows]
+    assert [(kind, machine) for kind, machine, _ in said] == [
+        ("module.rollback", None), ("plan.superseded", None), ("plan.superseded", None),
+        ("machine.drained", "node-2"), ("machine.undrained", "node-2"),
+    ]  # fmt: skip
+    rollback = said[0][2]
+    assert (rollback["module"], rollback["to"], rollback["was"], rollback["plan"]) == (
+        "versioned", 1, 2, back["plan"],
+    )  # fmt: skip
+    assert said[1][2]["plan"] == held["plan"] and said[2][2]["plan"] == paused
+    assert {d["by"] for kind, _, d in said if kind != "plan.superseded"} == {getpass.getuser()}
+
+
+async def scraped(port: int) -> dict[str, float]:
+    """The holder's metrics without labels, by sample name."""
+    async with httpx.AsyncClient(timeout=5) as client:
+        text = (await client.get(f"http://127.0.0.1:{port}/metrics")).text
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+            if not s.labels}  # fmt: skip
+
+
+def steps_reverted(plan: dict) -> list[str]:
+    return [s["machine"] for s in plan["steps"] if s["reverted"]]
 
 
 async def test_only_the_newest_versions_keep_their_bundles_unless_a_machine_still_runs_one(
@@ -141,7 +235,8 @@ async def test_only_the_newest_versions_keep_their_bundles_unless_a_machine_stil
 ) -> None:
     """--versions-kept 1: the current version's bundles stay; an older one's go, except while
     a drained machine still runs it. A version whose bundles are gone comes back by a push."""
-    kept = ("--versions-kept", "1", "--versions-prune-every", "0.2s")
+    port = ports.free_port()
+    kept = ("--versions-kept", "1", "--versions-prune-every", "0.2s", "--metrics", str(port))
     await start_fleet(hosts=2, start_controller=lambda name: start_controller(name, *kept))
     plans = {}
     for v in ("v1", "v2", "v3"):
@@ -161,6 +256,9 @@ async def test_only_the_newest_versions_keep_their_bundles_unless_a_machine_stil
     # Version 2 goes (past the newest one, run nowhere); version 1 stays: node-2 runs it.
     await await_until(lambda: pruned(2), within=30, what="version 2 pruned")
     assert not await blobs.has(store, bundle["v2"])
+    counted = await scraped(port)
+    assert counted["mesh_bundles_pruned_total"] >= 2  # its bundle and its source archive
+    assert counted["mesh_machines_drained"] == 1
     assert await blobs.has(store, bundle["v1"]) and await blobs.has(store, bundle["v3"])
     line = one_line_error(cli("rollback", "versioned", "--to", "2"))
     assert "version 2: bundle code" in line and "push that version's folder again" in line, line

@@ -64,7 +64,8 @@ def test_refusals_list_the_versions_there_are() -> None:
     first = refused([version(1, current=True)], None)
     assert first.startswith("module web has no version before its current one (1) that ran")
     taken_back = refused([version(1, "reverted")], None)
-    assert "has no current version (its first push was taken back)" in taken_back
+    assert "has no current version (its first push is held, or was taken back)" in taken_back
+    assert taken_back.endswith("its versions: 1 (sha256:100000000000)")
 
 
 def _fields(row: HistoryRow) -> dict:

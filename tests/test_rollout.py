@@ -410,3 +410,20 @@ def test_a_revert_keeps_machines_drained_since_they_changed_noting_it_once() -> 
         "reverted; it keeps this declaration"
     )
     assert changed[0].error is None and not any(s.reverted for s in changed)
+
+
+def test_a_drained_machine_is_never_a_canary() -> None:
+    """The canaries are machines that change: a drained one (its step pending, or already
+    skipped for the drain, as a takeover finds it) goes with the rest, where it is skipped."""
+    steps = [step(name, tier=2) for name in ("node-1", "node-3", "node-5")]
+    settings = PlanSettings(canary=1, soak=30)
+    drained = {"node-1"}.__contains__
+    waves = rollout.waves(steps, tier=2, settings=settings, drained=drained)
+    assert [([s.machine for s in w.steps], w.canary) for w in waves] == [
+        (["node-3"], True), (["node-1", "node-5"], False),
+    ]  # fmt: skip
+    rollout.skip_drained(steps[0], drained=True, at=AT)
+    again = rollout.waves(steps, tier=2, settings=settings)  # undrained since: skipped stays
+    assert [s.machine for s in again[0].steps] == ["node-3"]
+    # A share counts the machines that change; with one left, the whole tier soaks after it.
+    assert [len(w.steps) for w in rollout.waves(steps[:2], tier=2, settings=settings)] == [2]

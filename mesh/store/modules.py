@@ -218,9 +218,14 @@ async def history(
                    row_number() OVER (ORDER BY id) AS number
             FROM module_versions WHERE module = $1
         ), rolled AS (
-            SELECT DISTINCT ON (undo -> 'to') undo -> 'to' AS vid, id, state FROM plans
-            WHERE subject = $1 AND trigger IN ('push', 'rollback') AND undo ? 'to'
-            ORDER BY undo -> 'to', id DESC
+            -- A plan names the version it rolls out in `undo.to` once it is in the catalog; a
+            -- held push's (or one cancelled while held) names it in `hold.version` alone.
+            SELECT DISTINCT ON (vid) vid, id, state FROM (
+                SELECT CASE WHEN jsonb_typeof(undo -> 'to') = 'number' THEN undo -> 'to'
+                            ELSE hold -> 'version' END AS vid, id, state
+                FROM plans WHERE subject = $1 AND trigger IN ('push', 'rollback')
+            ) p WHERE vid IS NOT NULL
+            ORDER BY vid, id DESC
         )
         SELECT v.id, v.number, v.version, v.pushed_at, v.pushed_by, v.pruned,
                coalesce(m.version_id = v.id, false) AS current, r.id AS plan, r.state

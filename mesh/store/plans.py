@@ -404,9 +404,9 @@ async def approved(
 
 async def steered_of(conn: asyncpg.Connection, module: str) -> list[Plan]:
     """A module's held or paused plans (without their steps), oldest first: what a new change
-    of the module supersedes. (A secret's plan names a secret, never a module.)"""
+    of the module supersedes. (A secret's plan names a secret, an undrain's a machine.)"""
     rows = await conn.fetch(
-        f"SELECT {_PLAN} FROM plans WHERE subject = $1 AND trigger <> 'secret'"
+        f"SELECT {_PLAN} FROM plans WHERE subject = $1 AND trigger NOT IN ('secret', 'undrain')"
         " AND state IN ('held', 'paused') ORDER BY id FOR UPDATE",
         module,
     )

@@ -4,6 +4,7 @@ through an ordinary plan (followed with `--wait` as a push's is)."""
 
 import argparse
 import getpass
+import re
 from typing import Any
 
 from rich.console import Console
@@ -11,10 +12,15 @@ from rich.markup import escape
 from rich.table import Table
 
 from mesh.model import ChangeReply, HistoryReply, HistoryRequest, RollbackRequest
+from mesh.names import check_name
 from programs.cli import plans
 from programs.cli.args import LIMIT_HELP, count
 from programs.cli.client import listed, verb
 from programs.cli.output import console, more, print_json, whole
+
+# What the controller takes as a version's name (mesh.model.VersionWord); which names a version
+# of the module, it says, listing the versions there are.
+VERSION_WORD = re.compile(r"[A-Za-z0-9:]{1,80}")
 
 
 def add_parsers(verbs: Any, common: argparse.ArgumentParser) -> None:
@@ -29,7 +35,7 @@ def add_parsers(verbs: Any, common: argparse.ArgumentParser) -> None:
     )
     back.add_argument("module", metavar="MODULE")
     back.add_argument(
-        "--to", metavar="VERSION",
+        "--to", metavar="VERSION", type=version_word,
         help="its number in `mesh history` (or its digest); the version before the current one "
         "without",
     )  # fmt: skip
@@ -39,7 +45,18 @@ def add_parsers(verbs: Any, common: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
+def version_word(text: str) -> str:
+    """`--to`: a number or a digest (or its prefix): refused here only when it could never be
+    one (a sign, a space), naming the value, as the controller would refuse its shape."""
+    if not VERSION_WORD.fullmatch(text):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is neither a version number nor a digest (sha256:… or its hex digits)"
+        )
+    return text
+
+
 async def cmd_history(args: argparse.Namespace) -> None:
+    check_name(args.module, field="MODULE")
     reply = await listed(
         args, "history", HistoryReply, HistoryRequest(module=args.module), want=args.limit
     )
@@ -66,6 +83,7 @@ def render(out: Console, r: HistoryReply, *, want: int | None = None) -> None:
 
 
 async def cmd_rollback(args: argparse.Namespace) -> None:
+    check_name(args.module, field="MODULE")
     body = RollbackRequest(module=args.module, to=args.to, by=getpass.getuser())
     reply = await verb(args, "rollback", ChangeReply, body, changes=True)
     await plans.wait_for(args, reply)

@@ -4,10 +4,11 @@ see: the console").
 What the page shows comes from the controller's read verbs (status, nodes, modules, plans, plan),
 asked at start and again whenever the bus says something changed; the store is never polled.
 The bus: hosts' reports (mesh.event.<name>.*) and beats, the seat's announcements, plans'
-progress (mesh.plan.<id>), machines drained or undrained (mesh.machine.<name>). The server
-keeps each verb's last answer and sends every new one to the open pages as a server-sent event;
-a burst of events is one refresh. A machine's page reads a process's log from its host (`logs`,
-as `mesh logs` does). Nothing here changes the fleet: viewer credentials are enough.
+progress (mesh.plan.<id>), machines drained, undrained or skipped by a plan for their drain
+(mesh.machine.<name>). The server keeps each verb's last answer and sends every new one to the
+open pages as a server-sent event; a burst of events is one refresh. A machine's page reads a
+process's log from its host (`logs`, as `mesh logs` does). Nothing here changes the fleet:
+viewer credentials are enough.
 """
 
 import logging
@@ -153,7 +154,7 @@ class Console:
         self.mark("plans", "status", *(() if summary.state == "rolling" else ("modules",)))
 
     async def _on_machine(self, msg: Msg) -> None:
-        # drained or undrained: no host reports it, the holder tells it
+        # drained, undrained, or skipped for its drain: no host reports it, the holder tells it
         self.mark("nodes")
 
     async def watch_silence(self) -> None:

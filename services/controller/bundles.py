@@ -27,6 +27,7 @@ from mesh import blobs
 from mesh.config import VersionsKept
 from mesh.errors import reason
 from mesh.store import db, events, modules, seats
+from services.controller import metrics
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +82,7 @@ async def prune(
         if not old:
             return None
         deleted = [d for d in candidates if d not in held and await blobs.delete(obs, d)]
+        metrics.BUNDLES_PRUNED.inc(len(deleted))
         # A version with a bundle still named is looked at again by later runs: once nothing
         # names it (the drained machine brought up to date, the plan ended), it goes too.
         done = [v for v in old if not v.digests & held]

@@ -31,7 +31,7 @@ import msgspec
 from nats.aio.client import Client
 from nats.js.object_store import ObjectStore
 
-from mesh import blobs, subjects, wire
+from mesh import blobs, wire
 from mesh.auth.signing import Signing
 from mesh.model import (
     CHANGED_LISTED,
@@ -54,7 +54,7 @@ from mesh.modules.manifest import ON_THE_MACHINE, Assign, Bundle, Manifest
 from mesh.store import events, modules, plans, seats, secrets
 from services.controller import build_requests, steering
 from services.controller import rollback as versions
-from services.controller.fleet import Fleet
+from services.controller.fleet import Fleet, tell_changed
 from services.controller.publishing import Manifests, Publisher
 
 log = logging.getLogger(__name__)
@@ -717,24 +717,19 @@ class Changes:
         """The module back at an earlier version (rollback.py) through an ordinary plan of
         its machines: the catalog names that version again, each machine is composed with it,
         and the plan rolls tier by tier (and reverts) as a push's does. Nothing is built: the
-        version's bundles must still be stored (bundles.py keeps the newest versions')."""
+        version's bundles must still be stored (bundles.py keeps the newest versions'). A
+        rollback is a newer change of the module: it supersedes the module's held and paused
+        plans (a paused push taken back may already bring the machines to that version)."""
         name = req.module
         async with self._pushes_of(name):  # after a push of the module still building
             async with self._pool.acquire() as conn:
                 rows = await modules.history(conn, name)
             target = versions.pick(rows, module=name, to=req.to)
-            current = next((r for r in rows if r.current), None)
-            if current is None:
-                raise wire.BadRequest(
-                    f"module {name} is not registered (its first push was taken back): push it",
-                    code="not_found",
-                )
+            current = versions.current(rows, module=name)
             what = f"{name} version {target.number} ({target.digest[:19]})"
-            if target.id == current.id:
-                return replied(plan=None, changed=[], version=target.digest,
-                               message=f"{what} is the current version: no change")  # fmt: skip
             async with self._one_change:
-                await self._still_stored(name, target)
+                if target.id != current.id:
+                    await self._still_stored(name, target)
                 async with self._pool.acquire() as conn, conn.transaction():
                     await seats.fence(conn, epoch=self._epoch)
                     now = (await modules.current_modules(conn)).get(name)
@@ -742,29 +737,59 @@ class Changes:
                         raise wire.BadRequest(
                             f"module {name} changed version meanwhile: ask again", code="conflict"
                         )
-                    stored = await modules.stored_version(conn, target.id)
-                    assert stored is not None  # versions are never deleted
-                    await modules.set_current(conn, module=name, version_id=target.id)
-                    targets = sorted(m for m, mods in (await modules.assignments(conn)).items()
-                                     if name in mods)  # fmt: skip
-                    plan, changed = await self._plan(
-                        conn, targets, trigger="rollback", subject=name, by=req.by,
-                        settings=settings_of(self._manifests.of(stored)),
-                        undo={"module": name, "from": current.id, "to": target.id},
-                    )  # fmt: skip
-                    await events.record(
-                        conn, "module.rollback", epoch=self._epoch, module=name, by=req.by,
-                        to=target.number, digest=target.digest, was=current.number, plan=plan,
-                    )  # fmt: skip
+                    old = await self._supersede(conn, name, by=req.by)
+                    plan, changed = await self._roll_back(conn, req, target, current)
+                    await self._superseded(conn, old, plan=plan, what=f"a rollback of {name}")
+        if plan is None and not old:
+            return replied(plan=None, changed=[], version=target.digest,
+                           message=f"{what} is the current version: no change")  # fmt: skip
         self._wake()
-        log.info("%s: back from version %d: plan %s for %d machine(s)", what, current.number,
-                 plan, len(changed))  # fmt: skip
+        log.info("%s: back from version %d: plan %s for %d machine(s)%s", what, current.number,
+                 plan, len(changed), f", superseding plan(s) {old}" if old else "")  # fmt: skip
+        gone = f"; superseded {_plans(old)}" if old else ""
+        if plan is None:  # the superseded plans' own cancel brings the machines back
+            return replied(plan=None, changed=[], version=target.digest,
+                           message=f"{what} is the current version again{gone}")  # fmt: skip
         return replied(
             plan=plan, changed=changed, version=target.digest,
             message=f"{what}, back from version {current.number}: "
             + (f"plan {plan} changes {len(changed)} machine(s)" if changed
-               else "no machine's declaration changes"),
+               else "no machine's declaration changes") + gone,
         )  # fmt: skip
+
+    async def _roll_back(
+        self,
+        conn: asyncpg.Connection,
+        req: RollbackRequest,
+        target: modules.HistoryRow,
+        was: modules.HistoryRow,
+    ) -> tuple[int | None, list[str]]:
+        """The catalog at `target` and the plan of the module's machines (no plan when the
+        module is at `target` already, after its held and paused plans were superseded)."""
+        name = req.module
+        now = (await modules.current_modules(conn)).get(name)
+        if now is None:  # its first push was paused, and is cancelled now: nothing ran before
+            raise wire.BadRequest(
+                f"module {name} has no version to go back to once its paused first push is "
+                "cancelled: cancel that plan instead (mesh plan cancel)", code="conflict",
+            )  # fmt: skip
+        if now.id == target.id:
+            return None, []
+        stored = await modules.stored_version(conn, target.id)
+        assert stored is not None  # versions are never deleted
+        await modules.set_current(conn, module=name, version_id=target.id)
+        targets = sorted(m for m, mods in (await modules.assignments(conn)).items()
+                         if name in mods)  # fmt: skip
+        plan, changed = await self._plan(
+            conn, targets, trigger="rollback", subject=name, by=req.by,
+            settings=settings_of(self._manifests.of(stored)),
+            undo={"module": name, "from": now.id, "to": target.id},
+        )  # fmt: skip
+        await events.record(
+            conn, "module.rollback", epoch=self._epoch, module=name, by=req.by,
+            to=target.number, digest=target.digest, was=was.number, plan=plan,
+        )  # fmt: skip
+        return plan, changed
 
     async def _still_stored(self, module: str, v: modules.HistoryRow) -> None:
         """Refuse a rollback to a version whose bundles are gone from the bundle store (pruned,
@@ -803,7 +828,7 @@ class Changes:
         if undo and plan is None:
             self._fleet.wants_what_it_is_sent(name)  # nothing left to bring it
         self._wake()
-        await self._tell(MachineChanged(machine=name, drained=not undo))
+        await tell_changed(self._nc, MachineChanged(machine=name, drained=not undo))
         if undo:
             message = f"machine {name} undrained" + (
                 f": plan {plan} brings it up to date" if plan is not None else ": it is up to date"
@@ -814,13 +839,6 @@ class Changes:
         if was == (not undo):
             message += f" (it already was {'drained' if was else 'undrained'})"
         return DrainReply(machine=name, drained=not undo, was=was, message=message, plan=plan)
-
-    async def _tell(self, changed: MachineChanged) -> None:
-        """Tell watchers (the console) that a machine changed: no host reports a drain."""
-        try:
-            await self._nc.publish(subjects.machine(changed.machine), wire.encode(changed))
-        except Exception as e:  # told, not stored: a watcher that missed it asks `nodes` later
-            log.debug("machine %s: change not told: %s: %s", changed.machine, type(e).__name__, e)
 
     async def _settings_of_machine(self, conn: asyncpg.Connection, machine: str) -> PlanSettings:
         """An undrain's plan: as patient as the most patient module on the machine, reverting
@@ -868,6 +886,10 @@ async def _stopped_building(conn: asyncpg.Connection, plan_id: int) -> wire.BadR
         f"plan {plan_id} was stopped while its bundles built (its controller stopped); push again",
         code="unavailable",
     )
+
+
+def _plans(ids: list[int]) -> str:
+    return f"plan {ids[0]}" if len(ids) == 1 else f"plans {', '.join(map(str, ids))}"
 
 
 def _held(plan: int | None, changed: list[str]) -> str:

@@ -20,9 +20,17 @@ import asyncpg
 from nats.aio.client import Client
 from nats.aio.subscription import Subscription
 
-from mesh import wire
+from mesh import subjects, wire
 from mesh.batching import Batches
-from mesh.model import Beat, Node, NodeCounts, ProcessState, Register, ToolServerReport
+from mesh.model import (
+    Beat,
+    MachineChanged,
+    Node,
+    NodeCounts,
+    ProcessState,
+    Register,
+    ToolServerReport,
+)
 from mesh.ratelimit import PerKey
 from mesh.store import db, events, machines, seats
 from mesh.store.machines import MachineRow
@@ -62,6 +70,17 @@ def open_bus(nc: Client) -> bool:
     own word on its tier and labels gives nothing away; under authentication it counts for
     nothing (Kubernetes' NodeRestriction: a kubelet may not set the labels that steer work)."""
     return not nc._server_info.get("auth_required", False)
+
+
+async def tell_changed(nc: Client | None, changed: MachineChanged) -> None:
+    """Tell watchers (the console) that a machine changed where no host reports it: drained,
+    undrained, or skipped by a plan for its drain (what it wants changed)."""
+    if nc is None:
+        return
+    try:
+        await nc.publish(subjects.machine(changed.machine), wire.encode(changed))
+    except Exception as e:  # told, not stored: a watcher that missed it asks `nodes` later
+        log.debug("machine %s: change not told: %s: %s", changed.machine, type(e).__name__, e)
 
 
 class Arrivals:
@@ -438,6 +457,9 @@ class Fleet:
         log.info("machine %s %s%s", name, "drained" if drained else "undrained",
                  "" if was != drained else " (it already was)")  # fmt: skip
         return was, then_gave
+
+    def drained_count(self) -> int:
+        return sum(m.drained for m in self.machines.values())
 
     def skipped_for_drain(self, name: str, digest: str) -> None:
         """A plan skipped this drained machine, which would have got `digest`."""

@@ -62,6 +62,11 @@ EVENTS_PRUNED = Counter(
     "reason: age (older than --events-max-age), count (beyond --events-max-count)",
     ["reason"], registry=REGISTRY,
 )  # fmt: skip
+BUNDLES_PRUNED = Counter(
+    "mesh_bundles_pruned", "Bundles and source archives this controller deleted from the bundle "
+    "store as their holder: of versions past each module's newest --versions-kept",
+    registry=REGISTRY,
+)  # fmt: skip
 BUILDS = Counter(
     "mesh_builds", "Builds this controller asked of a builder host, by outcome "
     "(built, failed, no_answer)", ["outcome"], registry=REGISTRY,
@@ -86,6 +91,10 @@ class Held(Collector):
         machines.add_metric(["up"], counts.up)
         machines.add_metric(["down"], counts.down)
         yield machines
+        yield GaugeMetricFamily(
+            "mesh_machines_drained", "Machines drained out of every plan (mesh drain), up or down",
+            value=self.fleet.drained_count(),
+        )  # fmt: skip
         if self.plans is None:
             return
         by_state = GaugeMetricFamily("mesh_plans", "Plans in the store, by state", labels=["state"])

@@ -39,11 +39,11 @@ from nats.aio.client import Client
 from nats.js.object_store import ObjectStore
 
 from mesh import blobs, subjects, wire
-from mesh.model import PlanProgress, PlanState, PlanSummary
+from mesh.model import MachineChanged, PlanProgress, PlanState, PlanSummary
 from mesh.modules.compose import Declaration, tools_of
 from mesh.store import declarations, events, modules, plans, seats
 from services.controller import metrics, rollout
-from services.controller.fleet import Fleet
+from services.controller.fleet import Fleet, tell_changed
 from services.controller.publishing import Publisher
 
 log = logging.getLogger(__name__)
@@ -165,7 +165,9 @@ class Planner:
         if failure is not None:
             return failure
         for tier in rollout.tiers(p.steps):
-            for wave in rollout.waves(p.steps, tier=tier, settings=p.settings):
+            for wave in rollout.waves(
+                p.steps, tier=tier, settings=p.settings, drained=self._fleet.drained
+            ):
                 failure = await self._roll_wave(p, tier, wave)
                 if failure is None and wave.soaks:
                     failure = await self._soak(p, tier, wave)
@@ -418,8 +420,10 @@ class Planner:
         """Store and publish each step's `after` (or, reverting, `before`) declaration."""
         now = datetime.now(UTC)
         bodies: dict[str, tuple[str, bytes]] = {}
+        passed: list[str] = []  # drained: told, as no host reports what it now wants
         for s in steps:
             if which == "after" and self._skipped_for_drain(p, s, at=now):
+                passed.append(s.machine)
                 continue  # nothing stored or published: it keeps what it runs
             self._fleet.wants_what_it_is_sent(s.machine)
             if which == "after":
@@ -434,6 +438,8 @@ class Planner:
             await declarations.write_declarations(conn, bodies, epoch=self._epoch)
             await plans.set_steps(conn, p.id, steps, epoch=self._epoch)
         await self._publisher.publish(bodies)
+        for machine in passed:
+            await tell_changed(self._nc, MachineChanged(machine=machine, drained=True))
         await self._show(p)
 
     def _skipped_for_drain(self, p: plans.Plan, s: plans.Step, *, at: datetime) -> bool:

@@ -58,19 +58,25 @@ def pick(rows: list[HistoryRow], *, module: str, to: str | None) -> HistoryRow:
     return found[0]
 
 
-def _before_current(rows: list[HistoryRow], *, module: str) -> HistoryRow:
-    current = next((r for r in rows if r.current), None)
-    if current is None:  # its first push was reverted: registered nowhere
+def current(rows: list[HistoryRow], *, module: str) -> HistoryRow:
+    """The module's current version; refused when it has none (registered nowhere)."""
+    found = next((r for r in rows if r.current), None)
+    if found is None:
         raise wire.BadRequest(
-            f"module {module} has no current version (its first push was taken back); "
-            f"push it, or name a version with --to: {known(rows)}",
+            f"module {module} has no current version (its first push is held, or was taken "
+            f"back): approve it, or push again; its versions: {known(rows)}",
             code="not_found",
         )
+    return found
+
+
+def _before_current(rows: list[HistoryRow], *, module: str) -> HistoryRow:
+    current_ = current(rows, module=module)
     for r in rows:
-        if r.number < current.number and r.state not in NEVER_RAN:
+        if r.number < current_.number and r.state not in NEVER_RAN:
             return r
     raise wire.BadRequest(
-        f"module {module} has no version before its current one ({current.number}) that ran; "
+        f"module {module} has no version before its current one ({current_.number}) that ran; "
         f"name one with --to: {known(rows)}",
         code="not_found",
     )

@@ -383,17 +383,36 @@ class Wave:
     canary: bool = False
 
 
-def waves(steps: list[Step], *, tier: int, settings: PlanSettings) -> list[Wave]:
+def waves(
+    steps: list[Step],
+    *,
+    tier: int,
+    settings: PlanSettings,
+    drained: Callable[[str], bool] = lambda _: False,
+) -> list[Wave]:
     """A tier's steps in the order they go. With canaries, the first of the tier by machine
     name (the same on every holder: a takeover finds the same canaries), then the rest; the
     soak follows the canaries. Without (or when the canaries are the whole tier), one wave
-    the soak follows."""
+    the soak follows. A machine a plan skips (drained, its step pending or skipped for it)
+    is never a canary: the canaries are machines that change, and the soak watches them."""
     mine = sorted((s for s in steps if s.tier == tier), key=lambda s: s.machine)
-    n = canaries(len(mine), settings.canary)
+    going = [s for s in mine if not _passed_by(s, drained=drained)]
+    n = canaries(len(going), settings.canary)
     soaks = settings.soak > 0
-    if 0 < n < len(mine):
-        return [Wave(mine[:n], soaks=soaks, canary=True), Wave(mine[n:], soaks=False)]
+    if 0 < n < len(going):
+        first = going[:n]
+        return [
+            Wave(first, soaks=soaks, canary=True),
+            Wave([s for s in mine if s not in first], soaks=False),
+        ]
     return [Wave(mine, soaks=soaks, canary=n > 0)]
+
+
+def _passed_by(step: Step, *, drained: Callable[[str], bool]) -> bool:
+    """A step the plan skips for a drain: skipped already, or pending on a drained machine."""
+    if step.state == "skipped":
+        return step.error == drain_note(step.machine)
+    return step.state == "pending" and drained(step.machine)
 
 
 SoakStage = Literal["start", "soaking", "passed"]
