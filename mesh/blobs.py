@@ -427,3 +427,12 @@ async def put_named(obs: ObjectStore, name: str, data: bytes) -> None:
 async def get_named(nc: Client, name: str, *, bucket: str = BUNDLES) -> bytes:
     """A named object (a build log), checked against its description's digest."""
     return await _read(nc, name, bucket=bucket, limit=archive.MAX_ARCHIVE)
+
+
+async def delete(obs: ObjectStore, d: str) -> bool:
+    """Delete the object stored under digest `d` (its chunks purged); False if there was none."""
+    try:
+        await obs.delete(object_name(d))
+    except (ObjectNotFoundError, NotFoundError):
+        return False
+    return True

@@ -146,3 +146,45 @@ def _span(name: str, text: str, *, most: float, off: bool = False) -> float:
     if seconds > most:
         raise ConfigError(f"{name}: {text!r} is longer than {most / 86400:g}d")
     return seconds
+
+
+# How many versions of each module keep their bundles in the bundle store (services/controller/
+# bundles.py): a rollback to one of them needs no push and no build. docs/operations.md,
+# "Keeping the store and the log bounded", says what each means.
+VERSIONS_KEPT = "10"
+VERSIONS_PRUNE_EVERY = "10m"
+_VERSIONS_MOST = 1_000_000
+
+
+class VersionsKept(msgspec.Struct, frozen=True):
+    """The bundles and source archives of each module's newest `count` versions (and of its
+    current one) stay; the holder deletes older versions' every `every` seconds. None keeps
+    every version's."""
+
+    count: int | None
+    every: float
+
+
+def versions_kept(*, count: str | None = None, every: str | None = None) -> VersionsKept:
+    """The flags' values (None: not given), else MESH_VERSIONS_KEPT, MESH_VERSIONS_PRUNE_EVERY,
+    else the defaults. `off` keeps the bundles of every version."""
+    count_name, count_text = _setting("--versions-kept", "MESH_VERSIONS_KEPT", count, VERSIONS_KEPT)
+    every_name, every_text = _setting(
+        "--versions-prune-every", "MESH_VERSIONS_PRUNE_EVERY", every, VERSIONS_PRUNE_EVERY
+    )
+    kept: int | None = None
+    if count_text != "off":
+        if (
+            not count_text.isascii()
+            or not count_text.isdigit()
+            or not 1 <= int(count_text) <= _VERSIONS_MOST
+        ):
+            raise ConfigError(
+                f"{count_name}: {count_text[:40]!r} is not a number of versions (1 to "
+                f"{_VERSIONS_MOST}, or off)"
+            )
+        kept = int(count_text)
+    prune_every = _span(every_name, every_text, most=_EVERY[1])
+    if prune_every < _EVERY[0]:
+        raise ConfigError(f"{every_name}: {every_text!r} is shorter than {_EVERY[0]:g}s")
+    return VersionsKept(count=kept, every=prune_every)

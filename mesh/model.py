@@ -28,10 +28,17 @@ Version = Annotated[str, msgspec.Meta(max_length=80, pattern=r"^[^\x00-\x1f\x7f]
 
 # The words a plan's life is told in. Literals, so msgspec refuses any other word on decode and a
 # type checker sees a typo; on the wire they are the same plain strings.
-PlanState = Literal["pending", "building", "rolling", "done", "failed", "reverted"]
+# `held` (waiting for `mesh plan approve`), `paused` and `cancelled` are the operator's words
+# (docs/operations.md, Steering a change); a tier is `soaking` while its canaries (or, without
+# canaries, the whole tier) must stay healthy before the plan goes on.
+PlanState = Literal[
+    "pending", "building", "held", "rolling", "paused", "done", "failed", "reverted", "cancelled"
+]
 StepState = Literal["pending", "applying", "done", "failed", "skipped", "reverted"]
-TierState = Literal["pending", "rolling", "done", "failed", "reverted"]
-Trigger = Literal["push", "assign", "unassign", "secret"]
+TierState = Literal["pending", "rolling", "soaking", "done", "failed", "reverted"]
+# `rollback`: a module back at an earlier version; `undrain`: a machine brought up to date as it
+# leaves the drain (docs/operations.md, Steering a change).
+Trigger = Literal["push", "assign", "unassign", "secret", "rollback", "undrain"]
 Phase = Literal["forward", "revert"]  # rolling forward, or giving machines `before` back
 # The words a machine's life is told in, between the mesh's own pieces (mesh.event.<name>.*):
 # a supervised process's state; a tool server's state as a caller sees it (`ready`: callable);
@@ -168,6 +175,15 @@ class NodeCounts(msgspec.Struct):
     down: int
 
 
+class Soak(msgspec.Struct):
+    """A soak in progress: the tier whose canaries (or whole self) must stay healthy until
+    `until` before the plan goes on; `left`, the seconds to go when this was said."""
+
+    tier: int
+    until: datetime
+    left: float
+
+
 class PlanSummary(msgspec.Struct):
     """A plan in one line: what `status` shows of the plan in progress and `plans` lists."""
 
@@ -183,6 +199,9 @@ class PlanSummary(msgspec.Struct):
     tier: int | None = None  # the tier rolling now
     phase: Phase = "forward"
     failure: str | None = None  # which machine failed and why (not `error`: that is a refusal)
+    # Steering (docs/operations.md): the soak in progress; why the plan is (being) cancelled.
+    soak: Soak | None = None
+    cancelled: str | None = None
 
 
 class Handover(msgspec.Struct):
@@ -254,6 +273,9 @@ class Node(msgspec.Struct):
     digest_applied: str | None = None
     apply_error: str | None = None  # why the last apply of digest_wanted stopped, if it did
     version: str | None = None  # the host agent's running mesh; None: it never said
+    # Skipped by every plan, keeping what it runs (`mesh drain`); `digest_wanted` is then what
+    # the catalog composes for it, which it gets once undrained.
+    drained: bool = False
 
 
 class NodesReply(msgspec.Struct):
@@ -330,10 +352,12 @@ Text = Annotated[str, msgspec.Meta(max_length=256 * 1024)]
 By = Annotated[str, msgspec.Meta(max_length=200, pattern=r"^[^\x00]*\Z")]  # as the client says
 
 
-class PushRequest(Request):
+class PushRequest(Request, omit_defaults=True):
+    # omit_defaults: a push without `hold` is the body a controller from before understands
     manifest: Text  # module.toml as written
     source: Digest  # the module's archive, already in the object store
     by: By = ""
+    hold: bool = False  # record the plan `held`: no machine changes until `plan-approve`
 
 
 CHANGED_LISTED = 1000  # machines a change's reply names at most: its plan lists every one
@@ -347,17 +371,20 @@ class ChangeReply(msgspec.Struct):
     message: str
     version: str | None = None
     changed: int = 0  # how many machines' declarations changed (`machines` may list fewer)
+    state: PlanState | None = None  # the plan's state as recorded (`held` with `hold`)
 
 
 MACHINES_NAMED = 10000  # machines one assign or unassign may name (selectors take any number)
 
 
-class AssignRequest(Request):
+class AssignRequest(Request, omit_defaults=True):
+    # omit_defaults: as PushRequest, `hold` is sent only when asked for
     module: Name
     machines: Annotated[list[Name], msgspec.Meta(max_length=MACHINES_NAMED)] = []
     tier: Tier | None = None
     labels: Labels = {}
     by: By = ""
+    hold: bool = False  # as `push`
 
 
 class TierRequest(Request):
@@ -443,6 +470,12 @@ class PlanSettings(msgspec.Struct):
     max_parallel: int = 0  # 0: the whole tier at once
     auto_revert: bool = True
     skip_down: bool = False
+    # Canaries and soaks (docs/modules.md, [rollout]): `canary` as the manifest says it (N
+    # machines of each tier, or "P%" of them, go first; None: none), `soak` in seconds, and the
+    # tiers after which the plan pauses itself.
+    canary: int | str | None = None
+    soak: float = 0.0
+    pause_after: list[int] = []
 
 
 class PlanReply(msgspec.Struct):
@@ -463,6 +496,25 @@ class PlanReply(msgspec.Struct):
     steps: list[PlanStep]  # a page of them, by tier then machine
     next: str | None = None
     total: int = 0  # steps in the whole plan
+    soak: Soak | None = None  # as PlanSummary
+    cancelled: str | None = None
+
+
+# --- steering a plan (docs/verbs.md: plan-approve, plan-pause, plan-resume, plan-cancel) ------
+
+
+class SteerRequest(Request):
+    id: Annotated[int, msgspec.Meta(ge=1, le=2**63 - 1)]
+    by: By = ""
+
+
+class SteerReply(msgspec.Struct):
+    """What approving, pausing, resuming or cancelling a plan answers: its state now."""
+
+    plan: int
+    state: PlanState
+    message: str
+    phase: Phase = "forward"
 
 
 class PlansReply(msgspec.Struct):
@@ -557,6 +609,67 @@ class BuildLogsReply(msgspec.Struct):
     state: str
     builder: str | None
     log: str
+
+
+# --- a module's versions and going back to one; machines out of the plans ----------------------
+# (docs/verbs.md, history, rollback, drain). A version is named by its number (1 for a module's
+# first push, then 2, 3, ... in the order they were first pushed) or by its digest (the source
+# archive's sha256, what `modules` and `push` call `version`), or a unique prefix of it.
+
+VersionWord = Annotated[str, msgspec.Meta(min_length=1, max_length=80, pattern=r"^[A-Za-z0-9:]+\Z")]
+
+
+class HistoryRequest(Request, omit_defaults=True):
+    module: Name
+    after: Cursor | None = None  # the previous page's `next`
+    limit: int = PAGE_LIMIT
+
+    def __post_init__(self) -> None:
+        check_limit(self.limit)
+
+
+class VersionEntry(msgspec.Struct):
+    version: int  # its number in the module's history: 1, 2, 3, ...
+    digest: str  # its source archive's sha256 (`modules`' `version`)
+    pushed: datetime  # when it was first pushed
+    by: str  # who pushed it, as the client said
+    plan: int | None  # the last plan that rolled it out (a push or a rollback); None: none did
+    state: PlanState | None  # how that plan ended (or where it is)
+    current: bool = False  # the module's version now
+    kept: bool = True  # its bundles are still stored: a rollback to it needs no push
+
+
+class HistoryReply(msgspec.Struct):
+    module: str
+    versions: list[VersionEntry]  # a page of them, newest first
+    next: str | None = None
+    total: int = 0  # versions in all
+
+
+class RollbackRequest(Request):
+    module: Name
+    to: VersionWord | None = None  # a number or a digest (prefix); None: the one before
+    by: By = ""
+
+
+class DrainRequest(Request):
+    machine: Name
+    by: By = ""
+
+
+class MachineChanged(msgspec.Struct):
+    """Told on mesh.machine.<name> when an operator drains or undrains it (not stored)."""
+
+    machine: str
+    drained: bool
+
+
+class DrainReply(msgspec.Struct):
+    machine: str
+    drained: bool  # as it is now
+    was: bool  # as it was before
+    message: str
+    plan: int | None = None  # undrain: the plan that brings the machine up to date, if any
 
 
 # --- builds (controller -> builder host) -------------------------------------------------------

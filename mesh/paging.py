@@ -1,10 +1,11 @@
 """Pages of a list verb: a reply is never too big for the bus, whatever the fleet's size.
 
-A list verb (`nodes`, `plan`'s steps, `plans`, `modules`, `diff`) answers a **page**: its items
-in their stable order, starting after the request's cursor (`after`: the `next` of the page
-before; none: the first page), at most the request's `limit` of them, and no more than a byte
-budget well under the NATS server's max_payload, so no page is refused by the bus whatever its
-items' sizes. The reply's `next` is the cursor of the page after it, None on the last page.
+A list verb (`nodes`, `plan`'s steps, `plans`, `modules`, `diff`, `history`) answers a
+**page**: its items in their stable order, starting after the request's cursor (`after`: the
+`next` of the page before; none: the first page), at most the request's `limit` of them, and no
+more than a byte budget well under the NATS server's max_payload, so no page is refused by the
+bus whatever its items' sizes. The reply's `next` is the cursor of the page after it, None on
+the last page.
 
 A cursor is the key of the last item given, not an offset: items added or removed meanwhile
 before it shift nothing, so an item that stays where it is is given once, never twice or not at

@@ -9,6 +9,7 @@ HOST_BEATS = "mesh.host.*.beat"
 EVENTS = "mesh.event.*.*"  # what hosts report: mesh.event.<name>.<kind>
 SEAT_EVENTS = f"mesh.seat.{SEAT}.*"
 PLANS = "mesh.plan.*"  # the holder's plan progress: mesh.plan.<id>
+MACHINES = "mesh.machine.*"  # the holder's word: a machine drained, undrained, or skipped for it
 
 
 def ctl(verb: str) -> str:
@@ -35,6 +36,12 @@ def seat(event: str) -> str:
 def plan(plan_id: int | str) -> str:
     """A plan's progress (its summary at every step or tier change), or `*` in permissions."""
     return f"mesh.plan.{plan_id}"
+
+
+def machine(name: str) -> str:
+    """The holder tells that a machine was drained or undrained (told, not stored: the console
+    asks `nodes` again), or `*` in permissions."""
+    return f"mesh.machine.{name}"
 
 
 # NATS service discovery (mesh/discovery.py): $SRV.<PING|INFO|STATS>[.<name>[.<id>]].

@@ -211,6 +211,29 @@ async def standing_by(nc: Client, instance: str) -> dict | None:
     return s if s and instance in [b["instance"] for b in s["standbys"]] else None
 
 
+def environment_of(pid: int) -> dict[str, str] | None:
+    """A process's environment as the kernel has it (/proc/PID/environ); None once it is gone."""
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    pairs = (item.partition(b"=") for item in raw.split(b"\0") if item)
+    return {k.decode(errors="replace"): v.decode(errors="replace") for k, _, v in pairs}
+
+
+async def running(nc: Client, process: str, variable: str) -> dict[str, tuple[int, str | None]]:
+    """machine -> (pid, `variable` in its environment) of each healthy process `process`, as
+    `nodes` lists them: what version a machine runs, read from the process itself."""
+    found: dict[str, tuple[int, str | None]] = {}
+    for n in (await ask(nc, "mesh.ctl.nodes") or {"nodes": []})["nodes"]:
+        for p in n["processes"]:
+            if p["name"] == process and p["healthy"] and p["pid"] and not p.get("trial"):
+                env = environment_of(p["pid"])
+                if env is not None:
+                    found[n["name"]] = (p["pid"], env.get(variable))
+    return found
+
+
 @dataclass
 class Fleet:
     """What fleet_up started: controllers and hosts by name, their processes."""

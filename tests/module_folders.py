@@ -106,17 +106,20 @@ def gated_module(
     version: str = "1",
     tiers: str = "[0, 1, 2]",
     extra: str = "",
+    check_timeout: str = "1s",
 ) -> Path:
     """A module whose process is healthy when `marker` exists in its host's root (mode
     "needs") or as long as it does not ("fails-if"); "" means always healthy. A test decides
-    when, and on which machine, a version becomes healthy, without sleeping."""
+    when, and on which machine, a version becomes healthy, without sleeping. A test that
+    judges a process's health over a while (a soak) gives its check more than a second to
+    answer (`check_timeout`): python3 starting on a loaded machine may take longer."""
     check = f'exec = ["python3", "check.py", "{mode}", "{marker}"]' if marker else 'exec = ["true"]'
     return write_module(
         folder,
         f'[module]\nname = "{name}"\ndescription = "version {version}"\n'
         '[bundle.code]\nkind = "files"\nsource = "src"\n'
         f'[process.{name}]\nbundle = "code"\ncommand = ["sleep", "3600"]\nroot = true\n'
-        f'check = {{ {check}, every = "200ms", passes = 1 }}\n'
+        f'check = {{ {check}, every = "200ms", timeout = "{check_timeout}", passes = 1 }}\n'
         f'[rollout]\ndeadline = "{deadline}"\n{extra}'
         f"[assign]\ntiers = {tiers}\n",
         files={"src/check.py": GATED_CHECK},
@@ -129,3 +132,30 @@ def module_version(name: str, body: str, *, bundles: dict[str, str] | None = Non
     manifest = parse(f'[module]\nname = "{name}"\n' + body)
     digests = bundles if bundles is not None else {b: f"sha256:{name}-{b}" for b in manifest.bundle}
     return ModuleVersion(name=name, version=f"sha256:v-{name}", manifest=manifest, bundles=digests)
+
+
+def versioned_module(
+    folder: Path,
+    *,
+    version: str,
+    name: str = "versioned",
+    mode: str = "needs",
+    marker: str = "",
+    deadline: str = "30s",
+    tiers: str = "[0, 1, 2]",
+) -> Path:
+    """A module like gated_module (healthy by a marker, or at once), whose version shows where
+    a test can read it: its process's environment carries MODULE_VERSION = `version`, and its
+    bundle holds a file of it (so each version has a bundle of its own, as a release has)."""
+    check = f'exec = ["python3", "check.py", "{mode}", "{marker}"]' if marker else 'exec = ["true"]'
+    return write_module(
+        folder,
+        f'[module]\nname = "{name}"\ndescription = "version {version}"\n'
+        '[bundle.code]\nkind = "files"\nsource = "src"\n'
+        f'[process.{name}]\nbundle = "code"\ncommand = ["sleep", "3600"]\nroot = true\n'
+        f'env = {{ MODULE_VERSION = "{version}" }}\n'
+        f'check = {{ {check}, every = "200ms", passes = 1 }}\n'
+        f'[rollout]\ndeadline = "{deadline}"\n'
+        f"[assign]\ntiers = {tiers}\n",
+        files={"src/check.py": GATED_CHECK, "src/VERSION": f"{version}\n"},
+    )

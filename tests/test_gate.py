@@ -256,3 +256,36 @@ def test_a_module_inside_the_mesh_s_source_carries_the_mesh_s_code() -> None:
     for name in ("mesh/version.py", "services/host/successor.py", "programs/cli/main.py"):
         assert f"mesh-source/{name}" in entries
     assert not any("__pycache__" in name for name in entries)
+
+
+# --- [rollout] canary, soak, pause_after (docs/modules.md; steering a change) -------------------
+
+
+def test_canary_soak_and_pause_after_pass_when_they_make_sense() -> None:
+    for canary in ("1", "3", '"10%"', '"12.5%"', '"100%"'):
+        m = parse(GOOD + f'[rollout]\ncanary = {canary}\nsoak = "2m"\npause_after = [0, 9]\n')
+        assert m.rollout.soak == "2m" and m.rollout.pause_after == [0, 9]
+    assert parse(GOOD).rollout.canary is None  # none unless said
+
+
+@pytest.mark.parametrize(
+    ("line", "field", "why"),
+    [
+        ('canary = "150%"', "rollout.canary", "'150%' is out of range"),
+        ('canary = "0%"', "rollout.canary", "'0%' is out of range"),
+        ("canary = 0", "rollout.canary", "0 is out of range (1 to 10000"),
+        ("canary = -2", "rollout.canary", "-2 is out of range"),
+        ('canary = "some"', "rollout.canary", "'some' is not a number of machines"),
+        ("canary = true", "rollout.canary", "got `bool`"),
+        ('soak = "-5s"', "rollout.soak", "'-5s' is not a duration"),
+        ('soak = "2w"', "rollout.soak", "'2w' is not a duration"),
+        ("pause_after = [10]", "rollout.pause_after", "10 is not a tier (0 to 9)"),
+        ("pause_after = [-1]", "rollout.pause_after", "-1 is not a tier"),
+    ],
+)
+def test_nonsense_in_canary_soak_or_pause_after_is_refused_naming_the_field(
+    line: str, field: str, why: str
+) -> None:
+    said = refused(GOOD + f"[rollout]\n{line}\n")
+    assert said.startswith(f"module hello: {field}"), said
+    assert why in said, said

@@ -265,3 +265,165 @@ def test_a_trial_report_keeps_its_wire_shape() -> None:
     assert plain == b'{"name":"hello","state":"running","healthy":true,"pid":1}'
     trial = msgspec.json.encode(ProcessState("hello", "running", True, 1, trial=True))
     assert msgspec.json.decode(trial, type=ProcessState).trial
+
+
+# --- canaries, soaks and pauses (docs/operations.md, Steering a change) ------------------------
+
+
+def test_canaries_are_a_count_or_a_share_of_each_tier_rounded_up() -> None:
+    assert rollout.canaries(10, None) == 0
+    assert rollout.canaries(10, 1) == 1
+    assert rollout.canaries(3, 5) == 3  # never more than the tier
+    assert rollout.canaries(3, "10%") == 1  # 0.3 of a machine is one machine
+    assert rollout.canaries(10, "25%") == 3
+    assert rollout.canaries(10, "100%") == 10
+    assert rollout.canaries(0, 2) == 0
+
+
+def test_canaries_go_first_by_name_and_the_soak_follows_them() -> None:
+    steps = [step(name, tier=2) for name in ("node-9", "node-3", "node-5")] + [step("n", tier=1)]
+    waves = rollout.waves(steps, tier=2, settings=PlanSettings(canary=1, soak=30))
+    assert [([s.machine for s in w.steps], w.soaks, w.canary) for w in waves] == [
+        (["node-3"], True, True), (["node-5", "node-9"], False, False),
+    ]  # fmt: skip
+    # A takeover finds the same canaries, whatever the steps' order.
+    again = rollout.waves(list(reversed(steps)), tier=2, settings=PlanSettings(canary=1, soak=30))
+    assert [s.machine for s in again[0].steps] == ["node-3"]
+
+
+def test_without_canaries_or_with_a_tier_of_canaries_the_whole_tier_soaks() -> None:
+    steps = [step("a", tier=0), step("b", tier=0)]
+    for settings in (PlanSettings(soak=10), PlanSettings(canary="100%", soak=10)):
+        [wave] = rollout.waves(steps, tier=0, settings=settings)
+        assert [s.machine for s in wave.steps] == ["a", "b"] and wave.soaks
+    [plain] = rollout.waves(steps, tier=0, settings=PlanSettings())
+    assert not plain.soaks and not plain.canary
+    # Canaries without a soak: they go first, the rest once they are done; nobody waits.
+    first, rest = rollout.waves(steps, tier=0, settings=PlanSettings(canary=1))
+    assert first.canary and not first.soaks and not rest.soaks
+
+
+def test_a_soak_is_started_once_goes_on_after_a_takeover_and_is_never_repeated() -> None:
+    until = datetime(2026, 11, 30, 12, 5, tzinfo=UTC)
+    assert rollout.soak_stage(tier=0, soak_tier=None, soak_until=None) == "start"
+    assert rollout.soak_stage(tier=2, soak_tier=1, soak_until=None) == "start"
+    assert rollout.soak_stage(tier=1, soak_tier=1, soak_until=until) == "soaking"
+    assert rollout.soak_stage(tier=1, soak_tier=1, soak_until=None) == "passed"
+    assert rollout.soak_stage(tier=0, soak_tier=1, soak_until=until) == "passed"
+
+
+def test_only_machines_done_soak_and_one_no_longer_healthy_stops_the_plan() -> None:
+    steps = [step("c1", state="done"), step("c2", state="skipped"), step("c3", state="done")]
+    watched = rollout.soaking(rollout.Wave(steps, soaks=True))
+    assert [s.machine for s in watched] == ["c1", "c3"]
+    reports = {"c1": healthy("new-c1"), "c3": healthy("new-c3")}
+
+    def look(machines: set[str], *, left: float) -> str | None:
+        return rollout.soak_look(watched, machines=machines, report=lambda m: reports[m],
+                                 names=names, soak=30, left=left, at=AT)  # fmt: skip
+
+    assert look({"c1", "c3"}, left=20) is None
+    reports["c3"] = Report(applied="new-c3", processes=[
+        ProcessState("hello", "running", False, 7, error="exec check: exit 1"),
+    ])  # fmt: skip
+    assert look({"c1"}, left=10) is None  # judged when its report changes
+    failure = look({"c3"}, left=10)
+    assert failure == (
+        "machine c3: process hello is running, not healthy: exec check: exit 1 "
+        "during the soak (20.0s of 30s)"
+    )
+    assert (steps[2].state, steps[2].finished) == ("failed", AT)
+    assert steps[0].state == "done"  # the others stay as they were: the revert takes them
+    assert rollout.recorded_failure(steps) == failure  # a new holder never rolls on past it
+
+
+def test_why_a_machine_no_longer_holds_during_its_soak() -> None:
+    def why(report: Report) -> str | None:
+        return rollout.unsoaked(report=report, digest="d", names=lambda: HELLO)
+
+    assert why(healthy("d")) is None
+    assert why(healthy("d", up=False)) == "went down"
+    # Not heard from since a takeover, or only its registration (no processes yet): not
+    # judged until it reports.
+    assert why(Report()) is None
+    assert why(Report(applied="d", heard=False)) is None
+    assert why(Report(applied="old", failed="d", error="x", heard=False)) == "its apply failed: x"
+    assert why(Report(up=False)) == "went down"
+    assert why(Report(applied="old", failed="d", error="prepare: exit 3")) == (
+        "its apply failed: prepare: exit 3"
+    )
+    assert why(healthy("other")) == "no longer reports its new declaration applied"
+    assert why(Report(applied="d")) == "process hello is not running"
+    trial = ProcessState("hello", "running", True, 2, trial=True)
+    assert why(Report(applied="d", processes=[trial])) == "process hello is not running"
+
+
+def test_the_plan_pauses_itself_after_its_tiers_once_each() -> None:
+    settings = PlanSettings(pause_after=[0, 2])
+    assert rollout.pause_due(tier=0, settings=settings, paused_after=None)
+    assert not rollout.pause_due(tier=1, settings=settings, paused_after=0)
+    # resumed, or taken over: not again
+    assert not rollout.pause_due(tier=0, settings=settings, paused_after=0)
+    assert rollout.pause_due(tier=2, settings=settings, paused_after=0)
+    assert not rollout.pause_due(tier=2, settings=settings, paused_after=2)
+    assert not rollout.pause_due(tier=0, settings=PlanSettings(), paused_after=None)
+
+
+def test_a_soaking_tier_is_shown_soaking_unless_it_failed() -> None:
+    steps = [step("a", state="done"), step("b")]
+    [counted] = rollout.tier_counts(steps)
+    assert rollout.tier_shown(counted, soaking=True).state == "soaking"
+    assert rollout.tier_shown(counted).state == "rolling"
+    steps[0].state = "failed"
+    [counted] = rollout.tier_counts(steps)
+    assert rollout.tier_shown(counted, soaking=True).state == "failed"
+
+
+# --- drained machines (`mesh drain`) ---------------------------------------------------------
+
+
+def test_a_drained_machine_s_step_is_skipped_unsent_when_it_would_start() -> None:
+    pending, in_flight, free = step("node-1"), step("node-2", state="applying"), step("node-3")
+    assert rollout.skip_drained(pending, drained=True, at=AT) is True
+    assert (pending.state, pending.published, pending.started, pending.finished) == (
+        "skipped", False, None, AT,
+    )  # fmt: skip
+    assert pending.error is not None and "machine node-1 is drained" in pending.error
+    assert "mesh undrain node-1" in pending.error
+    # A step already in flight (resumed by a new holder) goes on; one not drained starts.
+    assert rollout.skip_drained(in_flight, drained=True, at=AT) is False
+    assert in_flight.state == "applying"
+    assert rollout.skip_drained(free, drained=False, at=AT) is False and free.state == "pending"
+
+
+def test_a_revert_keeps_machines_drained_since_they_changed_noting_it_once() -> None:
+    changed = [step("node-1", state="done"), step("node-2", state="failed")]
+    for s in changed:
+        s.published = True
+    changed[1].error = "process hello is starting, not healthy, after 60s"
+    drained = {"node-2"}.__contains__
+    for _ in range(2):  # a new holder reverting again notes nothing twice
+        kept = rollout.kept_by_drain(changed, drained=drained)
+        assert [s.machine for s in kept] == ["node-2"]
+    assert changed[1].error == (
+        "process hello is starting, not healthy, after 60s; machine node-2 is drained: not "
+        "reverted; it keeps this declaration"
+    )
+    assert changed[0].error is None and not any(s.reverted for s in changed)
+
+
+def test_a_drained_machine_is_never_a_canary() -> None:
+    """The canaries are machines that change: a drained one (its step pending, or already
+    skipped for the drain, as a takeover finds it) goes with the rest, where it is skipped."""
+    steps = [step(name, tier=2) for name in ("node-1", "node-3", "node-5")]
+    settings = PlanSettings(canary=1, soak=30)
+    drained = {"node-1"}.__contains__
+    waves = rollout.waves(steps, tier=2, settings=settings, drained=drained)
+    assert [([s.machine for s in w.steps], w.canary) for w in waves] == [
+        (["node-3"], True), (["node-1", "node-5"], False),
+    ]  # fmt: skip
+    rollout.skip_drained(steps[0], drained=True, at=AT)
+    again = rollout.waves(steps, tier=2, settings=settings)  # undrained since: skipped stays
+    assert [s.machine for s in again[0].steps] == ["node-3"]
+    # A share counts the machines that change; with one left, the whole tier soaks after it.
+    assert [len(w.steps) for w in rollout.waves(steps[:2], tier=2, settings=settings)] == [2]

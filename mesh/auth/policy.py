@@ -29,6 +29,7 @@ ROLES: tuple[Role, ...] = ("admin", "viewer", "tools")
 # listed here, is for admins only: a new verb fails closed.
 READ_VERBS = frozenset(
     {"status", "nodes", "plan", "plans", "modules", "declaration", "build-logs", "tools"}
+    | {"history"}  # a module's versions (issue 27)
 )
 HOST_READ_VERBS = ("status", "logs")  # mesh.host.<name>.<verb> an operator may ask
 HOST_ADMIN_VERBS = ("restart",)
@@ -37,12 +38,14 @@ HOST_TOOL_VERBS = ("tool",)  # calling a tool: an admin's and a tools operator's
 # tools, and what says which machines are there and up.
 TOOLS_READ_VERBS = ("status", "nodes", "tools")
 # What an operator may hear (the console's live view): hosts' beats and reports, the seat's
-# announcements, plans' progress. All of it is in what the read verbs answer anyway.
+# announcements, plans' progress, machines drained or undrained. All of it is in what the read
+# verbs answer anyway.
 OPERATOR_WATCH = (
     subjects.HOST_BEATS,
     subjects.EVENTS,
     subjects.SEAT_EVENTS,
     subjects.PLANS,
+    subjects.MACHINES,
 )
 # What a host may ask of the controller's operator verbs: the controller module's own health
 # check (`check = { nats = "mesh.ctl.status" }`), which the host runs.
@@ -162,6 +165,7 @@ def _controller(user: User) -> Permissions:
         publish=[
             subjects.seat(">"),
             subjects.plan("*"),  # plans' progress (services/controller/planner.py)
+            subjects.machine("*"),  # a machine drained or undrained (changes.py)
             subjects.host("*", "build"),
             f"{_API}.>",
             f"{KV_SUBJECTS}.>",

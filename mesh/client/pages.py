@@ -15,6 +15,7 @@ from mesh.client.asking import VerbFailed, ask
 from mesh.model import (
     PAGE_MOST,
     DiffReply,
+    HistoryReply,
     ModulesReply,
     NodesReply,
     PlanReply,
@@ -48,6 +49,7 @@ LISTINGS: dict[type, Listing] = {
     ModulesReply: Listing("modules", key=lambda m: m.name, join=_join_module),
     DiffReply: Listing("machines", key=lambda m: m.machine),
     ToolsReply: Listing("tools", key=lambda t: (t.machine, t.server, t.name)),
+    HistoryReply: Listing("versions", key=lambda v: v.version),
 }
 
 

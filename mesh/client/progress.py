@@ -23,8 +23,12 @@ from mesh.client.asking import VerbFailed
 from mesh.client.pages import ask_list
 from mesh.model import PlanProgress, PlanReply, PlanRequest
 
-FINAL = ("done", "failed", "reverted")
+FINAL = ("done", "failed", "reverted", "cancelled")
 QUIET = 3.0  # seconds without a word from the holder before `plan` is asked
+# A plan held for its approval, or paused, may wait for hours with nothing to tell; the verb
+# that moves it on tells it at once, so `plan` is asked far less often meanwhile.
+WAITING = ("held", "paused")
+QUIET_WAITING = 30.0
 ASK_WITHIN = 30.0  # one ask of `plan`, across a handover or a takeover
 TOLD_QUEUE = 64  # messages waiting to be shown; past that they are dropped (the next ask has them)
 
@@ -83,9 +87,10 @@ async def follow_plan(
     async with _told(nc, plan_id) as told:
         plan = await asked()
         show(plan)
-        while plan.state not in FINAL:
+        state = plan.state
+        while state not in FINAL:
             msg = None
-            with anyio.move_on_after(quiet):
+            with anyio.move_on_after(QUIET_WAITING if state in WAITING else quiet):
                 msg = await told.receive()
             if msg is not None and msg.subject == subjects.plan(plan_id):
                 try:
@@ -93,8 +98,10 @@ async def follow_plan(
                 except wire.BadRequest:
                     continue  # not the holder's words: what it says next, or a quiet while
                 if progress.state not in FINAL:
+                    state = progress.state
                     show(progress)
                     continue
             plan = await asked()  # quiet, a new holder, or the end: every step
+            state = plan.state
             show(plan)
     return plan

@@ -4,7 +4,8 @@ Refused: unknown fields; a NUL byte in any string or key; a shell string where a
 required; a container built from the module's own source (a module's own code is bundles, never
 an image); a process naming an unknown bundle or account; a path that escapes its root (`..`,
 absolute, symlink out); durations and modes that do not parse; names that are not valid subject
-tokens; numbers out of their range (tiers, `max_parallel`); privileged accounts and groups
+tokens; numbers out of their range (tiers, `max_parallel`, `canary`, `pause_after`); privileged
+accounts and groups
 (mesh.osaccounts: `root`, the mesh's own accounts, groups such as `sudo` or `docker` unless named
 in `privileged_groups`).
 """
@@ -75,6 +76,28 @@ def duration(text: str) -> float:
     if not seconds <= MAX_DURATION:  # inf too: it would be encoded as null, then not read back
         raise ValueError(f"{text[:20]!r} is longer than {MAX_DURATION / 3600:g}h")
     return seconds
+
+
+_SHARE = re.compile(r"(\d+(?:\.\d+)?)%")
+
+
+def canary(value: int | str) -> tuple[int, float]:
+    """`[rollout] canary` as a count or a share of each tier: (N, 0.0) for N machines,
+    (0, P) for "P%" (0 < P <= 100). A canary of none is no `canary` at all: 0 is refused."""
+    if isinstance(value, int):
+        if not 1 <= value <= MAX_PARALLEL:
+            raise ValueError(
+                f"{value} is out of range (1 to {MAX_PARALLEL} machines of each tier, or a "
+                'share like "10%"; leave canary out for none)'
+            )
+        return value, 0.0
+    m = _SHARE.fullmatch(value)
+    if not m:
+        raise ValueError(f'{value[:20]!r} is not a number of machines nor a share like "10%"')
+    share = float(m.group(1))
+    if not 0 < share <= 100:
+        raise ValueError(f"{value!r} is out of range (more than 0% and at most 100% of a tier)")
+    return 0, share
 
 
 def mode(text: str) -> int:
@@ -263,6 +286,21 @@ def _duration(module: str, field: str, value: str) -> None:
         raise Refused(module, field, str(e)) from None
 
 
+def _canary_and_soak(mod: str, m: Manifest) -> None:
+    """`[rollout] canary`, `soak` and `pause_after` (a tier must be one: 0 to MAX_TIER)."""
+    r = m.rollout
+    if r.canary is not None:
+        try:
+            canary(r.canary)
+        except ValueError as e:
+            raise Refused(mod, "rollout.canary", str(e)) from None
+    if r.soak is not None:
+        _duration(mod, "rollout.soak", r.soak)
+    for t in r.pause_after:
+        if not 0 <= t <= MAX_TIER:
+            raise Refused(mod, "rollout.pause_after", f"{t} is not a tier (0 to {MAX_TIER})")
+
+
 def _count(mod: str, field: str, items: Sized, limit: int, what: str) -> None:
     if len(items) > limit:
         raise Refused(mod, field, f"{len(items)} {what}, at most {limit}")
@@ -310,6 +348,7 @@ def check(m: Manifest) -> None:
             mod, "rollout.max_parallel", f"{m.rollout.max_parallel} is out of range (0 to "
             f"{MAX_PARALLEL}; 0: the whole tier at once)",
         )  # fmt: skip
+    _canary_and_soak(mod, m)
     for name, a in m.account.items():
         _account(mod, name, a)
     ports: dict[int, str] = {}

@@ -115,6 +115,12 @@ class Rollout(Strict):
     max_parallel: int = 0  # machines changed at once within a tier; 0: all of the tier
     auto_revert: bool = True  # on the first failure, give changed machines their old declaration
     skip_down: bool = False  # a machine down when its tier starts is skipped, not failed
+    # Canaries and soaks (docs/modules.md, [rollout]): N machines of each tier, or "P%" of
+    # them, go first; a soak (a duration) they (without canaries: each tier) must stay healthy
+    # before the rest go; tiers after which the plan pauses itself until `mesh plan resume`.
+    canary: int | str | None = None
+    soak: str | None = None
+    pause_after: list[int] = []
 
 
 class Manifest(Strict):

@@ -19,6 +19,7 @@ class MachineRow(msgspec.Struct):
     last_seen: datetime | None
     beat_interval: float
     version: str | None = None  # the host agent's running mesh; None: it never said
+    drained: bool = False  # skipped by every plan (`mesh drain`)
 
 
 def _row(r: asyncpg.Record) -> MachineRow:
@@ -32,13 +33,14 @@ def _row(r: asyncpg.Record) -> MachineRow:
         last_seen=r["last_seen"],
         beat_interval=r["beat_interval"],
         version=r["version"],
+        drained=r["drained"],
     )
 
 
 async def all_machines(conn: asyncpg.Connection | asyncpg.Pool) -> list[MachineRow]:
     rows = await conn.fetch(
-        "SELECT name, tier, labels, facts, up, last_seen, beat_interval, version FROM machines"
-        " ORDER BY name"
+        "SELECT name, tier, labels, facts, up, last_seen, beat_interval, version, drained"
+        " FROM machines ORDER BY name"
     )
     return [_row(r) for r in rows]
 
@@ -89,7 +91,7 @@ async def register_many(
             last_seen = now(),
             beat_interval = excluded.beat_interval,
             version = excluded.version
-        RETURNING name, tier, labels, facts, up, last_seen, beat_interval, version
+        RETURNING name, tier, labels, facts, up, last_seen, beat_interval, version, drained
         """,
         [r.name for r in registrations],
         [r.claimed_tier for r in registrations],
@@ -139,6 +141,27 @@ async def set_labels(conn: asyncpg.Connection, *, name: str, labels: dict[str, s
         name,
         json.dumps(labels, sort_keys=True),
     )
+
+
+async def set_drained(conn: asyncpg.Connection, *, name: str, drained: bool) -> None:
+    await conn.execute("UPDATE machines SET drained = $2 WHERE name = $1", name, drained)
+
+
+async def wanted_while_drained(conn: asyncpg.Connection | asyncpg.Pool) -> dict[str, str]:
+    """Drained machine -> the digest the catalog composed for it when a plan last skipped it
+    for the drain (its newest step, if that one was skipped unsent): what `nodes` shows as
+    wanted until it is undrained. A drained machine no plan has skipped wants what it has."""
+    rows = await conn.fetch(
+        """
+        SELECT m.name, s.after FROM machines m
+        CROSS JOIN LATERAL (
+            SELECT after, state, published FROM plan_steps WHERE machine = m.name
+            ORDER BY plan_id DESC LIMIT 1
+        ) s
+        WHERE m.drained AND s.state = 'skipped' AND NOT s.published
+        """
+    )
+    return {r["name"]: r["after"] for r in rows}
 
 
 async def set_up_many(conn: asyncpg.Connection, changes: list[tuple[str, bool, datetime]]) -> None:

@@ -1,11 +1,14 @@
 """Modules in the store: every pushed version, the current one per module, and assignments
-(a module on a machine); taking a reverted plan's change of them back."""
+(a module on a machine); taking a reverted plan's change of them back; a module's history (its
+versions by number, each with the last plan that rolled it out) and going back to one."""
 
 import json
 from datetime import datetime
 
 import asyncpg
 import msgspec
+
+from mesh.model import PlanState
 
 
 class StoredVersion(msgspec.Struct):
@@ -59,19 +62,11 @@ async def record_version(
     bundles: dict[str, str],
     by: str,
 ) -> bool:
-    """Make `version` the module's current one (history kept). False if it already was."""
-    vid = await conn.fetchval(
-        """
-        INSERT INTO module_versions (module, version, manifest, bundles, pushed_by)
-        VALUES ($1, $2, $3, $4::jsonb, $5)
-        ON CONFLICT (module, version) DO UPDATE SET module = excluded.module
-        RETURNING id
-        """,
-        module,
-        version,
-        manifest,
-        json.dumps(bundles, sort_keys=True),
-        by,
+    """Make `version` the module's current one (history kept). False if it already was. A
+    version pushed again keeps its row (and its number); its bundles are stored again by the
+    push, so they count as kept."""
+    vid = await keep_version(
+        conn, module=module, version=version, manifest=manifest, bundles=bundles, by=by
     )
     current = await conn.fetchval("SELECT version_id FROM modules WHERE name = $1", module)
     if current == vid:
@@ -85,6 +80,40 @@ async def record_version(
         vid,
     )
     return True
+
+
+async def keep_version(
+    conn: asyncpg.Connection,
+    *,
+    module: str,
+    version: str,
+    manifest: str,
+    bundles: dict[str, str],
+    by: str,
+) -> int:
+    """Store a version (once) without making it current, as a held push does; its id. A
+    version stored again keeps its row (and its number) and counts as kept: its push stored
+    its bundles again."""
+    return await conn.fetchval(
+        """
+        INSERT INTO module_versions (module, version, manifest, bundles, pushed_by)
+        VALUES ($1, $2, $3, $4::jsonb, $5)
+        ON CONFLICT (module, version) DO UPDATE SET bundles_pruned = NULL
+        RETURNING id
+        """,
+        module,
+        version,
+        manifest,
+        json.dumps(bundles, sort_keys=True),
+        by,
+    )
+
+
+async def version_of(conn: asyncpg.Connection, version_id: int) -> StoredVersion:
+    """A stored version by its id (a held push's, being approved)."""
+    r = await conn.fetchrow(f"SELECT {_VERSION} FROM module_versions v WHERE v.id = $1", version_id)
+    assert r is not None, version_id  # versions are never deleted
+    return _version(r)
 
 
 async def assignments(conn: asyncpg.Connection) -> dict[str, set[str]]:
@@ -136,7 +165,7 @@ async def undo(conn: asyncpg.Connection, trigger: str, change: dict, *, plan_id:
         )
         if later is not None:
             return f"module {module}'s assignment changed again since (plan {later}): it stands"
-    if trigger == "push" and module:
+    if trigger in ("push", "rollback") and module:
         now = await conn.fetchval("SELECT version_id FROM modules WHERE name = $1", module)
         if now != change["to"]:
             return f"module {module} was pushed again since: its newer version stands"
@@ -157,3 +186,159 @@ async def undo(conn: asyncpg.Connection, trigger: str, change: dict, *, plan_id:
         await assign(conn, module=module, machines=change["machines"])
         return f"module {module} is assigned again to {', '.join(change['machines'])}"
     return "nothing to take back"
+
+
+# --- a module's history, and going back ------------------------------------------------------
+
+
+class HistoryRow(msgspec.Struct, frozen=True):
+    """One version of a module as its history shows it."""
+
+    id: int  # module_versions.id
+    number: int  # 1 for the module's first version, then 2, 3, ... in the order first pushed
+    digest: str  # its source archive's sha256 (module_versions.version)
+    pushed_at: datetime
+    pushed_by: str
+    plan: int | None  # the last push or rollback plan that rolled it out
+    state: PlanState | None  # that plan's state
+    current: bool
+    pruned: bool  # its bundles were deleted from the bundle store (services/controller/bundles.py)
+
+
+async def history(
+    conn: asyncpg.Connection, module: str, *, below: int | None = None, most: int | None = None
+) -> list[HistoryRow]:
+    """The module's versions, newest (highest number) first: those numbered below `below`, at
+    most `most` of them. A version's number is its place among the module's versions by id:
+    rows are never deleted, so it never changes; a version pushed again keeps its row."""
+    rows = await conn.fetch(
+        """
+        WITH v AS (
+            SELECT id, version, pushed_at, pushed_by, bundles_pruned IS NOT NULL AS pruned,
+                   row_number() OVER (ORDER BY id) AS number
+            FROM module_versions WHERE module = $1
+        ), rolled AS (
+            -- A plan names the version it rolls out in `undo.to` once it is in the catalog; a
+            -- held push's (or one cancelled while held) names it in `hold.version` alone.
+            SELECT DISTINCT ON (vid) vid, id, state FROM (
+                SELECT CASE WHEN jsonb_typeof(undo -> 'to') = 'number' THEN undo -> 'to'
+                            ELSE hold -> 'version' END AS vid, id, state
+                FROM plans WHERE subject = $1 AND trigger IN ('push', 'rollback')
+            ) p WHERE vid IS NOT NULL
+            ORDER BY vid, id DESC
+        )
+        SELECT v.id, v.number, v.version, v.pushed_at, v.pushed_by, v.pruned,
+               coalesce(m.version_id = v.id, false) AS current, r.id AS plan, r.state
+        FROM v
+        LEFT JOIN modules m ON m.name = $1
+        LEFT JOIN rolled r ON r.vid = to_jsonb(v.id)
+        WHERE $2::bigint IS NULL OR v.number < $2
+        ORDER BY v.number DESC LIMIT $3
+        """,
+        module,
+        below,
+        most,
+    )
+    return [_history_row(r) for r in rows]
+
+
+def _history_row(r: asyncpg.Record) -> HistoryRow:
+    return HistoryRow(
+        id=r["id"], number=r["number"], digest=r["version"], pushed_at=r["pushed_at"],
+        pushed_by=r["pushed_by"], plan=r["plan"], state=r["state"], current=r["current"],
+        pruned=r["pruned"],
+    )  # fmt: skip
+
+
+async def version_count(conn: asyncpg.Connection, module: str) -> int:
+    return await conn.fetchval("SELECT count(*) FROM module_versions WHERE module = $1", module)
+
+
+async def stored_version(conn: asyncpg.Connection, version_id: int) -> StoredVersion | None:
+    r = await conn.fetchrow(f"SELECT {_VERSION} FROM module_versions v WHERE v.id = $1", version_id)
+    return _version(r) if r is not None else None
+
+
+async def set_current(conn: asyncpg.Connection, *, module: str, version_id: int) -> None:
+    """A registered module back at one of its versions (a rollback), whose bundles were found
+    stored: they are in use again, and kept as the current version's."""
+    await conn.execute(
+        "UPDATE modules SET version_id = $2, updated_at = now() WHERE name = $1",
+        module,
+        version_id,
+    )
+    await conn.execute("UPDATE module_versions SET bundles_pruned = NULL WHERE id = $1", version_id)
+
+
+# --- the bundles kept (services/controller/bundles.py) -----------------------------------------
+
+
+class OldVersion(msgspec.Struct, frozen=True):
+    """A version past the number kept whose bundles are still stored."""
+
+    id: int
+    module: str
+    number: int
+    digests: frozenset[str]  # its source archive's and its stored bundles'
+
+
+async def old_versions(
+    conn: asyncpg.Connection, *, keep: int, most: int, after: int = 0
+) -> tuple[list[OldVersion], set[str]]:
+    """At most `most` versions, oldest first from just after the id `after`, that are neither
+    among their module's newest `keep` nor its current one and whose bundles are still stored;
+    and every digest the versions that are kept name (a bundle two versions share stays with
+    the newer)."""
+    rows = await conn.fetch(
+        """
+        SELECT v.id, v.module, v.version, v.bundles, v.bundles_pruned IS NOT NULL AS pruned,
+               row_number() OVER (PARTITION BY v.module ORDER BY v.id) AS number,
+               row_number() OVER (PARTITION BY v.module ORDER BY v.id DESC) > $1
+                   AND m.name IS NULL AS old
+        FROM module_versions v LEFT JOIN modules m ON m.version_id = v.id
+        ORDER BY v.id
+        """,
+        keep,
+    )
+    old: list[OldVersion] = []
+    kept: set[str] = set()
+    for r in rows:
+        stored = {d for d in json.loads(r["bundles"]).values() if d.startswith("sha256:")}
+        digests = frozenset({r["version"], *stored})
+        if not r["old"]:
+            kept |= digests
+        elif not r["pruned"] and r["id"] > after and len(old) < most:
+            old.append(OldVersion(id=r["id"], module=r["module"], number=r["number"],
+                                  digests=digests))  # fmt: skip
+    return old, kept
+
+
+async def still_named(
+    conn: asyncpg.Connection, digests: list[str], *, ended: list[str]
+) -> set[str]:
+    """Those of `digests` that a machine's stored declaration names, or a plan whose state is
+    not one of `ended` (its steps' declarations, or the bundles a push builds). A digest is
+    looked for as the text it is in canonical JSON: the one spelling a declaration has."""
+    rows = await conn.fetch(
+        """
+        SELECT d FROM unnest($1::text[]) AS d
+        WHERE EXISTS (SELECT 1 FROM declarations WHERE position(convert_to(d, 'UTF8') IN body) > 0)
+           OR EXISTS (
+               SELECT 1 FROM plans p WHERE p.state <> ALL($2::text[])
+               AND (position(d IN p.builds::text) > 0 OR EXISTS (
+                   SELECT 1 FROM plan_steps s WHERE s.plan_id = p.id
+                   AND (position(convert_to(d, 'UTF8') IN s.after_body) > 0
+                        OR position(convert_to(d, 'UTF8') IN coalesce(s.before_body, ''::bytea))
+                           > 0))))
+        """,
+        digests,
+        ended,
+    )
+    return {r["d"] for r in rows}
+
+
+async def mark_pruned(conn: asyncpg.Connection, version_ids: list[int]) -> None:
+    await conn.execute(
+        "UPDATE module_versions SET bundles_pruned = now() WHERE id = ANY($1::bigint[])",
+        version_ids,
+    )

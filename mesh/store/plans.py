@@ -6,7 +6,7 @@ plan in progress can be continued by whichever controller holds the seat next.
 """
 
 import json
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 import asyncpg
@@ -19,13 +19,19 @@ from mesh.model import (
     PlanState,
     PlanStep,
     PlanSummary,
+    Soak,
     StepState,
     Trigger,
 )
 
-OPEN: tuple[PlanState, ...] = ("pending", "building", "rolling")
-# What the planner takes: a `building` plan has no steps until its push's builds are done.
-READY: tuple[PlanState, ...] = ("pending", "rolling")
+OPEN: tuple[PlanState, ...] = ("pending", "building", "held", "rolling", "paused")
+# Plans whose change is in the catalog and not yet on every machine (a held plan's change is
+# made in the catalog only when it is approved: services/controller/changes.py).
+CHANGING: tuple[PlanState, ...] = ("pending", "building", "rolling", "paused")
+# What the planner takes: a `building` plan has no steps until its push's builds are done, a
+# held one waits for its approval outside the queue, and a paused one keeps its turn (its
+# change is in the catalog: a later plan would carry it to machines it has not reached).
+READY: tuple[PlanState, ...] = ("pending", "rolling", "paused")
 
 
 class Step(msgspec.Struct):
@@ -59,6 +65,12 @@ class Plan(msgspec.Struct):
     builds: list[PlanBuild]
     undo: dict[str, Any]
     steps: list[Step]
+    # Steering (migration 007; docs/operations.md, Steering a change)
+    hold: dict[str, Any] | None = None  # a held plan's catalog change, made when approved
+    cancel: str | None = None  # why it is (being) cancelled
+    soak_tier: int | None = None  # the soak in progress (`soak_until` set) or last passed
+    soak_until: datetime | None = None
+    paused_after: int | None = None  # the last tier after which it paused itself
 
 
 async def create(
@@ -73,14 +85,17 @@ async def create(
     undo: dict[str, Any],
     steps: list[Step],
     state: PlanState = "pending",
+    hold: dict[str, Any] | None = None,
 ) -> int:
     plan_id: int = await conn.fetchval(
-        "INSERT INTO plans (trigger, subject, state, epoch, requested_by, settings, builds, undo)"
-        " VALUES ($1, $2, $8, $3, $4, $5::jsonb, $6::jsonb, $7::jsonb) RETURNING id",
+        "INSERT INTO plans (trigger, subject, state, epoch, requested_by, settings, builds, undo,"
+        " hold) VALUES ($1, $2, $8, $3, $4, $5::jsonb, $6::jsonb, $7::jsonb, $9::jsonb)"
+        " RETURNING id",
         trigger, subject, epoch, by,
         msgspec.json.encode(settings).decode(),
         msgspec.json.encode(builds).decode(),
         json.dumps(undo, sort_keys=True), state,
+        None if hold is None else json.dumps(hold, sort_keys=True),
     )  # fmt: skip
     await _insert_steps(conn, plan_id, steps)
     return plan_id
@@ -102,16 +117,20 @@ async def built(
     builds: list[PlanBuild],
     undo: dict[str, Any],
     steps: list[Step],
+    hold: dict[str, Any] | None = None,
 ) -> bool:
-    """A `building` plan whose builds are done gets its steps and waits its turn (`pending`);
-    False if it is no longer building (a new holder failed it)."""
+    """A `building` plan whose builds are done gets its steps and waits its turn (`pending`),
+    or, with `hold`, its approval (`held`); False if it is no longer building (a new holder
+    failed it)."""
     done = await conn.fetchval(
-        "UPDATE plans SET state = 'pending', settings = $2::jsonb, builds = $3::jsonb,"
-        " undo = $4::jsonb WHERE id = $1 AND state = 'building' RETURNING id",
+        "UPDATE plans SET state = $5, settings = $2::jsonb, builds = $3::jsonb,"
+        " undo = $4::jsonb, hold = $6::jsonb WHERE id = $1 AND state = 'building' RETURNING id",
         plan_id,
         msgspec.json.encode(settings).decode(),
         msgspec.json.encode(builds).decode(),
         json.dumps(undo, sort_keys=True),
+        "pending" if hold is None else "held",
+        None if hold is None else json.dumps(hold, sort_keys=True),
     )
     if done is None:
         return False
@@ -141,7 +160,7 @@ async def fail_building(
 
 _PLAN = (
     "id, state, trigger, subject, requested_by, epoch, created, started, finished, phase, error,"
-    " settings, builds, undo"
+    " settings, builds, undo, hold, cancel, soak_tier, soak_until, paused_after"
 )
 
 
@@ -170,6 +189,8 @@ def _plan(r: asyncpg.Record, steps: list[Step]) -> Plan:
         settings=msgspec.json.decode(r["settings"], type=PlanSettings),
         builds=msgspec.json.decode(r["builds"], type=list[PlanBuild]),
         undo=json.loads(r["undo"]), steps=steps,
+        hold=json.loads(r["hold"]) if r["hold"] is not None else None, cancel=r["cancel"],
+        soak_tier=r["soak_tier"], soak_until=r["soak_until"], paused_after=r["paused_after"],
     )  # fmt: skip
 
 
@@ -223,12 +244,14 @@ async def step_views(
 
 
 async def oldest_open(conn: asyncpg.Connection | asyncpg.Pool) -> int | None:
-    """The plan the planner takes next: the one rolling (a new holder continues it), else the
-    oldest pending. Rolling first: a plan whose builds finished late is older than plans that
-    may have started meanwhile, and two plans must never roll (or revert) at once."""
+    """The plan the planner takes next: the one started (rolling, or paused: a new holder
+    continues it), else the oldest pending (or paused before it started: the queue waits for
+    it). Started first: a plan whose builds finished late, or that was approved late, is older
+    than plans that may have started meanwhile, and two plans must never roll (or revert) at
+    once."""
     return await conn.fetchval(
         "SELECT id FROM plans WHERE state = ANY($1::text[])"
-        " ORDER BY state = 'rolling' DESC, id LIMIT 1",
+        " ORDER BY started IS NOT NULL DESC, id LIMIT 1",
         list(READY),
     )
 
@@ -248,15 +271,17 @@ async def expected(conn: asyncpg.Connection, machines: list[str]) -> dict[str, s
             "SELECT machine, digest FROM declarations WHERE machine = ANY($1::text[])", machines
         )
     }
-    # A plan that is reverting leaves its machines at `before`, not `after`.
+    # A plan that is reverting leaves its machines at `before`, not `after`; a step skipped
+    # without being sent (a drained machine) leaves its machine at what it has.
     planned = await conn.fetch(
         "SELECT DISTINCT ON (s.machine) s.machine,"
         " CASE WHEN p.phase = 'revert' THEN coalesce(s.before, '') ELSE s.after END AS digest"
         " FROM plan_steps s JOIN plans p ON p.id = s.plan_id"
         " WHERE s.machine = ANY($1::text[]) AND p.state = ANY($2::text[])"
+        " AND NOT (s.state = 'skipped' AND NOT s.published)"
         " ORDER BY s.machine, p.id DESC",
         machines,
-        list(OPEN),
+        list(CHANGING),
     )
     found.update({r["machine"]: r["digest"] for r in planned})
     return found
@@ -264,10 +289,13 @@ async def expected(conn: asyncpg.Connection, machines: list[str]) -> dict[str, s
 
 async def set_plan(conn: asyncpg.Connection, plan_id: int, **fields: Any) -> None:
     """Update a plan's columns (names from this module only, never from a message)."""
-    allowed = {"state", "phase", "started", "finished", "error"}
+    allowed = {"state", "phase", "started", "finished", "error"} | _STEERING
     assert set(fields) <= allowed, fields
     sets = ", ".join(f"{k} = ${i}" for i, k in enumerate(fields, start=2))
     await conn.execute(f"UPDATE plans SET {sets} WHERE id = $1", plan_id, *fields.values())
+
+
+_STEERING = {"cancel", "soak_tier", "soak_until", "paused_after"}
 
 
 async def set_steps(
@@ -299,13 +327,13 @@ async def recent(
             SELECT * FROM plans WHERE $2::bigint IS NULL OR id < $2 ORDER BY id DESC LIMIT $1
         )
         SELECT p.id, p.state, p.trigger, p.subject, p.requested_by, p.created, p.finished,
-               p.phase, p.error,
+               p.phase, p.error, p.soak_tier, p.soak_until, p.cancel,
                count(s.machine) AS machines,
                count(s.machine) FILTER (WHERE s.state IN ('done', 'skipped')) AS done,
                min(s.tier) FILTER (WHERE s.state IN ('pending', 'applying')) AS tier
         FROM page p LEFT JOIN plan_steps s ON s.plan_id = p.id
         GROUP BY p.id, p.state, p.trigger, p.subject, p.requested_by, p.created, p.finished,
-                 p.phase, p.error
+                 p.phase, p.error, p.soak_tier, p.soak_until, p.cancel
         ORDER BY p.id DESC
         """,
         limit,
@@ -323,5 +351,71 @@ def _summary(r: asyncpg.Record) -> PlanSummary:
         id=r["id"], state=r["state"], trigger=r["trigger"], subject=r["subject"],
         by=r["requested_by"], created=r["created"], finished=r["finished"],
         machines=r["machines"], done=r["done"],
-        tier=r["tier"] if r["state"] in OPEN else None, phase=r["phase"], failure=r["error"],
+        tier=r["tier"] if r["state"] in CHANGING else None, phase=r["phase"], failure=r["error"],
+        soak=soak_shown(r["soak_tier"], r["soak_until"]), cancelled=r["cancel"],
     )  # fmt: skip
+
+
+# --- steering (docs/operations.md, Steering a change) -------------------------------------------
+
+
+def soak_shown(
+    tier: int | None, until: datetime | None, *, now: datetime | None = None
+) -> Soak | None:
+    """The soak in progress as replies show it, with the seconds left now."""
+    if tier is None or until is None:
+        return None
+    left = (until - (now or datetime.now(UTC))).total_seconds()
+    return Soak(tier=tier, until=until, left=round(max(0.0, left), 1))
+
+
+async def locked(conn: asyncpg.Connection, plan_id: int) -> Plan | None:
+    """The plan without its steps, its row locked until the transaction ends: the operator's
+    verbs and the planner's own moves (start, finish) take it first, so they come one after
+    the other, each seeing what the one before wrote."""
+    r = await conn.fetchrow(f"SELECT {_PLAN} FROM plans WHERE id = $1 FOR UPDATE", plan_id)
+    return None if r is None else _plan(r, [])
+
+
+async def replace_steps(conn: asyncpg.Connection, plan_id: int, steps: list[Step]) -> None:
+    """A held plan being approved: its steps as the catalog has them now."""
+    await conn.execute("DELETE FROM plan_steps WHERE plan_id = $1", plan_id)
+    await _insert_steps(conn, plan_id, steps)
+
+
+async def approved(
+    conn: asyncpg.Connection,
+    plan_id: int,
+    *,
+    settings: PlanSettings,
+    undo: dict[str, Any],
+    hold: dict[str, Any],
+) -> None:
+    """A held plan approved: its change made, it waits its turn; `hold` keeps who approved."""
+    await conn.execute(
+        "UPDATE plans SET state = 'pending', settings = $2::jsonb, undo = $3::jsonb,"
+        " hold = $4::jsonb WHERE id = $1",
+        plan_id,
+        msgspec.json.encode(settings).decode(),
+        json.dumps(undo, sort_keys=True),
+        json.dumps(hold, sort_keys=True),
+    )
+
+
+async def steered_of(conn: asyncpg.Connection, module: str) -> list[Plan]:
+    """A module's held or paused plans (without their steps), oldest first: what a new change
+    of the module supersedes. (A secret's plan names a secret, an undrain's a machine.)"""
+    rows = await conn.fetch(
+        f"SELECT {_PLAN} FROM plans WHERE subject = $1 AND trigger NOT IN ('secret', 'undrain')"
+        " AND state IN ('held', 'paused') ORDER BY id FOR UPDATE",
+        module,
+    )
+    return [_plan(r, []) for r in rows]
+
+
+async def soaking(conn: asyncpg.Connection | asyncpg.Pool) -> int:
+    """How many plans are soaking now (the controller's metrics)."""
+    return await conn.fetchval(
+        "SELECT count(*) FROM plans WHERE soak_until IS NOT NULL AND state = ANY($1::text[])",
+        list(CHANGING),
+    )

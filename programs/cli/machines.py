@@ -5,9 +5,13 @@ reload of the mesh's nats-server so the change counts at once.
 `mesh label MACHINE K=V... [--remove K]`, and `mesh machine add --tier --label --builder`: the
 tier and labels that decide what a machine gets are the operator's, held by the controller; a
 host never chooses its own (docs/security.md). A machine not registered yet is placed: its
-first registration takes them."""
+first registration takes them.
+
+`mesh drain MACHINE` / `mesh undrain MACHINE`: a machine out of every plan (it keeps what it
+runs), and back in, brought up to date by a plan of its own."""
 
 import argparse
+import getpass
 import shlex
 from pathlib import Path
 from typing import Any
@@ -19,11 +23,12 @@ from mesh.auth import creds as credentials
 from mesh.auth import registry, server
 from mesh.client.asking import connected
 from mesh.meshdir import DEFAULT_DIR, MeshDir
-from mesh.model import LabelReply, LabelRequest
+from mesh.model import DrainReply, DrainRequest, LabelReply, LabelRequest
 from mesh.names import InvalidName, check_name
+from programs.cli import plans
 from programs.cli.args import Parser, label, tier
 from programs.cli.client import CliError, verb, where
-from programs.cli.output import console, print_json
+from programs.cli.output import console, print_json, whole
 from programs.placement import place, place_new
 from programs.units import host_unit, render
 
@@ -82,6 +87,20 @@ def add_parsers(verbs: Any, common: argparse.ArgumentParser) -> None:
         "--remove", type=_label_key, action="append", default=[], metavar="K",
         help="a label to remove (repeatable)",
     )  # fmt: skip
+
+    drain = verbs.add_parser(
+        "drain", parents=[common],
+        help="take a machine out of every plan; it keeps what it runs (an admin's)",
+    )  # fmt: skip
+    drain.add_argument("machine", metavar="MACHINE")
+    undrain = verbs.add_parser(
+        "undrain", parents=[common],
+        help="put a drained machine back; a plan brings it up to date (an admin's)",
+    )  # fmt: skip
+    undrain.add_argument("machine", metavar="MACHINE")
+    undrain.add_argument(
+        "--wait", action="store_true", help="follow the plan that brings it up to date to its end"
+    )
 
 
 def add_dev_parser(dev_verbs: Any, common: argparse.ArgumentParser) -> None:
@@ -214,6 +233,32 @@ async def cmd_label(args: argparse.Namespace) -> None:
     console().print(after)
 
 
+async def _drain(args: argparse.Namespace, name: str) -> None:
+    """`mesh drain MACHINE` / `mesh undrain MACHINE [--wait]`."""
+    check_name(args.machine, field="MACHINE")
+    req = DrainRequest(machine=args.machine, by=getpass.getuser())
+    reply = await verb(args, name, DrainReply, req, changes=True)
+    if reply.plan is None or not getattr(args, "wait", False):
+        print_json(reply) if args.json else console().print(reply.message)
+        return
+    if not args.json:
+        console().print(reply.message)
+    final = await plans.follow(args, reply.plan)
+    if args.json:
+        print_json({**msgspec.to_builtins(reply), "outcome": whole(final)})
+    else:
+        plans.render_end(final)
+    plans.outcome(final)
+
+
+async def cmd_drain(args: argparse.Namespace) -> None:
+    await _drain(args, "drain")
+
+
+async def cmd_undrain(args: argparse.Namespace) -> None:
+    await _drain(args, "undrain")
+
+
 async def cmd_machine_remove(args: argparse.Namespace) -> None:
     name = check_name(args.name, field="NAME")
     folder = _mesh(args)
@@ -240,5 +285,7 @@ COMMANDS = {
     ("machine", "add"): cmd_machine_add,
     ("machine", "remove"): cmd_machine_remove,
     ("label",): cmd_label,
+    ("drain",): cmd_drain,
+    ("undrain",): cmd_undrain,
     ("dev", "place"): cmd_dev_place,
 }

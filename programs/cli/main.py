@@ -19,7 +19,17 @@ from mesh import config, errors
 from mesh.errors import MeshError
 from mesh.model import HandoverReply, NodesReply, NodesRequest, StatusReply
 from mesh.names import check_name
-from programs.cli import certs, devcreds, hosts, machines, modules, render, tools, webconsole
+from programs.cli import (
+    certs,
+    devcreds,
+    hosts,
+    machines,
+    modules,
+    render,
+    tools,
+    versions,
+    webconsole,
+)
 from programs.cli.args import LIMIT_HELP, METRICS_HELP, Parser, count, label, listen, tier
 from programs.cli.client import CliError, listed, verb
 from programs.cli.output import console, print_json, whole
@@ -119,6 +129,18 @@ def parser() -> argparse.ArgumentParser:
         f"{config.EVENTS_PRUNE_EVERY})",
     )  # fmt: skip
 
+    # Read by mesh.config.versions_kept, which names the flag (or variable) of a bad value.
+    ctl_run.add_argument(
+        "--versions-kept", metavar="N",
+        help="the bundles of each module's newest N versions are kept for rollbacks, or off "
+        f"(env MESH_VERSIONS_KEPT; {config.VERSIONS_KEPT})",
+    )  # fmt: skip
+    ctl_run.add_argument(
+        "--versions-prune-every", metavar="SPAN",
+        help="how often the holder deletes older versions' bundles (env "
+        f"MESH_VERSIONS_PRUNE_EVERY; {config.VERSIONS_PRUNE_EVERY})",
+    )  # fmt: skip
+
     ready = ctl_verbs.add_parser(
         "ready", parents=[common], help="exit 0 if this machine's controller holds or stands by"
     )
@@ -150,6 +172,7 @@ def parser() -> argparse.ArgumentParser:
     # Given by an agent to the new version of itself it starts (services/host/successor.py).
     host_run.add_argument("--successor-fd", type=int, default=None, help=argparse.SUPPRESS)
     modules.add_parsers(verbs, common)
+    versions.add_parsers(verbs, common)
     hosts.add_parsers(verbs, common)
     machines.add_parsers(verbs, common)
     certs.add_parsers(verbs, common)
@@ -238,6 +261,7 @@ async def cmd_controller_run(args: argparse.Namespace) -> None:
         max_age=args.events_max_age, max_count=args.events_max_count,
         every=args.events_prune_every,
     )  # fmt: skip
+    versions = config.versions_kept(count=args.versions_kept, every=args.versions_prune_every)
     await run(
         nats_url=config.nats_url(
             getattr(args, "nats_url", None), config.creds(getattr(args, "creds", None))
@@ -248,6 +272,7 @@ async def cmd_controller_run(args: argparse.Namespace) -> None:
         down_after=args.down_after,
         metrics_on=args.metrics,
         events=events,
+        versions=versions,
     )
 
 
@@ -285,6 +310,7 @@ COMMANDS: dict[tuple[str, ...], Callable[[argparse.Namespace], Any]] = {
     ("controller", "migrate"): cmd_controller_migrate,
     ("host", "run"): cmd_host_run,
     **modules.COMMANDS,
+    **versions.COMMANDS,
     **hosts.COMMANDS,
     **machines.COMMANDS,
     **devcreds.COMMANDS,

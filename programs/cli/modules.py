@@ -29,7 +29,7 @@ from mesh.model import (
 from mesh.modules import gate
 from mesh.modules.load import load
 from mesh.wire import encode
-from programs.cli import plans, render
+from programs.cli import plans, render, steering
 from programs.cli.args import LIMIT_HELP, Parser, count, label, tier
 from programs.cli.client import CHANGE_TIMEOUT, CliError, listed, verb, where
 from programs.cli.output import console, print_json, whole
@@ -39,12 +39,16 @@ def add_parsers(verbs: Any, common: argparse.ArgumentParser) -> None:
     push = verbs.add_parser("push", parents=[common], help="validate and upload a module")
     push.add_argument("dir", type=Path, metavar="DIR", help="the module's folder")
     _wait_flag(push)
+    steering.hold_flag(push)
 
     plan = verbs.add_parser(
-        "plan", parents=[common], help="recent plans; `plan ID`: one; `plan diff DIR`: a dry run"
-    )
-    plan.add_argument("what", nargs="*", metavar="ID | diff DIR")
+        "plan", parents=[common],
+        help="recent plans; `plan ID`: one; `plan diff DIR`: a dry run; "
+        "`plan approve|pause|resume|cancel ID`: steer one",
+    )  # fmt: skip
+    plan.add_argument("what", nargs="*", metavar="ID | diff DIR | approve|pause|resume|cancel ID")
     plan.add_argument("--follow", action="store_true", help="show progress until the plan ends")
+    steering.wait_flag(plan)
     plan.add_argument(
         "--limit", type=count, default=None, metavar="N",
         help="show at most N recent plans (20), steps of a plan, machines of a diff (all)",
@@ -65,6 +69,7 @@ def add_parsers(verbs: Any, common: argparse.ArgumentParser) -> None:
             help="every machine with these labels (repeatable)",
         )  # fmt: skip
         _wait_flag(p)
+        steering.hold_flag(p)
 
     mods = verbs.add_parser("modules", parents=[common], help="modules, versions, assignments")
     mods.add_argument("--limit", type=count, metavar="N", help=LIMIT_HELP)
@@ -129,12 +134,12 @@ async def _upload_and_ask(
 
 
 async def cmd_push(args: argparse.Namespace) -> None:
-    reply: ChangeReply = await _upload_and_ask(
-        args,
-        "push",
-        lambda m: PushRequest(manifest=m.manifest_text, source=m.version, by=getpass.getuser()),
-        ChangeReply,
-    )
+    def body(m: Any) -> PushRequest:
+        return PushRequest(
+            manifest=m.manifest_text, source=m.version, by=getpass.getuser(), hold=args.hold
+        )
+
+    reply: ChangeReply = await _upload_and_ask(args, "push", body, ChangeReply)
     await plans.wait_for(args, reply)
 
 
@@ -156,6 +161,8 @@ async def cmd_plan(args: argparse.Namespace) -> None:
             raise CliError("usage: mesh plan diff DIR")
         args.dir = Path(what[1])
         await cmd_plan_diff(args)
+    elif what[:1] and what[0] in steering.VERBS:
+        await steering.cmd_steer(args, what)
     elif not what:
         await plans.listing(args)
     elif len(what) == 1 and what[0].isdigit():
@@ -174,7 +181,7 @@ async def _assign(args: argparse.Namespace, name: str) -> None:
         )
     body = AssignRequest(
         module=args.module, machines=args.machines, tier=args.tier, labels=dict(args.label),
-        by=getpass.getuser(),
+        by=getpass.getuser(), hold=args.hold,
     )  # fmt: skip
     reply = await verb(args, name, ChangeReply, body, changes=True)
     await plans.wait_for(args, reply)

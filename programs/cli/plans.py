@@ -15,6 +15,7 @@ from typing import Any
 
 import msgspec
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -33,9 +34,11 @@ from mesh.model import (
     PlanProgress,
     PlanReply,
     PlanRequest,
+    PlanSettings,
     PlansReply,
     PlansRequest,
     PlanStep,
+    PlanSummary,
     PlanTier,
     TierReply,
     TierRequest,
@@ -59,14 +62,48 @@ def _elapsed(since: datetime | None, until: datetime | None = None) -> str:
     return f"{((until or datetime.now(UTC)) - since).total_seconds():.1f}s"
 
 
-def render(out: Console, p: PlanReply, *, want: int | None = None) -> None:
-    head = f"[bold]plan {p.id}[/] {p.trigger} {p.subject}: {p.state}"
+def doing(p: PlanSummary | PlanReply | PlanProgress, *, left: bool = True) -> str:
+    """A plan's state in words, with what steering adds: held (and how to approve it), paused
+    (and how to resume it), reverting or being cancelled, a tier soaking (`left`: with the
+    time left now; else until when, which does not change as it is shown again)."""
+    if p.state == "held":
+        return f"held, waiting for approval (mesh plan approve {p.id})"
+    text = f"paused (mesh plan resume {p.id})" if p.state == "paused" else p.state
     if p.phase == "revert" and p.state not in FINAL:
-        head += " (reverting)"
+        text += " (cancelling)" if p.cancelled else " (reverting)"
+    if p.soak is not None and p.state not in FINAL:
+        if left:
+            more = max(0.0, (p.soak.until - datetime.now(UTC)).total_seconds())
+            text += f", tier {p.soak.tier} soaking ({more:.0f}s left)"
+        else:
+            text += f", tier {p.soak.tier} soaking until {p.soak.until.astimezone():%H:%M:%S}"
+    return text
+
+
+def ended(p: PlanReply) -> str:
+    """How a plan that did not end done ended, in one line."""
+    why = p.cancelled if p.state == "cancelled" else None
+    return f"plan {p.id} {p.state}: {why or p.failure or 'no reason recorded'}"
+
+
+def _rollout(s: PlanSettings) -> str:
+    """The plan's canary, soak and pauses, when it has any."""
+    said = [f"canary {s.canary}"] if s.canary is not None else []
+    said += [f"soak {s.soak:g}s"] if s.soak else []
+    said += [f"pause after tier {', '.join(map(str, s.pause_after))}"] if s.pause_after else []
+    return ", ".join(said)
+
+
+def render(out: Console, p: PlanReply, *, want: int | None = None) -> None:
+    head = f"[bold]plan {p.id}[/] {p.trigger} {p.subject}: {escape(doing(p))}"
     head += f", by {p.by or '?'}, {_elapsed(p.started or p.created, p.finished)}"
     out.print(head)
+    if p.cancelled:
+        out.print(f"  {escape(p.cancelled)}")
     if p.failure:
-        out.print(f"  [red]{p.failure}[/]", markup=True)
+        out.print(f"  [red]{escape(p.failure)}[/]", markup=True)
+    if _rollout(p.settings):
+        out.print(f"  rollout: {_rollout(p.settings)}")
     for b in p.builds:
         out.print(f"  bundle {b.bundle} {b.digest[:19]} ({'built' if b.built else 'cached'})")
     table = Table(box=None, header_style="bold")
@@ -91,10 +128,9 @@ def _listing(out: Console, r: PlansReply, *, want: int | None) -> None:
         table.add_column(column)
     for p in r.plans:
         table.add_row(
-            str(p.id), p.state + (" (reverting)" if p.phase == "revert" and p.state not in FINAL
-                                  else ""),
-            p.trigger, p.subject, p.by or "-", f"{p.done}/{p.machines}",
-            p.created.strftime("%Y-%m-%d %H:%M:%S"), p.failure or "",
+            str(p.id), doing(p).split(" (mesh plan")[0], p.trigger, p.subject, p.by or "-",
+            f"{p.done}/{p.machines}", p.created.strftime("%Y-%m-%d %H:%M:%S"),
+            p.failure or p.cancelled or "",
         )  # fmt: skip
     out.print(table)
     more(out, shown=len(r.plans), total=r.total, want=want, what="plan")
@@ -115,9 +151,8 @@ def _tier_line(t: PlanTier, steps: list[PlanStep]) -> str:
     return text
 
 
-def _head(p: PlanReply | PlanProgress) -> str:
-    head = f"plan {p.id} {p.trigger} {p.subject}: {p.state}"
-    return head + (" (reverting)" if p.phase == "revert" and p.state not in FINAL else "")
+def _head(p: PlanReply | PlanProgress, *, left: bool = True) -> str:
+    return f"plan {p.id} {p.trigger} {p.subject}: {doing(p, left=left)}"
 
 
 async def follow(args: argparse.Namespace, plan_id: int) -> PlanReply:
@@ -141,13 +176,25 @@ class _Took(ProgressColumn):
         return Text("" if took is None else f"{took:.0f}s")
 
 
+class _Soaking(ProgressColumn):
+    """The time a soak has left, counting down as the display refreshes."""
+
+    def render(self, task: Task) -> Text:
+        soak = task.fields.get("soak")
+        if soak is None:
+            return Text("")
+        left = max(0.0, (soak.until - datetime.now(UTC)).total_seconds())
+        return Text(f"soak: {left:.0f}s left")
+
+
 class _Bars:
     """On a terminal: the plan's line (machines done of all) and a line per tier, redrawn with
     each state shown."""
 
     def __init__(self, out: Console, plan_id: int) -> None:
         self._progress = Progress(TextColumn("{task.description}"), BarColumn(),
-                                  MofNCompleteColumn(), _Took(), console=out)  # fmt: skip
+                                  MofNCompleteColumn(), _Took(), _Soaking(),
+                                  console=out)  # fmt: skip
         self._plan = self._progress.add_task(f"plan {plan_id}", total=1, timed=True)
         self._tiers: dict[int, TaskID] = {}
 
@@ -164,8 +211,9 @@ class _Bars:
             steps = p.steps
         else:
             done, machines, steps = p.done, p.machines, []
-        self._progress.update(self._plan, description=_head(p), total=max(machines, 1),
-                              completed=done)  # fmt: skip
+        self._progress.update(self._plan, description=_head(p, left=False),
+                              total=max(machines, 1), completed=done,
+                              soak=p.soak if p.state not in FINAL else None)  # fmt: skip
         for t in p.tiers:
             if t.tier not in self._tiers:
                 self._tiers[t.tier] = self._progress.add_task("", total=t.total)
@@ -197,7 +245,8 @@ class _Lines:
         lines = []
         head = _head(p)
         end = p.state in FINAL
-        if not end and self._new("plan", head):
+        # Said again only when it changes: a soak's end, not the seconds it has left.
+        if not end and self._new("plan", _head(p, left=False)):
             lines.append(head)
         if isinstance(p, PlanProgress):
             for t in p.tiers:
@@ -212,7 +261,7 @@ class _Lines:
                     took = f" in {_elapsed(s.started, s.finished)}" if ended else ""
                     why = f": {s.error}" if s.error and s.state in ("failed", "skipped") else ""
                     lines.append(f"  tier {s.tier} {s.machine} {state}{took}{why}")
-        if end and self._new("plan", head):
+        if end and self._new("plan", _head(p, left=False)):
             lines.append(head)  # the end after the steps that led to it
         if not self._quiet and lines:
             sys.stdout.write("".join(line + "\n" for line in lines))
@@ -222,7 +271,7 @@ class _Lines:
 def outcome(p: PlanReply) -> None:
     """Exit non-zero, in one line, when the plan did not end done."""
     if p.state != "done":
-        raise CliError(f"plan {p.id} {p.state}: {p.failure or 'no reason recorded'}")
+        raise CliError(ended(p))
 
 
 async def wait_for(args: argparse.Namespace, reply: Any) -> None:
@@ -246,7 +295,14 @@ async def wait_for(args: argparse.Namespace, reply: Any) -> None:
 def render_end(p: PlanReply) -> None:
     if p.state == "done":
         took = _elapsed(p.started, p.finished)
-        console().print(f"plan {p.id} done: {len(p.steps)} machine(s) in {took}")
+        # Skipped (drained, or down): not changed by this plan, and said so.
+        skipped = [s.machine for s in p.steps if s.state == "skipped"]
+        but = f", {len(skipped)} skipped ({', '.join(skipped[:5])})" if skipped else ""
+        console().print(f"plan {p.id} done: {len(p.steps)} machine(s) in {took}{but}")
+    elif p.state == "cancelled":
+        back = sum(s.reverted for s in p.steps)
+        console().print(f"plan {p.id} cancelled: {back} machine(s) got their previous "
+                        "declarations back")  # fmt: skip
 
 
 async def listing(args: argparse.Namespace) -> None:

@@ -72,7 +72,9 @@ def status(console: Console, s: StatusReply) -> None:
 
 def plan_line(p: PlanSummary) -> str:
     where = f", tier {p.tier}" if p.tier is not None else ""
-    doing = "reverting" if p.phase == "revert" else p.state
+    doing = ("cancelling" if p.cancelled else "reverting") if p.phase == "revert" else p.state
+    if p.soak is not None:  # steering: canaries (or a tier) soaking
+        where = f", tier {p.soak.tier} soaking ({p.soak.left:.0f}s left)"
     return f"{p.id} {p.trigger} {p.subject}: {doing}{where}, {p.done}/{p.machines} machine(s) done"
 
 
@@ -100,9 +102,13 @@ def nodes(console: Console, r: NodesReply, *, want: int | None = None) -> None:
             )
             or "-"
         )
-        if n.digest_wanted and n.digest_applied != n.digest_wanted and n.up:
+        if n.digest_wanted and n.digest_applied != n.digest_wanted and n.drained:
+            procs += f" (drained: wants {n.digest_wanted[7:19]}, keeps what it runs)"
+        elif n.digest_wanted and n.digest_applied != n.digest_wanted and n.up:
             procs += f" (stopped at {n.apply_error})" if n.apply_error else " (applying)"
-        state = "[green]up[/]" if n.up else "[red]down[/]"
+        state = ("[green]up[/]" if n.up else "[red]down[/]") + (
+            ", [yellow]drained[/]" if n.drained else ""
+        )
         table.add_row(
             n.name, str(n.tier), state, _version(n.version), _ago(n.last_seen), labels, system,
             procs,

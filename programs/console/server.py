@@ -4,9 +4,10 @@ see: the console").
 What the page shows comes from the controller's read verbs (status, nodes, modules, plans, plan),
 asked at start and again whenever the bus says something changed; the store is never polled.
 The bus: hosts' reports (mesh.event.<name>.*) and beats, the seat's announcements, plans'
-progress (mesh.plan.<id>). The server keeps each verb's last answer and sends every new one to
-the open pages as a server-sent event; a burst of events is one refresh. A machine's page reads
-a process's log from its host (`logs`, as `mesh logs` does). Nothing here changes the fleet:
+progress (mesh.plan.<id>), machines drained, undrained or skipped by a plan for their drain
+(mesh.machine.<name>). The server keeps each verb's last answer and sends every new one to the
+open pages as a server-sent event; a burst of events is one refresh. A machine's page reads a
+process's log from its host (`logs`, as `mesh logs` does). Nothing here changes the fleet:
 viewer credentials are enough.
 """
 
@@ -107,6 +108,7 @@ class Console:
         await self.nc.subscribe(subjects.HOST_BEATS, cb=self._on_beat)
         await self.nc.subscribe(subjects.SEAT_EVENTS, cb=self._on_seat)
         await self.nc.subscribe(subjects.PLANS, cb=self._on_plan)
+        await self.nc.subscribe(subjects.MACHINES, cb=self._on_machine)
         await self.nc.flush()
 
     async def _on_report(self, msg: Msg) -> None:
@@ -150,6 +152,10 @@ class Console:
         self._plans_dirty.add(summary.id)
         # a plan starting or ending changes assignments (modules) and the seat's summary
         self.mark("plans", "status", *(() if summary.state == "rolling" else ("modules",)))
+
+    async def _on_machine(self, msg: Msg) -> None:
+        # drained, undrained, or skipped for its drain: no host reports it, the holder tells it
+        self.mark("nodes")
 
     async def watch_silence(self) -> None:
         """Once a second: a machine whose beats stopped, or a standby that went quiet, while

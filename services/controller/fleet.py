@@ -11,23 +11,33 @@ import bisect
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
+from typing import TypeVar
 
 import anyio
 import asyncpg
 from nats.aio.client import Client
 from nats.aio.subscription import Subscription
 
-from mesh import wire
+from mesh import subjects, wire
 from mesh.batching import Batches
-from mesh.model import Beat, Node, NodeCounts, ProcessState, Register, ToolServerReport
+from mesh.model import (
+    Beat,
+    MachineChanged,
+    Node,
+    NodeCounts,
+    ProcessState,
+    Register,
+    ToolServerReport,
+)
 from mesh.ratelimit import PerKey
 from mesh.store import db, events, machines, seats
 from mesh.store.machines import MachineRow
 from services.controller.rollout import Report
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 CHECK_EVERY = 0.25
 FLUSH_EVERY = 5.0
@@ -60,6 +70,17 @@ def open_bus(nc: Client) -> bool:
     own word on its tier and labels gives nothing away; under authentication it counts for
     nothing (Kubernetes' NodeRestriction: a kubelet may not set the labels that steer work)."""
     return not nc._server_info.get("auth_required", False)
+
+
+async def tell_changed(nc: Client | None, changed: MachineChanged) -> None:
+    """Tell watchers (the console) that a machine changed where no host reports it: drained,
+    undrained, or skipped by a plan for its drain (what it wants changed)."""
+    if nc is None:
+        return
+    try:
+        await nc.publish(subjects.machine(changed.machine), wire.encode(changed))
+    except Exception as e:  # told, not stored: a watcher that missed it asks `nodes` later
+        log.debug("machine %s: change not told: %s: %s", changed.machine, type(e).__name__, e)
 
 
 class Arrivals:
@@ -141,6 +162,9 @@ class Fleet:
         # holder hears them again, since every host reports them when it says `held`)
         self.tools: dict[str, list[ToolServerReport]] = {}
         self.failed_digest: dict[str, str] = {}  # machine -> the digest whose apply stopped
+        # Drained machine -> what the catalog composed for it when a plan skipped it for the
+        # drain (`nodes` shows it as wanted; the store says it again at takeover).
+        self.wanted_while_drained: dict[str, str] = {}
         # Machines whose applied digest, processes or liveness changed since the planner last
         # looked: it re-judges only those, so a tier of a thousand machines costs per event.
         self._touched: set[str] = set()
@@ -198,6 +222,7 @@ class Fleet:
             failed=self.failed_digest.get(name),
             error=self.apply_errors.get(name),
             processes=self.processes.get(name, []),
+            heard=name in self.processes,
         )
 
     def heard_tools(self, name: str, servers: list[ToolServerReport]) -> None:
@@ -213,6 +238,8 @@ class Fleet:
         self.machines = {m.name: m for m in await machines.all_machines(self._pool)}
         self.order = sorted((m.tier, m.name) for m in self.machines.values())
         self._up = {name for name, m in self.machines.items() if m.up}
+        if any(m.drained for m in self.machines.values()):
+            self.wanted_while_drained = await machines.wanted_while_drained(self._pool)
         self.forgive()
 
     def forgive(self) -> None:
@@ -397,6 +424,52 @@ class Fleet:
                  "" if m is not None else " for its first registration")  # fmt: skip
         return labels, was, m is not None
 
+    # --- drained machines -----------------------------------------------------------------------
+
+    def drained(self, name: str) -> bool:
+        m = self.machines.get(name)
+        return m is not None and m.drained
+
+    async def set_drained(
+        self,
+        name: str,
+        *,
+        drained: bool,
+        by: str,
+        then: Callable[[asyncpg.Connection], Awaitable[T]],
+    ) -> tuple[bool, T]:
+        """Drain a machine (or undrain it) in one fenced transaction with its event and `then`
+        (the plan that brings an undrained machine up to date); whether it was drained before,
+        and what `then` gave. Memory follows the store, under the lock registrations take: a
+        registration written meanwhile carries the flag as the store has it."""
+        async with self._changing:
+            m = self.machines.get(name)
+            if m is None:
+                raise wire.BadRequest(f"machine {name} is not registered", code="not_found")
+            was = m.drained
+            async with self._pool.acquire() as conn, conn.transaction():
+                await seats.fence(conn, epoch=self._epoch)
+                await machines.set_drained(conn, name=name, drained=drained)
+                await events.record(conn, "machine.drained" if drained else "machine.undrained",
+                                    machine=name, epoch=self._epoch, by=by, was=was)  # fmt: skip
+                then_gave = await then(conn)
+            m.drained = drained
+        log.info("machine %s %s%s", name, "drained" if drained else "undrained",
+                 "" if was != drained else " (it already was)")  # fmt: skip
+        return was, then_gave
+
+    def drained_count(self) -> int:
+        return sum(m.drained for m in self.machines.values())
+
+    def skipped_for_drain(self, name: str, digest: str) -> None:
+        """A plan skipped this drained machine, which would have got `digest`."""
+        self.wanted_while_drained[name] = digest
+
+    def wants_what_it_is_sent(self, name: str) -> None:
+        """A declaration is published for the machine (or none is left to bring it): `nodes`
+        shows what was published as wanted again."""
+        self.wanted_while_drained.pop(name, None)
+
     def beat(self, beat: Beat) -> None:
         m = self.machines.get(beat.name)
         if m is None:
@@ -575,8 +648,9 @@ class Fleet:
             last_seen=m.last_seen,
             facts=m.facts,
             processes=self.processes.get(m.name, []),
-            digest_wanted=wanted.get(m.name),
+            digest_wanted=self.wanted_while_drained.get(m.name) or wanted.get(m.name),
             digest_applied=self.applied.get(m.name),
             apply_error=self.apply_errors.get(m.name),
             version=m.version,
+            drained=m.drained,
         )

@@ -21,12 +21,12 @@ from nats.js.kv import KeyValue
 
 from mesh import blobs, bus, errors, paging, subjects, wire
 from mesh.auth.signing import Signing
-from mesh.config import EventsKept
+from mesh.config import EventsKept, VersionsKept
 from mesh.errors import MeshError, reason
 from mesh.model import Handover, SeatAnnounce, SeatInfo
 from mesh.serving import Stats
 from mesh.store import events, replication, seats
-from services.controller import epochs, handover, metrics, pruning
+from services.controller import bundles, epochs, handover, metrics, pruning
 from services.controller.changes import Changes
 from services.controller.fleet import Fleet, open_bus
 from services.controller.handover import VerbSubscriptions
@@ -36,6 +36,7 @@ from services.controller.readiness import Readiness
 from services.controller.reports import HostReports
 from services.controller.seat import SeatLock, SeatLost
 from services.controller.standbys import Releases, Standbys
+from services.controller.steering import Steering
 from services.controller.stopping import Stop, attempt
 from services.controller.verbs import Holder
 from services.controller.views import Views
@@ -68,6 +69,7 @@ class Controller(msgspec.Struct):
     ready: Readiness  # what its module's check reads
     signing: Signing  # what it announces, signed; what it hears, checked
     events: EventsKept  # how much history the store keeps (pruning.py)
+    versions: VersionsKept  # whose bundles the bundle store keeps (bundles.py)
     stats: Stats  # every hold's verbs, counted together
     down_after: int  # beats a machine may miss before it is down
 
@@ -93,6 +95,7 @@ class Hold:
         self.released = c.released
         self.ready = c.ready
         self.events = c.events  # how much history the store keeps (pruning.py)
+        self.versions = c.versions  # whose bundles the bundle store keeps (bundles.py)
         self.reports: list[Subscription] = []  # the hosts' reports, once subscribed
         self.seat_kv: KeyValue | None = None  # the bus's record of the seat (epochs)
         self.warnings: list[str] = []  # what the takeover found wrong with the store
@@ -128,6 +131,8 @@ class Hold:
                 )  # fmt: skip
                 planner = Planner(pool=self.pool, publisher=publisher, fleet=fleet, epoch=row.epoch,
                                   nc=self.nc, obs=obs)  # fmt: skip
+                steering = Steering(pool=self.pool, epoch=row.epoch, planner=planner,
+                                    one_change=changes.one_change)  # fmt: skip
                 # Slow verbs run in `serving`, answered before we go.
                 async with anyio.create_task_group() as serving:
                     assert row.since is not None
@@ -138,6 +143,7 @@ class Hold:
                         fleet=fleet, standbys=self.standbys, changes=changes, views=views,
                         publisher=publisher, planner=planner,
                         tasks=serving, handover=taken, stop=self.stop.handover,
+                        steering=steering,
                     )  # fmt: skip
                     await self._serve(
                         holder=holder, reports=HostReports(fleet=fleet, publisher=publisher),
@@ -145,6 +151,10 @@ class Hold:
                     )  # fmt: skip
                     plans = anyio.CancelScope()
                     background.start_soon(_plan_work, publisher, planner, row.epoch, plans)
+                    background.start_soon(lambda: bundles.keep_pruned(
+                        self.pool, obs, epoch=row.epoch, kept=self.versions,
+                        lock=changes.one_change,
+                    ))  # fmt: skip
 
                     await self.stop.requested.wait()
                     await self._hand_over(held=held, plans=plans)

@@ -25,7 +25,7 @@ from anyio.abc import TaskGroup
 from mesh import bus, subjects, version
 from mesh import metrics as served_metrics
 from mesh.auth.signing import Signing
-from mesh.config import EventsKept, events_kept
+from mesh.config import EventsKept, VersionsKept, events_kept, versions_kept
 from mesh.discovery import Discovery
 from mesh.model import SeatAnnounce, SeatRole
 from mesh.serving import Stats
@@ -68,8 +68,10 @@ async def run(
     down_after: int = 3,
     metrics_on: served_metrics.Listen | None = None,
     events: EventsKept | None = None,
+    versions: VersionsKept | None = None,
 ) -> None:
     events = events or events_kept()
+    versions = versions or versions_kept()
     host = socket.gethostname()
     pid = os.getpid()
     # Run by a host as a process: named after the machine (MESH_MACHINE), not the OS's hostname.
@@ -93,7 +95,7 @@ async def run(
         c = Controller(
             nc=nc, link=link, pool=pool, me=me, standbys=Standbys(own_instance=instance),
             released=Releases(), ready=Readiness(readiness.default_file()),
-            signing=Signing.controller(creds), events=events,
+            signing=Signing.controller(creds), events=events, versions=versions,
             stats=Stats(observe=metrics.VERB_ANSWERED), down_after=down_after,
         )  # fmt: skip
         await SeatEvents(signing=c.signing, standbys=c.standbys, released=c.released).subscribe(nc)

@@ -8,6 +8,7 @@ and from counts of the store's plans kept fresh by the holder; a standby reports
 
 import logging
 from collections.abc import Iterator
+from typing import get_args
 
 import anyio
 import asyncpg
@@ -24,8 +25,7 @@ from services.controller.fleet import Fleet
 log = logging.getLogger(__name__)
 
 PLANS_EVERY = 5.0  # seconds between counts of the store's plans
-PLAN_STATES: tuple[PlanState, ...] = ("pending", "building", "rolling", "done", "failed",
-                                      "reverted")  # fmt: skip
+PLAN_STATES: tuple[PlanState, ...] = get_args(PlanState)  # held, paused, cancelled too
 
 REGISTRY = CollectorRegistry()
 
@@ -62,6 +62,11 @@ EVENTS_PRUNED = Counter(
     "reason: age (older than --events-max-age), count (beyond --events-max-count)",
     ["reason"], registry=REGISTRY,
 )  # fmt: skip
+BUNDLES_PRUNED = Counter(
+    "mesh_bundles_pruned", "Bundles and source archives this controller deleted from the bundle "
+    "store as their holder: of versions past each module's newest --versions-kept",
+    registry=REGISTRY,
+)  # fmt: skip
 BUILDS = Counter(
     "mesh_builds", "Builds this controller asked of a builder host, by outcome "
     "(built, failed, no_answer)", ["outcome"], registry=REGISTRY,
@@ -74,6 +79,7 @@ class Held(Collector):
     def __init__(self) -> None:
         self.fleet: Fleet | None = None
         self.plans: dict[str, int] | None = None
+        self.soaking = 0  # plans whose canaries (or a whole tier) are soaking now
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         if self.fleet is None:
@@ -85,12 +91,20 @@ class Held(Collector):
         machines.add_metric(["up"], counts.up)
         machines.add_metric(["down"], counts.down)
         yield machines
+        yield GaugeMetricFamily(
+            "mesh_machines_drained", "Machines drained out of every plan (mesh drain), up or down",
+            value=self.fleet.drained_count(),
+        )  # fmt: skip
         if self.plans is None:
             return
         by_state = GaugeMetricFamily("mesh_plans", "Plans in the store, by state", labels=["state"])
         for state in PLAN_STATES:
             by_state.add_metric([state], self.plans.get(state, 0))
         yield by_state
+        yield GaugeMetricFamily(
+            "mesh_plans_soaking", "Plans rolling whose canaries (or, without canaries, a whole "
+            "tier) are soaking now: counted as rolling in mesh_plans too", value=self.soaking,
+        )  # fmt: skip
 
     async def holding(self, fleet: Fleet, pool: asyncpg.Pool) -> None:
         """While this controller holds the seat (cancelled when it stops): report `fleet`,
@@ -100,6 +114,7 @@ class Held(Collector):
             while True:
                 try:
                     self.plans = await plans.counts(pool)
+                    self.soaking = await plans.soaking(pool)
                 except (OSError, asyncpg.PostgresError) as e:
                     log.warning("metrics: could not count plans: %s", e)
                 await anyio.sleep(PLANS_EVERY)

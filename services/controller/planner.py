@@ -12,13 +12,25 @@ change is taken back, and the plan ends `reverted`. Every write checks the seat'
 same transaction, and the plan's state lives only in the store, so whichever controller holds
 the seat next continues it from where it stands (publishing a declaration again is harmless).
 
-What the planner decides (next steps, a step's verdict and its reason, revert order) is pure
-and lives in rollout.py; here are the store, the publishing and the waiting.
+The operator steers a plan through the store (steering.py; docs/operations.md, Steering a
+change): a paused plan sends no new machine its declaration (the steps in flight finish) and
+does not end until it is resumed; a cancelled one stops at once and reverts as a failure does,
+ending `cancelled`. With `[rollout] canary`, the first machines of each tier go first; with a
+`soak`, they (or, without canaries, each tier) must stay healthy that long before the rest go,
+and a machine that does not stops the plan; `pause_after` pauses the plan after those tiers.
+The soak's end and the tiers paused after are kept in the store too, so a takeover soaks on
+until the same moment and never pauses twice. The verbs move a plan's state with its row
+locked (`plans.locked`), and so does the planner where it moves it (start, pause, finish):
+whichever comes second sees what the first wrote.
+
+What the planner decides (next steps, a step's verdict and its reason, revert order, waves,
+soaks) is pure and lives in rollout.py; here are the store, the publishing and the waiting.
 """
 
 import logging
 import time
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import anyio
 import asyncpg
@@ -27,11 +39,11 @@ from nats.aio.client import Client
 from nats.js.object_store import ObjectStore
 
 from mesh import blobs, subjects, wire
-from mesh.model import PlanProgress, PlanState, PlanSummary
+from mesh.model import MachineChanged, PlanProgress, PlanState, PlanSummary
 from mesh.modules.compose import Declaration, tools_of
 from mesh.store import declarations, events, modules, plans, seats
 from services.controller import metrics, rollout
-from services.controller.fleet import Fleet
+from services.controller.fleet import Fleet, tell_changed
 from services.controller.publishing import Publisher
 
 log = logging.getLogger(__name__)
@@ -42,6 +54,11 @@ log = logging.getLogger(__name__)
 NAMES_KEPT = 16384
 IDLE_CHECK = 5.0  # look for a plan this often even without being woken (a missed wake-up)
 LOOK_EVERY = 1.0  # the longest the planner waits without judging deadlines
+
+
+class _Stopped(Exception):
+    """The plan was cancelled (by an operator, or superseded by a newer change of its module)
+    while it rolled forward: no new machine starts, its revert begins."""
 
 
 class Planner:
@@ -63,21 +80,32 @@ class Planner:
         self.current: PlanSummary | None = None  # what `status` shows
 
     def wake(self) -> None:
+        """A plan was recorded, or an operator steered one (steering.py): look again."""
         self._wake.set()
 
     async def run(self) -> None:
         while True:
             plan_id = await plans.oldest_open(self._pool)
             if plan_id is None:
+                self._plan = None
                 await self._show(None)
-                with anyio.move_on_after(IDLE_CHECK):
-                    await self._wake.wait()
-                self._wake = anyio.Event()
+                await self._woken(IDLE_CHECK)
                 continue
-            plan = await plans.load(self._pool, plan_id)
+            plan = self._plan = await plans.load(self._pool, plan_id)
             assert plan is not None
+            if plan.state == "paused" and plan.started is None:
+                # Paused before it started: the queue waits for it (its change is in the
+                # catalog) until it is resumed or cancelled.
+                await self._show(plan)
+                await self._woken(IDLE_CHECK)
+                continue
             await self._run(plan)
             self._names.clear()  # its digests are done with; the next plan brings its own
+
+    async def _woken(self, within: float) -> None:
+        with anyio.move_on_after(within):
+            await self._wake.wait()
+        self._wake = anyio.Event()
 
     # --- one plan ------------------------------------------------------------------------------
 
@@ -90,40 +118,76 @@ class Planner:
                 await self._finish(p, "reverted" if p.settings.auto_revert else "failed", missing)
                 return
             try:
-                await self._start(p)
+                if not await self._start(p):
+                    return  # an operator paused or cancelled it first: taken again from the store
             except seats.Fenced:
                 raise  # the seat moved on: this controller must stop, not fail the plan
             except wire.BadRequest as e:  # e.g. a conflict the catalog has come to since
                 await self._finish(p, "failed", f"could not compose: {e}")
                 return
         else:
-            log.info("plan %d: continuing under epoch %d (%s)", p.id, self._epoch, p.phase)
-        if p.phase == "forward":
-            # A failed step already in the store (written with its plan's stop, but kept here
-            # too: a plan with a failed step never rolls on).
-            failure = rollout.recorded_failure(p.steps)
-            for tier in rollout.tiers(p.steps):
-                if failure is not None:
-                    break
-                failure = await self._roll_tier(p, tier)
-            if failure is None:
-                await self._finish(p, "done", None)
-                return
-            if not p.settings.auto_revert:
-                await self._finish(p, "failed", failure)
-                return
-            log.info("plan %d stopped: %s; reverting", p.id, failure)
-            p.phase, p.error = "revert", failure
-            await self._show(p)
+            log.info("plan %d: continuing under epoch %d (%s, %s)", p.id, self._epoch, p.phase,
+                     p.state)  # fmt: skip
+        if p.phase == "forward" and await self._forwarded(p):
+            return
         for tier in rollout.revert_order(p.steps):
             await self._revert_tier(p, tier)
-        await self._finish(p, "reverted", p.error)
+        await self._finish(p, "reverted", p.error)  # `cancelled` when it was (_finish)
 
-    async def _start(self, p: plans.Plan) -> None:
+    async def _forwarded(self, p: plans.Plan) -> bool:
+        """Roll the plan forward; True when it has ended (done, or failed without a revert),
+        False when it must revert (a failure, or a cancel: `p.phase` is then `revert`)."""
+        try:
+            failure = await self._forward(p)
+        except _Stopped:
+            log.info("plan %d cancelled (%s): reverting", p.id, p.cancel)
+            await self._show(p)
+            return False
+        if failure is None and await self._finish(p, "done", None):
+            return True
+        if failure is not None and not p.settings.auto_revert:
+            if await self._finish(p, "failed", failure):
+                return True
+        if failure is not None:
+            log.info("plan %d stopped: %s; reverting", p.id, failure)
+            p.error = failure
+        p.phase = "revert"
+        await self._show(p)
+        return False
+
+    async def _forward(self, p: plans.Plan) -> str | None:
+        """Every tier in order, each in its waves (canaries, then the rest) with the soak and
+        the pause (`pause_after`) they call for; why the plan stops, or None when every machine
+        is there. Raises _Stopped when the plan is cancelled meanwhile."""
+        # A failed step already in the store (written with its plan's stop, but kept here
+        # too: a plan with a failed step never rolls on).
+        failure = rollout.recorded_failure(p.steps)
+        if failure is not None:
+            return failure
+        for tier in rollout.tiers(p.steps):
+            for wave in rollout.waves(
+                p.steps, tier=tier, settings=p.settings, drained=self._fleet.drained
+            ):
+                failure = await self._roll_wave(p, tier, wave)
+                if failure is None and wave.soaks:
+                    failure = await self._soak(p, tier, wave)
+                if failure is not None:
+                    return failure
+            if rollout.pause_due(tier=tier, settings=p.settings, paused_after=p.paused_after):
+                await self._pause_self(p, tier)
+        await self._while_paused(p)  # a paused plan ends only once resumed
+        return None
+
+    async def _start(self, p: plans.Plan) -> bool:
+        """Compose the plan's machines and start it; False if an operator's verb moved it
+        first (paused or cancelled it before it started)."""
         now = datetime.now(UTC)
         machines = [s.machine for s in p.steps]
         async with self._pool.acquire() as conn, conn.transaction():
             await seats.fence(conn, epoch=self._epoch)
+            row = await plans.locked(conn, p.id)
+            if row is None or row.state != "pending":
+                return False
             composed = await self._publisher.compose(conn, machines)
             stored = await declarations.declarations(conn, machines)
             tier_of = {m: self._fleet.machines[m].tier for m in machines}
@@ -137,12 +201,13 @@ class Planner:
         log.info("plan %d (%s %s): %d machine(s) in tier(s) %s", p.id, p.trigger, p.subject,
                  len(p.steps), ", ".join(map(str, tiers)))  # fmt: skip
         await self._show(p)
+        return True
 
     async def _missing_bundle(self, p: plans.Plan) -> str | None:
         """Why the plan cannot start, if a bundle its module needs is not in the bundle store
         (lost with JetStream's data, or purged): then every machine would fail to fetch it.
         A push of the module's folder stores it again (changes.Changes.push)."""
-        if self._obs is None or p.trigger not in ("push", "assign"):
+        if self._obs is None or p.trigger not in ("push", "assign", "rollback"):
             return None
         async with self._pool.acquire() as conn:
             current = (await modules.current_modules(conn)).get(p.subject)
@@ -157,28 +222,44 @@ class Planner:
                 )
         return None
 
-    async def _finish(self, p: plans.Plan, state: PlanState, error: str | None) -> None:
+    async def _finish(self, p: plans.Plan, state: PlanState, error: str | None) -> bool:
+        """End the plan; False (nothing written) when it was cancelled before it could end
+        done or failed: its changed machines get their old declarations back first. A revert
+        of a cancelled plan ends `cancelled`."""
         now = datetime.now(UTC)
         async with self._pool.acquire() as conn, conn.transaction():
             await seats.fence(conn, epoch=self._epoch)
-            if state == "reverted":
+            row = await plans.locked(conn, p.id)
+            if row is not None and row.state not in plans.OPEN:
+                return True  # ended already (cancelled by a verb before it started)
+            if row is not None and row.cancel is not None:
+                p.cancel = row.cancel
+                if state in ("done", "failed"):
+                    return False
+                state = "cancelled"
+            if state == "reverted":  # a cancel took its change back when it was asked
                 taken_back = await modules.undo(conn, p.trigger, p.undo, plan_id=p.id)
                 log.info("plan %d: %s", p.id, taken_back)
-            await plans.set_plan(conn, p.id, state=state, finished=now, error=error)
-            await events.record(conn, f"plan.{state}", epoch=self._epoch, plan=p.id, error=error)
-        p.state, p.finished, p.error = state, now, error
+            await plans.set_plan(conn, p.id, state=state, finished=now, error=error,
+                                 soak_until=None)  # fmt: skip
+            await events.record(conn, f"plan.{state}", epoch=self._epoch, plan=p.id, error=error,
+                                cancel=p.cancel)  # fmt: skip
+        p.state, p.finished, p.error, p.soak_until = state, now, error, None
         took = (now - p.started).total_seconds() if p.started else 0.0
         if error:
             log.info("plan %d %s after %.1fs: %s", p.id, state, took, error)
         else:
             log.info("plan %d %s in %.1fs", p.id, state, took)
         await self._show(p)  # its end told; no longer `current`
+        return True
 
     # --- rolling forward -------------------------------------------------------------------------
 
-    async def _roll_tier(self, p: plans.Plan, tier: int) -> str | None:
-        """Roll one tier out; None when every step is done, else why the plan stops."""
-        t = rollout.rolling(p.steps, tier=tier, settings=p.settings)
+    async def _roll_wave(self, p: plans.Plan, tier: int, wave: rollout.Wave) -> str | None:
+        """Roll one wave of a tier out (its canaries, the rest, or the whole tier); None when
+        every step is done, else why the plan stops. Paused, it sends nothing new and waits
+        for the steps in flight; cancelled, it raises _Stopped."""
+        t = rollout.rolling(wave.steps, tier=tier, settings=p.settings)
         if t is None:
             return None
         self._tier = tier
@@ -186,17 +267,22 @@ class Planner:
         if resumed:  # a step in flight when the last holder stopped: send it again
             await self._send(p, resumed, "after")
             rollout.await_(t, resumed, now=time.monotonic())
-        log.info("plan %d: tier %d: %d machine(s)", p.id, tier, len(t.steps))
+        what = "canary machine(s)" if wave.canary else "machine(s)"
+        log.info("plan %d: tier %d: %d %s", p.id, tier, len(t.steps), what)
         await self._show(p)
         look: set[str] = {s.machine for s in resumed}
         while not t.finished:
-            batch = rollout.next_batch(t)
+            await self._heard(p)
+            batch = rollout.next_batch(t) if p.state != "paused" else []
             if batch:
                 await self._send(p, batch, "after")
                 rollout.await_(t, batch, now=time.monotonic())  # not those skipped: down
                 look |= {s.machine for s in batch}
+            if not look and not t.active:  # paused, nothing in flight: until resumed
+                await self._changes(IDLE_CHECK)
+                continue
             if not look:
-                look = await self._fleet.changes(
+                look = await self._changes(
                     min(LOOK_EVERY, rollout.soonest(t, now=time.monotonic()))
                 )
             verdict = rollout.look(
@@ -214,14 +300,132 @@ class Planner:
             if verdict.changed:
                 await self._write(p, verdict.changed)
                 _count_finished(verdict.changed)
-        log.info("plan %d: tier %d done", p.id, tier)
+        log.info("plan %d: tier %d: %d %s done", p.id, tier, len(t.steps), what)
         return None
+
+    # --- the operator's hand: soaks, pauses, cancels (docs/operations.md, Steering a change) ---
+
+    async def _soak(self, p: plans.Plan, tier: int, wave: rollout.Wave) -> str | None:
+        """Watch the wave's machines (done, not skipped) for `soak` seconds from when it
+        started (kept in the store: a takeover soaks on until the same moment); the first
+        that is no longer healthy fails its step and stops the plan (its tier's rest never
+        starts). Paused, it soaks on; cancelled, it raises _Stopped."""
+        watched = rollout.soaking(wave)
+        stage = rollout.soak_stage(tier=tier, soak_tier=p.soak_tier, soak_until=p.soak_until)
+        if not watched or stage == "passed":
+            return None
+        soak = p.settings.soak
+        if stage == "start":
+            until = datetime.now(UTC) + timedelta(seconds=soak)
+            await self._set(p, "plan.soaking", soak_tier=tier, soak_until=until)
+        assert p.soak_until is not None
+        self._tier = tier
+        log.info("plan %d: tier %d: %d machine(s) soak until %s", p.id, tier, len(watched),
+                 p.soak_until.isoformat(timespec="seconds"))  # fmt: skip
+        everyone = {s.machine for s in watched}
+        look, whole = everyone, time.monotonic()
+        while True:
+            await self._heard(p)
+            left = (p.soak_until - datetime.now(UTC)).total_seconds()
+            failure = rollout.soak_look(
+                watched, machines=look, report=self._fleet.report, names=self._processes,
+                soak=soak, left=left, at=datetime.now(UTC),
+            )  # fmt: skip
+            if failure is not None:
+                stop = {"phase": "revert"} if p.settings.auto_revert else {}
+                failed = [s for s in watched if s.state == "failed"]
+                p.soak_until = None
+                await self._write(p, failed, error=failure, soak_until=None, **stop)
+                return failure
+            if left <= 0:
+                break
+            look = await self._changes(min(LOOK_EVERY, left))
+            if time.monotonic() - whole >= LOOK_EVERY:  # a machine gone quiet is judged too
+                look, whole = everyone, time.monotonic()
+        await self._set(p, "plan.soaked", soak_until=None)
+        return None
+
+    async def _pause_self(self, p: plans.Plan, tier: int) -> None:
+        """`pause_after`: the plan pauses itself after `tier` (once: the tier is kept) and
+        waits until it is resumed."""
+        async with self._pool.acquire() as conn, conn.transaction():
+            await seats.fence(conn, epoch=self._epoch)
+            row = await plans.locked(conn, p.id)
+            assert row is not None
+            if row.phase == "revert":  # cancelled as the tier ended
+                p.phase, p.cancel = "revert", row.cancel
+                raise _Stopped
+            await plans.set_plan(conn, p.id, state="paused", paused_after=tier)
+            await events.record(conn, "plan.paused", epoch=self._epoch, plan=p.id,
+                                by="pause_after", tier=tier)  # fmt: skip
+        p.state, p.paused_after = "paused", tier
+        log.info("plan %d paused itself after tier %d (pause_after): mesh plan resume %d",
+                 p.id, tier, p.id)  # fmt: skip
+        await self._show(p)
+        await self._while_paused(p)
+
+    async def _while_paused(self, p: plans.Plan) -> None:
+        """Wait while the plan is paused (until resumed; cancelled, raise _Stopped)."""
+        while p.state == "paused":
+            await self._woken(IDLE_CHECK)
+            self._wake.set()  # look at the store whether woken or not (a missed wake-up)
+            await self._heard(p)
+
+    async def _heard(self, p: plans.Plan) -> None:
+        """When a verb woke the planner (steering.py: pause, resume, cancel), the plan's own
+        state again from the store; cancelled, raise _Stopped."""
+        if not self._wake.is_set():
+            return
+        self._wake = anyio.Event()
+        head = await plans.head(self._pool, p.id)
+        assert head is not None
+        was = p.state
+        p.state, p.cancel = head.state, head.cancel
+        if head.phase == "revert" and p.phase == "forward":
+            p.phase, p.soak_until = "revert", head.soak_until  # a soak ends with the cancel
+            raise _Stopped
+        if p.state != was:
+            log.info("plan %d: %s (was %s)", p.id, p.state, was)
+            await self._show(p)
+
+    async def _changes(self, within: float) -> set[str]:
+        """The machines whose reports changed (fleet.changes), waiting up to `within`, or
+        less when a verb wakes the planner."""
+        touched: set[str] = set()
+        if self._wake.is_set():
+            return touched
+
+        async def machines(scope: anyio.CancelScope) -> None:
+            touched.update(await self._fleet.changes(within))
+            scope.cancel()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(machines, tg.cancel_scope)
+            await self._wake.wait()
+            tg.cancel_scope.cancel()
+        return touched
+
+    async def _set(self, p: plans.Plan, event: str, **fields: Any) -> None:
+        """The plan's own steering fields, with their event, in one fenced transaction."""
+        async with self._pool.acquire() as conn, conn.transaction():
+            await seats.fence(conn, epoch=self._epoch)
+            await plans.set_plan(conn, p.id, **fields)
+            await events.record(conn, event, epoch=self._epoch, plan=p.id,
+                                **{k: v for k, v in fields.items() if v is not None})  # fmt: skip
+        for name, value in fields.items():
+            setattr(p, name, value)
+        await self._show(p)
 
     async def _send(self, p: plans.Plan, steps: list[plans.Step], which: str) -> None:
         """Store and publish each step's `after` (or, reverting, `before`) declaration."""
         now = datetime.now(UTC)
         bodies: dict[str, tuple[str, bytes]] = {}
+        passed: list[str] = []  # drained: told, as no host reports what it now wants
         for s in steps:
+            if which == "after" and self._skipped_for_drain(p, s, at=now):
+                passed.append(s.machine)
+                continue  # nothing stored or published: it keeps what it runs
+            self._fleet.wants_what_it_is_sent(s.machine)
             if which == "after":
                 bodies[s.machine] = (s.after, s.after_body)
                 up = self._fleet.up(s.machine)
@@ -234,9 +438,20 @@ class Planner:
             await declarations.write_declarations(conn, bodies, epoch=self._epoch)
             await plans.set_steps(conn, p.id, steps, epoch=self._epoch)
         await self._publisher.publish(bodies)
+        for machine in passed:
+            await tell_changed(self._nc, MachineChanged(machine=machine, drained=True))
         await self._show(p)
 
-    async def _write(self, p: plans.Plan, steps: list[plans.Step], **plan: str) -> None:
+    def _skipped_for_drain(self, p: plans.Plan, s: plans.Step, *, at: datetime) -> bool:
+        """A step whose machine is drained as it would start: skipped (rollout.skip_drained),
+        and `nodes` shows what it would have got as its wanted declaration."""
+        if not rollout.skip_drained(s, drained=self._fleet.drained(s.machine), at=at):
+            return False
+        self._fleet.skipped_for_drain(s.machine, s.after)
+        log.info("plan %d: machine %s is drained: skipped", p.id, s.machine)
+        return True
+
+    async def _write(self, p: plans.Plan, steps: list[plans.Step], **plan: Any) -> None:
         """Steps (and, given, the plan's own fields) in one fenced transaction."""
         async with self._pool.acquire() as conn, conn.transaction():
             await seats.fence(conn, epoch=self._epoch)
@@ -251,6 +466,10 @@ class Planner:
         """Give this tier's changed machines their old declarations back and wait, within the
         deadline, for them to settle; a machine that does not is noted, not waited for longer."""
         steps = rollout.to_revert(p.steps, tier=tier)
+        kept = rollout.kept_by_drain(steps, drained=self._fleet.drained)
+        if kept:  # noted, never sent: a drained machine keeps what it runs
+            await self._write(p, kept)
+            steps = [s for s in steps if s not in kept]
         if not steps:
             return
         self._tier = tier
@@ -296,21 +515,42 @@ class Planner:
         if p is None:
             self.current = None
             return
-        summary = PlanSummary(
-            id=p.id, state=p.state, trigger=p.trigger, subject=p.subject, by=p.by,
-            created=p.created, finished=p.finished, machines=len(p.steps),
-            done=sum(s.state in ("done", "skipped") for s in p.steps), tier=self._tier,
-            phase=p.phase, failure=p.error,
-        )  # fmt: skip
+        counted = rollout.tier_counts(p.steps)
+        summary = _summary(p, counted, tier=self._tier)
         self.current = summary if p.state in plans.OPEN else None
+        await self._tell(p, summary, counted)
+
+    async def tell(self, plan_id: int) -> None:
+        """Tell a plan's state after a verb moved it (approved, paused, resumed, cancelled:
+        steering.py), so its followers hear it whether or not the planner is rolling it."""
+        async with self._pool.acquire() as conn:
+            p = await plans.head(conn, plan_id)
+            counted = await plans.tiers(conn, plan_id)
+        if p is not None:
+            mine = self._plan is not None and self._plan.id == plan_id
+            await self._tell(p, _summary(p, counted, tier=self._tier if mine else None), counted)
+
+    async def _tell(
+        self, p: plans.Plan, summary: PlanSummary, counted: list[plans.TierCounts]
+    ) -> None:
         if self._nc is None:
             return
-        tiers = [rollout.tier_shown(t) for t in rollout.tier_counts(p.steps)]
+        soaking = p.soak_tier if p.soak_until is not None else None
+        tiers = [rollout.tier_shown(t, soaking=t.tier == soaking) for t in counted]
         told = PlanProgress(**msgspec.structs.asdict(summary), tiers=tiers)
         try:
             await self._nc.publish(subjects.plan(p.id), wire.encode(told))
         except Exception as e:  # told, not stored: a lost one costs a watcher a refresh
             log.debug("plan %d: progress not told: %s: %s", p.id, type(e).__name__, e)
+
+
+def _summary(p: plans.Plan, counted: list[plans.TierCounts], *, tier: int | None) -> PlanSummary:
+    return PlanSummary(
+        id=p.id, state=p.state, trigger=p.trigger, subject=p.subject, by=p.by,
+        created=p.created, finished=p.finished, machines=sum(t.total for t in counted),
+        done=sum(t.done for t in counted), tier=tier, phase=p.phase, failure=p.error,
+        soak=plans.soak_shown(p.soak_tier, p.soak_until), cancelled=p.cancel,
+    )  # fmt: skip
 
 
 def _count_finished(steps: list[plans.Step]) -> None:

@@ -4,19 +4,26 @@ The planner (planner.py) does the store writes, the publishing and the waiting; 
 is here, so each rule can be tested in microseconds instead of through a whole mesh
 (tests/test_rollout.py): which steps of a tier to send next (`max_parallel` at a time), when a
 machine's report makes a step done or failed and why, when a step's deadline has passed, what a
-failure does to the tier's other steps, and which machines a revert gives their old declaration
-back, tier by tier in reverse. Times come in as arguments: `now` is monotonic seconds (for
-deadlines), `at` the wall-clock time written into a step.
+failure does to the tier's other steps, which machines a revert gives their old declaration
+back, tier by tier in reverse, and which a drain keeps out of both. Times come in as arguments:
+`now` is monotonic seconds (for deadlines), `at` the wall-clock time written into a step.
+
+The operator's hand (docs/operations.md, Steering a change) is here too: a tier's waves (its
+canaries, then the rest), when a soak starts, goes on or has passed, whether a machine stayed
+healthy through it, and when the plan pauses itself (`pause_after`).
 """
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from functools import partial
+from typing import Literal
 
 import msgspec
 
 from mesh.model import PlanSettings, PlanTier, ProcessState, TierState
+from mesh.modules import gate
 from mesh.modules.compose import encode, merge
 from mesh.store.plans import Step, TierCounts
 
@@ -32,6 +39,9 @@ class Report(msgspec.Struct, frozen=True):
     failed: str | None = None  # the digest whose apply stopped
     error: str | None = None  # where and why that apply stopped
     processes: list[ProcessState] = []
+    # Its processes reported since this holder took the seat (a registration says only the
+    # digest applied; its processes come in a report of their own, moments later).
+    heard: bool = True
 
 
 # --- one machine ---------------------------------------------------------------------------------
@@ -113,13 +123,16 @@ def _counted(tier: int, steps: list[Step]) -> TierCounts:
     )  # fmt: skip
 
 
-def tier_shown(t: TierCounts) -> PlanTier:
-    """A tier as `plan` and the told progress show it: its counts and its state."""
+def tier_shown(t: TierCounts, *, soaking: bool = False) -> PlanTier:
+    """A tier as `plan` and the told progress show it: its counts and its state (`soaking`:
+    the plan's soak in progress is this tier's)."""
     state: TierState
     if t.failed:
         state = "failed"
     elif t.reverted:
         state = "reverted"
+    elif soaking:
+        state = "soaking"
     elif t.done == t.total:
         state = "done"
     else:
@@ -236,6 +249,38 @@ def send(step: Step, *, up: bool, skip_down: bool, at: datetime) -> None:
                       "declaration when it comes back")  # fmt: skip
 
 
+# --- drained machines (`mesh drain`): out of every plan, keeping what they run ------------------
+
+
+def drain_note(machine: str) -> str:
+    return (f"machine {machine} is drained: skipped; it keeps what it runs until `mesh undrain "
+            f"{machine}`")  # fmt: skip
+
+
+def skip_drained(step: Step, *, drained: bool, at: datetime) -> bool:
+    """A step about to start on a drained machine is skipped, unsent: its machine's declaration
+    is neither stored nor published (a step already in flight, resumed by a new holder, goes
+    on). True if it was skipped. Asked at the moment each step would start, so a machine
+    drained while its plan rolls is skipped from then on."""
+    if step.state != "pending" or not drained:
+        return False
+    step.state, step.finished, step.error = "skipped", at, drain_note(step.machine)
+    return True
+
+
+def kept_by_drain(steps: list[Step], *, drained: Callable[[str], bool]) -> list[Step]:
+    """Of a tier's steps to revert, those of machines drained since they changed: they keep the
+    new declaration (a drained machine keeps what it runs, a revert included), noted on the
+    step once; they are reverted by no plan, and undrained, their machine gets what the catalog
+    composes for it then."""
+    kept = [s for s in steps if drained(s.machine)]
+    for s in kept:
+        said = f"machine {s.machine} is drained: not reverted; it keeps this declaration"
+        if s.error is None or said not in s.error:
+            s.error = f"{s.error}; {said}" if s.error else said
+    return kept
+
+
 def await_(t: Tier, steps: list[Step], *, now: float) -> None:
     """Wait for these sent steps (not the skipped ones) until `now` + the deadline."""
     t.active.update((s.machine, (s, now + t.deadline)) for s in steps if s.state == "applying")
@@ -314,3 +359,131 @@ def settled(
         verdict = judge(report=report(machine), digest=digest, names=partial(names, digest, body))
         if verdict is not None:
             del waiting[machine]
+
+
+# --- canaries, soaks and pauses (docs/operations.md, Steering a change) ------------------------
+
+
+def canaries(size: int, canary: int | str | None) -> int:
+    """How many machines of a tier of `size` go first: `canary` machines, or its share of the
+    tier rounded up (10% of 3 machines is 1), never more than the tier; 0 without canaries."""
+    if canary is None or size == 0:
+        return 0
+    count, share = gate.canary(canary)
+    return min(size, count or math.ceil(size * share / 100))
+
+
+@dataclass
+class Wave:
+    """Steps of one tier that go together: its canaries, or the rest (or the whole tier);
+    `soaks`: the plan soaks after them."""
+
+    steps: list[Step]
+    soaks: bool
+    canary: bool = False
+
+
+def waves(
+    steps: list[Step],
+    *,
+    tier: int,
+    settings: PlanSettings,
+    drained: Callable[[str], bool] = lambda _: False,
+) -> list[Wave]:
+    """A tier's steps in the order they go. With canaries, the first of the tier by machine
+    name (the same on every holder: a takeover finds the same canaries), then the rest; the
+    soak follows the canaries. Without (or when the canaries are the whole tier), one wave
+    the soak follows. A machine a plan skips (drained, its step pending or skipped for it)
+    is never a canary: the canaries are machines that change, and the soak watches them."""
+    mine = sorted((s for s in steps if s.tier == tier), key=lambda s: s.machine)
+    going = [s for s in mine if not _passed_by(s, drained=drained)]
+    n = canaries(len(going), settings.canary)
+    soaks = settings.soak > 0
+    if 0 < n < len(going):
+        first = going[:n]
+        return [
+            Wave(first, soaks=soaks, canary=True),
+            Wave([s for s in mine if s not in first], soaks=False),
+        ]
+    return [Wave(mine, soaks=soaks, canary=n > 0)]
+
+
+def _passed_by(step: Step, *, drained: Callable[[str], bool]) -> bool:
+    """A step the plan skips for a drain: skipped already, or pending on a drained machine."""
+    if step.state == "skipped":
+        return step.error == drain_note(step.machine)
+    return step.state == "pending" and drained(step.machine)
+
+
+SoakStage = Literal["start", "soaking", "passed"]
+
+
+def soak_stage(*, tier: int, soak_tier: int | None, soak_until: datetime | None) -> SoakStage:
+    """Where the plan stands with tier `tier`'s soak, from what the store keeps (the soak in
+    progress or last passed: tiers soak in order): not started, in progress, or passed (a
+    takeover never soaks a tier twice)."""
+    if soak_tier is None or soak_tier < tier:
+        return "start"
+    if soak_tier == tier and soak_until is not None:
+        return "soaking"
+    return "passed"
+
+
+def soaking(wave: Wave) -> list[Step]:
+    """The machines a soak watches: the wave's steps done (not those skipped)."""
+    return [s for s in wave.steps if s.state == "done"]
+
+
+def unsoaked(*, report: Report, digest: str, names: Callable[[], frozenset[str]]) -> str | None:
+    """Why a machine whose step is done is no longer what it was during its soak; None while
+    it is: up, its declaration applied, every process healthy (a start-first trial aside).
+    A machine not heard from yet (a new holder's fleet, until the host reports again after
+    `held`) is judged once it is: up, it will be; one that stays silent goes down."""
+    if not report.up:
+        return "went down"
+    if report.failed == digest:
+        return f"its apply failed: {report.error or 'no reason given'}"
+    if report.applied is None or not report.heard:
+        return None
+    if report.applied != digest:
+        return "no longer reports its new declaration applied"
+    states = {ps.name: ps for ps in report.processes if not ps.trial}
+    for name in sorted(names()):
+        ps = states.get(name)
+        if ps is None:
+            return f"process {name} is not running"
+        if not ps.healthy:
+            why = f": {ps.error}" if ps.error else ""
+            return f"process {name} is {ps.state}, not healthy{why}"
+    return None
+
+
+def soak_look(
+    steps: list[Step],
+    *,
+    machines: set[str],
+    report: Callable[[str], Report],
+    names: Names,
+    soak: float,
+    left: float,
+    at: datetime,
+) -> str | None:
+    """Judge the soaking machines among `machines`: the first that is no longer healthy fails
+    its step (the plan stops there, and the rest of its tier never starts); the plan's
+    failure, or None."""
+    for s in steps:
+        if s.machine not in machines:
+            continue
+        why = unsoaked(report=report(s.machine), digest=s.after,
+                       names=partial(names, s.after, s.after_body))  # fmt: skip
+        if why is not None:
+            s.state, s.finished = "failed", at
+            s.error = f"{why} during the soak ({soak - left:.1f}s of {soak:g}s)"
+            return f"machine {s.machine}: {s.error}"
+    return None
+
+
+def pause_due(*, tier: int, settings: PlanSettings, paused_after: int | None) -> bool:
+    """The plan pauses itself after `tier` (`pause_after`), once: not again after a resume or
+    a takeover (`paused_after`, the last tier it paused after, is kept in the store)."""
+    return tier in settings.pause_after and (paused_after is None or paused_after < tier)

@@ -21,9 +21,13 @@ from mesh.model import (
     DeclarationRequest,
     DiffReply,
     DiffRequest,
+    DrainReply,
+    DrainRequest,
     Handover,
     HandoverReply,
     HandoverRequest,
+    HistoryReply,
+    HistoryRequest,
     LabelReply,
     LabelRequest,
     ModulesReply,
@@ -37,12 +41,15 @@ from mesh.model import (
     PushRequest,
     Register,
     RegisterReply,
+    RollbackRequest,
     SeatInfo,
     SecretReply,
     SecretRequest,
     SecretSetRequest,
     StatusReply,
     StatusRequest,
+    SteerReply,
+    SteerRequest,
     TierReply,
     TierRequest,
     ToolsReply,
@@ -55,6 +62,7 @@ from services.controller.fleet import Fleet
 from services.controller.planner import Planner
 from services.controller.publishing import MAX_DECLARATION, Publisher
 from services.controller.standbys import Standbys
+from services.controller.steering import Steering
 from services.controller.views import Views
 
 # Slow verbs served at once. They share a store pool of 4 connections (and builds): more in
@@ -88,6 +96,7 @@ class Holder(msgspec.Struct):
     tasks: TaskGroup  # where verbs that wait on the store or a build run, off the hot path
     handover: Handover  # how this controller came to hold the seat
     stop: Callable[[], None]  # start a handover (the `handover` verb)
+    steering: Steering  # pause, resume, cancel a plan (approve is a change: `changes`)
 
 
 class Asking(msgspec.Struct, frozen=True):
@@ -194,6 +203,27 @@ async def plans(h: Holder, req: PlansRequest) -> PlansReply:
     return await h.views.plans(req)
 
 
+# --- steering a plan (steering.py; approving is a catalog change, changes.py) -----------------
+
+
+async def plan_approve(h: Holder, req: SteerRequest) -> SteerReply:
+    reply = await h.changes.approve(req)
+    await h.planner.tell(req.id)
+    return reply
+
+
+async def plan_pause(h: Holder, req: SteerRequest) -> SteerReply:
+    return await h.steering.pause(req)
+
+
+async def plan_resume(h: Holder, req: SteerRequest) -> SteerReply:
+    return await h.steering.resume(req)
+
+
+async def plan_cancel(h: Holder, req: SteerRequest) -> SteerReply:
+    return await h.steering.cancel(req)
+
+
 async def tier(h: Holder, req: TierRequest) -> TierReply:
     was, registered = await h.fleet.set_tier(req.machine, req.tier)
     return TierReply(machine=req.machine, tier=req.tier, was=was, registered=registered)
@@ -202,6 +232,22 @@ async def tier(h: Holder, req: TierRequest) -> TierReply:
 async def label(h: Holder, req: LabelRequest) -> LabelReply:
     labels, was, registered = await h.fleet.set_labels(req.machine, add=req.set, remove=req.remove)
     return LabelReply(machine=req.machine, labels=labels, was=was, registered=registered)
+
+
+async def history(h: Holder, req: HistoryRequest) -> HistoryReply:
+    return await h.views.history(req)
+
+
+async def rollback(h: Holder, req: RollbackRequest) -> ChangeReply:
+    return await h.changes.rollback(req)
+
+
+async def drain(h: Holder, req: DrainRequest) -> DrainReply:
+    return await h.changes.drain(req)
+
+
+async def undrain(h: Holder, req: DrainRequest) -> DrainReply:
+    return await h.changes.drain(req, undo=True)
 
 
 # Bytes of body per verb (docs/verbs.md, Limits); nats-server's max_payload (1 MiB) caps them all.
@@ -242,6 +288,18 @@ VERBS: dict[str, Verb] = {
     # up to 64 labels: as a registration
     "label": Verb(LabelRequest, LabelReply, label, bound=SLOW),
     "handover": Verb(HandoverRequest, HandoverReply, hand_over, limit=_SMALL),
+    # Steering a plan (docs/verbs.md): admins' verbs, as every verb not in READ_VERBS.
+    "plan-approve": Verb(SteerRequest, SteerReply, plan_approve, bound=SLOW, limit=_SMALL),
+    "plan-pause": Verb(SteerRequest, SteerReply, plan_pause, bound=SLOW, limit=_SMALL),
+    "plan-resume": Verb(SteerRequest, SteerReply, plan_resume, bound=SLOW, limit=_SMALL),
+    "plan-cancel": Verb(SteerRequest, SteerReply, plan_cancel, bound=SLOW, limit=_SMALL),
+    # going back, and machines out of the plans (docs/operations.md, Steering a change)
+    "history": Verb(
+        HistoryRequest, HistoryReply, history, bound=SLOW, limit=_SMALL, too_large=_PAGED
+    ),
+    "rollback": Verb(RollbackRequest, ChangeReply, rollback, bound=SLOW, limit=_SMALL),
+    "drain": Verb(DrainRequest, DrainReply, drain, bound=SLOW, limit=_SMALL),
+    "undrain": Verb(DrainRequest, DrainReply, undrain, bound=SLOW, limit=_SMALL),
 }
 
 

@@ -1,10 +1,11 @@
 """What the holder answers without changing anything: the fleet (`nodes`, from memory), modules,
-a machine's declaration, plans, the dry run of a push (`diff`), a build's log, and a secret's
-value for a host whose declaration names it.
+a module's history, a machine's declaration, plans, the dry run of a push (`diff`), a build's
+log, and a secret's value for a host whose declaration names it.
 
 The lists answer a page at a time (mesh/paging.py): `nodes` by tier then name, a plan's steps
 by tier then machine, `plans` newest first, `modules` by name (a module on many machines in
-several entries), `diff` by machine. Each page is read in one snapshot of the store.
+several entries), `diff` by machine, `history` newest version first. Each page is read in one
+snapshot of the store.
 """
 
 import base64
@@ -23,6 +24,8 @@ from mesh.model import (
     DeclarationReply,
     DiffReply,
     DiffRequest,
+    HistoryReply,
+    HistoryRequest,
     MachineDiff,
     ModuleInfo,
     ModulesReply,
@@ -37,6 +40,7 @@ from mesh.model import (
     ToolEntry,
     ToolsReply,
     ToolsRequest,
+    VersionEntry,
 )
 from mesh.modules.compose import Declaration, tools_of
 from mesh.modules.diff import diff
@@ -196,12 +200,14 @@ class Views:
                 raise wire.BadRequest(f"plan {req.id} does not exist", code="not_found")
             counted = await plans.tiers(conn, req.id)
             steps = await plans.step_views(conn, req.id, after=at, most=req.limit + 1)
-        tiers = [rollout.tier_shown(t) for t in counted]
+        soaking = p.soak_tier if p.soak_until is not None else None
+        tiers = [rollout.tier_shown(t, soaking=t.tier == soaking) for t in counted]
         reply = PlanReply(
             id=p.id, state=p.state, trigger=p.trigger, subject=p.subject, by=p.by,
             epoch=p.epoch, created=p.created, started=p.started, finished=p.finished,
             phase=p.phase, failure=p.error, settings=p.settings, builds=p.builds, tiers=tiers,
             steps=[], total=sum(t.total for t in counted),
+            soak=plans.soak_shown(p.soak_tier, p.soak_until), cancelled=p.cancel,
         )  # fmt: skip
         page = paging.fill(
             (((s.tier, s.machine), s) for s in steps), verb="plan", limit=req.limit,
@@ -221,6 +227,32 @@ class Views:
             what=lambda p: f"plan {p.id}",
         )  # fmt: skip
         return PlansReply(plans=page.items, next=page.next, total=total)
+
+    async def history(self, req: HistoryRequest) -> HistoryReply:
+        """A module's versions, newest first (the cursor is the last number given), each with
+        the last plan that rolled it out and how that ended."""
+        at = paging.after(req.after, verb="history", shape=(int,))
+        async with self._pool.acquire() as conn, conn.transaction(**_SNAPSHOT):
+            rows = await modules.history(
+                conn, req.module, below=at[0] if at else None, most=req.limit + 1
+            )
+            total = await modules.version_count(conn, req.module)
+        if not total:
+            raise wire.BadRequest(f"module {req.module} has never been pushed", code="not_found")
+        entries = (
+            ((r.number,), VersionEntry(
+                version=r.number, digest=r.digest, pushed=r.pushed_at, by=r.pushed_by,
+                plan=r.plan, state=r.state, current=r.current,
+                kept=not r.pruned,
+            ))
+            for r in rows
+        )  # fmt: skip
+        reply = HistoryReply(module=req.module, versions=[], total=total)
+        page = paging.fill(
+            entries, verb="history", limit=req.limit, room=paging.room(self._budget(), reply),
+            what=lambda v: f"version {v.version}",
+        )  # fmt: skip
+        return msgspec.structs.replace(reply, versions=page.items, next=page.next)
 
     def tools(self, req: ToolsRequest) -> ToolsReply:
         """The fleet's tools, as each host last reported them, by machine, server and tool,

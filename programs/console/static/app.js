@@ -64,6 +64,34 @@ function card(id, title, ...body) {
   return el("section", { class: "card", id }, el("h2", {}, title), ...body);
 }
 
+// --- steering (docs/operations.md, Steering a change) ----------------------------------------
+
+const FINAL = new Set(["done", "failed", "reverted", "cancelled"]);
+
+// What the operator's hand adds to a plan's state: held (waiting for approval), paused, a
+// revert or a cancel in progress, a tier soaking (its time left, counting down), why cancelled.
+function steering(p) {
+  const notes = [];
+  if (p.state === "held") notes.push(` — waiting for approval (mesh plan approve ${p.id})`);
+  if (p.state === "paused") notes.push(` — until mesh plan resume ${p.id}`);
+  if (p.phase === "revert" && !FINAL.has(p.state)) notes.push(p.cancelled ? " (cancelling)" : " (reverting)");
+  if (p.soak && !FINAL.has(p.state)) {
+    notes.push(" — ", el("span", { class: "soaking", "data-soak-until": p.soak.until, "data-soak-tier": p.soak.tier },
+      soak_text(p.soak.until, p.soak.tier)));
+  }
+  if (p.cancelled) notes.push(" — ", word(p.cancelled, "cancelled"));
+  return notes;
+}
+
+function soak_text(until, tier) {
+  const left = Math.max(0, Math.round((Date.parse(until) - Date.now()) / 1000));
+  return `tier ${tier} soaking, ${left}s left`;
+}
+
+function render_soaks() {
+  for (const cell of document.querySelectorAll("[data-soak-until]")) cell.textContent = soak_text(cell.dataset.soakUntil, cell.dataset.soakTier);
+}
+
 // --- the views ------------------------------------------------------------------------------
 
 function seat_card() {
@@ -90,7 +118,7 @@ function seat_card() {
   else if (h) handover = `${when(h.at)}: ${h.to} took it over from ${h.from} (gone without handing over)`;
   add("last handover", handover);
   add("machines", `${s.nodes.up} up, ${s.nodes.down} down, ${s.nodes.total} in all`);
-  add("plan in progress", s.plan ? link(["plan", s.plan.id], `plan ${s.plan.id}`, ` ${s.plan.trigger} ${s.plan.subject}`) : "none");
+  add("plan in progress", s.plan ? [link(["plan", s.plan.id], `plan ${s.plan.id}`, ` ${s.plan.trigger} ${s.plan.subject}`), ": ", word(s.plan.state), steering(s.plan)] : "none");
   return card("seat", "Seat", el("dl", {}, rows));
 }
 
@@ -105,8 +133,17 @@ function processes_of(node) {
 
 function declaration_of(node) {
   if (!node.digest_wanted) return word("none", "quiet");
+  if (node.drained && node.digest_wanted !== node.digest_applied) {
+    // drained: what it has stays; what the catalog composes waits for `mesh undrain`
+    return [el("code", {}, short(node.digest_applied)), " (wants ", el("code", {}, short(node.digest_wanted)), ") ", word("held by the drain", "drained")];
+  }
   if (node.digest_wanted === node.digest_applied) return [el("code", {}, short(node.digest_applied)), " applied"];
   return [el("code", {}, short(node.digest_applied)), " → ", el("code", {}, short(node.digest_wanted)), " ", word("applying", "applying")];
+}
+
+function drained_of(node) {
+  // `mesh drain`: every plan skips the machine; it keeps what it runs until `mesh undrain`
+  return node.drained ? word("drained", "drained") : word("in plans", "quiet");
 }
 
 function beat_text(name) {
@@ -123,13 +160,14 @@ function machines_card() {
       el("td", { class: "name" }, link(["machine", n.name], n.name)),
       el("td", { class: "tier" }, n.tier),
       el("td", { class: "state" }, word(n.up ? "up" : "down")),
+      el("td", { class: "drain" }, drained_of(n)),
       el("td", { class: "beat", "data-beat": n.name }, beat_text(n.name)),
       el("td", { class: "processes" }, n.up ? null : el("span", { class: "quiet" }, "as last reported: "), processes_of(n)),
       el("td", { class: "declaration" }, declaration_of(n)),
       el("td", { class: "apply-error" }, n.apply_error ? word(n.apply_error, "error") : ""),
       el("td", { class: "version" }, el("code", {}, n.version === null ? "?" : short(n.version)))));
   return card("machines-card", "Machines",
-    table("machines", ["machine", "tier", "", "last beat", "processes", "declaration", "apply error", "mesh version"], rows));
+    table("machines", ["machine", "tier", "", "plans", "last beat", "processes", "declaration", "apply error", "mesh version"], rows));
 }
 
 function modules_card() {
@@ -153,7 +191,7 @@ function plans_card() {
   const rows = state.plans.plans.map((p) =>
     el("tr", { "data-plan": p.id },
       el("td", {}, link(["plan", p.id], `plan ${p.id}`)),
-      el("td", { class: "state" }, word(p.state), p.phase === "revert" ? " (reverting)" : ""),
+      el("td", { class: "state" }, word(p.state), steering(p)),
       el("td", {}, `${p.trigger} ${p.subject}`),
       el("td", {}, p.by),
       el("td", {}, `${p.done}/${p.machines}`),
@@ -184,7 +222,7 @@ function plan_card(id) {
   return card("plan", `Plan ${p.id}`,
     el("p", { id: "plan-summary" },
       el("strong", {}, `${p.trigger} ${p.subject}`), ` by ${p.by || "?"}: `, word(p.state),
-      p.phase === "revert" ? " (reverting)" : "",
+      steering(p),
       p.failure ? [" — ", word(p.failure, "error")] : ""),
     el("h3", {}, "Tiers"),
     p.tiers.length ? table("plan-tiers", ["tier", "state", "done"], tiers) : el("p", { class: "quiet" }, "no steps yet"),
@@ -215,6 +253,7 @@ function machine_view(name) {
   add("state", word(node.up ? "up" : "down"), " (last seen ", when(node.last_seen), ")");
   add("last beat", el("span", { "data-beat": node.name }, beat_text(node.name)));
   add("tier", node.tier);
+  add("plans", drained_of(node));
   add("labels", Object.entries(node.labels).map(([k, v]) => `${k}=${v}`).join(", ") || "none");
   add("declaration", declaration_of(node));
   if (node.apply_error) add("apply error", word(node.apply_error, "error"));
@@ -369,5 +408,5 @@ document.addEventListener("DOMContentLoaded", () => {
   });
   listen();
   render();
-  setInterval(render_beats, 1000);
+  setInterval(() => { render_beats(); render_soaks(); }, 1000);
 });

@@ -1,0 +1,60 @@
+"""`mesh plan approve|pause|resume|cancel ID [--wait]`, and `--hold` for push, assign and
+unassign: the operator's hand on a plan (docs/operations.md, Steering a change)."""
+
+import argparse
+import getpass
+from typing import Any
+
+import msgspec
+
+from mesh.model import SteerReply, SteerRequest
+from programs.cli import plans
+from programs.cli.client import CliError, verb
+from programs.cli.output import console, print_json, whole
+
+# The command's word -> the verb it asks (docs/verbs.md).
+VERBS = {
+    "approve": "plan-approve",
+    "pause": "plan-pause",
+    "resume": "plan-resume",
+    "cancel": "plan-cancel",
+}
+# How a followed plan ends well after each word (`pause` is not followed: a paused plan waits).
+ENDS = {"approve": "done", "resume": "done", "cancel": "cancelled"}
+
+
+def hold_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--hold", action="store_true",
+        help="record the plan held: no machine changes until `mesh plan approve ID`",
+    )  # fmt: skip
+
+
+def wait_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--wait", action="store_true",
+        help="approve, resume, cancel: follow the plan to its end (exit 1 if it ends otherwise "
+        "than done, or cancelled for cancel)",
+    )  # fmt: skip
+
+
+async def cmd_steer(args: argparse.Namespace, what: list[str]) -> None:
+    word = what[0]
+    if len(what) != 2 or not what[1].isdigit():
+        raise CliError(f"usage: mesh plan {word} ID")
+    plan_id = int(what[1])
+    body = SteerRequest(id=plan_id, by=getpass.getuser())
+    reply = await verb(args, VERBS[word], SteerReply, body, changes=True)
+    if not getattr(args, "wait", False) or word not in ENDS:
+        print_json(reply) if args.json else console().print(reply.message)
+        return
+    if not args.json:
+        console().print(reply.message)
+    final = await plans.follow(args, plan_id)
+    if args.json:
+        document: dict[str, Any] = msgspec.to_builtins(reply)
+        print_json({**document, "state": final.state, "outcome": whole(final)})
+    else:
+        plans.render_end(final)
+    if final.state != ENDS[word]:
+        raise CliError(plans.ended(final))
