@@ -165,20 +165,34 @@ def _glob(modules: str | None, *, role: str) -> str | None:
 
 
 async def cmd_operator_remove(args: argparse.Namespace) -> None:
+    """The controller records the removal first (from then on it refuses the operator's
+    changes); the credentials are revoked even when no controller answers (a revocation must
+    not wait), and the command then says to record it again."""
     name = check_name(args.name, field="NAME")
     folder = _mesh(args)
-    if registry.Registry.load(folder).get("operator", name) is None:
-        raise CliError(f"operator {name} has no credentials in {folder.root}")
+    issued = registry.Registry.load(folder).get("operator", name) is not None
+    unrecorded: VerbFailed | None = None
     try:
         await _ask_as_admin(args, folder, "operator-remove", OperatorReply,
                             OperatorRemoveRequest(name=name))  # fmt: skip
     except VerbFailed as e:
-        if e.code != "not_found":  # one the controller never knew: revoked all the same
-            raise
-    with registry.locked(folder) as users:
-        path = users.revoke("operator", name)
-        users.save()
-    removed = Removed(name=name, revoked=str(path), reloaded=_reload(folder))
+        if e.code == "not_found" and not issued:
+            raise CliError(
+                f"no operator {name} (in {folder.root} or with the controller)"
+            ) from None
+        if e.code != "not_found":  # else: one the controller never knew, revoked all the same
+            unrecorded = e
+    path = folder.creds_file("operator", name)
+    if issued:
+        with registry.locked(folder) as users:
+            path = users.revoke("operator", name)
+            users.save()
+    removed = Removed(name=name, revoked=str(path), reloaded=issued and _reload(folder))
+    if unrecorded is not None:
+        raise CliError(
+            f"operator {name}: credentials revoked, but the controller did not record the "
+            f"removal ({unrecorded}); run `mesh operator remove {name}` again once one answers"
+        )
     if args.json:
         print_json(removed)
         return

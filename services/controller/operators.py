@@ -42,7 +42,6 @@ from mesh.model import (
     OperatorsReply,
     OperatorsRequest,
 )
-from mesh.names import InvalidName, check_name
 from mesh.serving import Verb
 from mesh.store import audit
 
@@ -103,11 +102,7 @@ class Operating:
 def operating(h: Any, subject: str) -> Operating:
     """The caller of `mesh.op.<name>.<verb>`: the name is checked, then believed (the server
     let only that operator publish there)."""
-    name = subjects.op_operator(subject)
-    try:
-        check_name(name, field="operator")
-    except InvalidName as e:
-        raise wire.BadRequest(str(e)) from None
+    name = wire.subject_name(subjects.op_operator(subject), field="operator")
     return Operating(holder=h, who=name)
 
 
@@ -119,7 +114,7 @@ def unverified(h: Any, subject: str) -> Operating:
 def _module_of_manifest(text: str) -> str | None:
     try:
         name = tomllib.loads(text).get("module", {}).get("name")
-    except (tomllib.TOMLDecodeError, AttributeError):
+    except (tomllib.TOMLDecodeError, AttributeError, RecursionError):  # the gate says why
         return None
     return name if isinstance(name, str) else None
 

@@ -12,6 +12,7 @@ import msgspec
 from anyio.abc import TaskGroup
 
 from mesh import paging, subjects, wire
+from mesh.auth.policy import READ_VERBS
 from mesh.model import (
     AssignRequest,
     AuditReply,
@@ -62,7 +63,6 @@ from mesh.model import (
     ToolsReply,
     ToolsRequest,
 )
-from mesh.names import InvalidName, check_name
 from mesh.serving import Bound, Endpoint, Verb
 from services.controller import operators
 from services.controller.changes import Changes
@@ -116,11 +116,7 @@ class Asking(msgspec.Struct, frozen=True):
 
 
 def asking(h: Holder, subject: str) -> Asking:
-    machine = subjects.ctl_host_machine(subject)
-    try:
-        check_name(machine, field="machine")
-    except InvalidName as e:
-        raise wire.BadRequest(str(e)) from None
+    machine = wire.subject_name(subjects.ctl_host_machine(subject), field="machine")
     return Asking(holder=h, machine=machine)
 
 
@@ -335,6 +331,9 @@ VERBS: dict[str, Verb] = {
 }
 # As operators ask them: a change checked against who asked, its `by` that operator, audited.
 OPERATOR_VERBS = operators.as_operators(VERBS, trust=lambda h: h.trust)
+# On an operator's own subjects, the changes (reads are asked on mesh.ctl.<verb>: listing them
+# twice would count each in two places, in discovery's stats and the metrics).
+OWN_VERBS = {name: v for name, v in OPERATOR_VERBS.items() if name not in READ_VERBS}
 
 
 async def host_secret(a: Asking, req: SecretRequest) -> SecretReply:
@@ -365,7 +364,7 @@ ENDPOINTS = (
     Endpoint(
         "operator-verbs",
         subjects.OP_VERBS,
-        OPERATOR_VERBS,
+        OWN_VERBS,
         queue=subjects.QUEUE,
         caller=operators.operating,
     ),
