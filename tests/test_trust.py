@@ -4,15 +4,22 @@ subject the server let it publish on), never the name a client writes in its bod
 changes only the modules its glob matches; a removed operator is cut off at once; `mesh audit`
 shows who did what, refusals too."""
 
+import os
+import re
+import signal
 from pathlib import Path
 
+import anyio
 import pytest
-from helpers import ask, await_until, ok, ok_json, one_line_error
+from faults import query
+from helpers import ask, await_until, ok, ok_json, one_line_error, standing_by
 from module_folders import HELLO, write_module
 from secured import Secured
 
 from mesh import bus
 from mesh.auth import creds as credentials
+from mesh.auth import registry
+from mesh.meshdir import MeshDir
 from services.controller.operators import subject_of
 
 
@@ -151,6 +158,47 @@ async def test_every_change_verb_is_audited_with_its_operator(secured_fleet, sec
     assert [e["id"] for e in _audit(secured, "--limit", "3")] == [e["id"] for e in entries[:3]]
 
 
+async def test_a_holder_killed_amid_changes_loses_no_audit_entry(
+    nc, database_url, start_controller, start_fleet
+):
+    """Labels set one after another while the holder is SIGKILLed three times: every label
+    change the store holds (its event, written in the same transaction) has its audit entry,
+    and every entry its change. On this bus without authentication, `who` is `anonymous`."""
+    controllers = (await start_fleet(hosts=1, controllers=("ctl-1", "ctl-2"))).controllers
+    sent = 0
+
+    async def changing(stop: anyio.Event) -> None:
+        nonlocal sent
+        while not stop.is_set():
+            sent += 1
+            await ask(nc, "mesh.ctl.label", {"machine": "node-1", "set": {"seq": str(sent)}},
+                      timeout=0.5)  # fmt: skip
+
+    stop = anyio.Event()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(changing, stop)
+        for kill in range(3):
+            newest = f"ctl-{kill + 2}"
+            s = await await_until(lambda n=newest: standing_by(nc, n), within=30,
+                                  what=f"{newest} standing by")  # fmt: skip
+            await anyio.sleep(0.3)  # ok: changes keep coming to this holder meanwhile
+            os.kill(s["seat"]["pid"], signal.SIGKILL)
+            assert controllers[s["seat"]["holder"]].wait(timeout=10) == -signal.SIGKILL
+            controllers[f"ctl-{kill + 3}"] = start_controller(f"ctl-{kill + 3}")
+        await await_until(lambda: standing_by(nc, "ctl-5"), within=30, what="ctl-5 standing by")
+        stop.set()
+
+    made = {r["seq"] for r in await query(database_url,
+            "SELECT detail->'labels'->>'seq' AS seq FROM events WHERE kind = 'machine.labels'"
+            " AND detail->'labels' ? 'seq'")}  # fmt: skip
+    entries = await query(database_url, "SELECT who, detail FROM audit WHERE verb = 'label'"
+                                        " AND outcome = 'ok' AND subject = 'node-1'")  # fmt: skip
+    audited = {m.group(1) for e in entries if (m := re.search(r"'seq': '(\d+)'", e["detail"]))}
+    assert len(made) > 10 and sent > len(made) // 2, (len(made), sent)
+    assert made == audited, (sorted(made - audited), sorted(audited - made))
+    assert {e["who"] for e in entries} == {"anonymous"}
+
+
 def test_what_a_change_is_about_comes_from_its_request() -> None:
     class Push:
         manifest = '[module]\nname = "web-a"\n'
@@ -160,3 +208,19 @@ def test_what_a_change_is_about_comes_from_its_request() -> None:
 
     assert subject_of("push", Push()) == "web-a"
     assert subject_of("plan-pause", Steer()) == "plan 7"
+
+
+def test_an_operators_file_names_it_and_an_older_file_is_given_the_line(tmp_path: Path) -> None:
+    folder = MeshDir(tmp_path / "mesh")
+    with registry.locked(folder) as users:
+        path = users.ensure("operator", "admin", role="admin")
+        users.save()
+    held = credentials.read(path)
+    assert held.operator == "admin"
+    path.write_text(path.read_text().replace("# mesh-operator: admin\n", ""))  # issued before
+    assert credentials.read(path).operator is None
+    with registry.locked(folder) as users:  # what `mesh dev up` and `mesh init` do at start
+        users.ensure("operator", "admin", role="admin")
+        users.save()
+    again = credentials.read(path)
+    assert again.operator == "admin" and again.seed == held.seed  # the same key
