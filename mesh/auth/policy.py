@@ -78,7 +78,9 @@ BUILDS_STREAM = f"OBJ_{BUILDS}"
 BUILDS_SUBJECTS = f"$O.{BUILDS}"
 
 
-class User(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class User(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    # omit_defaults: users.json without `modules` where none is given, which a mesh from
+    # before named operators still reads
     name: str  # a host's machine name; "controller"; an operator's name
     kind: Kind
     public: str  # the nkey the server knows
