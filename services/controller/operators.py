@@ -224,6 +224,10 @@ def _guarded(
             if verb not in UNAUDITED:
                 await _refused(t, asked, e.code, str(e))
             raise
+        except Exception as e:  # answered `internal` (mesh.bus.answer): recorded as such
+            if verb not in UNAUDITED:
+                await _refused(t, asked, "internal", type(e).__name__)
+            raise
         if verb not in UNAUDITED and not asked.written:
             await audit.record(t.pool, who=who, verb=verb, subject=asked.subject, outcome="ok",
                                detail=_detail(reply), epoch=t.epoch)  # fmt: skip
