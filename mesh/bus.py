@@ -9,6 +9,7 @@ import logging
 import re
 import secrets
 import time
+import weakref
 from asyncio import CancelledError
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -230,7 +231,19 @@ async def connect(
             raise Unauthorized(_unauthorized(url, creds)) from None
         raise
     connecting = False
+    if creds:
+        _OPERATORS[nc] = credentials.read(creds).operator
     return nc
+
+
+# Which operator each connection authenticated as (its credentials file's `# mesh-operator:`):
+# the client asks its changes on that operator's own subjects (mesh.client.asking).
+_OPERATORS: "weakref.WeakKeyDictionary[Client, str | None]" = weakref.WeakKeyDictionary()
+
+
+def operator_of(nc: Client) -> str | None:
+    """The operator `nc` connected as, None for a connection without operator credentials."""
+    return _OPERATORS.get(nc)
 
 
 def _options(

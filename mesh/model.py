@@ -847,3 +847,69 @@ class ToolCallReply(msgspec.Struct):
     content: list[Any] = []
     is_error: bool = msgspec.field(default=False, name="isError")
     structured_content: Any = msgspec.field(default=None, name="structuredContent")
+
+
+# --- trust: the audit log and named operators (docs/verbs.md: audit, operator-*) --------------
+
+OperatorRole = Literal["admin", "deployer", "viewer", "tools"]  # as mesh.auth.policy.Role
+# A deployer's modules: a glob (fnmatch: `*`, `?`, `[...]`) over module names.
+ModuleGlob = Annotated[
+    str, msgspec.Meta(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9_*?\[\]!-]+\Z")
+]
+
+
+class AuditRequest(Request, omit_defaults=True):
+    limit: int = 50  # the newest 50, unless asked for more
+    after: Cursor | None = None
+    who: Name | None = None  # one operator's entries only
+
+    def __post_init__(self) -> None:
+        check_limit(self.limit)
+
+
+class AuditEntry(msgspec.Struct):
+    at: datetime
+    who: str  # the operator the mesh verified (the subject it asked on), never the body's word
+    verb: str
+    subject: str  # what the change was about: a module, a machine, a plan, a secret's name
+    outcome: str  # "ok", or the refusal's code (forbidden, not_found, conflict, ...)
+    detail: str = ""  # the plan it made, or what the refusal said
+    id: int = 0
+
+
+class AuditReply(msgspec.Struct):
+    entries: list[AuditEntry]
+    next: str | None = None
+
+
+class OperatorAddRequest(Request):
+    """Recorded by `mesh operator add` before the operator's credentials count."""
+
+    name: Name
+    role: OperatorRole
+    modules: ModuleGlob | None = None  # deployers only
+
+
+class OperatorRemoveRequest(Request):
+    name: Name
+
+
+class OperatorInfo(msgspec.Struct):
+    name: str
+    role: str
+    modules: str | None = None
+
+
+class OperatorReply(msgspec.Struct):
+    name: str
+    role: str
+    modules: str | None = None
+    message: str = ""
+
+
+class OperatorsRequest(Request):
+    pass
+
+
+class OperatorsReply(msgspec.Struct):
+    operators: list[OperatorInfo]

@@ -5,6 +5,9 @@ QUEUE = "mesh-controller"  # queue group of every controller verb subscription
 
 CTL_VERBS = "mesh.ctl.*"  # operator verbs: mesh.ctl.<verb>
 CTL_HOST_VERBS = "mesh.ctl.host.*.*"  # what a host asks: mesh.ctl.host.<name>.<verb>
+# An operator's verbs: mesh.op.<operator>.<verb>. Only that operator's credentials may publish
+# under its name (nats-server checks it), so the name is the operator the mesh verified.
+OP_VERBS = "mesh.op.*.*"
 HOST_BEATS = "mesh.host.*.beat"
 EVENTS = "mesh.event.*.*"  # what hosts report: mesh.event.<name>.<kind>
 SEAT_EVENTS = f"mesh.seat.{SEAT}.*"
@@ -14,6 +17,16 @@ MACHINES = "mesh.machine.*"  # the holder's word: a machine drained, undrained, 
 
 def ctl(verb: str) -> str:
     return f"mesh.ctl.{verb}"
+
+
+def op(operator: str, verb: str) -> str:
+    """An operator's own verb subject (docs/security.md, who asked)."""
+    return f"mesh.op.{operator}.{verb}"
+
+
+def op_operator(subject: str) -> str:
+    """The <operator> of mesh.op.<operator>.<verb> (unchecked: the caller checks it)."""
+    return subject.split(".")[2]
 
 
 def ctl_host(name: str, verb: str) -> str:

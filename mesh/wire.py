@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from mesh.model import ErrorBody, ErrorCode, ErrorReply
+from mesh.names import InvalidName, check_name
 
 T = TypeVar("T")
 
@@ -39,6 +40,15 @@ class BadRequest(Exception):
     def __init__(self, message: str, *, code: ErrorCode = "bad_request") -> None:
         super().__init__(message)
         self.code = code
+
+
+def subject_name(name: str, *, field: str) -> str:
+    """A name taken from a request's subject (a machine's, an operator's), checked: a bad one
+    is the request's `bad_request`, naming `field`."""
+    try:
+        return check_name(name, field=field)
+    except InvalidName as e:
+        raise BadRequest(str(e)) from None
 
 
 class TooDeep(msgspec.DecodeError):

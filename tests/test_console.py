@@ -224,6 +224,10 @@ def test_the_console_in_a_browser(tmp_path: Path) -> None:
                 expect(page.locator('#modules tr[data-module="gated"] .assigned')).to_have_text(
                     "node-1, node-2, node-3", timeout=SEEN_WITHIN
                 )
+                # Who did it, as the mesh verified it (the admin's credentials): the audit log.
+                newest = page.locator("#audit tbody tr").first
+                expect(newest).to_contain_text("assign", timeout=SEEN_WITHIN)
+                expect(newest.locator(".who")).to_have_text("admin")
                 expect(row("node-3").locator(".processes")).to_contain_text(
                     "gated running healthy", timeout=SEEN_WITHIN
                 )

@@ -71,9 +71,13 @@ async def test_a_viewer_may_only_read_and_an_admin_may_call_every_verb(secured, 
     viewer = await as_identity(secured.viewer)
     admin = await as_identity(secured.admin)
     for verb in sorted({*VERBS, *ADMIN_VERBS, *READ_VERBS}):
+        # Reads on mesh.ctl.<verb>, by both; changes only on the admin's own subjects.
         subject = f"mesh.ctl.{verb}"
         assert await viewer.publish_refused(subject) == (verb not in READ_VERBS), verb
-        assert not await admin.publish_refused(subject), verb
+        assert await admin.publish_refused(subject) == (verb not in READ_VERBS), verb
+        assert not await admin.publish_refused(f"mesh.op.admin.{verb}"), verb
+        assert await viewer.publish_refused(f"mesh.op.viewer.{verb}"), verb
+        assert await viewer.publish_refused(f"mesh.op.admin.{verb}"), verb
     assert not set(ADMIN_VERBS) & READ_VERBS
     assert {"status", "nodes", "modules", "declaration"} <= READ_VERBS
     # Operators read hosts' status and logs; only an admin restarts a process.
@@ -99,9 +103,9 @@ async def test_roles_and_a_host_applying_its_declaration_under_credentials(
     line = one_line_error(secured.cli(secured.viewer, "push", str(HELLO)))
     assert line.startswith("mesh: error: forbidden:") and "viewer.creds" in line
     line = one_line_error(secured.cli(secured.viewer, "assign", "hello", "node-2"))
-    assert "forbidden" in line and "mesh.ctl.assign" in line
+    assert "forbidden" in line and "mesh.op.viewer.assign" in line
     line = one_line_error(secured.cli(secured.viewer, "secret", "set", "x", stdin="v"))
-    assert "forbidden" in line and "mesh.ctl.secret-set" in line
+    assert "forbidden" in line and "mesh.op.viewer.secret-set" in line
 
     # An admin changes the fleet; the host, under its own credentials, watches its own key,
     # fetches the bundle, asks for its secret and applies.
@@ -302,7 +306,7 @@ async def test_a_host_cannot_choose_its_own_tier_or_labels(secured_fleet, secure
 
     # The operator's way: an admin labels a machine; a viewer may not.
     line = one_line_error(secured.cli(secured.viewer, "label", "node-3", "builder=true"))
-    assert "forbidden" in line and "mesh.ctl.label" in line
+    assert "forbidden" in line and "mesh.op.viewer.label" in line
     labelled = ok_json(secured.cli(secured.admin, "--json", "label", "node-3", "zone=b"))
     assert labelled == {"machine": "node-3", "labels": {"zone": "b"}, "was": {},
                         "registered": True}  # fmt: skip

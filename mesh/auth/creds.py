@@ -24,6 +24,7 @@ _INBOX_LINE = re.compile(r"^# mesh-inbox: (\S+)\s*$", re.MULTILINE)
 _SEED_LINE = re.compile(r"^\s*(SU[A-Z2-7]+)\s*$", re.MULTILINE)
 _SERVERS_LINE = re.compile(r"^# mesh-nats-url: (\S+)\s*$", re.MULTILINE)
 _CONTROLLER_LINE = re.compile(r"^# mesh-controller: (U[A-Z2-7]+)\s*$", re.MULTILINE)
+_OPERATOR_LINE = re.compile(r"^# mesh-operator: (\S+)\s*$", re.MULTILINE)
 _CERT = re.compile(
     r"-----BEGIN CERTIFICATE-----\s+[A-Za-z0-9+/=\s]+?-----END CERTIFICATE-----", re.MULTILINE
 )
@@ -42,11 +43,14 @@ class Creds(msgspec.Struct, frozen=True):
     servers: str | None = None  # the NATS URL(s), comma-separated, when the file carries them
     # The controllers' public key: what they sign, a host checks with it (mesh.auth.signing).
     controller: str | None = None
+    # The operator these credentials are (`# mesh-operator:`): the client asks its changes on
+    # that operator's own subjects (mesh.op.<name>.<verb>), which only it may publish on.
+    operator: str | None = None
 
 
 def render(
     *, who: str, seed: str, inbox: str, ca: str | None = None, servers: str | None = None,
-    controller: str | None = None,
+    controller: str | None = None, operator: str | None = None,
 ) -> str:  # fmt: skip
     lines = [
         f"# mesh credentials: {who}",
@@ -58,6 +62,8 @@ def render(
         lines.append(f"# mesh-nats-url: {servers}")
     if controller:
         lines.append(f"# mesh-controller: {controller}")
+    if operator:
+        lines.append(f"# mesh-operator: {operator}")
     lines += [_SEED_BEGIN, seed, _SEED_END]
     if ca:
         lines += [
@@ -70,7 +76,7 @@ def render(
 
 def write(
     path: Path, *, who: str, seed: str, inbox: str, ca: str | None = None,
-    servers: str | None = None, controller: str | None = None,
+    servers: str | None = None, controller: str | None = None, operator: str | None = None,
 ) -> None:  # fmt: skip
     """Write the file readable by its owner alone (0600), atomically: never a moment when it is
     readable by others or half written."""
@@ -80,7 +86,7 @@ def write(
     try:
         os.fchmod(fd, 0o600)  # whatever the umask
         text = render(who=who, seed=seed, inbox=inbox, ca=ca, servers=servers,
-                      controller=controller)  # fmt: skip
+                      controller=controller, operator=operator)  # fmt: skip
         os.write(fd, text.encode())
         os.fsync(fd)
     finally:
@@ -108,6 +114,7 @@ def read(path: str | Path) -> Creds:
     inbox = _INBOX_LINE.search(text)
     servers = _SERVERS_LINE.search(text)
     controller = _CONTROLLER_LINE.search(text)
+    operator = _OPERATOR_LINE.search(text)
     certs = _CERT.findall(text)
     return Creds(
         path=str(path),
@@ -116,4 +123,5 @@ def read(path: str | Path) -> Creds:
         ca="\n".join(certs) + "\n" if certs else None,
         servers=servers.group(1) if servers else None,
         controller=controller.group(1) if controller else None,
+        operator=operator.group(1) if operator else None,
     )

@@ -6,9 +6,15 @@ permissions are decided (docs/security.md explains them).
   verbs; it hears only its own verbs, the seat's announcements and its own inbox; it reads its
   own declaration and the bundle store; a builder host also writes to the bundle store;
 - the **controller** (every instance shares one identity) serves every verb and owns JetStream;
-- an **operator** is an `admin` (every verb), a `viewer` (the verbs that only read, `tools`
-  included: a viewer lists the fleet's tools but calls none) or a `tools` operator (lists and
-  calls the fleet's tools, `mesh.host.<name>.tool`, and reads what that needs; changes nothing).
+- an **operator** is an `admin` (every verb), a `deployer` (reads, and push, diff, assign,
+  unassign, rollback and steering plans: the controller limits those to the modules its glob
+  matches), a `viewer` (the verbs that only read, `tools` included: a viewer lists the fleet's
+  tools but calls none) or a `tools` operator (lists and calls the fleet's tools,
+  `mesh.host.<name>.tool`, and reads what that needs; changes nothing).
+
+Reads are asked on `mesh.ctl.<verb>`; every other verb only on the operator's own subjects,
+`mesh.op.<name>.<verb>`, which no other identity may publish on: the name there is the operator
+the server authenticated, and the controller records it (docs/security.md, who asked).
 
 The controller never decides who may call a verb from anything in the message: the server
 enforces these lists, so a viewer's `push` never reaches it.
@@ -22,15 +28,22 @@ from mesh import subjects
 from mesh.blobs import BUILDS, BUNDLES, DECLARATIONS, SEAT
 
 Kind = Literal["host", "controller", "operator"]
-Role = Literal["admin", "viewer", "tools"]
-ROLES: tuple[Role, ...] = ("admin", "viewer", "tools")
+Role = Literal["admin", "deployer", "viewer", "tools"]
+ROLES: tuple[Role, ...] = ("admin", "deployer", "viewer", "tools")
 
 # The controller verbs that only read. Every other verb, including one added later and not
 # listed here, is for admins only: a new verb fails closed.
 READ_VERBS = frozenset(
     {"status", "nodes", "plan", "plans", "modules", "declaration", "build-logs", "tools"}
     | {"history"}  # a module's versions (issue 27)
+    | {"audit", "operators"}  # who did what, and who may (issue 28)
 )
+# What a deployer may ask on its own subjects: changes of the modules its glob matches (the
+# controller checks the module: services/controller/operators.py), and the dry run of a push.
+DEPLOYER_VERBS = (
+    "push", "diff", "assign", "unassign", "rollback",
+    "plan-approve", "plan-pause", "plan-resume", "plan-cancel",
+)  # fmt: skip
 HOST_READ_VERBS = ("status", "logs")  # mesh.host.<name>.<verb> an operator may ask
 HOST_ADMIN_VERBS = ("restart",)
 HOST_TOOL_VERBS = ("tool",)  # calling a tool: an admin's and a tools operator's
@@ -65,16 +78,20 @@ BUILDS_STREAM = f"OBJ_{BUILDS}"
 BUILDS_SUBJECTS = f"$O.{BUILDS}"
 
 
-class User(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class User(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    # omit_defaults: users.json without `modules` where none is given, which a mesh from
+    # before named operators still reads
     name: str  # a host's machine name; "controller"; an operator's name
     kind: Kind
     public: str  # the nkey the server knows
     role: Role | None = None  # operators only
     builder: bool = False  # hosts only: may write build outputs to the bundle store
+    modules: str | None = None  # a deployer's: the glob of the modules it may change
 
     def describe(self) -> str:
         if self.kind == "operator":
-            return f"operator {self.name} ({self.role})"
+            scope = f", modules {self.modules}" if self.modules is not None else ""
+            return f"operator {self.name} ({self.role}{scope})"
         if self.kind == "host":
             return f"host {self.name}" + (" (builder)" if self.builder else "")
         return f"the controllers ({self.name})"
@@ -167,6 +184,8 @@ def _controller(user: User) -> Permissions:
             subjects.plan("*"),  # plans' progress (services/controller/planner.py)
             subjects.machine("*"),  # a machine drained or undrained (changes.py)
             subjects.host("*", "build"),
+            # a standby passes on the operators' requests it held (handover.py)
+            subjects.OP_VERBS,
             f"{_API}.>",
             f"{KV_SUBJECTS}.>",
             f"$KV.{SEAT}.>",  # the seat's epoch on the bus (services/controller/epochs.py)
@@ -175,6 +194,7 @@ def _controller(user: User) -> Permissions:
         ],
         subscribe=[
             subjects.ctl(">"),
+            subjects.OP_VERBS,  # operators' own verb subjects (the name: who asked)
             subjects.host("*", "beat"),
             subjects.event("*", ">"),
             subjects.seat(">"),
@@ -202,32 +222,49 @@ def _operator(user: User) -> Permissions:
             ],
             subscribe=[f"{inbox(user)}.>", *OPERATOR_WATCH],
         )
+    if user.role == "deployer":
+        return Permissions(
+            publish=[
+                *reads,
+                *(subjects.op(user.name, v) for v in DEPLOYER_VERBS),
+                *_jetstream_uses(),
+            ],
+            subscribe=[f"{inbox(user)}.>", *OPERATOR_WATCH],
+        )
     return Permissions(
         publish=[
-            subjects.ctl("*"),  # every verb, present and future
+            *(subjects.ctl(v) for v in sorted(READ_VERBS)),
+            subjects.op(user.name, "*"),  # every verb, present and future, as itself
             ASK_DISCOVERY,
             *(
                 subjects.host("*", v)
                 for v in (*HOST_READ_VERBS, *HOST_ADMIN_VERBS, *HOST_TOOL_VERBS)
             ),
-            # uploads of module sources (push, plan diff) and reading what JetStream holds
-            f"{_API}.STREAM.NAMES",
-            f"{_API}.STREAM.MSG.GET.{OBJ_STREAM}",
-            f"{_API}.DIRECT.GET.{OBJ_STREAM}.>",
-            f"{_API}.CONSUMER.CREATE.{OBJ_STREAM}",
-            f"{_API}.CONSUMER.CREATE.{OBJ_STREAM}.>",
-            f"{_API}.CONSUMER.INFO.{OBJ_STREAM}.*",
-            *_bundle_writes(),
-            f"{_API}.INFO",
-            f"{_API}.STREAM.INFO.*",
-            f"{_API}.CONSUMER.CREATE.{KV_STREAM}",
-            f"{_API}.CONSUMER.CREATE.{KV_STREAM}.>",
-            f"{_API}.CONSUMER.INFO.{KV_STREAM}.*",
-            f"{_API}.STREAM.MSG.GET.{KV_STREAM}",
-            f"{_API}.DIRECT.GET.{KV_STREAM}.>",
+            *_jetstream_uses(),
         ],
         subscribe=[f"{inbox(user)}.>", *OPERATOR_WATCH],
     )
+
+
+def _jetstream_uses() -> list[str]:
+    """An admin's and a deployer's: uploads of module sources (push, plan diff) and reading
+    what JetStream holds."""
+    return [
+        f"{_API}.STREAM.NAMES",
+        f"{_API}.STREAM.MSG.GET.{OBJ_STREAM}",
+        f"{_API}.DIRECT.GET.{OBJ_STREAM}.>",
+        f"{_API}.CONSUMER.CREATE.{OBJ_STREAM}",
+        f"{_API}.CONSUMER.CREATE.{OBJ_STREAM}.>",
+        f"{_API}.CONSUMER.INFO.{OBJ_STREAM}.*",
+        *_bundle_writes(),
+        f"{_API}.INFO",
+        f"{_API}.STREAM.INFO.*",
+        f"{_API}.CONSUMER.CREATE.{KV_STREAM}",
+        f"{_API}.CONSUMER.CREATE.{KV_STREAM}.>",
+        f"{_API}.CONSUMER.INFO.{KV_STREAM}.*",
+        f"{_API}.STREAM.MSG.GET.{KV_STREAM}",
+        f"{_API}.DIRECT.GET.{KV_STREAM}.>",
+    ]
 
 
 def permissions(user: User) -> Permissions:

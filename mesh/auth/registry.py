@@ -53,8 +53,9 @@ class Registry:
         return self.users.get((kind, name))
 
     def issue(
-        self, kind: Kind, name: str, *, role: Role | None = None, builder: bool = False
-    ) -> Path:
+        self, kind: Kind, name: str, *, role: Role | None = None, builder: bool = False,
+        modules: str | None = None,
+    ) -> Path:  # fmt: skip
         """New keys for `name` (replacing any it had: its old file stops working at the next
         reload). Returns the credentials file's path. Call `save` to make it count."""
         check_name(name, field="name")
@@ -62,7 +63,8 @@ class Registry:
             # their files sit side by side: creds/<name>.creds
             raise AuthError(f"{name}: only the controllers' identity is called {CONTROLLER!r}")
         key = new_user()
-        user = User(name=name, kind=kind, public=key.public, role=role, builder=builder)
+        user = User(name=name, kind=kind, public=key.public, role=role, builder=builder,
+                    modules=modules)  # fmt: skip
         path = self.dir.creds_file(kind, name)
         self._write(path, user, key.seed)
         self.users[(kind, name)] = user
@@ -78,7 +80,8 @@ class Registry:
             ca = None
         creds.write(path, who=user.describe(), seed=seed, inbox=inbox(user), ca=ca,
                     servers=self.dir.nats_url(),
-                    controller=self._controller_key() if user.kind == "host" else None)  # fmt: skip
+                    controller=self._controller_key() if user.kind == "host" else None,
+                    operator=user.name if user.kind == "operator" else None)  # fmt: skip
 
     def _controller_key(self) -> str | None:
         controller = self.get("controller", CONTROLLER)
@@ -120,6 +123,8 @@ class Registry:
                 self.users[(kind, name)] = user
                 if self.dir.ca.exists() and held.ca != self.dir.ca.read_text():
                     self._write(path, user, held.seed)  # the same key, now with the mesh's CA
+                elif kind == "operator" and held.operator != name:
+                    self._write(path, user, held.seed)  # the same key, now naming its operator
                 return path
         return self.issue(kind, name, role=role, builder=builder)
 

@@ -15,6 +15,7 @@ from nats.aio.client import Client
 
 from mesh import bus, subjects, wire
 from mesh.auth.creds import CredsError
+from mesh.auth.policy import READ_VERBS
 from mesh.errors import MeshError
 
 T = TypeVar("T")
@@ -95,11 +96,10 @@ async def ask(
         )
     deadline = time.monotonic() + timeout
     pause = RETRY_FIRST
+    subject = subject_of(nc, verb)
     while True:
         try:
-            data = await bus.request(
-                nc, subjects.ctl(verb), body, deadline=deadline, attempt_timeout=attempt
-            )
+            data = await bus.request(nc, subject, body, deadline=deadline, attempt_timeout=attempt)
         except bus.NoAnswer:
             raise VerbFailed(
                 f"no controller answered `{verb}` on {url} within {timeout:g}s; "
@@ -117,6 +117,17 @@ async def ask(
                 continue
             said = f"{verb}: {e}" if e.code != "refused" else str(e)
             raise VerbFailed(said, code=e.code) from None
+
+
+def subject_of(nc: Client, verb: str) -> str:
+    """Where `verb` is asked: a read on `mesh.ctl.<verb>` (every client's, the console's and
+    `nats req`'s), anything else on the operator's own `mesh.op.<name>.<verb>`, the one subject
+    the server lets only this operator publish on (docs/security.md, who asked). A connection
+    without operator credentials (a bus without authentication) asks on `mesh.ctl.<verb>`."""
+    operator = bus.operator_of(nc)
+    if operator is None or verb in READ_VERBS:
+        return subjects.ctl(verb)
+    return subjects.op(operator, verb)
 
 
 def probing(

@@ -14,6 +14,7 @@ from mesh import wire
 from mesh.client.asking import VerbFailed, ask
 from mesh.model import (
     PAGE_MOST,
+    AuditReply,
     DiffReply,
     HistoryReply,
     ModulesReply,
@@ -50,6 +51,7 @@ LISTINGS: dict[type, Listing] = {
     DiffReply: Listing("machines", key=lambda m: m.machine),
     ToolsReply: Listing("tools", key=lambda t: (t.machine, t.server, t.name)),
     HistoryReply: Listing("versions", key=lambda v: v.version),
+    AuditReply: Listing("entries", key=lambda e: e.id),
 }
 
 

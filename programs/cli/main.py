@@ -27,6 +27,7 @@ from programs.cli import (
     modules,
     render,
     tools,
+    trust,
     versions,
     webconsole,
 )
@@ -178,6 +179,7 @@ def parser() -> argparse.ArgumentParser:
     certs.add_parsers(verbs, common)
     webconsole.add_parsers(verbs, common)
     tools.add_parsers(verbs, common)
+    trust.add_parsers(verbs, common)
     return top
 
 
@@ -317,6 +319,7 @@ COMMANDS: dict[tuple[str, ...], Callable[[argparse.Namespace], Any]] = {
     **certs.COMMANDS,
     **webconsole.COMMANDS,
     **tools.COMMANDS,
+    **trust.COMMANDS,
 }
 
 

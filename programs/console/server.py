@@ -32,6 +32,8 @@ from mesh.client.pages import ask_list
 from mesh.errors import MeshError
 from mesh.lifetime import stop_on_signals
 from mesh.model import (
+    AuditReply,
+    AuditRequest,
     Beat,
     LogsReply,
     LogsRequest,
@@ -65,7 +67,8 @@ PAGE_QUEUE = 256  # events a page may lag behind; past that it is dropped and re
 KEEPALIVE = 15.0  # a comment line on an idle stream, so proxies and browsers keep it open
 # Asked in this order in a round: `status` after `nodes`, so its counts are never older than the
 # machines shown above them.
-SECTIONS = ("nodes", "status", "plans", "modules")
+SECTIONS = ("nodes", "status", "plans", "modules", "audit")
+AUDIT_LISTED = 20  # the audit log's newest entries the page shows
 
 
 class ConsoleError(MeshError):
@@ -151,11 +154,11 @@ class Console:
         self.send("progress", summary)  # the page's plan list moves at once
         self._plans_dirty.add(summary.id)
         # a plan starting or ending changes assignments (modules) and the seat's summary
-        self.mark("plans", "status", *(() if summary.state == "rolling" else ("modules",)))
+        self.mark("plans", "status", *(() if summary.state == "rolling" else ("modules", "audit")))
 
     async def _on_machine(self, msg: Msg) -> None:
         # drained, undrained, or skipped for its drain: no host reports it, the holder tells it
-        self.mark("nodes")
+        self.mark("nodes", "audit")
 
     async def watch_silence(self) -> None:
         """Once a second: a machine whose beats stopped, or a standby that went quiet, while
@@ -223,6 +226,8 @@ class Console:
                 answer = nodes
             elif section == "modules":
                 answer = await self.listed("modules", ModulesReply, ModulesRequest())
+            elif section == "audit":  # who changed what: asked again as plans and machines change
+                answer = await self.listed("audit", AuditReply, AuditRequest(), want=AUDIT_LISTED)
             else:
                 plans = await self.listed("plans", PlansReply, PlansRequest(), want=PLANS_LISTED)
                 if plans.plans and self._latest_plan is None:

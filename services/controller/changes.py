@@ -52,7 +52,7 @@ from mesh.model import (
 from mesh.modules import archive, gate, load, meshsource
 from mesh.modules.manifest import ON_THE_MACHINE, Assign, Bundle, Manifest
 from mesh.store import events, modules, plans, seats, secrets
-from services.controller import build_requests, steering
+from services.controller import build_requests, operators, steering
 from services.controller import rollback as versions
 from services.controller.fleet import Fleet, tell_changed
 from services.controller.publishing import Manifests, Publisher
@@ -270,6 +270,15 @@ class Changes:
         return self._one_change
 
     async def _plan(
+        self, conn: asyncpg.Connection, machines: Iterable[str], **how: Any
+    ) -> tuple[int | None, list[str]]:
+        """`_recorded`, and the change's audit entry in the same transaction (operators.py):
+        every change the catalog makes records its plan here, or that it has none."""
+        plan, changed = await self._recorded(conn, machines, **how)
+        await operators.audited(conn, detail=f"plan {plan}" if plan is not None else "no change")
+        return plan, changed
+
+    async def _recorded(
         self,
         conn: asyncpg.Connection,
         machines: Iterable[str],
@@ -634,6 +643,7 @@ class Changes:
                     await plans.set_plan(conn, p.id, state=state, finished=datetime.now(UTC))
                 await events.record(conn, "plan.approved", epoch=self._epoch, plan=p.id,
                                     by=req.by, machines=len(steps))  # fmt: skip
+                await operators.audited(conn, detail=f"plan {p.id} {state}")
         self._wake()
         log.info("plan %d approved by %s: %d machine(s)", p.id, req.by or "?", len(steps))
         what = f"it changes {len(steps)} machine(s)" if steps else "no machine changes now"
@@ -814,6 +824,7 @@ class Changes:
 
         async def up_to_date(conn: asyncpg.Connection) -> int | None:
             if not undo:
+                await operators.audited(conn, detail="drained")
                 return None
             plan, _ = await self._plan(
                 conn, [name], trigger="undrain", subject=name, by=req.by,

@@ -34,6 +34,7 @@ from mesh.model import (
 from mesh.ratelimit import PerKey
 from mesh.store import db, events, machines, seats
 from mesh.store.machines import MachineRow
+from services.controller import operators
 from services.controller.rollout import Report
 
 log = logging.getLogger(__name__)
@@ -372,6 +373,7 @@ class Fleet:
                     await machines.set_tier(conn, name=name, tier=tier)
                 await events.record(conn, "machine.tier", machine=name, epoch=self._epoch,
                                     tier=tier, was=was, registered=m is not None)  # fmt: skip
+                await operators.audited(conn, detail=f"tier {tier} (was {was})")
             if m is not None:
                 self._place(name, was=m.tier, tier=tier)
                 m.tier = tier
@@ -418,6 +420,7 @@ class Fleet:
                     await machines.set_labels(conn, name=name, labels=labels)
                 await events.record(conn, "machine.labels", machine=name, epoch=self._epoch,
                                     labels=labels, was=was, registered=m is not None)  # fmt: skip
+                await operators.audited(conn, detail=f"labels {labels} (were {was})"[:200])
             if m is not None:
                 m.labels = labels
         log.info("machine %s labels %s (were %s)%s", name, labels, was,

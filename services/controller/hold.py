@@ -30,6 +30,7 @@ from services.controller import bundles, epochs, handover, metrics, pruning
 from services.controller.changes import Changes
 from services.controller.fleet import Fleet, open_bus
 from services.controller.handover import VerbSubscriptions
+from services.controller.operators import Trust
 from services.controller.planner import Planner
 from services.controller.publishing import Manifests, Publisher
 from services.controller.readiness import Readiness
@@ -144,6 +145,9 @@ class Hold:
                         publisher=publisher, planner=planner,
                         tasks=serving, handover=taken, stop=self.stop.handover,
                         steering=steering,
+                        trust=Trust(pool=self.pool, epoch=row.epoch,
+                                    secured=self.signing.seed is not None,
+                                    budget=lambda: paging.budget(self.nc.max_payload)),
                     )  # fmt: skip
                     await self._serve(
                         holder=holder, reports=HostReports(fleet=fleet, publisher=publisher),

@@ -30,6 +30,7 @@ import asyncpg
 from mesh import wire
 from mesh.model import PlanState, SteerReply, SteerRequest
 from mesh.store import events, modules, plans, seats
+from services.controller import operators
 from services.controller.planner import Planner
 
 log = logging.getLogger(__name__)
@@ -97,6 +98,7 @@ class Steering:
                 raise refused(p, _why_not("pause", p))
             await plans.set_plan(conn, p.id, state="paused")
             await events.record(conn, "plan.paused", epoch=self._epoch, plan=p.id, by=req.by)
+            await operators.audited(conn, detail="paused")
         p.state = "paused"
         what = "the steps in flight finish, no new machine starts" if p.started else (
             "it will not start"
@@ -114,6 +116,7 @@ class Steering:
             p.state = "rolling" if p.started else "pending"
             await plans.set_plan(conn, p.id, state=p.state)
             await events.record(conn, "plan.resumed", epoch=self._epoch, plan=p.id, by=req.by)
+            await operators.audited(conn, detail="resumed")
         return await self._told(p, f"plan {p.id} resumed: it is {p.state}")
 
     async def cancel(self, req: SteerRequest) -> SteerReply:
@@ -127,6 +130,7 @@ class Steering:
                     raise refused(p, _why_not("cancel", p))
                 why = f"cancelled by {req.by or 'an operator'}"
                 p.state = await cancelled(conn, p, why=why, epoch=self._epoch, by=req.by)
+                await operators.audited(conn, detail=f"cancelled ({p.state})")
                 p.phase, p.cancel = ("revert" if p.started else p.phase), why
         if p.state == "cancelled":
             return await self._told(p, f"plan {p.id} cancelled: no machine had changed")

@@ -12,8 +12,11 @@ import msgspec
 from anyio.abc import TaskGroup
 
 from mesh import paging, subjects, wire
+from mesh.auth.policy import READ_VERBS
 from mesh.model import (
     AssignRequest,
+    AuditReply,
+    AuditRequest,
     BuildLogsReply,
     BuildLogsRequest,
     ChangeReply,
@@ -34,6 +37,11 @@ from mesh.model import (
     ModulesRequest,
     NodesReply,
     NodesRequest,
+    OperatorAddRequest,
+    OperatorRemoveRequest,
+    OperatorReply,
+    OperatorsReply,
+    OperatorsRequest,
     PlanReply,
     PlanRequest,
     PlansReply,
@@ -55,8 +63,8 @@ from mesh.model import (
     ToolsReply,
     ToolsRequest,
 )
-from mesh.names import InvalidName, check_name
 from mesh.serving import Bound, Endpoint, Verb
+from services.controller import operators
 from services.controller.changes import Changes
 from services.controller.fleet import Fleet
 from services.controller.planner import Planner
@@ -97,6 +105,7 @@ class Holder(msgspec.Struct):
     handover: Handover  # how this controller came to hold the seat
     stop: Callable[[], None]  # start a handover (the `handover` verb)
     steering: Steering  # pause, resume, cancel a plan (approve is a change: `changes`)
+    trust: operators.Trust  # who asked, what it may change, the audit log (operators.py)
 
 
 class Asking(msgspec.Struct, frozen=True):
@@ -107,11 +116,7 @@ class Asking(msgspec.Struct, frozen=True):
 
 
 def asking(h: Holder, subject: str) -> Asking:
-    machine = subjects.ctl_host_machine(subject)
-    try:
-        check_name(machine, field="machine")
-    except InvalidName as e:
-        raise wire.BadRequest(str(e)) from None
+    machine = wire.subject_name(subjects.ctl_host_machine(subject), field="machine")
     return Asking(holder=h, machine=machine)
 
 
@@ -250,6 +255,22 @@ async def undrain(h: Holder, req: DrainRequest) -> DrainReply:
     return await h.changes.drain(req, undo=True)
 
 
+async def audit(h: Holder, req: AuditRequest) -> AuditReply:
+    return await operators.audit_log(h.trust, req)
+
+
+async def operator_add(h: Holder, req: OperatorAddRequest) -> OperatorReply:
+    return await operators.operator_add(h.trust, req)
+
+
+async def operator_remove(h: Holder, req: OperatorRemoveRequest) -> OperatorReply:
+    return await operators.operator_remove(h.trust, req)
+
+
+async def operator_list(h: Holder, req: OperatorsRequest) -> OperatorsReply:
+    return await operators.operator_list(h.trust, req)
+
+
 # Bytes of body per verb (docs/verbs.md, Limits); nats-server's max_payload (1 MiB) caps them all.
 _SMALL = 4 * 1024  # names and numbers
 _MODULE_BODY = 640 * 1024  # a manifest of up to 256 KiB, JSON-escaped; thousands of names
@@ -300,7 +321,19 @@ VERBS: dict[str, Verb] = {
     "rollback": Verb(RollbackRequest, ChangeReply, rollback, bound=SLOW, limit=_SMALL),
     "drain": Verb(DrainRequest, DrainReply, drain, bound=SLOW, limit=_SMALL),
     "undrain": Verb(DrainRequest, DrainReply, undrain, bound=SLOW, limit=_SMALL),
+    # trust (issue 28, docs/security.md): the audit log, and the operators the mesh records
+    "audit": Verb(AuditRequest, AuditReply, audit, bound=SLOW, limit=_SMALL, too_large=_PAGED),
+    "operators": Verb(OperatorsRequest, OperatorsReply, operator_list, bound=SLOW, limit=_SMALL),
+    "operator-add": Verb(OperatorAddRequest, OperatorReply, operator_add, bound=SLOW, limit=_SMALL),
+    "operator-remove": Verb(
+        OperatorRemoveRequest, OperatorReply, operator_remove, bound=SLOW, limit=_SMALL
+    ),
 }
+# As operators ask them: a change checked against who asked, its `by` that operator, audited.
+OPERATOR_VERBS = operators.as_operators(VERBS, trust=lambda h: h.trust)
+# On an operator's own subjects, the changes (reads are asked on mesh.ctl.<verb>: listing them
+# twice would count each in two places, in discovery's stats and the metrics).
+OWN_VERBS = {name: v for name, v in OPERATOR_VERBS.items() if name not in READ_VERBS}
 
 
 async def host_secret(a: Asking, req: SecretRequest) -> SecretReply:
@@ -320,7 +353,21 @@ HOST_VERBS: dict[str, Verb] = {
 
 # The controller's subscriptions, in the `mesh-controller` queue group (handover.py).
 ENDPOINTS = (
-    Endpoint("verbs", subjects.CTL_VERBS, VERBS, queue=subjects.QUEUE),
+    Endpoint(
+        "verbs",
+        subjects.CTL_VERBS,
+        OPERATOR_VERBS,
+        queue=subjects.QUEUE,
+        caller=operators.unverified,
+    ),
+    # mesh.op.<operator>.<verb>: only that operator may publish there (docs/security.md)
+    Endpoint(
+        "operator-verbs",
+        subjects.OP_VERBS,
+        OWN_VERBS,
+        queue=subjects.QUEUE,
+        caller=operators.operating,
+    ),
     Endpoint(
         "host-requests",
         subjects.CTL_HOST_VERBS,

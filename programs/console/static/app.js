@@ -4,7 +4,7 @@
 // come from machines, and nothing they say is ever read as HTML.
 
 const state = {
-  status: null, nodes: null, modules: null, plans: null,
+  status: null, nodes: null, modules: null, plans: null, audit: null,
   plans_by_id: new Map(), // id -> the `plan` verb's answer
   problems: new Map(), // section -> message
   beats: new Map(), // machine -> when its last beat arrived (ms)
@@ -202,6 +202,22 @@ function plans_card() {
     table("plans", ["plan", "state", "change", "by", "done", "rolling", "created", "failure"], rows));
 }
 
+function audit_card() {
+  // who changed what, as the mesh verified it (docs/security.md): the newest entries
+  if (!state.audit) return card("audit-card", "Audit", el("p", { class: "quiet" }, "asking the controller…"));
+  if (!state.audit.entries.length) return card("audit-card", "Audit", el("p", { class: "quiet" }, "no change asked yet"));
+  const rows = state.audit.entries.map((e) =>
+    el("tr", { "data-entry": e.id },
+      el("td", {}, when(e.at)),
+      el("td", { class: "who" }, e.who),
+      el("td", {}, e.verb),
+      el("td", {}, e.subject),
+      el("td", { class: "state" }, e.outcome === "ok" ? word("ok", "done") : word(e.outcome, "error")),
+      el("td", { class: "quiet" }, e.detail)));
+  return card("audit-card", "Audit",
+    table("audit", ["at", "who", "verb", "subject", "outcome", "detail"], rows));
+}
+
 function plan_card(id) {
   const p = state.plans_by_id.get(id);
   if (!p) return card("plan", `Plan ${id}`, el("p", { class: "quiet" }, "asking the controller…"));
@@ -240,7 +256,7 @@ function shown_plan() {
 function overview() {
   const id = shown_plan();
   if (id !== null) fetch_plan(id);
-  return [seat_card(), machines_card(), id === null ? null : plan_card(id), plans_card(), modules_card()];
+  return [seat_card(), machines_card(), id === null ? null : plan_card(id), plans_card(), modules_card(), audit_card()];
 }
 
 function machine_view(name) {
@@ -381,6 +397,7 @@ function listen() {
     state.last_seen = new Map(n.nodes.filter((m) => m.last_seen).map((m) => [m.name, Date.parse(m.last_seen)]));
   });
   on("modules", (m) => { state.modules = m; });
+  on("audit", (a) => { state.audit = a; });
   on("plans", (p) => { state.plans = p; });
   on("plan", (p) => { state.plans_by_id.set(p.id, p); });
   on("progress", (summary) => {

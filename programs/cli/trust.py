@@ -1,0 +1,226 @@
+"""`mesh audit [--limit N] [--who NAME]`: who changed what, as the mesh verified it; and `mesh
+operator add NAME --role ROLE [--modules GLOB]` / `operator list` / `operator remove NAME`:
+named operators, each with credentials of its own (docs/operations.md, Operators).
+
+Adding and removing an operator happen on the machine that holds the mesh's folder (as `mesh
+machine add` does): its credentials are issued into the folder and the mesh's nats-servers
+reloaded. The controller records the operator first (`operator-add`, `operator-remove`, with
+their audit entries), so an operator whose credentials work is one the controller knows; a
+removed operator is refused by the controller from that moment, and by the servers once they
+reload, which closes its connections."""
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from rich.markup import escape
+from rich.table import Table
+
+from mesh import config
+from mesh.auth import registry
+from mesh.auth.policy import ROLES
+from mesh.client.asking import VerbFailed, ask, connected
+from mesh.meshdir import DEFAULT_DIR, MeshDir
+from mesh.model import (
+    AuditReply,
+    AuditRequest,
+    ModuleGlob,
+    OperatorAddRequest,
+    OperatorRemoveRequest,
+    OperatorReply,
+    OperatorsReply,
+    OperatorsRequest,
+)
+from mesh.names import check_name
+from programs.cli.args import Parser, count
+from programs.cli.client import CliError, listed, verb
+from programs.cli.machines import _mesh, _reload
+from programs.cli.output import console, print_json, whole
+
+AUDIT_SHOWN = 50  # entries `mesh audit` shows without --limit: the newest
+
+
+class Added(msgspec.Struct):
+    name: str
+    role: str
+    creds: str  # the operator's credentials file, mode 0600: hand it to that operator alone
+    modules: str | None = None
+    reloaded: bool = False  # the running servers admit it now (else: at their next start)
+
+
+class Removed(msgspec.Struct):
+    name: str
+    revoked: str  # the credentials file that no longer works (deleted)
+    reloaded: bool  # the running servers closed its connections
+
+
+def add_parsers(verbs: Any, common: argparse.ArgumentParser) -> None:
+    audit = verbs.add_parser(
+        "audit", parents=[common], help="who changed what (the operator the mesh verified)"
+    )
+    audit.add_argument(
+        "--limit", type=count, metavar="N", default=AUDIT_SHOWN,
+        help=f"show the newest N entries ({AUDIT_SHOWN})",
+    )  # fmt: skip
+    audit.add_argument("--who", metavar="NAME", help="one operator's entries only")
+
+    operator = verbs.add_parser("operator", parents=[common], help="named operators")
+    operator_verbs = operator.add_subparsers(
+        dest="operator_command", metavar="COMMAND", parser_class=Parser
+    )
+    operator_verbs.required = True
+    add = operator_verbs.add_parser(
+        "add", parents=[common], help="issue a new operator's credentials"
+    )
+    add.add_argument("name", metavar="NAME")
+    add.add_argument("--role", required=True, choices=ROLES)
+    add.add_argument(
+        "--modules", metavar="GLOB",
+        help="a deployer's modules (a glob: 'web-*'); every module without",
+    )  # fmt: skip
+    remove = operator_verbs.add_parser(
+        "remove", parents=[common], help="revoke an operator at once"
+    )
+    remove.add_argument("name", metavar="NAME")
+    for p in (add, remove):
+        p.add_argument(
+            "--dir", type=Path, default=DEFAULT_DIR, help=f"the mesh's folder ({DEFAULT_DIR})"
+        )
+    operator_verbs.add_parser("list", parents=[common], help="the operators the mesh knows")
+
+
+async def cmd_audit(args: argparse.Namespace) -> None:
+    who = check_name(args.who, field="--who") if args.who is not None else None
+    reply = await listed(args, "audit", AuditReply, AuditRequest(who=who), want=args.limit)
+    if args.json:
+        print_json(whole(reply))
+        return
+    out = console()
+    table = Table(box=None, header_style="bold")
+    for column in ("AT", "WHO", "VERB", "SUBJECT", "OUTCOME", "DETAIL"):
+        table.add_column(column)
+    for e in reply.entries:
+        table.add_row(
+            e.at.strftime("%Y-%m-%d %H:%M:%S"), escape(e.who), e.verb, escape(e.subject),
+            e.outcome if e.outcome == "ok" else f"[red]{e.outcome}[/]", escape(e.detail),
+        )  # fmt: skip
+    out.print(table)
+    if len(reply.entries) >= args.limit:
+        out.print(f"the newest {args.limit}; raise --limit to see older entries")
+
+
+async def _ask_as_admin(
+    args: argparse.Namespace, folder: MeshDir, name: str, reply: type[Any], body: Any
+) -> Any:
+    """A verb asked with the caller's credentials, or the folder's admin's (as `machine add`)."""
+    admin = folder.creds_file("operator", "admin")
+    creds = config.creds(getattr(args, "creds", None)) or (str(admin) if admin.exists() else None)
+    url = folder.nats_url() or config.nats_url(getattr(args, "nats_url", None))
+    timeout = getattr(args, "timeout", 10.0)
+    async with connected(url=url, creds=creds, what=f"operator {args.operator_command}") as nc:
+        return await ask(nc, url=url, verb=name, reply=reply, timeout=timeout,
+                         body=msgspec.json.encode(body), attempt=timeout)  # fmt: skip
+
+
+async def cmd_operator_add(args: argparse.Namespace) -> None:
+    name = check_name(args.name, field="NAME")
+    glob = _glob(args.modules, role=args.role)
+    folder = _mesh(args)
+    if registry.Registry.load(folder).get("operator", name) is not None:
+        raise CliError(
+            f"operator {name} already has credentials ({folder.creds_file('operator', name)}); "
+            f"`mesh operator remove {name}` revokes them"
+        )
+    # Recorded by the controller first (with its audit entry): credentials that work are
+    # always an operator the controller knows, and scopes.
+    body = OperatorAddRequest(name=name, role=args.role, modules=glob)
+    await _ask_as_admin(args, folder, "operator-add", OperatorReply, body)
+    with registry.locked(folder) as users:
+        path = users.issue("operator", name, role=args.role, modules=glob)
+        users.save()
+    added = Added(name=name, role=args.role, creds=str(path), modules=glob,
+                  reloaded=_reload(folder))  # fmt: skip
+    if args.json:
+        print_json(added)
+        return
+    scope = f", modules {glob}" if glob else ""
+    print(f"operator {name} ({args.role}{scope}): credentials in {path} (mode 0600)")
+    print(f"hand that file to {name} alone: `MESH_CREDS={path} mesh ...` acts as {name}")
+    if not added.reloaded:
+        print(f"no nats-server is running for {folder.root}: it admits {name} once started")
+
+
+def _glob(modules: str | None, *, role: str) -> str | None:
+    if modules is None:
+        return None
+    if role != "deployer":
+        raise CliError(f"--modules: {modules!r} is for a deployer, not a {role}")
+    try:
+        return msgspec.convert(modules, ModuleGlob)
+    except msgspec.ValidationError:
+        raise CliError(
+            f"--modules: {modules!r} is not a glob of module names (letters, digits, - _ * ? [ ])"
+        ) from None
+
+
+async def cmd_operator_remove(args: argparse.Namespace) -> None:
+    """The controller records the removal first (from then on it refuses the operator's
+    changes); the credentials are revoked even when no controller answers (a revocation must
+    not wait), and the command then says to record it again."""
+    name = check_name(args.name, field="NAME")
+    folder = _mesh(args)
+    issued = registry.Registry.load(folder).get("operator", name) is not None
+    unrecorded: VerbFailed | None = None
+    try:
+        await _ask_as_admin(args, folder, "operator-remove", OperatorReply,
+                            OperatorRemoveRequest(name=name))  # fmt: skip
+    except VerbFailed as e:
+        if e.code == "not_found" and not issued:
+            raise CliError(
+                f"no operator {name} (in {folder.root} or with the controller)"
+            ) from None
+        if e.code != "not_found":  # else: one the controller never knew, revoked all the same
+            unrecorded = e
+    path = folder.creds_file("operator", name)
+    if issued:
+        with registry.locked(folder) as users:
+            path = users.revoke("operator", name)
+            users.save()
+    removed = Removed(name=name, revoked=str(path), reloaded=issued and _reload(folder))
+    if unrecorded is not None:
+        raise CliError(
+            f"operator {name}: credentials revoked, but the controller did not record the "
+            f"removal ({unrecorded}); run `mesh operator remove {name}` again once one answers"
+        )
+    if args.json:
+        print_json(removed)
+        return
+    print(f"operator {name}: removed; credentials revoked ({path} deleted)")
+    print(
+        "the mesh's nats-server reloaded: it has closed the operator's connections"
+        if removed.reloaded
+        else f"no nats-server is running for {folder.root}: it will not admit {name}"
+    )
+
+
+async def cmd_operator_list(args: argparse.Namespace) -> None:
+    reply = await verb(args, "operators", OperatorsReply, OperatorsRequest())
+    if args.json:
+        print_json(reply)
+        return
+    table = Table(box=None, header_style="bold")
+    for column in ("NAME", "ROLE", "MODULES"):
+        table.add_column(column)
+    for o in reply.operators:
+        modules = o.modules or ("*" if o.role == "deployer" else "-")
+        table.add_row(escape(o.name), o.role, escape(modules))
+    console().print(table)
+
+
+COMMANDS = {
+    ("audit",): cmd_audit,
+    ("operator", "add"): cmd_operator_add,
+    ("operator", "remove"): cmd_operator_remove,
+    ("operator", "list"): cmd_operator_list,
+}

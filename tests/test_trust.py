@@ -1,0 +1,226 @@
+"""Trust (issue 28), tried as an attacker would, with real credentials on a real nats-server,
+a real controller and PostgreSQL: a change is recorded with the operator the mesh verified (the
+subject the server let it publish on), never the name a client writes in its body; a deployer
+changes only the modules its glob matches; a removed operator is cut off at once; `mesh audit`
+shows who did what, refusals too."""
+
+import os
+import re
+import signal
+from pathlib import Path
+
+import anyio
+import pytest
+from faults import query
+from helpers import ask, await_until, ok, ok_json, one_line_error, standing_by
+from module_folders import HELLO, write_module
+from secured import Secured
+
+from mesh import bus
+from mesh.auth import creds as credentials
+from mesh.auth import registry
+from mesh.meshdir import MeshDir
+from services.controller.operators import subject_of
+
+
+def _web(folder: Path, name: str) -> Path:
+    return write_module(
+        folder / name,
+        f'[module]\nname = "{name}"\n[bundle.site]\nkind = "files"\nsource = "src"\n',
+        files={"src/index.html": f"{name}\n"},
+    )
+
+
+def _add(secured: Secured, name: str, *args: str) -> dict:
+    return ok_json(secured.cli(None, "operator", "add", name, *args,
+                               "--dir", str(secured.dir.root), "--json"))  # fmt: skip
+
+
+def _audit(secured: Secured, *args: str) -> list[dict]:
+    return ok_json(secured.cli(secured.viewer, "audit", "--json", *args))["entries"]
+
+
+async def test_a_deployer_changes_only_its_modules_as_itself(
+    secured_fleet, secured: Secured, as_identity, tmp_path: Path
+):
+    added = _add(secured, "dora", "--role", "deployer", "--modules", "web-*")
+    assert added["name"] == "dora" and added["role"] == "deployer"
+    dora = added["creds"]
+    assert credentials.read(dora).operator == "dora"
+
+    # Its own modules: pushed and assigned, recorded as dora.
+    ok(secured.cli(dora, "push", str(_web(tmp_path, "web-a")), "--timeout", "60"))
+    assigned = ok_json(secured.cli(dora, "--json", "assign", "web-a", "node-2", "--timeout", "60"))
+    assert assigned["plan"] is not None
+    plan = ok_json(secured.cli(secured.viewer, "--json", "plan"))["plans"][0]
+    assert plan["id"] == assigned["plan"] and plan["by"] == "dora", plan
+
+    # Another module: refused by the controller, naming it; nothing pushed.
+    line = one_line_error(secured.cli(dora, "push", str(HELLO), "--timeout", "60"))
+    assert "forbidden" in line and "module hello" in line and "web-*" in line
+    line = one_line_error(secured.cli(dora, "assign", "hello", "node-2"))
+    assert "forbidden" in line and "module hello" in line
+    modules = ok_json(secured.cli(secured.viewer, "--json", "modules"))["modules"]
+    assert "hello" not in {m["name"] for m in modules}
+
+    # The raw bus, with dora's real credentials: another operator's subject, a verb a deployer
+    # may not ask, and the old unverified subject are refused by the server itself.
+    raw = await as_identity(dora)
+    for subject in ("mesh.op.admin.push", "mesh.op.admin.assign", "mesh.op.dora.tier",
+                    "mesh.op.dora.secret-set", "mesh.op.dora.operator-add", "mesh.ctl.push",
+                    "mesh.ctl.assign"):  # fmt: skip
+        assert await raw.publish_refused(subject), subject
+    assert not await raw.publish_refused("mesh.op.dora.assign")  # the same kind, allowed
+
+    # Another name in the body is ignored: the change is dora's.
+    claim = {"module": "web-a", "machines": ["node-2"], "by": "admin"}
+    reply = await ask(raw.nc, "mesh.op.dora.unassign", claim, timeout=30)
+    assert reply is not None and "error" not in reply, reply
+    recent = ok_json(secured.cli(secured.viewer, "--json", "plan"))["plans"][0]
+    assert recent["id"] == reply["plan"] and recent["by"] == "dora", recent
+
+    # The audit log: who did what, as verified; the refusal too; --who narrows it.
+    entries = _audit(secured, "--who", "dora")
+    assert {e["who"] for e in entries} == {"dora"}
+    said = [(e["verb"], e["subject"], e["outcome"]) for e in reversed(entries)]
+    assert said[:2] == [("push", "web-a", "ok"), ("assign", "web-a", "ok")], said
+    assert ("push", "hello", "forbidden") in said and ("unassign", "web-a", "ok") in said
+    everyone = _audit(secured)
+    assert ("admin", "operator-add", "dora", "ok") in {
+        (e["who"], e["verb"], e["subject"], e["outcome"]) for e in everyone
+    }
+    table = ok(secured.cli(secured.viewer, "audit", "--who", "dora"))
+    assert "forbidden" in table and "web-a" in table
+
+
+async def test_a_removed_operator_is_cut_off_at_once(secured_fleet, secured: Secured, tmp_path):
+    olga = _add(secured, "olga", "--role", "admin")["creds"]
+    kept = tmp_path / "olga-kept.creds"
+    kept.write_text(Path(olga).read_text())
+    nc = await bus.connect(secured.url, name="olga", creds=olga, reconnect=False)
+    try:
+        assert (await ask(nc, "mesh.ctl.status")) is not None
+        ok(secured.cli(olga, "tier", "node-2", "2"))
+
+        removed = ok_json(secured.cli(None, "operator", "remove", "olga",
+                                      "--dir", str(secured.dir.root), "--json"))  # fmt: skip
+        assert removed["reloaded"] and not Path(olga).exists()
+
+        async def closed() -> bool:
+            return nc.is_closed or not nc.is_connected
+
+        await await_until(closed, within=15, what="the removed operator's connection closed")
+    finally:
+        await nc.close()
+    with pytest.raises(bus.Unauthorized):
+        await secured.connect(str(kept))
+    line = one_line_error(secured.cli(str(kept), "tier", "node-2", "1"))
+    assert "refused the credentials" in line
+    names = {o["name"] for o in ok_json(secured.cli(secured.viewer, "--json", "operator", "list"))[
+        "operators"]}  # fmt: skip
+    assert "olga" not in names and {"admin", "viewer", "tools"} <= names
+    said = {(e["who"], e["verb"], e["subject"], e["outcome"]) for e in _audit(secured)}
+    assert ("olga", "tier", "node-2", "ok") in said
+    assert ("admin", "operator-remove", "olga", "ok") in said
+
+
+async def test_every_change_verb_is_audited_with_its_operator(secured_fleet, secured: Secured):
+    admin = secured.admin
+    ok(secured.cli(admin, "secret", "set", "hello-token", stdin="s3cr3t"))
+    ok(secured.cli(admin, "push", str(HELLO), "--timeout", "120"))
+    held = ok_json(secured.cli(admin, "--json", "assign", "hello", "node-1", "--hold"))["plan"]
+    ok(secured.cli(admin, "plan", "cancel", str(held)))
+    one_line_error(secured.cli(admin, "plan", "pause", str(held)))  # refused: it has ended
+    one_line_error(secured.cli(admin, "plan", "resume", str(held)))
+    again = ok_json(secured.cli(admin, "--json", "unassign", "hello", "node-1", "--hold"))["plan"]
+    ok(secured.cli(admin, "plan", "approve", str(again)))
+    ok(secured.cli(admin, "label", "node-2", "zone=a"))
+    ok(secured.cli(admin, "tier", "node-2", "2"))
+    ok(secured.cli(admin, "drain", "node-2"))
+    ok(secured.cli(admin, "undrain", "node-2"))
+    one_line_error(secured.cli(admin, "rollback", "hello"))  # one version: nothing to go back to
+    one_line_error(secured.cli(admin, "handover"))  # no standby: refused, and recorded
+
+    entries = _audit(secured, "--limit", "200")
+    said = {(e["verb"], e["subject"]) for e in entries if e["who"] == "admin"}
+    for wanted in [("secret-set", "hello-token"), ("push", "hello"), ("assign", "hello"),
+                   ("plan-cancel", f"plan {held}"), ("plan-pause", f"plan {held}"),
+                   ("plan-resume", f"plan {held}"), ("unassign", "hello"),
+                   ("plan-approve", f"plan {again}"), ("label", "node-2"), ("tier", "node-2"),
+                   ("drain", "node-2"), ("undrain", "node-2"), ("rollback", "hello"),
+                   ("handover", "")]:  # fmt: skip
+        assert wanted in said, (wanted, said)
+    outcome = {(e["verb"], e["subject"]): e["outcome"] for e in entries}
+    assert outcome[("plan-pause", f"plan {held}")] == "conflict"
+    assert outcome[("handover", "")] == "no_standby"
+    assert not [e for e in entries if "s3cr3t" in str(e)]  # a secret set names the secret alone
+    # Pages: the newest first, each entry once, however small the pages.
+    assert [e["id"] for e in _audit(secured, "--limit", "3")] == [e["id"] for e in entries[:3]]
+
+
+async def test_a_holder_killed_amid_changes_loses_no_audit_entry(
+    nc, database_url, start_controller, start_fleet
+):
+    """Labels set one after another while the holder is SIGKILLed three times: every label
+    change the store holds (its event, written in the same transaction) has its audit entry,
+    and every entry its change. On this bus without authentication, `who` is `anonymous`."""
+    controllers = (await start_fleet(hosts=1, controllers=("ctl-1", "ctl-2"))).controllers
+    sent = 0
+
+    async def changing(stop: anyio.Event) -> None:
+        nonlocal sent
+        while not stop.is_set():
+            sent += 1
+            await ask(nc, "mesh.ctl.label", {"machine": "node-1", "set": {"seq": str(sent)}},
+                      timeout=0.5)  # fmt: skip
+
+    stop = anyio.Event()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(changing, stop)
+        for kill in range(3):
+            newest = f"ctl-{kill + 2}"
+            s = await await_until(lambda n=newest: standing_by(nc, n), within=30,
+                                  what=f"{newest} standing by")  # fmt: skip
+            await anyio.sleep(0.3)  # ok: changes keep coming to this holder meanwhile
+            os.kill(s["seat"]["pid"], signal.SIGKILL)
+            assert controllers[s["seat"]["holder"]].wait(timeout=10) == -signal.SIGKILL
+            controllers[f"ctl-{kill + 3}"] = start_controller(f"ctl-{kill + 3}")
+        await await_until(lambda: standing_by(nc, "ctl-5"), within=30, what="ctl-5 standing by")
+        stop.set()
+
+    made = {r["seq"] for r in await query(database_url,
+            "SELECT detail->'labels'->>'seq' AS seq FROM events WHERE kind = 'machine.labels'"
+            " AND detail->'labels' ? 'seq'")}  # fmt: skip
+    entries = await query(database_url, "SELECT who, detail FROM audit WHERE verb = 'label'"
+                                        " AND outcome = 'ok' AND subject = 'node-1'")  # fmt: skip
+    audited = {m.group(1) for e in entries if (m := re.search(r"'seq': '(\d+)'", e["detail"]))}
+    assert len(made) > 10 and sent > len(made) // 2, (len(made), sent)
+    assert made == audited, (sorted(made - audited), sorted(audited - made))
+    assert {e["who"] for e in entries} == {"anonymous"}
+
+
+def test_what_a_change_is_about_comes_from_its_request() -> None:
+    class Push:
+        manifest = '[module]\nname = "web-a"\n'
+
+    class Steer:
+        id = 7
+
+    assert subject_of("push", Push()) == "web-a"
+    assert subject_of("plan-pause", Steer()) == "plan 7"
+
+
+def test_an_operators_file_names_it_and_an_older_file_is_given_the_line(tmp_path: Path) -> None:
+    folder = MeshDir(tmp_path / "mesh")
+    with registry.locked(folder) as users:
+        path = users.ensure("operator", "admin", role="admin")
+        users.save()
+    held = credentials.read(path)
+    assert held.operator == "admin"
+    path.write_text(path.read_text().replace("# mesh-operator: admin\n", ""))  # issued before
+    assert credentials.read(path).operator is None
+    with registry.locked(folder) as users:  # what `mesh dev up` and `mesh init` do at start
+        users.ensure("operator", "admin", role="admin")
+        users.save()
+    again = credentials.read(path)
+    assert again.operator == "admin" and again.seed == held.seed  # the same key
