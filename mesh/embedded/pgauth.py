@@ -1,8 +1,9 @@
 """Who may connect to the embedded PostgreSQL: its roles, their passwords and its pg_hba.conf.
 
-Every connection gives a password (scram-sha-256), loopback included: on a control machine
-every module's account is a local account, and over TCP PostgreSQL cannot tell one local
-account from another. Three roles:
+Every connection is TLS (`hostssl`; the server's certificate from the mesh's CA:
+mesh/embedded/postgres.py) and gives a password (scram-sha-256), loopback included: on a
+control machine every module's account is a local account, and over TCP PostgreSQL cannot tell
+one local account from another. Three roles:
 
 - `postgres`, the superuser. `mesh dev up` and `mesh init` set the store up with it (the
   database, the other roles, their passwords); nothing else uses it.
@@ -35,7 +36,17 @@ CONTROLLER = "mesh"  # the controllers' role
 REPLICATION = "replicator"  # the standby's role on the primary
 
 # Written over whatever the folder had, at every start: a cluster made by an older mesh (with
-# `trust`) is locked the same way. No `local` lines: the server has no Unix socket.
+# `trust`, or without TLS) is locked the same way. No `local` lines: the server has no Unix
+# socket. `hostssl`: a connection that does not start TLS matches no line and is refused
+# ("no pg_hba.conf entry ... no encryption").
+HBA_TLS = f"""\
+# Written by mesh at every start (mesh/embedded/pgauth.py): edits are overwritten.
+# Every connection is TLS (a plaintext one is refused) and gives a password, loopback included.
+# TYPE  DATABASE     USER           ADDRESS        METHOD
+hostssl replication  {REPLICATION:<14} 127.0.0.1/32   scram-sha-256
+hostssl all          all            127.0.0.1/32   scram-sha-256
+"""
+# A server without a certificate (the test harness's own): passwords, no TLS.
 HBA = f"""\
 # Written by mesh at every start (mesh/embedded/pgauth.py): edits are overwritten.
 # Every connection gives a password, loopback included.
@@ -43,6 +54,10 @@ HBA = f"""\
 host    replication  {REPLICATION:<14} 127.0.0.1/32   scram-sha-256
 host    all          all            127.0.0.1/32   scram-sha-256
 """
+
+
+def hba(*, tls: bool = True) -> str:
+    return HBA_TLS if tls else HBA
 
 
 class PasswordError(MeshError):
@@ -98,26 +113,36 @@ def verifier(password: str, *, iterations: int = 4096) -> str:
     return f"SCRAM-SHA-256${iterations}:{b64(salt)}${b64(stored_key)}:{b64(server_key)}"
 
 
-def hba_is_ours(data: Path) -> bool:
+def _lines(data: Path) -> list[list[str]] | None:
+    """pg_hba.conf's lines as fields, comments left out; None if there is no file."""
     try:
-        return (data / "pg_hba.conf").read_text() == HBA
+        text = (data / "pg_hba.conf").read_text()
+    except FileNotFoundError:
+        return None
+    fields = (line.split("#", 1)[0].split() for line in text.splitlines())
+    return [f for f in fields if f]
+
+
+def hba_is_ours(data: Path, *, tls: bool = True) -> bool:
+    try:
+        return (data / "pg_hba.conf").read_text() == hba(tls=tls)
     except FileNotFoundError:
         return False
 
 
 def trusting(data: Path) -> bool:
     """The cluster's pg_hba.conf lets someone in without a password (`trust`)."""
-    try:
-        text = (data / "pg_hba.conf").read_text()
-    except FileNotFoundError:
-        return False
-    lines = (line.split("#", 1)[0].split() for line in text.splitlines())
-    return any(fields and fields[-1] == "trust" for fields in lines)
+    return any(fields[-1] == "trust" for fields in _lines(data) or [])
 
 
-def write_hba(data: Path) -> None:
+def plaintext(data: Path) -> bool:
+    """The cluster's pg_hba.conf lets a TCP connection in without TLS (`host`, `hostnossl`)."""
+    return any(fields[0] in ("host", "hostnossl") for fields in _lines(data) or [])
+
+
+def write_hba(data: Path, *, tls: bool = True) -> None:
     """Replaces the file in place: its owner (the server's account) and mode stay."""
-    (data / "pg_hba.conf").write_text(HBA)
+    (data / "pg_hba.conf").write_text(hba(tls=tls))
 
 
 def passfile(data: Path) -> Path:

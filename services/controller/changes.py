@@ -38,14 +38,17 @@ from mesh.model import (
     PlanBuild,
     PlanSettings,
     PushRequest,
+    RotateKeyReply,
+    RotateKeyRequest,
     SecretSetRequest,
 )
 from mesh.modules import archive, gate, load, meshsource
 from mesh.modules.manifest import ON_THE_MACHINE, Assign, Bundle, Manifest
 from mesh.store import modules, plans, seats, secrets
-from services.controller import build_requests
+from services.controller import build_requests, secretkeys
 from services.controller.fleet import Fleet
 from services.controller.publishing import Manifests, Publisher
+from services.controller.secretkeys import Keys
 
 log = logging.getLogger(__name__)
 
@@ -220,9 +223,11 @@ class Changes:
         manifests: Manifests,
         publisher: Publisher,
         signing: Signing,
+        keys: Keys,
         wake: Callable[[], None] = lambda: None,
     ) -> None:
         self._signing = signing  # builds are requested signed (mesh.auth.signing)
+        self._keys = keys  # the key the secrets are sealed under (secretkeys.py)
         self._wake = wake  # tells the planner a plan was recorded
         self._pool = pool
         self._nc = nc
@@ -500,10 +505,16 @@ class Changes:
             value = base64.b64decode(req.value, validate=True)
         except ValueError:  # binascii.Error, or text that is not ASCII
             raise wire.BadRequest("value: not base64") from None
+        if req.name == secrets.KEY_SECRET:
+            raise wire.BadRequest(
+                f"name: {req.name} is the key of the secrets, never stored: it is the "
+                "controllers' key file (mesh secret rotate-key makes a new one)"
+            )
+        ring = self._keys.usable()
         async with self._one_change:
             async with self._pool.acquire() as conn, conn.transaction():
                 await seats.fence(conn, epoch=self._epoch)
-                version = await secrets.set_secret(conn, name=req.name, value=value)
+                version = await secrets.set_secret(conn, name=req.name, value=value, ring=ring)
                 # A secret's old value is not kept, so there is nothing to revert to.
                 plan, changed = await self._plan(
                     conn, await modules.assignments(conn), trigger="secret", subject=req.name,
@@ -517,3 +528,26 @@ class Changes:
             message=f"secret {req.name} is at version {version}; "
             + (f"plan {plan} changes {len(changed)} machine(s)" if changed else "no change"),
         )
+
+    # --- the key of the secrets (`mesh secret rotate-key`) ----------------------------------
+
+    async def secret_rotate_key(self, req: RotateKeyRequest) -> RotateKeyReply:
+        """One change at a time, like setting a secret: none is sealed under the old key
+        while the rotation moves every secret off it (secretkeys.rotate)."""
+
+        async def plan() -> tuple[int | None, list[str]]:
+            async with self._pool.acquire() as conn, conn.transaction():
+                await seats.fence(conn, epoch=self._epoch)
+                # Its new file for every machine whose declaration names the key.
+                return await self._plan(
+                    conn, await modules.assignments(conn), trigger="secret",
+                    subject=secrets.KEY_SECRET, by=req.by,
+                    settings=PlanSettings(auto_revert=False), undo={},
+                )  # fmt: skip
+
+        async with self._one_change:
+            reply = await secretkeys.rotate(
+                self._pool, self._keys, req, epoch=self._epoch, plan=plan
+            )
+        self._wake()
+        return reply

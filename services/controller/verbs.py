@@ -37,6 +37,8 @@ from mesh.model import (
     PushRequest,
     Register,
     RegisterReply,
+    RotateKeyReply,
+    RotateKeyRequest,
     SeatInfo,
     SecretReply,
     SecretRequest,
@@ -243,6 +245,16 @@ VERBS: dict[str, Verb] = {
     "label": Verb(LabelRequest, LabelReply, label, bound=SLOW),
     "handover": Verb(HandoverRequest, HandoverReply, hand_over, limit=_SMALL),
 }
+
+
+# The key of the secrets: an admin's (not a read verb), one change at a time.
+async def secret_rotate_key(h: Holder, req: RotateKeyRequest) -> RotateKeyReply:
+    return await h.changes.secret_rotate_key(req)
+
+
+VERBS["secret-rotate-key"] = Verb(
+    RotateKeyRequest, RotateKeyReply, secret_rotate_key, bound=SLOW, limit=_SMALL
+)
 
 
 async def host_secret(a: Asking, req: SecretRequest) -> SecretReply:
