@@ -22,11 +22,12 @@ from pathlib import Path
 
 import anyio
 import anyio.to_thread
+import asyncpg
 import msgspec
 from nats.aio.client import Client
 
 from mesh import bus, metrics, subjects, wire
-from mesh.auth import registry, tls
+from mesh.auth import registry, secretkeys, tls
 from mesh.client.asking import probing
 from mesh.client.pages import every_page
 from mesh.embedded import natsd, pgauth, ports, postgres
@@ -42,6 +43,7 @@ from mesh.lifetime import stop_on_signals
 from mesh.meshdir import MeshDir
 from mesh.model import NodesReply, NodesRequest, StatusReply
 from mesh.paths import write_private
+from mesh.store import db, secrets
 from programs.placement import place_new
 from services.host import successor
 
@@ -115,11 +117,13 @@ class DevMesh:
         env = dict(os.environ)
         env.pop("MESH_CREDS", None)  # each piece is given its own with --creds
         env.pop("MESH_DATABASE_URL", None)
+        env.pop("MESH_SECRETS_KEY_FILE", None)
         env["MESH_NATS_URL"] = self.nats_url
         env["MESH_CA"] = str(self.mesh.ca)
         env["MESH_DIR"] = str(self.dir)
         if store:
             env["MESH_DATABASE_URL"] = self.database_url
+            env["MESH_SECRETS_KEY_FILE"] = str(self.mesh.secrets_key)
         env["PYTHONUNBUFFERED"] = "1"
         return env
 
@@ -146,6 +150,30 @@ class DevMesh:
                 self.creds[name] = users.ensure("host", name, builder=i == 1)
             users.save()
         say(f"credentials in {self.mesh.creds} (operators: admin.creds, viewer.creds, tools.creds)")
+
+    async def ensure_secrets_key(self) -> None:
+        """The key of the secrets in the store (mesh/auth/secretkeys.py), made once, once the
+        store answers: a store whose secrets are sealed under a key already (a file lost or
+        moved) is said in one line, never given a new key that cannot open them. A folder of
+        an older mesh, whose secrets are plaintext, gets one: the holder seals them."""
+        path = self.mesh.secrets_key
+        if path.exists():
+            return
+        conn = await db.connect(self.database_url)
+        try:
+            known = await secrets.store_key(conn)
+        except asyncpg.UndefinedTableError:  # a new store, or an older mesh's
+            known = None
+        finally:
+            await conn.close()
+        if known is not None:
+            raise DevError(
+                f"the key of the secrets {path} is missing, and the store's secrets are sealed "
+                f"under key {known.key_id}: restore the file from your backup "
+                "(docs/operations.md, What to back up)"
+            )
+        secretkeys.make(path)
+        say(f"the key of the secrets in {path} (mode 0600: back it up apart from the store)")
 
     def _client_ports(self) -> list[int]:
         """NATS_PORT and up where free (or --port and up); a free port for any in use."""
@@ -515,6 +543,7 @@ async def up(
             mesh.issue_credentials()
             await mesh.start_nats()
             await mesh.start_postgres()
+            await mesh.ensure_secrets_key()
             await mesh.start_controllers()
             await mesh.place_hosts()
             await mesh.start_hosts()

@@ -85,6 +85,7 @@ async def _make(mesh: DevMesh, *, name: str, record: Path) -> StatusReply:
             users.save()
         await mesh.start_nats()
         await mesh.start_postgres()
+        await mesh.ensure_secrets_key()
         conn = await db.connect(mesh.database_url)
         try:
             applied = await migrate(conn)

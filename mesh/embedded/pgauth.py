@@ -56,7 +56,7 @@ host    all          all            127.0.0.1/32   scram-sha-256
 """
 
 
-def hba(*, tls: bool = True) -> str:
+def hba(*, tls: bool = False) -> str:
     return HBA_TLS if tls else HBA
 
 
@@ -123,7 +123,7 @@ def _lines(data: Path) -> list[list[str]] | None:
     return [f for f in fields if f]
 
 
-def hba_is_ours(data: Path, *, tls: bool = True) -> bool:
+def hba_is_ours(data: Path, *, tls: bool = False) -> bool:
     try:
         return (data / "pg_hba.conf").read_text() == hba(tls=tls)
     except FileNotFoundError:
@@ -140,7 +140,7 @@ def plaintext(data: Path) -> bool:
     return any(fields[0] in ("host", "hostnossl") for fields in _lines(data) or [])
 
 
-def write_hba(data: Path, *, tls: bool = True) -> None:
+def write_hba(data: Path, *, tls: bool = False) -> None:
     """Replaces the file in place: its owner (the server's account) and mode stay."""
     (data / "pg_hba.conf").write_text(hba(tls=tls))
 

@@ -66,8 +66,9 @@ async def lacking(conn: asyncpg.Connection, ring: KeyRing, *, path: Path) -> str
     )
     return (
         f"secrets key file {path} holds {', '.join(ring.ids())}, but the store's secrets are "
-        f"wrapped under {', '.join(missing)}{since}: an old copy of the file (the key was "
-        "rotated since) or another mesh's; give this controller the mesh's current key file"
+        f"wrapped under {', '.join(missing)}{since}: the file is an old copy (the key was "
+        "rotated since), another mesh's, or a new one made in place of a lost one; give this "
+        "controller the mesh's current key file (restore it from your backup)"
     )
 
 
