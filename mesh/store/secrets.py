@@ -11,6 +11,7 @@ never a row; its version is the key's generation (`secrets_key`), raised at each
 """
 
 from datetime import datetime
+from typing import Literal
 
 import asyncpg
 import msgspec
@@ -86,7 +87,10 @@ async def key_ids(conn: asyncpg.Connection) -> dict[str | None, int]:
     return {r["key_id"]: r["n"] for r in rows}
 
 
-async def reseal(conn: asyncpg.Connection, name: str, *, ring: KeyRing) -> str | None:
+Resealed = Literal["sealed", "rewrapped"]
+
+
+async def reseal(conn: asyncpg.Connection, name: str, *, ring: KeyRing) -> Resealed | None:
     """Bring `name` under the ring's active key: 'sealed' (it was plaintext), 'rewrapped' (its
     data key was under another key), or None (already under it, or gone)."""
     r = await conn.fetchrow(
@@ -94,6 +98,7 @@ async def reseal(conn: asyncpg.Connection, name: str, *, ring: KeyRing) -> str |
     )
     if r is None or r["key_id"] == ring.active:
         return None
+    done: Resealed
     if r["key_id"] is None:
         sealed = ring.seal(name=name, version=r["version"], value=bytes(r["value"]))
         done = "sealed"
