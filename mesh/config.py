@@ -49,7 +49,7 @@ def _creds_servers(path: str | None) -> str | None:
 def database_url(flag: str | None = None) -> str | None:
     """The flag, MESH_DATABASE_URL, or `database-url` among the files the host wrote for this
     process, in which a relative `sslrootcert` names a file beside it (the controllers' module
-    is given the mesh's CA as `ca.pem` there: services/controller/module.toml)."""
+    is given the mesh's CA as `store-ca.pem` there: services/controller/module.toml)."""
     given = flag or os.environ.get("MESH_DATABASE_URL")
     if given:
         return given
@@ -67,7 +67,7 @@ def _files_relative(url: str) -> str:
         (k, os.path.join(folder, v) if k == "sslrootcert" and not os.path.isabs(v) else v)
         for k, v in query
     ]
-    return parts._replace(query=urllib.parse.urlencode(query)).geturl()
+    return parts._replace(query=urllib.parse.urlencode(query, safe="/")).geturl()
 
 
 def secrets_key_file(flag: str | None = None) -> str | None:

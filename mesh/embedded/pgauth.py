@@ -172,3 +172,15 @@ def without_password(url: str) -> str:
         return url
     user, _, servers = parts.netloc.rpartition("@")
     return parts._replace(netloc=f"{user.split(':', 1)[0]}@{servers}").geturl()
+
+
+def with_rootcert(url: str, path: str) -> str:
+    """The URL with `sslrootcert` (the CA its server is checked by) set to `path`, if it has
+    one: a controller's module is given the CA as a file of its own folder, whose place the
+    URL names relative to it."""
+    parts = urllib.parse.urlsplit(url)
+    query = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
+    if not any(k == "sslrootcert" for k, _ in query):
+        return url
+    query = [(k, path if k == "sslrootcert" else v) for k, v in query]
+    return parts._replace(query=urllib.parse.urlencode(query, safe="/")).geturl()
