@@ -12,6 +12,7 @@ from pathlib import Path
 import anyio
 import anyio.to_thread
 import asyncpg
+import pytest
 from helpers import MESH, await_until, ok, ok_json, one_line_error
 from module_folders import HELLO, HELLO_TOKEN
 from nats.errors import NoRespondersError
@@ -183,3 +184,44 @@ async def test_plaintext_secrets_of_an_older_mesh_are_sealed_at_takeover(
     ok(cli("push", str(HELLO)))
     ok(cli("assign", "hello", "node-1", "--wait"))
     assert _token(tmp_path, "node-1").read_text() == HELLO_TOKEN
+
+
+# --- the envelope alone (mesh/auth/secretkeys.py) ------------------------------------------------
+
+
+def test_a_seal_opens_only_as_the_secret_and_version_it_was_made_for() -> None:
+    ring = secretkeys.KeyRing((secretkeys.new_key(),))
+    sealed = ring.seal(name="db-password", version=3, value=b"hunter2")
+    assert b"hunter2" not in sealed.value + sealed.data_key
+    assert ring.open(name="db-password", version=3, sealed=sealed) == b"hunter2"
+    with pytest.raises(secretkeys.SecretsKeyError, match="copied from another secret"):
+        ring.open(name="other", version=3, sealed=sealed)  # a row copied under another name
+    with pytest.raises(secretkeys.SecretsKeyError, match="does not open as version 2"):
+        ring.open(name="db-password", version=2, sealed=sealed)  # an older version put back
+    other = secretkeys.KeyRing((secretkeys.new_key(),))
+    with pytest.raises(secretkeys.KeyMissing, match=sealed.key_id):
+        other.open(name="db-password", version=3, sealed=sealed)
+
+
+def test_a_rotation_rewraps_the_data_key_and_keeps_the_value() -> None:
+    old = secretkeys.KeyRing((secretkeys.new_key(),))
+    sealed = old.seal(name="token", version=1, value=b"v")
+    both = old.first(secretkeys.new_key())
+    moved = both.rewrap(name="token", sealed=sealed)
+    assert moved.key_id == both.active != old.active and moved.value == sealed.value
+    assert both.only_active().open(name="token", version=1, sealed=moved) == b"v"
+
+
+def test_a_key_file_that_cannot_be_used_is_said_in_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "secrets.key"
+    for text, said in (("# nothing\n", "holds no key"), ("not base64!\n", "line 1 is not base64"),
+                       ("QUJD\n", "line 1 holds 3 bytes, not 32")):  # fmt: skip
+        path.write_text(text)
+        path.chmod(0o600)
+        with pytest.raises(secretkeys.SecretsKeyError, match=said):
+            secretkeys.read(path)
+    made = tmp_path / "keys" / "secrets.key"
+    ring = secretkeys.make(made)
+    assert secretkeys.read(made) == ring and made.stat().st_mode & 0o777 == 0o600
+    with pytest.raises(secretkeys.SecretsKeyError, match="exists already"):
+        secretkeys.make(made)  # never over a key a store may need
