@@ -28,10 +28,21 @@ from nats.js.api import StorageType, StreamConfig
 from nats.js.errors import APIError
 
 from mesh import bus, wire
+from mesh.auth import secretkeys
 from mesh.auth import tls as mesh_tls
 from mesh.embedded import natsd, pgauth, ports, postgres
 from mesh.embedded.children import Child, spawn
 from mesh.model import StatusReply
+
+
+def secrets_key_file(folder: Path) -> str:
+    """The key of the secrets a bench's controllers are given, made the first time in `folder`
+    as `mesh dev up` makes it (keys/secrets.key, mesh/auth/secretkeys.py)."""
+    path = folder / "keys" / "secrets.key"
+    if not path.exists():
+        secretkeys.make(path)
+    return str(path)
+
 
 STATUS_SUBJECT = "mesh.ctl.status"
 PUSH_TIMEOUT = 30.0  # `mesh push --timeout` of the rollout's plans
@@ -247,6 +258,7 @@ class Pieces:
             env["MESH_CA"] = self.ca
         if self.database_url:
             env["MESH_DATABASE_URL"] = self.database_url
+            env["MESH_SECRETS_KEY_FILE"] = secrets_key_file(self.folder)
         child = await spawn(name, argv, log=self.folder / "logs" / f"{name}.log", env=env, **kwargs)
         self.children.append(child)
         return child

@@ -91,6 +91,7 @@ from common import (  # bench/common.py: what the benches share
     port_open,
     run_or_exit,
     say,
+    secrets_key_file,
 )
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -409,7 +410,10 @@ class Pieces:
         name = f"ctl-{chr(ord('a') + n)}" if n < 26 else f"ctl-{n}"
         env = dict(os.environ)
         env.update(
-            PYTHONUNBUFFERED="1", MESH_NATS_URL=self.nats_url, MESH_DATABASE_URL=self.database_url
+            PYTHONUNBUFFERED="1",
+            MESH_NATS_URL=self.nats_url,
+            MESH_DATABASE_URL=self.database_url,
+            MESH_SECRETS_KEY_FILE=secrets_key_file(self.folder),
         )
         mesh = ["-c", LOG_MS_WRAPPER] if self.log_ms else ["-m", "mesh"]
         argv = [sys.executable, *mesh, "controller", "run", "--instance", name]

@@ -3,6 +3,7 @@ environment, which overrides defaults."""
 
 import os
 import re
+import urllib.parse
 
 import msgspec
 
@@ -46,7 +47,38 @@ def _creds_servers(path: str | None) -> str | None:
 
 
 def database_url(flag: str | None = None) -> str | None:
-    return flag or os.environ.get("MESH_DATABASE_URL") or _from_files("database-url") or None
+    """The flag, MESH_DATABASE_URL, or `database-url` among the files the host wrote for this
+    process, in which a relative `sslrootcert` names a file beside it (the controllers' module
+    is given the mesh's CA as `store-ca.pem` there: services/controller/module.toml)."""
+    given = flag or os.environ.get("MESH_DATABASE_URL")
+    if given:
+        return given
+    written = _from_files("database-url")
+    return _files_relative(written) if written else None
+
+
+def _files_relative(url: str) -> str:
+    parts = urllib.parse.urlsplit(url)
+    query = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
+    folder = os.environ.get("MESH_FILES") or ""
+    if not any(k == "sslrootcert" and v and not os.path.isabs(v) for k, v in query):
+        return url
+    query = [
+        (k, os.path.join(folder, v) if k == "sslrootcert" and not os.path.isabs(v) else v)
+        for k, v in query
+    ]
+    return parts._replace(query=urllib.parse.urlencode(query, safe="/")).geturl()
+
+
+def secrets_key_file(flag: str | None = None) -> str | None:
+    """The key of the secrets (mesh/auth/secretkeys.py), for the controller: the flag,
+    MESH_SECRETS_KEY_FILE, or `secrets.key` among the files the host wrote for this process
+    (named even if it is missing there: the controller says so in one line)."""
+    given = flag or os.environ.get("MESH_SECRETS_KEY_FILE")
+    if given:
+        return given
+    folder = os.environ.get("MESH_FILES")
+    return os.path.join(folder, "secrets.key") if folder else None
 
 
 def creds(flag: str | None = None) -> str | None:

@@ -8,6 +8,8 @@ one; `mesh init` is meant to make one the same way.
     DIR/creds/hosts/NAME.creds
     DIR/creds/store/ROLE.password  the embedded PostgreSQL's passwords (postgres, mesh,
                              replicator), mode 0600
+    DIR/keys/secrets.key     the key of the secrets in the store (mesh/auth/secretkeys.py), mode
+                             0600 in a 0700 folder: back it up
     DIR/tls/ca.pem           the mesh's CA certificate, given to every client (MESH_CA)
     DIR/tls/ca.key           its key, mode 0600: it signs the servers' certificates
     DIR/nats/auth.conf       the authorization block, written from users.json
@@ -43,6 +45,11 @@ class MeshDir:
     def store_passwords(self) -> Path:
         """The embedded PostgreSQL's passwords, a file per role (`mesh.embedded.pgauth`)."""
         return self.creds / "store"
+
+    @property
+    def secrets_key(self) -> Path:
+        """The key of the secrets in the store (`mesh.auth.secretkeys`)."""
+        return self.root / "keys" / "secrets.key"
 
     @property
     def nats(self) -> Path:

@@ -571,6 +571,26 @@ class SecretSetRequest(Request):
     by: By = ""
 
 
+# --- the key of the secrets (`mesh secret rotate-key`; services/controller/secretkeys.py) ------
+
+
+class RotateKeyRequest(Request):
+    key: Annotated[str, msgspec.Meta(max_length=64)]  # base64 of the new key's 32 bytes
+    replaces: Annotated[str, msgspec.Meta(max_length=64)]  # the id of the key it follows
+    by: By = ""
+
+
+class RotateKeyReply(msgspec.Struct):
+    key: str  # the id of the key the secrets are under now
+    previous: list[str]  # the ids of the keys dropped from the controller's key file
+    sealed: int  # secrets an older mesh had stored in plaintext, sealed now
+    rewrapped: int  # data keys re-wrapped under the new key
+    plan: int | None  # the plan that gives the controllers' module its new key file
+    machines: list[str]  # whose declarations that plan changes, the first CHANGED_LISTED
+    changed: int  # how many
+    message: str
+
+
 class DiffRequest(Request, omit_defaults=True):
     manifest: Text
     source: Digest

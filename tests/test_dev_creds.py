@@ -160,6 +160,9 @@ async def test_compose_rehearsed_without_docker(tmp_path: Path, procs, database_
         env["MESH_CREDS"] = str(tmp_path / "out" / identity / "nats.creds")
         if "MESH_DATABASE_URL" in env:
             env["MESH_DATABASE_URL"] = database_url
+        if "MESH_SECRETS_KEY_FILE" in env:  # the controllers' alone, exported beside their creds
+            env["MESH_SECRETS_KEY_FILE"] = str(tmp_path / "out" / identity / "secrets.key")
+            assert os.stat(env["MESH_SECRETS_KEY_FILE"]).st_mode & 0o777 == 0o600
         if "MESH_FILES" in env:
             env["MESH_FILES"] = str(tmp_path / f"{service}-files")
             Path(env["MESH_FILES"]).mkdir()

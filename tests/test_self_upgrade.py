@@ -146,7 +146,9 @@ async def test_the_controller_upgrades_through_a_plan_with_nothing_unanswered(
     start_host("node-1", "--tier", "0", "--label", "builder=true", "--label", "role=control")
     start_host("node-2", "--tier", "1", "--label", "role=control")
     await hosts_up(nc, 2, within=60)
-    for name, value in (("mesh-database-url", database_url), ("mesh-controller-creds", "")):
+    # The store here is the test harness's, without TLS: its URL names no CA file.
+    for name, value in (("mesh-database-url", database_url), ("mesh-controller-creds", ""),
+                        ("mesh-store-ca", "")):  # fmt: skip
         ok(cli("secret", "set", name, stdin=value, timeout=60))
 
     v1 = mesh_copy(tmp_path / "v1", "v1")

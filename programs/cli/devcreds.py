@@ -10,7 +10,9 @@ It issues what is missing, exactly as `mesh dev up` does (operators `admin`, `vi
 `tools`, the controllers, hosts `node-1`…`node-N`, node-1 the builder), keeps what exists, and
 writes the nats-server authorization block to include (`DIR/nats/auth.conf`). With
 `--export OUT`, each identity's file is also copied to `OUT/<identity>/nats.creds` (0600), so a
-container can mount its own credentials and nobody else's."""
+container can mount its own credentials and nobody else's. The key of the secrets in the store
+(DIR/keys/secrets.key, mesh/auth/secretkeys.py) is made if missing and, with `--export`, copied
+for the controllers alone (`OUT/controller/secrets.key`, 0600)."""
 
 import argparse
 from pathlib import Path
@@ -18,13 +20,14 @@ from typing import Any
 
 import msgspec
 
-from mesh.auth import creds, registry, tls
+from mesh.auth import creds, registry, secretkeys, tls
 from mesh.auth.policy import Kind, Role
 from mesh.meshdir import DEFAULT_DIR, MeshDir
 from programs.cli.args import Parser
 from programs.cli.output import print_json
 
 EXPORT_FILE = "nats.creds"  # the name a host gives a process's credentials ($MESH_FILES)
+KEY_FILE = "secrets.key"  # the controllers' key of the secrets, beside their credentials
 
 
 class Issued(msgspec.Struct):
@@ -112,7 +115,11 @@ def export(issued: dict[str, Held], out: Path) -> dict[str, str]:
 async def cmd_dev_creds(args: argparse.Namespace) -> None:
     folder = MeshDir(args.dir)
     issued = issue(folder, args.hosts)
+    ring = secretkeys.read(folder.secrets_key) if folder.secrets_key.exists() else None
+    ring = ring or secretkeys.make(folder.secrets_key)
     exported = export(issued, args.export) if args.export is not None else {}
+    if args.export is not None:
+        secretkeys.write(args.export / registry.CONTROLLER / KEY_FILE, ring)
     cert = folder.nats / "server.pem"
     if args.nats_host:
         hosts = [*args.nats_host, "127.0.0.1", "localhost"]

@@ -110,6 +110,10 @@ def parser() -> argparse.ArgumentParser:
     ctl_run.add_argument("--database-url", metavar="URL", help="PostgreSQL (env MESH_DATABASE_URL)")
     ctl_run.add_argument("--instance", metavar="NAME", help="this controller's name")
     ctl_run.add_argument(
+        "--secrets-key-file", metavar="F",
+        help="the key of the secrets (env MESH_SECRETS_KEY_FILE; $MESH_FILES/secrets.key)",
+    )  # fmt: skip
+    ctl_run.add_argument(
         "--down-after", type=int, default=3, metavar="N", help="missed beats before down (3)"
     )
     ctl_run.add_argument("--metrics", type=listen, metavar="ADDR:PORT", help=METRICS_HELP)
@@ -259,6 +263,12 @@ async def cmd_controller_run(args: argparse.Namespace) -> None:
         raise CliError("no database: set MESH_DATABASE_URL or pass --database-url")
     if args.instance:
         check_name(args.instance, field="--instance")
+    secrets_key = config.secrets_key_file(args.secrets_key_file)
+    if not secrets_key:
+        raise CliError(
+            "no key for the secrets: set MESH_SECRETS_KEY_FILE or pass --secrets-key-file "
+            "(mesh dev up and mesh init make DIR/keys/secrets.key)"
+        )
     events = config.events_kept(
         max_age=args.events_max_age, max_count=args.events_max_count,
         every=args.events_prune_every,
@@ -269,6 +279,7 @@ async def cmd_controller_run(args: argparse.Namespace) -> None:
             getattr(args, "nats_url", None), config.creds(getattr(args, "creds", None))
         ),
         database_url=database_url,
+        secrets_key=Path(secrets_key),
         instance=args.instance,
         creds=config.creds(getattr(args, "creds", None)),
         down_after=args.down_after,

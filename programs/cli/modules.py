@@ -1,16 +1,19 @@
 """`mesh push`, `plan diff`, `assign`, `unassign`, `modules`, `declaration`, `secret set`,
-`build logs`: the module verbs from the command line."""
+`secret rotate-key`, `build logs`: the module verbs from the command line."""
 
 import argparse
 import base64
 import getpass
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from mesh import blobs
-from mesh.client.asking import ask, connected
+from mesh.auth import secretkeys
+from mesh.client.asking import VerbFailed, ask, connected
+from mesh.meshdir import DEFAULT_DIR, MeshDir
 from mesh.model import (
     MACHINES_NAMED,
     AssignRequest,
@@ -24,6 +27,8 @@ from mesh.model import (
     ModulesReply,
     ModulesRequest,
     PushRequest,
+    RotateKeyReply,
+    RotateKeyRequest,
     SecretSetRequest,
 )
 from mesh.modules import gate
@@ -85,6 +90,16 @@ def add_parsers(verbs: Any, common: argparse.ArgumentParser) -> None:
     secret_set.add_argument("name")
     secret_set.add_argument("--from-file", type=Path, metavar="F", help="read the value from F")
     _wait_flag(secret_set)
+    rotate = secret_verbs.add_parser(
+        "rotate-key", parents=[common],
+        help="re-encrypt every secret under a new key (run where the mesh's key file is)",
+    )  # fmt: skip
+    rotate.add_argument(
+        "--key-file", type=Path, metavar="F",
+        help="the mesh's key file (env MESH_SECRETS_KEY_FILE; else DIR/keys/secrets.key of "
+        "MESH_DIR or .mesh/dev)",
+    )  # fmt: skip
+    _wait_flag(rotate)
 
     build = verbs.add_parser("build", parents=[common], help="builds")
     build_verbs = build.add_subparsers(dest="build_command", metavar="COMMAND", parser_class=Parser)
@@ -231,6 +246,46 @@ async def cmd_secret_set(args: argparse.Namespace) -> None:
     await plans.wait_for(args, reply)
 
 
+# --- the key of the secrets (services/controller/secretkeys.py) ---------------------------------
+
+# Refusals after which the controller has changed nothing: the key file is put back as it was.
+_NOTHING_DONE = ("bad_request", "conflict", "forbidden", "unknown_verb")
+
+
+async def cmd_secret_rotate_key(args: argparse.Namespace) -> None:
+    """A new key, made here and first in the mesh's key file (the old one kept), given to the
+    holder, which re-wraps every secret under it; then the old key leaves the file. A rotation
+    cut short leaves both keys in the file: run again, it goes on with the same new key."""
+    path = args.key_file or Path(
+        os.environ.get("MESH_SECRETS_KEY_FILE") or MeshDir(DEFAULT_DIR).secrets_key
+    )
+    try:
+        ring = secretkeys.read(path)
+    except secretkeys.SecretsKeyError as e:
+        raise CliError(f"{e} (--key-file names the mesh's key file)") from None
+    if len(ring.keys) > 1:  # one cut short: the new key is first already
+        new, replaces = ring.keys[0], secretkeys.key_id(ring.keys[1])
+    else:
+        new, replaces = secretkeys.new_key(), ring.active
+        secretkeys.write(path, ring.first(new))
+    body = RotateKeyRequest(
+        key=base64.b64encode(new).decode(), replaces=replaces, by=getpass.getuser()
+    )
+    try:
+        reply = await verb(args, "secret-rotate-key", RotateKeyReply, body, changes=True)
+    except VerbFailed as e:
+        if e.code in _NOTHING_DONE:
+            secretkeys.write(path, ring)
+            raise
+        raise CliError(f"{e}; {path} holds the new key and the old one: run "
+                       "`mesh secret rotate-key` again to finish") from None  # fmt: skip
+    secretkeys.write(path, secretkeys.KeyRing((new,)))
+    if not args.json:
+        console().print(f"{path}: key {reply.key} (back it up: the old key no longer opens the "
+                        "store's secrets)")  # fmt: skip
+    await plans.wait_for(args, reply)
+
+
 async def cmd_build_logs(args: argparse.Namespace) -> None:
     reply: BuildLogsReply = await verb(
         args, "build-logs", BuildLogsReply, BuildLogsRequest(module=args.module, bundle=args.bundle)
@@ -252,5 +307,6 @@ COMMANDS = {
     ("modules",): cmd_modules,
     ("declaration",): cmd_declaration,
     ("secret", "set"): cmd_secret_set,
+    ("secret", "rotate-key"): cmd_secret_rotate_key,
     ("build", "logs"): cmd_build_logs,
 }

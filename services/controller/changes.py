@@ -45,6 +45,8 @@ from mesh.model import (
     PlanState,
     PushRequest,
     RollbackRequest,
+    RotateKeyReply,
+    RotateKeyRequest,
     SecretSetRequest,
     SteerReply,
     SteerRequest,
@@ -52,10 +54,11 @@ from mesh.model import (
 from mesh.modules import archive, gate, load, meshsource
 from mesh.modules.manifest import ON_THE_MACHINE, Assign, Bundle, Manifest
 from mesh.store import events, modules, plans, seats, secrets
-from services.controller import build_requests, operators, steering
+from services.controller import build_requests, operators, secretkeys, steering
 from services.controller import rollback as versions
 from services.controller.fleet import Fleet, tell_changed
 from services.controller.publishing import Manifests, Publisher
+from services.controller.secretkeys import Keys
 
 log = logging.getLogger(__name__)
 
@@ -236,9 +239,11 @@ class Changes:
         manifests: Manifests,
         publisher: Publisher,
         signing: Signing,
+        keys: Keys,
         wake: Callable[[], None] = lambda: None,
     ) -> None:
         self._signing = signing  # builds are requested signed (mesh.auth.signing)
+        self._keys = keys  # the key the secrets are sealed under (secretkeys.py)
         self._wake = wake  # tells the planner a plan was recorded
         self._pool = pool
         self._nc = nc
@@ -703,10 +708,16 @@ class Changes:
             value = base64.b64decode(req.value, validate=True)
         except ValueError:  # binascii.Error, or text that is not ASCII
             raise wire.BadRequest("value: not base64") from None
+        if req.name == secrets.KEY_SECRET:
+            raise wire.BadRequest(
+                f"name: {req.name} is the key of the secrets, never stored: it is the "
+                "controllers' key file (mesh secret rotate-key makes a new one)"
+            )
+        ring = self._keys.usable()
         async with self._one_change:
             async with self._pool.acquire() as conn, conn.transaction():
                 await seats.fence(conn, epoch=self._epoch)
-                version = await secrets.set_secret(conn, name=req.name, value=value)
+                version = await secrets.set_secret(conn, name=req.name, value=value, ring=ring)
                 # A secret's old value is not kept, so there is nothing to revert to.
                 plan, changed = await self._plan(
                     conn, await modules.assignments(conn), trigger="secret", subject=req.name,
@@ -863,6 +874,29 @@ class Changes:
             deadline=max(s.deadline for s in manifests),
             auto_revert=all(s.auto_revert for s in manifests),
         )
+
+    # --- the key of the secrets (`mesh secret rotate-key`) ----------------------------------
+
+    async def secret_rotate_key(self, req: RotateKeyRequest) -> RotateKeyReply:
+        """One change at a time, like setting a secret: none is sealed under the old key
+        while the rotation moves every secret off it (secretkeys.rotate)."""
+
+        async def plan() -> tuple[int | None, list[str]]:
+            async with self._pool.acquire() as conn, conn.transaction():
+                await seats.fence(conn, epoch=self._epoch)
+                # Its new file for every machine whose declaration names the key.
+                return await self._plan(
+                    conn, await modules.assignments(conn), trigger="secret",
+                    subject=secrets.KEY_SECRET, by=req.by,
+                    settings=PlanSettings(auto_revert=False), undo={},
+                )  # fmt: skip
+
+        async with self._one_change:
+            reply = await secretkeys.rotate(
+                self._pool, self._keys, req, epoch=self._epoch, plan=plan
+            )
+        self._wake()
+        return reply
 
 
 # --- held changes and their approval (docs/operations.md, Steering a change) -------------------

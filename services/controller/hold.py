@@ -26,7 +26,7 @@ from mesh.errors import MeshError, reason
 from mesh.model import Handover, SeatAnnounce, SeatInfo
 from mesh.serving import Stats
 from mesh.store import events, replication, seats
-from services.controller import bundles, epochs, handover, metrics, pruning
+from services.controller import bundles, epochs, handover, metrics, pruning, secretkeys
 from services.controller.changes import Changes
 from services.controller.fleet import Fleet, open_bus
 from services.controller.handover import VerbSubscriptions
@@ -36,6 +36,7 @@ from services.controller.publishing import Manifests, Publisher
 from services.controller.readiness import Readiness
 from services.controller.reports import HostReports
 from services.controller.seat import SeatLock, SeatLost
+from services.controller.secretkeys import Keys
 from services.controller.standbys import Releases, Standbys
 from services.controller.steering import Steering
 from services.controller.stopping import Stop, attempt
@@ -73,6 +74,7 @@ class Controller(msgspec.Struct):
     versions: VersionsKept  # whose bundles the bundle store keeps (bundles.py)
     stats: Stats  # every hold's verbs, counted together
     down_after: int  # beats a machine may miss before it is down
+    keys: Keys  # the key of the secrets (secretkeys.py)
 
 
 class Hold:
@@ -97,6 +99,7 @@ class Hold:
         self.ready = c.ready
         self.events = c.events  # how much history the store keeps (pruning.py)
         self.versions = c.versions  # whose bundles the bundle store keeps (bundles.py)
+        self.keys = c.keys
         self.reports: list[Subscription] = []  # the hosts' reports, once subscribed
         self.seat_kv: KeyValue | None = None  # the bus's record of the seat (epochs)
         self.warnings: list[str] = []  # what the takeover found wrong with the store
@@ -112,6 +115,7 @@ class Hold:
             open_bus=lambda: open_bus(self.nc), bus_answered=lambda: self.link.answered_at,
         )  # fmt: skip
         await fleet.load()
+        await secretkeys.take_over(self.pool, self.keys, epoch=row.epoch)
         _, obs = await blobs.ensure(self.nc)
         held = msgspec.structs.replace(self.me, since=row.since, epoch=row.epoch,
                                        register_within=fleet.registration_window())  # fmt: skip
@@ -122,12 +126,12 @@ class Hold:
                                       manifests=manifests, holder=self.me.instance)  # fmt: skip
                 changes = Changes(
                     pool=self.pool, nc=self.nc, obs=obs, fleet=fleet, epoch=row.epoch,
-                    signing=self.signing,
+                    signing=self.signing, keys=self.keys,
                     manifests=manifests, publisher=publisher, wake=lambda: planner.wake(),
                 )  # fmt: skip
                 views = Views(
                     pool=self.pool, nc=self.nc, obs=obs, fleet=fleet, manifests=manifests,
-                    publisher=publisher,
+                    publisher=publisher, keys=self.keys,
                     budget=lambda: paging.budget(self.nc.max_payload),
                 )  # fmt: skip
                 planner = Planner(pool=self.pool, publisher=publisher, fleet=fleet, epoch=row.epoch,

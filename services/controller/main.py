@@ -18,6 +18,7 @@ import logging
 import os
 import socket
 from datetime import UTC, datetime
+from pathlib import Path
 
 import anyio
 from anyio.abc import TaskGroup
@@ -31,7 +32,7 @@ from mesh.model import SeatAnnounce, SeatRole
 from mesh.serving import Stats
 from mesh.store import db
 from mesh.store.migrate import migrate
-from services.controller import handover, metrics, readiness, standbys
+from services.controller import handover, metrics, readiness, secretkeys, standbys
 from services.controller.handover import VerbSubscriptions
 from services.controller.hold import Controller, Hold
 from services.controller.readiness import Readiness
@@ -63,6 +64,7 @@ async def run(
     *,
     nats_url: str,
     database_url: str,
+    secrets_key: Path,
     instance: str | None = None,
     creds: str | None = None,
     down_after: int = 3,
@@ -81,6 +83,9 @@ async def run(
     conn = await db.connect(database_url)
     try:
         await migrate(conn)
+        # Before anything is served: a key file that cannot read the store's secrets is one
+        # line and an exit, not a controller that fails every host asking for a secret.
+        keys = await secretkeys.opened(conn, secrets_key)
     finally:
         await conn.close()
 
@@ -96,7 +101,7 @@ async def run(
             nc=nc, link=link, pool=pool, me=me, standbys=Standbys(own_instance=instance),
             released=Releases(), ready=Readiness(readiness.default_file()),
             signing=Signing.controller(creds), events=events, versions=versions,
-            stats=Stats(observe=metrics.VERB_ANSWERED), down_after=down_after,
+            stats=Stats(observe=metrics.VERB_ANSWERED), down_after=down_after, keys=keys,
         )  # fmt: skip
         await SeatEvents(signing=c.signing, standbys=c.standbys, released=c.released).subscribe(nc)
         # Start-up leaves tens of thousands of objects that live as long as the process; a full

@@ -50,6 +50,8 @@ from mesh.model import (
     Register,
     RegisterReply,
     RollbackRequest,
+    RotateKeyReply,
+    RotateKeyRequest,
     SeatInfo,
     SecretReply,
     SecretRequest,
@@ -278,6 +280,11 @@ _SECRET_BODY = 768 * 1024  # a secret of up to 512 KiB, as base64
 
 _PAGED = paging.HINT  # what a too_large reply of a verb that pages says (mesh/paging.py)
 
+
+async def secret_rotate_key(h: Holder, req: RotateKeyRequest) -> RotateKeyReply:
+    return await h.changes.secret_rotate_key(req)
+
+
 VERBS: dict[str, Verb] = {
     "status": Verb(StatusRequest, StatusReply, status, limit=_SMALL),
     "nodes": Verb(NodesRequest, NodesReply, nodes, limit=_SMALL, too_large=_PAGED),
@@ -327,6 +334,10 @@ VERBS: dict[str, Verb] = {
     "operator-add": Verb(OperatorAddRequest, OperatorReply, operator_add, bound=SLOW, limit=_SMALL),
     "operator-remove": Verb(
         OperatorRemoveRequest, OperatorReply, operator_remove, bound=SLOW, limit=_SMALL
+    ),
+    # the key of the secrets (`mesh secret rotate-key`): an admin's, one change at a time
+    "secret-rotate-key": Verb(
+        RotateKeyRequest, RotateKeyReply, secret_rotate_key, bound=SLOW, limit=_SMALL
     ),
 }
 # As operators ask them: a change checked against who asked, its `by` that operator, audited.

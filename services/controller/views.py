@@ -17,6 +17,7 @@ from nats.aio.client import Client
 from nats.js.object_store import ObjectStore
 
 from mesh import blobs, paging, wire
+from mesh.auth.secretkeys import SecretsKeyError
 from mesh.model import (
     ASSIGNED_PER_ENTRY,
     BuildLogsReply,
@@ -49,6 +50,7 @@ from mesh.store.modules import StoredVersion
 from services.controller import changes, rollout
 from services.controller.fleet import Fleet
 from services.controller.publishing import Manifests, Publisher
+from services.controller.secretkeys import Keys
 
 # Every page's reads in one snapshot: a plan's tiers and its steps, modules and their machines.
 _SNAPSHOT = {"isolation": "repeatable_read", "readonly": True}
@@ -64,8 +66,10 @@ class Views:
         fleet: Fleet,
         manifests: Manifests,
         publisher: Publisher,
+        keys: Keys,
         budget: Callable[[], int] = lambda: paging.PAGE_BYTES,
     ) -> None:
+        self._keys = keys  # opens the secrets hosts ask for (secretkeys.py)
         self._pool = pool
         self._nc = nc
         self._obs = obs
@@ -288,7 +292,7 @@ class Views:
         """A secret's value, for a host whose declaration names it; nobody else gets it."""
         async with self._pool.acquire() as conn:
             stored = (await declarations.declarations(conn, [machine])).get(machine)
-            value = await secrets.secret(conn, name)
+            value = await self._secret(conn, name)
         named = False
         if stored is not None:
             decl = msgspec.json.decode(stored[1], type=Declaration)
@@ -302,6 +306,18 @@ class Views:
             raise wire.BadRequest(f"secret {name} has not been set", code="not_found")
         version, data = value
         return SecretReply(name=name, version=version, value=base64.b64encode(data).decode())
+
+    async def _secret(self, conn: asyncpg.Connection, name: str) -> tuple[int, bytes] | None:
+        """A secret opened; the key of the secrets is the controllers' key file itself."""
+        ring = self._keys.usable()
+        if name == secrets.KEY_SECRET:
+            return await secrets.key_version(conn), ring.text().encode()
+        try:
+            return await secrets.secret(conn, name, ring=ring)
+        except SecretsKeyError as e:
+            raise wire.BadRequest(
+                f"this controller cannot read it: {e}", code="unavailable"
+            ) from None
 
     async def build_logs(self, req: BuildLogsRequest) -> BuildLogsReply:
         row = await builds.last_build(self._pool, module=req.module, bundle=req.bundle)
