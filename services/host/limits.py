@@ -112,7 +112,8 @@ def _own() -> dict[str, str]:
 
 def probe(*, machine: str, state: Path) -> Cgroups:
     """What this machine lets the host enforce, its folders made (and emptied of what a host
-    before it left there and nothing uses)."""
+    before it left there and nothing uses), and listed in STATE/state/cgroups.json (for
+    mesh.embedded.children.remove_cgroups: `mesh dev up` and the tests clean up with it)."""
     root = mount()
     name = f"mesh-{machine}.{hashlib.sha256(str(state).encode()).hexdigest()[:8]}"
     own = _own()
@@ -122,6 +123,9 @@ def probe(*, machine: str, state: Path) -> Cgroups:
         found = _probe_v1(root, own, name)
     for parent in found.parents.values():
         _sweep(Path(parent))
+    record = state / "state" / "cgroups.json"
+    record.parent.mkdir(parents=True, exist_ok=True)
+    record.write_bytes(msgspec.json.encode(sorted(found.parents.values())))
     return found
 
 
