@@ -248,7 +248,7 @@ class ProcessState(msgspec.Struct, omit_defaults=True):
     # listed its tools; `error` says why it is not (it does not speak MCP, it exited, ...).
     tool: bool = False
     error: str = ""
-    # Its use (docs/modules.md, Limits): memory in bytes and cpu in cores over the last few
+    # Its use (docs/modules.md, Process limits): memory in bytes and cpu in cores over the last few
     # seconds, of the whole cgroup (its children too); None from a host before limits.
     memory: int | None = None
     cpu: float | None = None

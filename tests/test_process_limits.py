@@ -1,4 +1,4 @@
-"""Process limits (docs/modules.md, Limits): the gate's refusals naming the field; on a real
+"""Process limits (docs/modules.md, Process limits): the gate's refusals naming the field; on a real
 host with cgroups, a process past its memory_max killed, reported with the limit and restarted;
 tasks_max failing a fork the process can log; files_max bounding its open files; cpu_max
 throttling it (the cgroup's counters, no timing); the limits kept across a host restart; and a

@@ -34,7 +34,7 @@ from mesh.modules.manifest import (
 from mesh.names import InvalidName, check_name
 
 MAX_MANIFEST = 256 * 1024  # bytes of module.toml
-# How much one module may declare (docs/modules.md, Limits): each refusal names the table.
+# How much one module may declare (docs/modules.md, Process limits): each refusal names the table.
 MAX_BUNDLES = 64
 MAX_ACCOUNTS = 64
 MAX_PROCESSES = 64
@@ -398,7 +398,10 @@ def _agent(mod: str, f: str, p: Process, m: Manifest) -> None:
         )  # fmt: skip
     if not p.root or p.account is not None:
         raise Refused(mod, f"{f}.root", "the host agent runs as root: set root = true")
-    extras = [k for k in ("env", "files", "prepare", "check", "replaces") if getattr(p, k)]
+    # No limits either: its processes' cgroups are under its own, so a limit of its cgroup
+    # would bound them all (docs/operations.md, Process limits).
+    taken = ("env", "files", "prepare", "check", "replaces", *LIMIT_FIELDS)
+    extras = [k for k in taken if getattr(p, k)]
     if extras:
         raise Refused(mod, f"{f}.{extras[0]}", "the host agent takes no " + extras[0])
 
@@ -514,6 +517,7 @@ def _check(mod: str, f: str, c: Check, process: str, ports: dict[int, str]) -> N
     _duration(mod, f"{f}.timeout", c.timeout)
 
 
+LIMIT_FIELDS = ("memory_max", "cpu_max", "tasks_max", "files_max")
 MEMORY_MIN = 4 * 2**20  # less, and a process is killed before it has started
 MEMORY_MAX = 2**50
 CPU_MIN = 0.01  # one millisecond of every 100 ms period
@@ -535,7 +539,7 @@ def memory(value: str | int) -> int:
 
 
 def _limits(mod: str, f: str, p: Runs) -> None:
-    """A process's or tool server's limits (docs/modules.md, Limits), each in its range."""
+    """A process's or tool server's limits (docs/modules.md, Process limits), each in its range."""
     if p.memory_max is not None:
         try:
             amount = memory(p.memory_max)

@@ -40,7 +40,7 @@ def _bytes(n: int) -> str:
 
 
 def _limits(f: Facts) -> str:
-    """What a machine can enforce of a process's limits (docs/modules.md, Limits)."""
+    """What a machine can enforce of a process's limits (docs/modules.md, Process limits)."""
     if f.limits is None:
         return ""  # a host before limits
     cgroups = f" (cgroup {f.cgroups})" if f.cgroups else ""

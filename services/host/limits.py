@@ -1,4 +1,4 @@
-"""Process limits on this machine (docs/modules.md, Limits; systemd's MemoryMax=, CPUQuota=,
+"""Process limits on this machine (docs/modules.md, Process limits; systemd's MemoryMax=, CPUQuota=,
 TasksMax= and LimitNOFILE= are the model): each process in a cgroup of its own, with its memory,
 CPU and task limits, and the open-files rlimit, both set in the child before it execs.
 
