@@ -6,7 +6,8 @@ cgroup v2 where the machine has it (one hierarchy, `cgroup.controllers` at its m
 that is what it has (a hierarchy per controller: memory, cpu, cpuacct, pids). The host's
 processes live under the host's own cgroup, in a folder named for the machine and the host's
 folder (`mesh-<machine>.<hash>`: two hosts of one name on one machine, as tests run them, stay
-apart), each instance in `<module>.<process>.<spec>`, removed once the instance has exited (what
+apart), each instance in `<module>.<process>.<spec>.<random>` (its own: a restart's new instance
+never shares the folder of the one being removed), removed once the instance has exited (what
 it left in there killed first). An adopted instance stays where it is: its folders are saved
 with it (processes.Instance). A machine where the host may not make cgroups (no root, a
 read-only or absent hierarchy: MESH_CGROUP_ROOT points elsewhere) enforces only `files_max`;
@@ -220,13 +221,26 @@ def create(cgroups: Cgroups, *, name: str, lim: DLimits | None) -> dict[str, str
     """The cgroup of a new instance, its limits written: its folder in each hierarchy. Raises
     OSError (the start fails, and says why)."""
     dirs: dict[str, str] = {}
-    for controller, parent in cgroups.parents.items():
-        folder = Path(parent) / name
-        folder.mkdir(exist_ok=True)
-        dirs[controller] = str(folder)
-    if lim is not None:
-        _write_limits(cgroups.version, dirs, lim)
+    try:
+        for controller, parent in cgroups.parents.items():
+            folder = Path(parent) / name
+            folder.mkdir()  # never another instance's (adopted, or being removed)
+            dirs[controller] = str(folder)
+        if lim is not None:
+            _write_limits(cgroups.version, dirs, lim)
+    except BaseException:
+        discard(dirs)
+        raise
     return dirs
+
+
+def discard(dirs: Mapping[str, str]) -> None:
+    """The folders of a cgroup nothing joined (its instance did not start)."""
+    for folder in dirs.values():
+        try:
+            os.rmdir(folder)
+        except OSError:
+            pass
 
 
 def _write_limits(version: str, dirs: dict[str, str], lim: DLimits) -> None:
@@ -299,6 +313,7 @@ async def remove(dirs: Mapping[str, str]) -> None:
     (systemd's KillMode=control-group), then the folders go (a killed process leaves its
     cgroup a moment after it is reaped)."""
     for folder in sorted(set(dirs.values())):
+        pause = 0.002  # doubling: most are empty after a moment (bench/limits.py)
         with anyio.move_on_after(5):
             while True:
                 try:
@@ -315,7 +330,8 @@ async def remove(dirs: Mapping[str, str]) -> None:
                         os.kill(pid, signal.SIGKILL)
                     except ProcessLookupError:
                         pass
-                await anyio.sleep(0.05)
+                await anyio.sleep(pause)
+                pause = min(pause * 2, 0.1)
 
 
 # --- what an instance uses ---------------------------------------------------------------------

@@ -11,6 +11,7 @@ ROOT/state/processes.json for adoption; stopping the host does not stop its proc
 
 import hashlib
 import logging
+import secrets
 import subprocess
 import time
 from collections.abc import Callable
@@ -174,7 +175,8 @@ class Supervised:
         lim = launch.decl.limits or None
         cgroups = {}
         if launch.cgroups.parents:
-            name = f"{launch.group or launch.name}.{launch.spec.removeprefix('sha256:')[:8]}"
+            spec = launch.spec.removeprefix("sha256:")[:8]
+            name = f"{launch.group or launch.name}.{spec}.{secrets.token_hex(3)}"
             cgroups = limits.create(launch.cgroups, name=name, lim=lim)
         self._oom_before = limits.oom_kills(cgroups)
         try:
@@ -184,11 +186,7 @@ class Supervised:
                 piped=self.piped, cgroups=cgroups, files_max=lim.files if lim else None,
             )  # fmt: skip
         except BaseException:
-            for folder in cgroups.values():
-                try:
-                    Path(folder).rmdir()
-                except OSError:
-                    pass
+            limits.discard(cgroups)
             raise
         return instance
 
