@@ -8,12 +8,15 @@ import os
 import signal
 from pathlib import Path
 
+import httpx
 import pytest
 from helpers import CHECKOUT, MESH, ask, await_until, next_failure, ok, ok_json
 from module_folders import write_module
+from prometheus_client.parser import text_string_to_metric_families
 
+from mesh.embedded import ports
 from mesh.modules import compose, gate
-from services.host import limits
+from services.host import limits, processes
 
 GOOD = (CHECKOUT / "docs" / "examples" / "hello" / "module.toml").read_text()
 
@@ -158,8 +161,11 @@ def _cgroup(pid: int, controller: str) -> Path:
 
 @needs_cgroups
 async def test_a_process_past_its_memory_max_is_killed_named_and_restarted(
-    host, nc, tmp_path, cli
+    nc, tmp_path, cli, start_fleet, start_host
 ) -> None:
+    port = ports.free_port()
+    await start_fleet(hosts=1, start_host=lambda name, *flags: start_host(
+        name, *flags, "--metrics", str(port)))  # fmt: skip
     ok(cli("push", str(limited_module(tmp_path / "m", {"hog": 'memory_max = "64M"'}))))
 
     async def killed_for_it():
@@ -175,6 +181,14 @@ async def test_a_process_past_its_memory_max_is_killed_named_and_restarted(
     assert "hog holds 8 MiB" in log and "hog holds 128 MiB" not in log, log[-500:]
     shown = ok_json(cli("nodes", "--json"))["nodes"][0]["processes"]
     assert {"memory", "cpu"} <= shown[0].keys(), shown
+    # the host's metrics count the kills, beside each process's memory and CPU seconds
+    async with httpx.AsyncClient(timeout=5) as client:
+        text = (await client.get(f"http://127.0.0.1:{port}/metrics")).text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    kills = [s.value for s in families["mesh_host_process_oom_kills"].samples
+             if s.name.endswith("_total") and s.labels == {"process": "hog"}]  # fmt: skip
+    assert kills and kills[0] >= 1, text
+    assert {"mesh_host_process_memory_bytes", "mesh_host_process_cpu_seconds"} <= families.keys()
 
 
 async def _async(value):
@@ -289,3 +303,41 @@ def test_leftovers_are_named_for_their_machine(tmp_path) -> None:
         limits.release(one)
         limits.release(two)
     assert not any(Path(p).exists() for p in [*one.parents.values(), *two.parents.values()])
+
+
+UNIFIED = Path("/sys/fs/cgroup/unified")  # a hybrid machine's v2 hierarchy (no controllers)
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not (UNIFIED / "cgroup.controllers").exists(),
+    reason="needs root and a cgroup v2 hierarchy at /sys/fs/cgroup/unified",
+)
+async def test_on_cgroup_v2_a_process_joins_its_cgroup_and_the_machine_says_what_it_lacks(
+    tmp_path, monkeypatch
+) -> None:
+    """What CI's machines have of v2 (a hierarchy beside v1's, without the memory, cpu and
+    pids controllers): the v2 path, as far as it goes there."""
+    monkeypatch.setenv("MESH_CGROUP_ROOT", str(UNIFIED))
+    found = limits.probe(machine="node-v2", state=tmp_path)
+    dirs: dict[str, str] = {}
+    try:
+        assert found.version == "v2"
+        has = (UNIFIED / "cgroup.controllers").read_text().split()
+        lacking = {limit for limit, c in limits.NEEDS.items() if c not in has}
+        assert set(found.cannot) == lacking
+        for limit in lacking:
+            assert "controller is not enabled at" in found.cannot[limit]
+        dirs = limits.create(found, name="lim.sleeper.test", lim=None)
+        instance, _ = processes.spawn(
+            ["sleep", "30"], cwd=tmp_path, env={}, log_file=tmp_path / "log" / "out.log",
+            spec="s", uid=None, gid=None, cgroups=dirs,
+        )  # fmt: skip
+        line = next(x for x in Path(f"/proc/{instance.pid}/cgroup").read_text().splitlines()
+                    if x.startswith("0::"))  # fmt: skip
+        assert line.endswith("/lim.sleeper.test"), line
+        assert limits.cpu_seconds(dirs) is not None
+        await processes.stop(instance, timeout=5)
+    finally:
+        await limits.remove(dirs)
+        limits.release(found)
+    assert not Path(found.parents[limits.UNIFIED]).exists()

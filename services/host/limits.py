@@ -153,6 +153,8 @@ def _probe_v1(root: Path, own: dict[str, str], name: str) -> Cgroups:
 
 def _probe_v2(root: Path, own: str, name: str) -> Cgroups:
     base = root / own.lstrip("/")
+    if base.name == f"{name}.agent":  # an agent before this one moved there (below)
+        base = base.parent
     folder = base / name
     wanted = [c for c in ("memory", "cpu", "pids") if c in _words(base / "cgroup.controllers")]
     try:
