@@ -62,6 +62,20 @@ def test_the_gate_refuses_a_bad_limit_naming_its_field(line: str, field: str, sa
     assert says in str(refused.value) and "\n" not in str(refused.value)
 
 
+def test_a_tool_server_takes_limits_and_the_host_agent_none() -> None:
+    tool = (CHECKOUT / "docs" / "examples" / "files" / "module.toml").read_text()
+    limited = tool.replace('timeout = "30s"', 'timeout = "30s"\nmemory_max = "128M"', 1)
+    assert gate.parse(limited).tool["files"].memory_max == "128M"
+    with pytest.raises(gate.Refused) as refused:
+        gate.parse(tool.replace('timeout = "30s"', "timeout = \"30s\"\nfiles_max = 0", 1))
+    assert refused.value.field == "tool.files.files_max"
+    agent = (CHECKOUT / "services" / "host" / "module.toml").read_text()
+    with pytest.raises(gate.Refused) as refused:
+        gate.parse(agent.replace("root = true", 'root = true\nmemory_max = "1G"', 1))
+    assert refused.value.field == "process.mesh-host.memory_max"
+    assert "takes no memory_max" in str(refused.value)
+
+
 def test_limits_are_canonical_in_the_declaration() -> None:
     def declared(extra: str) -> compose.DProcess:
         text = GOOD.replace('account = "hello"\n', f'account = "hello"\n{extra}\n', 1)

@@ -71,7 +71,7 @@ class Runs(Strict):
     root: bool = False  # run as root: only when said
     env: dict[str, str] = {}
     files: dict[str, File] = {}
-    # Limits (docs/modules.md, Process limits), enforced by the host (services/host/limits.py); None:
+    # docs/modules.md, Process limits: enforced by the host (services/host/limits.py); None:
     # unlimited. memory_max: bytes, or a number with K, M, G or T ("256M"); cpu_max: cores.
     memory_max: str | int | None = None
     cpu_max: float | None = None
