@@ -67,7 +67,7 @@ def test_a_tool_server_takes_limits_and_the_host_agent_none() -> None:
     limited = tool.replace('timeout = "30s"', 'timeout = "30s"\nmemory_max = "128M"', 1)
     assert gate.parse(limited).tool["files"].memory_max == "128M"
     with pytest.raises(gate.Refused) as refused:
-        gate.parse(tool.replace('timeout = "30s"', "timeout = \"30s\"\nfiles_max = 0", 1))
+        gate.parse(tool.replace('timeout = "30s"', 'timeout = "30s"\nfiles_max = 0', 1))
     assert refused.value.field == "tool.files.files_max"
     agent = (CHECKOUT / "services" / "host" / "module.toml").read_text()
     with pytest.raises(gate.Refused) as refused:
