@@ -134,7 +134,8 @@ def _probe_v1(root: Path, own: dict[str, str], name: str) -> Cgroups:
     parents: dict[str, str] = {}
     why: dict[str, str] = {}
     for controller in V1:
-        hierarchy = root / controller
+        # co-mounted controllers (cpu,cpuacct) are one folder by two names: one path for both
+        hierarchy = (root / controller).resolve()
         folder = hierarchy / own.get(controller, "/").lstrip("/") / name
         if not (hierarchy / "cgroup.procs").exists():
             why[controller] = f"no {controller} cgroup hierarchy at {hierarchy}"
@@ -225,8 +226,11 @@ def create(cgroups: Cgroups, *, name: str, lim: DLimits | None) -> dict[str, str
     dirs: dict[str, str] = {}
     try:
         for controller, parent in cgroups.parents.items():
+            if controller not in _joined(lim):
+                continue
             folder = Path(parent) / name
-            folder.mkdir()  # never another instance's (adopted, or being removed)
+            if str(folder) not in dirs.values():
+                folder.mkdir()  # never another instance's (adopted, or being removed)
             dirs[controller] = str(folder)
         if lim is not None:
             _write_limits(cgroups.version, dirs, lim)
@@ -236,9 +240,20 @@ def create(cgroups: Cgroups, *, name: str, lim: DLimits | None) -> dict[str, str
     return dirs
 
 
+def _joined(lim: DLimits | None) -> set[str]:
+    """The hierarchies an instance joins: those its use is read from, and those of its limits.
+    (On v1 each join of a hierarchy costs the start tens of milliseconds: bench/limits.py.)"""
+    joined = {UNIFIED, "memory", "cpuacct"}
+    if lim is not None and lim.cpu is not None:
+        joined.add("cpu")
+    if lim is not None and lim.tasks is not None:
+        joined.add("pids")
+    return joined
+
+
 def discard(dirs: Mapping[str, str]) -> None:
     """The folders of a cgroup nothing joined (its instance did not start)."""
-    for folder in dirs.values():
+    for folder in set(dirs.values()):
         try:
             os.rmdir(folder)
         except OSError:
@@ -279,7 +294,7 @@ def entering(
 ) -> Callable[[], None]:  # fmt: skip
     """What the child does before exec: joins its cgroup, takes its open-files limit, then
     drops to its account (after joining: an account may not move itself into a cgroup)."""
-    procs = [os.path.join(d, "cgroup.procs") for d in dirs.values()]
+    procs = [os.path.join(d, "cgroup.procs") for d in sorted(set(dirs.values()))]
     nofile = None
     if files is not None:
         hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
