@@ -1,7 +1,8 @@
 """Benchmark: process limits as the host enforces them (services/host/limits.py), on this
 machine's cgroups.
 
-1. **cpu_max**: a CPU-bound Python process (`while True: pass`) started with the host's own
+1. **cpu_max**: CPU-bound Python processes (`while True: pass`, one more than the cores, in one
+   cgroup: a process and its children) started with the host's own
    exec driver (services/host/processes.py `spawn`, its cgroup made by `limits.create`) under
    each `cpu_max` in turn, and without one, for `--seconds` of wall time each: the cores it got
    (its cgroup's CPU time over the wall time), the periods it was throttled in and for how long.
@@ -37,7 +38,15 @@ from common import machine_line, say
 from mesh.modules.compose import DLimits
 from services.host import limits, processes
 
-SPIN = "while True:\n    pass\n"
+# As many spinning processes as cores, and one: together they would take the whole machine.
+SPIN = f"""\
+import os
+for _ in range({os.cpu_count() or 1}):
+    if os.fork() == 0:
+        break
+while True:
+    pass
+"""
 HOG = "held = []\nwhile True:\n    held.append(b'\\x01' * (8 * 2**20))\n"
 
 
