@@ -27,6 +27,6 @@ def gather(*, container_engine: str = "", cgroups: Cgroups | None = None) -> Fac
         hostname=socket.gethostname(),
         python=platform.python_version() or sys.version.split()[0],
         container_engine=container_engine,
-        limits=(cgroups or Cgroups(cannot={"memory": "", "cpu": "", "tasks": ""})).can(),
+        limits=cgroups.can() if cgroups else None,  # None: not asked (limits.probe)
         cgroups=cgroups.version if cgroups else "",
     )
