@@ -29,8 +29,8 @@ APPLY_SECONDS = Histogram(
     buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
 )  # fmt: skip
 APPLY_FAILURES = Counter(
-    "mesh_host_apply_failures", "Applies that stopped, by the kind of step that failed (account, "
-    "bundle, file, containers, prepare, processes, tools, replaces, agent, apply)",
+    "mesh_host_apply_failures", "Applies that stopped, by the kind of step that failed (limits, "
+    "account, bundle, file, containers, prepare, processes, tools, replaces, agent, apply)",
     ["step"], registry=REGISTRY,
 )  # fmt: skip
 OOM_KILLS = Counter(
