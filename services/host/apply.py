@@ -42,7 +42,7 @@ from services.host import (
     metrics,
     successor,
     watch,
-)  # fmt: skip
+)
 from services.host.limits import Cgroups
 from services.host.processes import credentials, kill_group
 from services.host.supervisor import Launch, Supervisor, spec_digest

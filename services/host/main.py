@@ -37,7 +37,7 @@ from services.host import (
     reporting,
     successor,
     verbs,
-)  # fmt: skip
+)
 from services.host.apply import Applier
 from services.host.facts import gather
 from services.host.reporting import Reports
