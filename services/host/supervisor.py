@@ -250,6 +250,7 @@ class Supervisor:
         # The agent itself, when its declaration names it (mesh-host) and it runs that bundle:
         # reported among the processes, supervised by nobody here (services/host/successor.py).
         self.agent: ProcessState | None = None
+        self._agent_meter = limits.Meter()
         # The tool servers (services/host/tools.py), reported among the processes.
         self.tool_servers: Callable[[], list[ProcessState]] = list
 
@@ -290,7 +291,10 @@ class Supervisor:
             msgspec.structs.replace(s.report(), trial=True)
             for _, s in sorted(self._candidates.items())
         ]
-        agent = [self.agent] if self.agent is not None else []
+        agent = []
+        if self.agent is not None:  # its use as any process's (from /proc: no cgroup of ours)
+            memory, cpu = self._agent_meter.read(self.agent.pid, {})
+            agent = [msgspec.structs.replace(self.agent, memory=memory, cpu=cpu)]
         processes = [s.report() for _, s in sorted(self.running.items())]
         return processes + trials + agent + self.tool_servers()
 
