@@ -38,7 +38,11 @@ class _AsyncioNoise(logging.Filter):
         message = record.getMessage()
         if "eof_received()" in message:
             return False
-        cancelled = record.exc_info is not None and isinstance(record.exc_info[1], CancelledError)
+        # exc_info is a tuple, or None, or False (asyncio's handler for a context without an
+        # exception): only a tuple holds one
+        cancelled = isinstance(record.exc_info, tuple) and isinstance(
+            record.exc_info[1], CancelledError
+        )
         return not (cancelled and "exception was never retrieved" in message)
 
 

@@ -46,13 +46,16 @@ Phase = Literal["forward", "revert"]  # rolling forward, or giving machines `bef
 # one thing: `bundle mesh:sha256:…`, `file hello/app.conf`: see `apply_step`); and a
 # controller's standing at the seat, which its module's check reads (`mesh controller ready`)
 # and `$SRV INFO` says.
-ProcessStatus = Literal["starting", "running", "backoff", "exited", "failed", "stopped"]
+# (`restarting`: exited, and started again after its backoff; a host before process limits
+# said `backoff`, which a reader keeps as it came.)
+ProcessStatus = Literal["starting", "running", "restarting", "exited", "failed", "stopped"]
 ToolServerStatus = Literal["starting", "ready", "backoff", "failed", "stopped"]
 ApplyStepKind = Literal[
     "fence",  # a declaration the host refused for its epoch (nothing of the machine changed)
     "apply",  # a failure of no named step
     "account",
     "bundle",
+    "limits",  # a declared limit this machine cannot enforce (nothing of the machine changed)
     "file",
     "containers",
     "prepare",
@@ -243,6 +246,11 @@ class Facts(Peer):
     # The container engine that answers on this machine ("engine 28.2.2, API 1.50"), "" for none:
     # a declaration with containers fails its apply here, so an operator sees it first.
     container_engine: Word = ""
+    # The process limits it can enforce (services/host/limits.py): some of `memory`, `cpu`,
+    # `tasks`, `files`; None: a host before limits, which said nothing. `cgroups`: `v1`, `v2`
+    # or "" (none it may use).
+    limits: list[Word] | None = None
+    cgroups: Word = ""
 
 
 class ProcessState(msgspec.Struct, omit_defaults=True):
@@ -259,6 +267,13 @@ class ProcessState(msgspec.Struct, omit_defaults=True):
     # listed its tools; `error` says why it is not (it does not speak MCP, it exited, ...).
     tool: bool = False
     error: str = ""
+    # Its use (docs/modules.md, Process limits): memory in bytes and cpu in cores over the last few
+    # seconds, of the whole cgroup (its children too); None from a host before limits.
+    memory: int | None = None
+    cpu: float | None = None
+    # Why it last exited, while it is not running: "memory limit 64M reached", "exited with
+    # code 1", "killed by signal 9".
+    reason: str = ""
 
 
 class Node(msgspec.Struct):

@@ -171,7 +171,49 @@ def stop_supervised(hosts_root: Path) -> list[int]:
             if int(stat[stat.rindex(")") + 2 :].split()[19]) != started:
                 continue  # the pid was reused: not ours
             _kill_group(pid, killed)
+    for record in sorted(hosts_root.glob("*/state/cgroups.json")):
+        remove_cgroups(record)
     return killed
+
+
+def remove_cgroups(record: Path) -> None:
+    """A host's processes' cgroups (services/host/limits.py; `record` lists the folders it
+    made, one per hierarchy): whatever still runs in them is killed, and the folders go."""
+    import json
+    import time
+
+    try:
+        parents = [Path(p) for p in json.loads(record.read_text())]
+    except (OSError, ValueError, TypeError):
+        return
+    for parent in parents:
+        try:
+            leaves = [c for c in parent.iterdir() if c.is_dir()]
+        except OSError:
+            continue
+        for leaf in [*leaves, parent]:
+            deadline = time.monotonic() + 5  # a killed process leaves its cgroup a moment later
+            while leaf.exists() and time.monotonic() < deadline:
+                try:
+                    leaf.rmdir()
+                except OSError:
+                    for pid in _cgroup_pids(leaf):
+                        _kill(pid)
+                    time.sleep(0.02)
+
+
+def _cgroup_pids(folder: Path) -> list[int]:
+    try:
+        return [int(p) for p in (folder / "cgroup.procs").read_text().split()]
+    except (OSError, ValueError):
+        return []
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _kill_group(pid: int, killed: list[int]) -> None:

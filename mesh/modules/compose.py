@@ -13,7 +13,8 @@ from typing import Any
 import msgspec
 from msgspec import UNSET, UnsetType
 
-from mesh.modules.manifest import Check, File, Manifest
+from mesh.modules.gate import memory
+from mesh.modules.manifest import Check, File, Manifest, Runs
 
 
 class Conflict(ValueError):
@@ -42,6 +43,16 @@ class DAccount(msgspec.Struct):
     privileged_groups: list[str] | UnsetType = UNSET
 
 
+class DLimits(msgspec.Struct, omit_defaults=True):
+    """A process's limits as a machine enforces them (services/host/limits.py): memory in
+    bytes ("1G" and "1024M" are one limit), cpu in cores; None: unlimited (left out)."""
+
+    memory: int | None = None
+    cpu: float | None = None
+    tasks: int | None = None
+    files: int | None = None
+
+
 class DRuns(msgspec.Struct):
     """What a declared process and tool server both carry (encoded with sorted keys: the
     fields' order here changes no byte)."""
@@ -63,6 +74,9 @@ class DProcess(DRuns):
     update: str
     replaces: str | None
     stop_timeout: str
+    # UNSET (left out of the bytes) when it declares none: a process without limits keeps the
+    # digest it had before limits existed.
+    limits: DLimits | UnsetType = UNSET
 
 
 class DTool(DRuns):
@@ -70,6 +84,7 @@ class DTool(DRuns):
 
     timeout: str
     stop_timeout: str
+    limits: DLimits | UnsetType = UNSET  # as a process's
 
 
 class DContainer(msgspec.Struct):
@@ -182,7 +197,7 @@ def prepare(mv: ModuleVersion, secrets: dict[str, int] | None = None) -> Prepare
                 module=mv.name, bundle=key, command=p.command, account=p.account, root=p.root,
                 env=p.env, files=files, prepare=p.prepare, prepare_timeout=p.prepare_timeout,
                 restart=p.restart, check=p.check, update=p.update, replaces=p.replaces,
-                stop_timeout=p.stop_timeout,
+                stop_timeout=p.stop_timeout, limits=limits_of(p),
             )
         )  # fmt: skip
     for name, t in m.tool.items():
@@ -190,7 +205,7 @@ def prepare(mv: ModuleVersion, secrets: dict[str, int] | None = None) -> Prepare
             DTool(
                 module=mv.name, bundle=_bundle(out, mv, t.bundle), command=t.command,
                 account=t.account, root=t.root, env=t.env, files=_files(t.files, secrets),
-                timeout=t.timeout, stop_timeout=t.stop_timeout,
+                timeout=t.timeout, stop_timeout=t.stop_timeout, limits=limits_of(t),
             )
         )  # fmt: skip
     for name, c in m.container.items():
@@ -212,6 +227,16 @@ def _bundle(out: Prepared, mv: ModuleVersion, name: str | None) -> str:
     key = bundle_key(b.kind, mv.bundles.get(name), b.path)
     out.bundles[key] = _piece(DBundle(kind=b.kind, digest=mv.bundles.get(name), path=b.path))
     return key
+
+
+def limits_of(p: Runs) -> DLimits | UnsetType:
+    """A process's or tool server's limits, canonical (the gate has checked them)."""
+    if p.memory_max is None and p.cpu_max is None and p.tasks_max is None and p.files_max is None:
+        return UNSET
+    return DLimits(
+        memory=memory(p.memory_max) if p.memory_max is not None else None,
+        cpu=p.cpu_max, tasks=p.tasks_max, files=p.files_max,
+    )  # fmt: skip
 
 
 def _files(files: dict[str, File], secrets: dict[str, int]) -> dict[str, DFile]:

@@ -35,7 +35,7 @@ from mesh.modules.manifest import (
 from mesh.names import InvalidName, check_name
 
 MAX_MANIFEST = 256 * 1024  # bytes of module.toml
-# How much one module may declare (docs/modules.md, Limits): each refusal names the table.
+# How much one module may declare (docs/modules.md, Process limits): each refusal names the table.
 MAX_BUNDLES = 64
 MAX_ACCOUNTS = 64
 MAX_PROCESSES = 64
@@ -437,7 +437,10 @@ def _agent(mod: str, f: str, p: Process, m: Manifest) -> None:
         )  # fmt: skip
     if not p.root or p.account is not None:
         raise Refused(mod, f"{f}.root", "the host agent runs as root: set root = true")
-    extras = [k for k in ("env", "files", "prepare", "check", "replaces") if getattr(p, k)]
+    # No limits either: its processes' cgroups are under its own, so a limit of its cgroup
+    # would bound them all (docs/operations.md, Process limits).
+    taken = ("env", "files", "prepare", "check", "replaces", *LIMIT_FIELDS)
+    extras = [k for k in taken if getattr(p, k)]
     if extras:
         raise Refused(mod, f"{f}.{extras[0]}", "the host agent takes no " + extras[0])
 
@@ -485,6 +488,7 @@ def _runs(mod: str, f: str, p: Runs, m: Manifest, *, what: str) -> None:
     if p.account is not None and p.account not in m.account:
         known = ", ".join(sorted(m.account)) or "none declared"
         raise Refused(mod, f"{f}.account", f"unknown account {p.account!r} (known: {known})")
+    _limits(mod, f, p)
     for key in p.env:
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
             raise Refused(mod, f"{f}.env", f"{key!r} is not a valid environment variable name")
@@ -550,3 +554,42 @@ def _check(mod: str, f: str, c: Check, process: str, ports: dict[int, str]) -> N
         raise Refused(mod, f"{f}.passes", f"{c.passes} is out of range (1-100)")
     _duration(mod, f"{f}.every", c.every)
     _duration(mod, f"{f}.timeout", c.timeout)
+
+
+LIMIT_FIELDS = ("memory_max", "cpu_max", "tasks_max", "files_max")
+MEMORY_MIN = 4 * 2**20  # less, and a process is killed before it has started
+MEMORY_MAX = 2**50
+CPU_MIN = 0.01  # one millisecond of every 100 ms period
+CPU_MAX = 4096.0
+TASKS_MAX = 4_194_304  # the kernel's pid_max at most
+FILES_MAX = 1_048_576  # the kernel's nr_open by default
+_MEMORY = re.compile(r"(\d+)([KMGT]?)")
+_MEMORY_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def memory(value: str | int) -> int:
+    """'256M', '1G', 1048576 -> bytes (K, M, G, T are powers of 1024)."""
+    if isinstance(value, int):
+        return value
+    m = _MEMORY.fullmatch(value)
+    if not m:
+        raise ValueError(f'{value[:20]!r} is not an amount of memory (like "256M" or "1G")')
+    return int(m.group(1)) * _MEMORY_UNITS[m.group(2)]
+
+
+def _limits(mod: str, f: str, p: Runs) -> None:
+    """A process's or tool server's limits (docs/modules.md, Process limits), each in its range."""
+    if p.memory_max is not None:
+        try:
+            amount = memory(p.memory_max)
+        except ValueError as e:
+            raise Refused(mod, f"{f}.memory_max", str(e)) from None
+        if not MEMORY_MIN <= amount <= MEMORY_MAX:
+            raise Refused(mod, f"{f}.memory_max", f"{p.memory_max!r} is out of range (4M to 1024T)")
+    if p.cpu_max is not None and not CPU_MIN <= p.cpu_max <= CPU_MAX:
+        raise Refused(mod, f"{f}.cpu_max", f"{p.cpu_max:g} is out of range (cores: more than 0, "
+                      f"from {CPU_MIN:g} to {CPU_MAX:g})")  # fmt: skip
+    for field, value, top in (("tasks_max", p.tasks_max, TASKS_MAX),
+                              ("files_max", p.files_max, FILES_MAX)):  # fmt: skip
+        if value is not None and not 1 <= value <= top:
+            raise Refused(mod, f"{f}.{field}", f"{value} is out of range (1 to {top})")

@@ -71,6 +71,12 @@ class Runs(Strict):
     root: bool = False  # run as root: only when said
     env: dict[str, str] = {}
     files: dict[str, File] = {}
+    # docs/modules.md, Process limits: enforced by the host (services/host/limits.py); None:
+    # unlimited. memory_max: bytes, or a number with K, M, G or T ("256M"); cpu_max: cores.
+    memory_max: str | int | None = None
+    cpu_max: float | None = None
+    tasks_max: int | None = None  # processes and threads, all told
+    files_max: int | None = None  # open files of each of its processes (RLIMIT_NOFILE)
 
 
 class Process(Runs):

@@ -11,9 +11,11 @@ from mesh import version
 from mesh.model import (
     ChangeReply,
     DiffReply,
+    Facts,
     ModulesReply,
     NodesReply,
     PlanSummary,
+    ProcessState,
     StatusReply,
     ToolEntry,
 )
@@ -35,6 +37,28 @@ def _ago(when: datetime | None) -> str:
 
 def _bytes(n: int) -> str:
     return f"{n / 2**30:.1f}G" if n else "?"
+
+
+def _limits(f: Facts) -> str:
+    """What a machine can enforce of a process's limits (docs/modules.md, Process limits)."""
+    if f.limits is None:
+        return ""  # a host before limits
+    cgroups = f" (cgroup {f.cgroups})" if f.cgroups else ""
+    return f", limits: {','.join(f.limits) or 'none'}{cgroups}"
+
+
+def _use(p: ProcessState) -> str:
+    """A running process's use: memory and cpu (cores)."""
+    if p.memory is None or p.pid is None:
+        return ""
+    return f" {_size(p.memory)} {p.cpu or 0:.2f}cpu"
+
+
+def _size(n: int) -> str:
+    for unit, size in (("G", 2**30), ("M", 2**20), ("K", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return f"{n}B"
 
 
 def _version(v: str | None) -> str:
@@ -90,6 +114,7 @@ def nodes(console: Console, r: NodesReply, *, want: int | None = None) -> None:
         system = (
             f"{n.facts.os}/{n.facts.arch} {n.facts.cpus}cpu {_bytes(n.facts.memory)}"
             + (f", {n.facts.container_engine}" if n.facts.container_engine else ", no containers")
+            + _limits(n.facts)
             if n.facts
             else "?"
         )
@@ -97,7 +122,8 @@ def nodes(console: Console, r: NodesReply, *, want: int | None = None) -> None:
         procs = (
             ", ".join(
                 f"{p.name}{' (new version)' if p.trial else ''} {p.state}"
-                f"{' healthy' if p.healthy else ''}{f' pid {p.pid}' if p.pid else ''}"
+                f"{' healthy' if p.healthy else ''}{f' pid {p.pid}' if p.pid else ''}{_use(p)}"
+                f"{f' ({escape(p.reason)})' if p.reason else ''}"
                 for p in n.processes
             )
             or "-"

@@ -33,7 +33,17 @@ from mesh.model import (
 )
 from mesh.modules.compose import DBundle, Declaration, DProcess, DTool, tools_of
 from mesh.modules.gate import AGENT, duration
-from services.host import accounts, bundles, containers, files, metrics, successor, watch
+from services.host import (
+    accounts,
+    bundles,
+    containers,
+    files,
+    limits,
+    metrics,
+    successor,
+    watch,
+)
+from services.host.limits import Cgroups
 from services.host.processes import credentials, kill_group
 from services.host.supervisor import Launch, Supervisor, spec_digest
 from services.host.tools import ToolRuntime
@@ -133,6 +143,7 @@ class Applier:
     def __init__(
         self, *, name: str, nc: Client, root: Path, supervisor: Supervisor, tools: ToolRuntime,
         nats_url: str = "", hand_over: Callable[[str, Path], Awaitable[None]] | None = None,
+        cgroups: Cgroups | None = None,
     ) -> None:  # fmt: skip
         self._nats_url = nats_url  # told to processes, as MESH_NATS_URL: where the mesh is
         # Starts the new agent from a bundle (key, folder) and hands the machine to it (main.py);
@@ -142,6 +153,7 @@ class Applier:
         self.supervisor = supervisor
         self.tools = tools
         self.engine = containers.Engine(host=name, root=str(root))
+        self.cgroups = cgroups or Cgroups()  # what this machine can enforce (limits.py)
         self._unused: dict[str, float] = {}  # bundle folder -> when first seen unused
         self._first = True  # after a (re)start, apply once even an applied digest: adopt
         self._newer = anyio.Event()  # set when a newer declaration waits behind this apply
@@ -285,6 +297,7 @@ class Applier:
 
     async def _apply(self, decl: Declaration, *, resuming: bool = False) -> None:
         """`resuming`: the declaration applied last, again after a restart (or a reboot)."""
+        self._limits(decl)
         ids: dict[str, accounts.Identity] = {}
         for name, account in sorted(decl.accounts.items()):
             try:
@@ -343,6 +356,15 @@ class Applier:
             raise StepFailed("tools", "; ".join(problems))
         await self._replace(decl)
         await self._agent(decl)
+
+    def _limits(self, decl: Declaration) -> None:
+        """The first step: a limit this machine cannot enforce fails the apply before anything
+        changes, as a container does on a machine without an engine."""
+        runs: dict[str, DProcess | DTool] = {**decl.processes, **tools_of(decl)}
+        for name, p in sorted(runs.items()):
+            why = limits.refusal(self.cgroups, p.limits) if p.limits else None
+            if why is not None:
+                raise StepFailed("limits", why, name=name)
 
     async def _agent(self, decl: Declaration) -> None:
         """The last step: the agent itself (mesh-host). Running the declared bundle, it reports
@@ -453,6 +475,8 @@ class Applier:
             gid=gid,
             groups=owner.groups() if owner else [],
             log_file=self._root / "processes" / name / "logs" / "output.log",
+            cgroups=self.cgroups,
+            group=f"{p.module}.{name}",
         )
 
     async def _prepare(self, launch: Launch) -> None:

@@ -7,6 +7,7 @@ import sys
 
 from mesh import __version__
 from mesh.model import Facts
+from services.host.limits import Cgroups
 
 
 def _memory_bytes() -> int:
@@ -16,7 +17,7 @@ def _memory_bytes() -> int:
         return 0
 
 
-def gather(*, container_engine: str = "") -> Facts:
+def gather(*, container_engine: str = "", cgroups: Cgroups | None = None) -> Facts:
     return Facts(
         os=platform.system().lower(),
         arch=platform.machine(),
@@ -26,4 +27,6 @@ def gather(*, container_engine: str = "") -> Facts:
         hostname=socket.gethostname(),
         python=platform.python_version() or sys.version.split()[0],
         container_engine=container_engine,
+        limits=cgroups.can() if cgroups else None,  # None: not asked (limits.probe)
+        cgroups=cgroups.version if cgroups else "",
     )

@@ -29,7 +29,15 @@ from mesh.lifetime import stop_on_signals
 from mesh.model import Register
 from mesh.paths import open_path_to
 from mesh.serving import Server, Stats
-from services.host import containers, metrics, registration, reporting, successor, verbs
+from services.host import (
+    containers,
+    limits,
+    metrics,
+    registration,
+    reporting,
+    successor,
+    verbs,
+)
 from services.host.apply import Applier
 from services.host.facts import gather
 from services.host.reporting import Reports
@@ -51,6 +59,7 @@ class Agent(msgspec.Struct):
     registering: Register  # the registration, less what is applied (it changes)
     signing: Signing  # the controllers' key: seat events and builds are theirs
     nats_url: str  # told to processes (MESH_NATS_URL)
+    cgroups: limits.Cgroups  # where its processes' cgroups go, what it can enforce
 
 
 class Parts(msgspec.Struct):
@@ -86,9 +95,11 @@ async def run(
         dev_mode=os.geteuid() != 0,  # accounts map to the current user
         registered=False, epoch=0, started=datetime.now(UTC), version=version.running(),
     )  # fmt: skip
+    cgroups = limits.probe(machine=name, state=state)
+    facts = gather(container_engine=await _container_engine(name), cgroups=cgroups)
     registering = Register(
         name=name, tier=tier, labels=labels or {}, beat_interval=beat_interval, pid=os.getpid(),
-        facts=gather(container_engine=await _container_engine(name)), version=status.version,
+        facts=facts, version=status.version,
     )  # fmt: skip
     link = bus.Link()
     signing = Signing.host(creds)
@@ -103,7 +114,8 @@ async def run(
         log.info("host %s: the old agent let go: taking the machine over", name)
     successor.pid_file(state).write_text(f"{os.getpid()}\n")
     agent = Agent(name=name, nc=nc, link=link, state=state, status=status,
-                  registering=registering, signing=signing, nats_url=nats_url)  # fmt: skip
+                  registering=registering, signing=signing, nats_url=nats_url,
+                  cgroups=cgroups)  # fmt: skip
     try:
         handed = await _serve_the_machine(
             agent, heir=heir, relaunch=relaunch, metrics_on=metrics_on, beat_interval=beat_interval
@@ -111,6 +123,7 @@ async def run(
     finally:
         with anyio.CancelScope(shield=True), anyio.move_on_after(3):
             await bus.close(nc)
+        limits.release(cgroups)  # the folders its processes left (those running stay)
     if handed is not None:
         await successor.commit(handed, state)
 
@@ -176,6 +189,7 @@ async def _serve_the_machine(
             await registration.register(a.nc, current, a.status)
             await parts.reports.both()
             tg.start_soon(parts.reports.keep_sending_tools)
+            tg.start_soon(parts.reports.keep_telling_usage)
             if heir is not None:
                 heir.running()  # registered, serving, adopted: the old agent may go
             else:
@@ -209,10 +223,11 @@ def _parts(a: Agent, *, tasks: TaskGroup, relaunch: list[str] | None) -> Parts:
     handing = successor.Handing(relaunch, tasks.cancel_scope) if relaunch is not None else None
     applier = Applier(
         name=a.name, nc=a.nc, root=a.state, supervisor=supervisor, tools=tools,
-        nats_url=a.nats_url, hand_over=handing,
+        nats_url=a.nats_url, hand_over=handing, cgroups=a.cgroups,
     )  # fmt: skip
     reports.tell_of(supervisor=supervisor, tools=tools, applier=applier)
     metrics.PROCESSES.states = supervisor.states
+    metrics.PROCESSES.cpu_seconds = supervisor.cpu_seconds
     if applier.digest:  # what the last agent applied, adopted
         metrics.applied(applier.digest, applier.epoch)
     return Parts(supervisor=supervisor, tools=tools, applier=applier, reports=reports,

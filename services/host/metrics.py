@@ -29,9 +29,13 @@ APPLY_SECONDS = Histogram(
     buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
 )  # fmt: skip
 APPLY_FAILURES = Counter(
-    "mesh_host_apply_failures", "Applies that stopped, by the kind of step that failed (account, "
-    "bundle, file, containers, prepare, processes, tools, replaces, agent, apply)",
+    "mesh_host_apply_failures", "Applies that stopped, by the kind of step that failed (limits, "
+    "account, bundle, file, containers, prepare, processes, tools, replaces, agent, apply)",
     ["step"], registry=REGISTRY,
+)  # fmt: skip
+OOM_KILLS = Counter(
+    "mesh_host_process_oom_kills", "Processes the kernel killed in a process's cgroup for its "
+    "memory limit (memory_max)", ["process"], registry=REGISTRY,
 )  # fmt: skip
 BUNDLE_FETCHES = Counter(
     "mesh_host_bundle_fetches", "Bundles fetched from the object store, by outcome (ok, failed)",
@@ -57,13 +61,15 @@ class Processes(Collector):
 
     def __init__(self) -> None:
         self.states: Callable[[], list[ProcessState]] | None = None
+        # Each running process's CPU seconds (its current instance's, cgroup and children).
+        self.cpu_seconds: Callable[[], dict[str, float]] = dict
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         if self.states is None:
             return
         now = [p for p in self.states() if not p.trial]
         by_state = GaugeMetricFamily(
-            "mesh_host_processes", "Processes by state (starting, running, backoff, exited, "
+            "mesh_host_processes", "Processes by state (starting, running, restarting, exited, "
             "failed, stopped)", labels=["state"],
         )  # fmt: skip
         counts: dict[ProcessStatus, int] = {"running": 0}
@@ -79,6 +85,21 @@ class Processes(Collector):
         for p in now:
             healthy.add_metric([p.name], 1 if p.healthy else 0)
         yield healthy
+        memory = GaugeMetricFamily(
+            "mesh_host_process_memory_bytes", "Memory a running process uses (its cgroup's, "
+            "less the page cache it may give back)", labels=["process"],
+        )  # fmt: skip
+        for p in now:
+            if p.memory is not None and p.pid is not None:
+                memory.add_metric([p.name], p.memory)
+        yield memory
+        cpu = GaugeMetricFamily(
+            "mesh_host_process_cpu_seconds", "CPU seconds a running process (its current "
+            "instance and its children) has used", labels=["process"],
+        )  # fmt: skip
+        for name, seconds in sorted(self.cpu_seconds().items()):
+            cpu.add_metric([name], seconds)
+        yield cpu
 
 
 PROCESSES = Processes()

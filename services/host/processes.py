@@ -21,7 +21,7 @@ from typing import NamedTuple
 import anyio
 import msgspec
 
-from services.host import logwriter
+from services.host import limits, logwriter
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +39,8 @@ class Instance(msgspec.Struct):
     start_time: int  # clock ticks since boot (/proc/<pid>/stat field 22): pid reuse is no match
     spec: str  # digest of the declared process it runs
     child: bool = True  # started by this host process (we reap it) or adopted
+    # Its cgroup's folders (services/host/limits.py), kept for a next host: it stays in them.
+    cgroups: dict[str, str] = {}
 
 
 def start_time(pid: int) -> int | None:
@@ -108,11 +110,21 @@ def spawn(
     gid: int | None,
     groups: Sequence[int] = (),
     piped: bool = False,
+    cgroups: Mapping[str, str] | None = None,
+    files_max: int | None = None,
 ) -> tuple[Instance, Pipes | None]:
     """Start `argv`, its output (stdout and stderr) to its log; raises OSError (e.g. no such
     file) for the caller to report. `piped`: its stdin and stdout are pipes to the host
     instead (a tool server: MCP over stdio), whose ends are returned, and only its stderr goes
-    to its log; those pipes end with this host process, so no next one can adopt it."""
+    to its log; those pipes end with this host process, so no next one can adopt it.
+    `cgroups`, `files_max`: the child joins that cgroup and takes that open-files limit before
+    it drops to its account and execs (services/host/limits.py)."""
+    cgroups = dict(cgroups or {})
+    if cgroups or files_max is not None:
+        who: dict = {"preexec_fn": limits.entering(cgroups, files=files_max, uid=uid, gid=gid,
+                                                   groups=groups)}  # fmt: skip
+    else:
+        who = credentials(uid, gid, groups)
     log_file.parent.mkdir(parents=True, exist_ok=True)
     log_file.parent.chmod(0o700)  # output may carry secrets: the host's (root's) alone
     _reap_writers()
@@ -135,7 +147,7 @@ def spawn(
                 start_new_session=True,
                 close_fds=True,
                 **stdio,
-                **credentials(uid, gid, groups),
+                **who,
             )
         finally:
             if piped:  # the child holds its ends now
@@ -151,7 +163,9 @@ def spawn(
     # the subprocess module behind our back, and its exit code lost.
     _children[proc.pid] = proc
     started = start_time(proc.pid)
-    instance = Instance(pid=proc.pid, start_time=started or 0, spec=spec, child=True)
+    instance = Instance(
+        pid=proc.pid, start_time=started or 0, spec=spec, child=True, cgroups=cgroups
+    )
     if not piped:
         return instance, None
     for fd in ours:

@@ -8,6 +8,8 @@ The `applied` report of each apply is the applier's (services/host/apply.py); `a
 to say its last one again too.
 """
 
+import os
+
 import anyio
 from anyio.abc import TaskGroup
 from nats.aio.client import Client
@@ -17,6 +19,8 @@ from mesh.model import Beat, ProcessesEvent, ToolsEvent
 from services.host.apply import Applier
 from services.host.supervisor import Supervisor
 from services.host.tools import ToolRuntime
+
+USAGE_EVERY = float(os.environ.get("MESH_USAGE_EVERY", 5.0))
 
 
 async def beat(nc: Client, *, name: str, interval: float) -> None:
@@ -62,6 +66,16 @@ class Reports:
             return
         event = ProcessesEvent(name=self._name, processes=self._supervisor.states())
         await self._nc.publish(subjects.event(self._name, "processes"), wire.encode(event))
+
+    async def keep_telling_usage(self) -> None:
+        """What each process uses changes all the time, unlike its state: the processes report
+        again every USAGE_EVERY seconds while any runs (`nodes --json`: memory, cpu)."""
+        while True:
+            await anyio.sleep(USAGE_EVERY)
+            if self._supervisor is not None and any(
+                s.instance is not None for s in self._supervisor.running.values()
+            ):
+                await self.processes()
 
     async def tools(self) -> None:
         if self._tools is None:

@@ -11,6 +11,7 @@ ROOT/state/processes.json for adoption; stopping the host does not stop its proc
 
 import hashlib
 import logging
+import secrets
 import subprocess
 import time
 from collections.abc import Callable
@@ -25,7 +26,8 @@ from mesh.lifetime import first_of
 from mesh.model import ProcessState, ProcessStatus
 from mesh.modules.compose import DProcess, DTool, canonical_process
 from mesh.modules.gate import duration
-from services.host import checks, metrics, processes
+from services.host import checks, limits, metrics, processes
+from services.host.limits import Cgroups
 from services.host.processes import Instance
 
 log = logging.getLogger(__name__)
@@ -50,6 +52,10 @@ class Launch(msgspec.Struct):
     gid: int | None
     log_file: Path
     groups: list[int] = []
+    # Where its cgroup goes (services/host/limits.py; none made when the machine cannot) and
+    # its name there: `<module>.<process>`.
+    cgroups: Cgroups = msgspec.field(default_factory=Cgroups)
+    group: str = ""
 
 
 class Supervised:
@@ -65,17 +71,23 @@ class Supervised:
         self.healthy = False
         self.became_healthy = anyio.Event()
         self.last_error = ""
+        self.reason = ""  # why it last exited (limits.py names a limit's kill)
         self.restarts = 0
+        self.oom_kills = 0  # by its memory limit, since this host started it
+        self._oom_before = 0  # its cgroup's count when the instance started
+        self.meter = limits.Meter()
         self._stopping = False
         self.scope = anyio.CancelScope()
 
     def report(self) -> ProcessState:
+        instance = self.instance
+        pid = instance.pid if instance else None
+        memory, cpu = self.meter.read(pid, instance.cgroups if instance else {})
+        down = self.state not in ("starting", "running")
         return ProcessState(
-            name=self.launch.name,
-            state=self.state,
-            healthy=self.healthy,
-            pid=self.instance.pid if self.instance else None,
-        )
+            name=self.launch.name, state=self.state, healthy=self.healthy, pid=pid,
+            memory=memory, cpu=cpu, reason=self.reason if down else "",
+        )  # fmt: skip
 
     def _set(self, state: ProcessStatus, *, healthy: bool | None = None, error: str = "") -> None:
         changed = state != self.state or (healthy is not None and healthy != self.healthy)
@@ -95,12 +107,14 @@ class Supervised:
             while not self._stopping:
                 if adopt is not None:
                     self.instance, adopt = adopt, None
+                    self._oom_before = limits.oom_kills(self.instance.cgroups)
                     log.info("process %s: adopted pid %d", self.launch.name, self.instance.pid)
                 else:
                     try:
                         self.instance = self._spawn()
                     except (OSError, ValueError, subprocess.SubprocessError) as e:
-                        self._set("failed", healthy=False, error=f"could not start: {e}")
+                        self.reason = f"could not start: {e}"
+                        self._set("failed", healthy=False, error=self.reason)
                         log.warning("process %s could not start: %s", self.launch.name, e)
                         await self._back_off(backoff)
                         backoff = min(backoff * 2, BACKOFF_MAX)
@@ -115,11 +129,14 @@ class Supervised:
                     self._exited(code)
                     tg.cancel_scope.cancel()
                 processes.kill_group(self.instance.pid)  # what it left behind goes with it
+                how = self._why_exited(code)
+                with anyio.CancelScope(shield=True):  # a stop must not leave it behind
+                    await limits.remove(self.instance.cgroups)
                 self.instance = None
                 if self._stopping:
                     self._set("stopped", healthy=False)
                     return
-                how = "exited" if code is None else f"exited with code {code}"
+                self.reason = how
                 policy = self._policy()
                 if policy == "never" or (policy == "on-failure" and code == 0):
                     self._set("exited" if code == 0 else "failed", healthy=False, error=how)
@@ -130,7 +147,7 @@ class Supervised:
                 self.restarts += 1
                 metrics.RESTARTS.labels(self.launch.name).inc()
                 log.info("process %s %s; restarting in %gs", self.launch.name, how, backoff)
-                self._set("backoff", healthy=False, error=how)
+                self._set("restarting", healthy=False, error=how)
                 await self._back_off(backoff)
                 backoff = min(backoff * 2, BACKOFF_MAX)
 
@@ -154,12 +171,38 @@ class Supervised:
         """The instance has just exited (before what runs alongside it is cancelled)."""
 
     def _spawn(self) -> Instance:
-        instance, self.pipes = processes.spawn(
-            self.launch.decl.command, cwd=self.launch.cwd, env=self.launch.env,
-            log_file=self.launch.log_file, spec=self.launch.spec, uid=self.launch.uid,
-            gid=self.launch.gid, groups=self.launch.groups, piped=self.piped,
-        )  # fmt: skip
+        launch = self.launch
+        lim = launch.decl.limits or None
+        cgroups = {}
+        if launch.cgroups.parents:
+            spec = launch.spec.removeprefix("sha256:")[:8]
+            name = f"{launch.group or launch.name}.{spec}.{secrets.token_hex(3)}"
+            cgroups = limits.create(launch.cgroups, name=name, lim=lim)
+        self._oom_before = limits.oom_kills(cgroups)
+        try:
+            instance, self.pipes = processes.spawn(
+                launch.decl.command, cwd=launch.cwd, env=launch.env, log_file=launch.log_file,
+                spec=launch.spec, uid=launch.uid, gid=launch.gid, groups=launch.groups,
+                piped=self.piped, cgroups=cgroups, files_max=lim.files if lim else None,
+            )  # fmt: skip
+        except BaseException:
+            limits.discard(cgroups)
+            raise
         return instance
+
+    def _why_exited(self, code: int | None) -> str:
+        """How the instance ended, in words; a kill at its memory limit names the limit."""
+        assert self.instance is not None
+        killed = limits.oom_kills(self.instance.cgroups) - self._oom_before
+        lim = self.launch.decl.limits or None
+        if killed > 0:
+            self.oom_kills += killed
+            metrics.OOM_KILLS.labels(self.launch.name).inc(killed)
+        if killed > 0 and lim is not None and lim.memory is not None and code in (None, -9):
+            return f"memory limit {limits.amount(lim.memory)} reached"
+        if code is None:
+            return "exited"
+        return f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
 
     async def _check_loop(self) -> None:
         check = self.launch.decl.check
@@ -207,6 +250,7 @@ class Supervisor:
         # The agent itself, when its declaration names it (mesh-host) and it runs that bundle:
         # reported among the processes, supervised by nobody here (services/host/successor.py).
         self.agent: ProcessState | None = None
+        self._agent_meter = limits.Meter()
         # The tool servers (services/host/tools.py), reported among the processes.
         self.tool_servers: Callable[[], list[ProcessState]] = list
 
@@ -247,9 +291,15 @@ class Supervisor:
             msgspec.structs.replace(s.report(), trial=True)
             for _, s in sorted(self._candidates.items())
         ]
-        agent = [self.agent] if self.agent is not None else []
+        agent = []
+        if self.agent is not None:  # its use as any process's (from /proc: no cgroup of ours)
+            memory, cpu = self._agent_meter.read(self.agent.pid, {})
+            agent = [msgspec.structs.replace(self.agent, memory=memory, cpu=cpu)]
         processes = [s.report() for _, s in sorted(self.running.items())]
         return processes + trials + agent + self.tool_servers()
+
+    def cpu_seconds(self) -> dict[str, float]:
+        return {n: s.meter.seconds for n, s in sorted(self.running.items()) if s.instance}
 
     async def run(self) -> None:
         """Own the processes' tasks until cancelled (the host stopping leaves them running)."""
@@ -284,7 +334,7 @@ class Supervisor:
                 left = self._left.pop(name, None)
                 if left is not None and left.spec != launch.spec:
                     log.info("process %s: the instance left running is another version", name)
-                    await processes.stop(left, timeout=duration(launch.decl.stop_timeout))
+                    await retire(left, timeout=duration(launch.decl.stop_timeout))
                     left = None
                 self.running[name] = self._start(launch, adopt=left)
             elif current.launch.spec != launch.spec:
@@ -293,7 +343,7 @@ class Supervisor:
                     problems.append(problem)
         for name, left in list(self._left.items()):
             log.info("process %s (pid %d) is not declared any more: stopping it", name, left.pid)
-            await processes.stop(left, timeout=10)
+            await retire(left, timeout=10)
             del self._left[name]
         self._on_change()
         return problems
@@ -351,6 +401,12 @@ async def on_trial(new: Supervised, *, within: float, interrupt: anyio.Event) ->
         raise
     if not new.healthy:
         await new.stop()
+
+
+async def retire(instance: Instance, *, timeout: float) -> None:
+    """An instance nobody supervises (a previous host's) stopped, its cgroup with it."""
+    await processes.stop(instance, timeout=timeout)
+    await limits.remove(instance.cgroups)
 
 
 def replace_child(instance: Instance) -> Instance:

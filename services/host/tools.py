@@ -36,7 +36,7 @@ from mesh.modules.gate import duration
 from services.host import processes
 from services.host.mcpstdio import CallError, Closed, ProtocolError, Session
 from services.host.processes import Instance
-from services.host.supervisor import Launch, Supervised, on_trial
+from services.host.supervisor import Launch, Supervised, on_trial, retire
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +172,8 @@ class ToolServer(Supervised):
                 return "starting"
             case "exited":
                 return "stopped"
+            case "restarting":
+                return "backoff"  # waiting to be started again
             case state:
                 return state
 
@@ -289,7 +291,7 @@ class ToolRuntime:
             if processes.alive(instance):
                 log.info("tool server %s (pid %d) was a previous host's: stopping it", name,
                          instance.pid)  # fmt: skip
-                await processes.stop(instance, timeout=5)
+                await retire(instance, timeout=5)
         self._state.unlink(missing_ok=True)
 
     def _save(self) -> None:

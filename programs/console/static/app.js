@@ -128,7 +128,22 @@ function processes_of(node) {
     el("span", { class: "process", "data-process": p.name },
       el("strong", {}, p.name + (p.trial ? " (new version)" : "")), " ",
       word(p.state), " ", word(p.healthy ? "healthy" : "unhealthy"),
-      p.pid ? el("span", { class: "quiet" }, ` pid ${p.pid}`) : null));
+      p.pid ? el("span", { class: "quiet" }, ` pid ${p.pid}${use_of(p)}`) : null,
+      p.reason ? el("span", { class: "reason" }, ` (${p.reason})`) : null));
+}
+
+// A running process's use: memory and cpu (cores, over the last few seconds); "" from a host
+// of a mesh before process limits, which does not say.
+function use_of(p) {
+  if (p.memory === undefined || p.memory === null || !p.pid) return "";
+  return `, ${bytes(p.memory)}, ${(p.cpu || 0).toFixed(2)} cpu`;
+}
+
+function bytes(n) {
+  for (const [unit, size] of [["GiB", 2 ** 30], ["MiB", 2 ** 20], ["KiB", 2 ** 10]]) {
+    if (n >= size) return `${(n / size).toFixed(1)} ${unit}`;
+  }
+  return `${n} B`;
 }
 
 function declaration_of(node) {
@@ -278,6 +293,7 @@ function machine_view(name) {
     add("machine", `${f.os} ${f.arch}, ${f.cpus} cpus, ${(f.memory / 2 ** 30).toFixed(1)} GiB, ${f.hostname}`);
     add("python", f.python || "?");
     add("container engine", f.container_engine || "none");
+    if (f.limits) add("limits", `${f.limits.join(", ") || "none"}${f.cgroups ? ` (cgroup ${f.cgroups})` : ""}`);
   }
   const procs = node.processes.map((p) =>
     el("tr", { "data-process": p.name },
@@ -285,10 +301,13 @@ function machine_view(name) {
       el("td", { class: "state" }, word(p.state)),
       el("td", { class: "health" }, word(p.healthy ? "healthy" : "unhealthy")),
       el("td", {}, p.pid || "–"),
+      el("td", { class: "memory" }, p.pid && p.memory !== undefined && p.memory !== null ? bytes(p.memory) : "–"),
+      el("td", { class: "cpu" }, p.pid && p.cpu !== undefined && p.cpu !== null ? p.cpu.toFixed(2) : "–"),
+      el("td", { class: "reason" }, p.reason || ""),
       el("td", {}, el("button", { type: "button", "data-log": p.name, onclick: () => open_log(name, p.name) }, "log"))));
   return [back, card("machine", `Machine ${node.name}`, el("dl", {}, rows)),
     card("machine-processes", "Processes",
-      procs.length ? table("processes", ["process", "state", "health", "pid", ""], procs) : el("p", { class: "quiet" }, "none"))];
+      procs.length ? table("processes", ["process", "state", "health", "pid", "memory", "cpu", "why", ""], procs) : el("p", { class: "quiet" }, "none"))];
 }
 
 function plan_view(id) {
