@@ -139,7 +139,7 @@ def test_reasons_a_step_ran_out_of_time() -> None:
     assert why(Report(up=False)) == "machine node-2 is down"
     assert why(Report(applied="old")) == "did not apply its new declaration within 60s"
     assert why(Report(applied="d")) == "process hello is not running after 60s"
-    backoff = Report(applied="d", processes=[ProcessState("hello", "backoff", False, None)])
+    backoff = Report(applied="d", processes=[ProcessState("hello", "restarting", False, None)])
     assert why(backoff) == "process hello is backoff, not healthy, after 60s"
     assert why(healthy("d")) == "not healthy after 60s"
     # a tool server (named `hello` here) says why it is not ready
