@@ -140,7 +140,7 @@ def test_reasons_a_step_ran_out_of_time() -> None:
     assert why(Report(applied="old")) == "did not apply its new declaration within 60s"
     assert why(Report(applied="d")) == "process hello is not running after 60s"
     backoff = Report(applied="d", processes=[ProcessState("hello", "restarting", False, None)])
-    assert why(backoff) == "process hello is backoff, not healthy, after 60s"
+    assert why(backoff) == "process hello is restarting, not healthy, after 60s"
     assert why(healthy("d")) == "not healthy after 60s"
     # a tool server (named `hello` here) says why it is not ready
     broken = ProcessState("hello", "backoff", False, 42, tool=True, error="does not speak MCP: x")
