@@ -207,14 +207,14 @@ async def cmd_dev_init(args: argparse.Namespace) -> None:
     database_url = config.database_url(args.database_url)
     if not database_url:
         raise CliError("no database: set MESH_DATABASE_URL or pass --database-url")
-    admin = config.creds(args.creds)
+    admin = config.creds(getattr(args, "creds", None))
     if not admin:
         raise CliError("no admin credentials: set MESH_CREDS or pass --creds")
     for flag, path in (("--creds", Path(admin)), ("--controller-creds", args.controller_creds)):
         if not path.is_file():
             raise CliError(f"{flag}: {path} is not a file")
     await init_running(
-        url=config.nats_url(args.nats_url, admin), admin=Path(admin),
+        url=config.nats_url(getattr(args, "nats_url", None), admin), admin=Path(admin),
         controller=args.controller_creds, database_url=database_url, hosts=args.hosts,
         control=args.control, placed=args.placed, logs=args.placed.parent,
     )  # fmt: skip
