@@ -3,14 +3,12 @@
 # credentials (.dockerignore; compose.dev.yaml issues them into volumes at start). The mesh's own
 # services are never this image's processes: a machine's host runs the controller from its module.
 #
-# BASE: images/build makes mesh-base:local from Debian's packages, with no registry. With a
-# registry, any Debian works: --build-arg BASE=docker.io/library/debian:bookworm-slim.
+# BASE: images/build makes mesh-base:local from Debian's packages, with no registry: Debian
+# bookworm with python3 (and its venv). With a registry, an image with the same Python works:
+# --build-arg BASE=docker.io/library/python:3.11-slim-bookworm.
 ARG BASE=mesh-base:local
 FROM ${BASE}
 ENV PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PATH=/opt/mesh/bin:$PATH
-RUN command -v python3 >/dev/null || (apt-get update -qq \
-    && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-       python3 python3-venv ca-certificates && rm -rf /var/lib/apt/lists/*)
 # The packages the mesh requires first, from pyproject.toml alone (a layer kept while it does not
 # change), then the mesh's code.
 COPY pyproject.toml README.md /src/
