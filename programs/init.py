@@ -30,7 +30,7 @@ import anyio.to_thread
 
 import services.controller
 from mesh import bus, subjects, wire
-from mesh.auth import registry
+from mesh.auth import creds, registry, secretkeys
 from mesh.client.asking import VerbFailed
 from mesh.embedded import pgauth, postgres
 from mesh.embedded.children import Child, spawn, stop_supervised
@@ -39,7 +39,7 @@ from mesh.names import check_name
 from mesh.store import db
 from mesh.store.migrate import migrate
 from programs.dev_up import DevError, DevMesh, DirLock, _nats_answers, check_nats, say
-from programs.placement import place
+from programs.placement import CONTROL, NotPlaced, place, place_new
 from programs.units import Unit, UnitError, main_pid, of_mesh, shown, systemctl, systemd_runs
 from programs.units import install as install_units
 from programs.units import write as write_units
@@ -265,9 +265,6 @@ def _mesh(env: dict[str, str], *args: str, stdin: str | None = None) -> None:
         raise DevError(f"mesh {' '.join(args)}: {done.stderr.strip()}")
 
 
-CONTROL = {"role": "control"}  # services/controller's [assign]: the machines that run it
-
-
 async def _place(mesh: DevMesh, name: str) -> None:
     nc = await bus.connect(
         mesh.nats_url, name="mesh init", creds=str(mesh.creds["admin"]), reconnect=False
@@ -283,10 +280,12 @@ async def _place(mesh: DevMesh, name: str) -> None:
 
 
 async def _status(mesh: DevMesh) -> StatusReply | None:
+    return await _status_at(mesh.nats_url, creds=mesh.creds["admin"])
+
+
+async def _status_at(url: str, *, creds: Path) -> StatusReply | None:
     try:
-        nc = await bus.connect(
-            mesh.nats_url, name="mesh init", creds=str(mesh.creds["admin"]), reconnect=False
-        )
+        nc = await bus.connect(url, name="mesh init", creds=str(creds), reconnect=False)
     except bus.Unreachable:
         return None
     try:
@@ -299,11 +298,125 @@ async def _status(mesh: DevMesh) -> StatusReply | None:
 
 
 async def _until(mesh: DevMesh, ok: Callable[[StatusReply], bool], what: str) -> None:
+    await _until_at(mesh.nats_url, creds=mesh.creds["admin"], ok=ok, what=what,
+                    alive=mesh._check_alive, logs=mesh.dir / "logs")  # fmt: skip
+
+
+async def _until_at(
+    url: str, *, creds: Path, ok: Callable[[StatusReply], bool], what: str,
+    alive: Callable[[], None], logs: Path,
+) -> StatusReply:  # fmt: skip
     deadline = time.monotonic() + WITHIN
     while time.monotonic() < deadline:
-        mesh._check_alive()
-        status = await _status(mesh)
+        alive()
+        status = await _status_at(url, creds=creds)
         if status is not None and ok(status):
-            return
+            return status
         await anyio.sleep(0.2)
-    raise DevError(f"not ready within {WITHIN:g}s: waiting for {what}; logs in {mesh.dir}/logs")
+    raise DevError(f"not ready within {WITHIN:g}s: waiting for {what}; logs in {logs}")
+
+
+async def init_running(
+    *, url: str, admin: Path, controller: Path, database_url: str, hosts: int, control: int,
+    placed: Path, logs: Path,
+) -> StatusReply:  # fmt: skip
+    """`mesh dev init` (compose.dev.yaml's one-shot `init`): `mesh init`'s way of installing the
+    controller, for a nats-server and a PostgreSQL that already run and hosts node-1..N that
+    start once their machines are placed. The store's schema; a short-lived controller
+    (`mesh-init`, a child of this command) takes the seat; node-1..N placed as `mesh dev up`
+    places them, node-1..`control` also `role=control`; `placed` written (the hosts wait for
+    it); once every host is up the controller's secrets are set, services/controller is pushed,
+    and `mesh-init` hands the seat to a controller process a control machine's host runs, the
+    others standing by. A mesh whose controller already runs (kept volumes) is left as it is."""
+    conn = await db.connect(database_url)
+    try:
+        applied = await migrate(conn)
+    finally:
+        await conn.close()
+    say(f"store schema ready ({len(applied)} migration(s) applied)")
+    status = await _status_at(url, creds=admin)
+    if status is not None and status.seat is not None and status.seat.holder != INIT_INSTANCE:
+        # a controller runs already (init run again beside a running mesh): placed, and done
+        say(f"the controller runs already: {status.seat.holder} holds the seat")
+        return await _install(url=url, admin=admin, controller=controller,
+                              database_url=database_url, hosts=hosts, control=control,
+                              placed=placed, logs=logs, temporary=None)  # fmt: skip
+    # The key of the secrets: `mesh dev creds --export` puts it beside the controllers'
+    # credentials (their volume alone); every controller of this mesh opens the store with it.
+    key = controller.parent / secretkeys.FILE_NAME
+    if not key.is_file():
+        raise DevError(f"{key}: no key of the secrets beside the controllers' credentials "
+                       "(mesh dev creds --export writes it)")  # fmt: skip
+    env = {**os.environ, "MESH_NATS_URL": url, "MESH_DATABASE_URL": database_url,
+           "MESH_SECRETS_KEY_FILE": str(key)}  # fmt: skip
+    temporary = await spawn(
+        INIT_INSTANCE,
+        [sys.executable, "-P", "-m", "mesh", "controller", "run", "--instance", INIT_INSTANCE,
+         "--creds", str(controller)],
+        log=logs / f"{INIT_INSTANCE}.log", env=env,
+    )  # fmt: skip
+    try:
+        return await _install(url=url, admin=admin, controller=controller,
+                              database_url=database_url, hosts=hosts, control=control,
+                              placed=placed, logs=logs, temporary=temporary)  # fmt: skip
+    finally:
+        with anyio.CancelScope(shield=True):
+            await temporary.stop(sig=signal.SIGKILL)
+
+
+async def _install(
+    *, url: str, admin: Path, controller: Path, database_url: str, hosts: int, control: int,
+    placed: Path, logs: Path, temporary: Child | None,
+) -> StatusReply:  # fmt: skip
+    """The machines placed, `placed` written, every host up; then, with a short-lived
+    controller holding the seat (`temporary`), the controller installed and the seat handed to
+    it; without one (the controller runs already), nothing more."""
+
+    def alive() -> None:
+        if temporary is not None and not temporary.running:
+            raise DevError(f"{INIT_INSTANCE} exited with code {temporary.proc.returncode}; "
+                           f"last lines of {temporary.log}:\n{temporary.tail()}")  # fmt: skip
+
+    def until(
+        ok: Callable[[StatusReply], bool], what: str, *, check: Callable[[], None] = alive
+    ) -> Awaitable[StatusReply]:
+        return _until_at(url, creds=admin, ok=ok, what=what, alive=check, logs=logs)
+
+    if temporary is not None:
+        await until(lambda s: s.seat is not None and s.seat.holder == INIT_INSTANCE,
+                    f"the seat held by {INIT_INSTANCE}")  # fmt: skip
+    nc = await bus.connect(url, name="mesh dev init", creds=str(admin), reconnect=False)
+    try:
+        lines = await place_new(nc, url=url, hosts=hosts, alive=alive, within=WITHIN,
+                                control=control)  # fmt: skip
+    except NotPlaced as e:
+        raise DevError(str(e)) from None
+    finally:
+        await nc.close()
+    for line in lines:
+        say(line)
+    placed.write_text("")
+    await until(lambda s: s.nodes.up >= hosts, f"{hosts} host(s) up")
+    say(f"{hosts} host(s) up")
+    if temporary is None:
+        return await until(lambda s: True, "the status")
+    admin_env = {**os.environ, "MESH_NATS_URL": url, "MESH_CREDS": str(admin)}
+    _mesh(admin_env, "secret", "set", "mesh-database-url", stdin=database_url)
+    _mesh(admin_env, "secret", "set", "mesh-controller-creds", stdin=controller.read_text())
+    # The CA a TLS store's certificate is checked by (services/controller/module.toml), as
+    # `mesh init` sets it; compose's store is not TLS, and its URL names no such file.
+    _mesh(admin_env, "secret", "set", "mesh-store-ca", stdin=creds.read(admin).ca or "")
+    module = Path(services.controller.__file__).parent
+    say(f"installing the controller: mesh push {module} --wait")
+    await anyio.to_thread.run_sync(lambda: _mesh(admin_env, "push", str(module), "--wait"))
+    temporary.proc.send_signal(signal.SIGTERM)  # hands the seat to a controller process
+    status = await until(
+        lambda s: s.seat is not None and s.seat.holder != INIT_INSTANCE
+        and len(s.standbys) >= control - 1,
+        "a controller process to hold the seat, the others standing by",
+        check=lambda: None,  # mesh-init exits as it hands over
+    )  # fmt: skip
+    assert status.seat is not None
+    say(f"the controller runs as a process: {status.seat.holder} (pid {status.seat.pid}), "
+        f"{len(status.standbys)} standing by")  # fmt: skip
+    return status

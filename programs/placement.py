@@ -23,6 +23,8 @@ from mesh.model import (
     TierRequest,
 )
 
+CONTROL = {"role": "control"}  # services/controller's [assign]: the machines that run it
+
 
 class NotPlaced(MeshError):
     """The machines could not be placed (no controller holds the seat, or it refused)."""
@@ -33,9 +35,11 @@ def tier_of(index: int) -> int:
     return min(index - 1, 2)
 
 
-def labels_of(index: int) -> dict[str, str]:
-    """node-1 builds bundles (modules issue); the others carry no labels."""
-    return {"builder": "true"} if index == 1 else {}
+def labels_of(index: int, *, control: int = 0) -> dict[str, str]:
+    """node-1 builds bundles (modules issue); node-1 to node-`control` are control machines
+    (where services/controller runs: `mesh dev init`); the others carry no labels."""
+    labels = {"builder": "true"} if index == 1 else {}
+    return labels | (CONTROL if index <= control else {})
 
 
 async def place(
@@ -63,6 +67,7 @@ async def place_new(
     alive: Callable[[], None],
     within: float,
     logs: Path | None = None,
+    control: int = 0,
 ) -> list[str]:
     """node-1 tier 0 with builder=true, node-2 tier 1, the rest tier 2, as an admin places them
     (`mesh machine add --tier --label`), once a controller holds the seat. Only machines the
@@ -88,8 +93,10 @@ async def place_new(
         if name in known:
             continue
         try:
-            tier, labels = await place(nc, url=url, machine=name, tier=tier_of(i),
-                                       labels=labels_of(i), timeout=30)  # fmt: skip
+            tier, labels = await place(
+                nc, url=url, machine=name, tier=tier_of(i),
+                labels=labels_of(i, control=control), timeout=30,
+            )  # fmt: skip
         except VerbFailed as e:
             raise NotPlaced(f"placing {name}: {e}") from None
         shown = ", ".join(f"{k}={v}" for k, v in labels.items()) or "none"

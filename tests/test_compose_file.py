@@ -1,9 +1,11 @@
-"""compose.dev.yaml cannot run here (no registry), but it must parse, every command it runs must
-be a real `mesh` command, and it must be the file a person can run: credentials issued by a
-one-shot service, NATS that admits only them, health checks the start order waits on, init as
-PID 1, and an image that carries no virtualenv and no credentials (.dockerignore).
+"""compose.dev.yaml must parse, every command it runs must be a real `mesh` command, and it must
+be the file a person can run: credentials issued by a one-shot service, NATS that admits only
+them, health checks the start order waits on, init as PID 1, the controller never a container
+of its own (a control machine's host runs it, installed by `mesh dev init`), and images that
+carry no virtualenv and no credentials (.dockerignore). tests/test_compose_up.py runs it.
 
-Where `docker compose` exists, `docker compose config` checks the file as Compose reads it."""
+Where `docker compose` or docker-compose exists, its `config` checks the file as Compose reads
+it."""
 
 import re
 import shutil
@@ -19,7 +21,9 @@ from programs.cli.main import parser
 ROOT = Path(__file__).parent.parent
 COMPOSE = ROOT / "compose.dev.yaml"
 DOCKERIGNORE = ROOT / ".dockerignore"
-SERVERS = {"nats", "postgres"}  # third-party images; every other service is the mesh image
+NATS_CONF = ROOT / "images" / "nats" / "nats.conf"
+SERVERS = {"nats", "postgres"}  # their own images (images/); every other service is the mesh's
+HOSTS = ["node-1", "node-2", "node-3"]
 
 
 def _doc() -> dict[str, Any]:
@@ -41,67 +45,64 @@ def _mounts(service: dict[str, Any]) -> dict[str, str]:
     return {v.split(":")[1]: v.split(":")[0] for v in service.get("volumes", [])}
 
 
-def test_compose_parses_and_runs_real_mesh_commands() -> None:
+def _args(service: dict[str, Any]) -> Any:
+    command = service["command"]
+    assert isinstance(command, list) and command[0] == "mesh", command
+    return parser().parse_args(command[1:])  # exits (fails the test) if not a real command
+
+
+def test_compose_runs_machines_and_never_a_controller_container() -> None:
+    """The seed's rule: the mesh's own code is not a container of its own. The machines run
+    `mesh host run`; no service runs `mesh controller run`; init installs the controller on
+    node-1 and node-2 (role=control), where it runs as a process of their hosts."""
     doc = _doc()
     services = doc["services"]
-    assert {"nats", "postgres", "creds"} <= set(services)
-    assert "sync_interval: always" in doc["configs"]["nats_conf"]["content"]
-    controllers = [s for s in services if s.startswith("controller")]
-    hosts = [s for s in services if s.startswith("node-")]
-    assert len(controllers) == 2
-    assert len(hosts) == 3
-    for name in controllers + hosts:
-        command = services[name]["command"]
-        assert isinstance(command, list), f"{name}: command must be argv, not a shell string"
-        assert command[0] == "mesh", name
-        args = parser().parse_args(command[1:])  # exits (fails the test) if not a real command
-        assert args.command in ("controller", "host")
-    tiers = sorted(
-        services[h]["command"][services[h]["command"].index("--tier") + 1] for h in hosts
-    )
-    assert tiers == ["0", "1", "2"]
+    assert set(services) == {"creds", "nats", "postgres", "init", *HOSTS, "cli"}
+    for name in HOSTS:
+        args = _args(services[name])
+        assert (args.command, args.host_command, args.name) == ("host", "run", name), name
+        assert services[name]["hostname"] == name
+    for name, service in _mesh_services(doc).items():
+        assert _args(service).command != "controller", f"{name} runs a controller container"
+    init = _args(services["init"])
+    assert (init.command, init.dev_command, init.hosts, init.control) == ("dev", "init", 3, 2)
+    for name in SERVERS:
+        assert "command" not in services[name] or services[name]["command"][0] != "mesh", name
+        assert services[name]["image"].startswith(f"mesh-{name}:"), name
 
 
 def test_every_mesh_command_in_the_file_is_real() -> None:
-    """The creds service, the cli service and the controllers' health check too."""
+    """The creds, init and cli services too; init's health check is the file it writes."""
     doc = _doc()
-    commands: list[tuple[str, list[str]]] = []
-    for name, service in _mesh_services(doc).items():
-        commands.append((name, service["command"]))
-        test = service.get("healthcheck", {}).get("test")
-        if test is not None:
-            assert test[0] == "CMD", f"{name}: health check in CMD form, not a shell string"
-            commands.append((f"{name} healthcheck", test[1:]))
-    assert {"creds", "cli"} <= {name for name, _ in commands}
-    for name, command in commands:
-        assert isinstance(command, list), f"{name}: command must be argv, not a shell string"
-        assert command[0] == "mesh", name
-        parser().parse_args(command[1:])  # exits (fails the test) if not a real command
-    creds = parser().parse_args(doc["services"]["creds"]["command"][1:])
+    mesh = _mesh_services(doc)
+    for service in mesh.values():
+        _args(service)
+    creds = _args(mesh["creds"])
     assert (creds.command, creds.dev_command) == ("dev", "creds")
-    assert creds.hosts == len([s for s in doc["services"] if s.startswith("node-")])
+    assert creds.hosts == len(HOSTS) == _args(mesh["init"]).hosts
+    test = mesh["init"]["healthcheck"]["test"]
+    assert test == ["CMD", "test", "-e", str(_args(mesh["init"]).placed)]
 
 
 def test_mesh_services_run_under_init_and_wait_for_what_they_need() -> None:
     doc = _doc()
     mesh = _mesh_services(doc)
-    assert set(mesh) >= {"creds", "controller-1", "controller-2", "node-1", "node-2", "node-3"}
     for name, service in mesh.items():
         assert service.get("init") is True, f"{name}: PID 1 must be an init, not mesh"
+        if name in ("creds", "init", "cli"):
+            assert service.get("restart") == "no", f"{name} runs once"
         if name == "creds":
-            assert service.get("restart") == "no", "creds runs once"
             continue
         deps = _depends(service)
+        if name == "cli":
+            assert deps == {"init": "service_completed_successfully"}
+            continue
         assert deps.get("creds") == "service_completed_successfully", name
         assert deps.get("nats") == "service_healthy", name
-    for name in ("controller-1", "controller-2"):
-        assert _depends(mesh[name])["postgres"] == "service_healthy"
-        assert mesh[name]["healthcheck"]["test"] == ["CMD", "mesh", "controller", "ready"]
-        # the readiness file `mesh controller run` writes and `mesh controller ready` reads
-        assert mesh[name]["environment"]["MESH_FILES"]
-    for name in ("node-1", "node-2", "node-3", "cli"):
-        deps = _depends(mesh[name])
-        assert deps["controller-1"] == deps["controller-2"] == "service_healthy", name
+    assert _depends(mesh["init"])["postgres"] == "service_healthy"
+    # the hosts start once init has placed their machines (a host never chooses its tier)
+    for name in HOSTS:
+        assert _depends(mesh[name])["init"] == "service_healthy", name
     assert _depends(doc["services"]["nats"]) == {"creds": "service_completed_successfully"}
     # every service something waits on as healthy has a health check
     for service in doc["services"].values():
@@ -109,34 +110,27 @@ def test_mesh_services_run_under_init_and_wait_for_what_they_need() -> None:
             if condition == "service_healthy":
                 assert doc["services"][dep]["healthcheck"]["test"][0] == "CMD", dep
     assert doc["services"]["postgres"]["healthcheck"]["test"][1] == "pg_isready"
-    nats_check = doc["services"]["nats"]["healthcheck"]["test"]
-    assert any(word.endswith("/healthz") for word in nats_check)
+    nats_check = " ".join(doc["services"]["nats"]["healthcheck"]["test"])
+    assert "/healthz" in nats_check and "8222" in nats_check
 
 
-def test_the_hosts_start_once_the_admin_has_placed_their_machines() -> None:
-    """On an authenticated mesh a host's --tier/--label are not taken: `place` sets them."""
-    doc = _doc()
-    mesh = _mesh_services(doc)
-    place = parser().parse_args(mesh["place"]["command"][1:])
-    assert (place.command, place.dev_command, place.hosts) == ("dev", "place", 3)
-    assert mesh["place"]["restart"] == "no"
-    assert mesh["place"]["volumes"] == ["creds-admin:/run/mesh:ro"]
-    assert _depends(mesh["place"])["controller-1"] == "service_healthy"
-    for name in ("node-1", "node-2", "node-3"):
-        assert _depends(mesh[name])["place"] == "service_completed_successfully", name
+def test_the_nats_image_reads_the_config_beside_its_dockerfile() -> None:
+    dockerfile = (ROOT / "images" / "nats" / "Dockerfile").read_text()
+    assert "COPY nats.conf /etc/nats/nats.conf" in dockerfile
+    assert 'CMD ["-c", "/etc/nats/nats.conf"]' in dockerfile
+    assert "sync_interval: always" in NATS_CONF.read_text()
 
 
 def test_nats_admits_only_the_issued_credentials_and_only_locally() -> None:
     doc = _doc()
     nats = doc["services"]["nats"]
-    conf = doc["configs"]["nats_conf"]["content"]
+    conf = NATS_CONF.read_text()
     include = re.search(r'^include "([^"]+)"$', conf, re.MULTILINE)
     assert include, "the NATS config must include the authorization block"
     # the include is relative to the config's folder; the creds service writes it there
-    conf_dir = Path(nats["configs"][0]["target"]).parent
-    auth_file = conf_dir / include.group(1)
+    auth_file = Path("/etc/nats") / include.group(1)
     volume = _mounts(nats)[str(auth_file.parent)]
-    creds_dir = parser().parse_args(doc["services"]["creds"]["command"][1:]).dir
+    creds_dir = _args(doc["services"]["creds"]).dir
     assert _mounts(doc["services"]["creds"])[str(creds_dir / "nats")] == volume, (
         "the authorization block must be the one the creds service writes"
     )
@@ -156,19 +150,25 @@ def test_nats_admits_only_the_issued_credentials_and_only_locally() -> None:
 def test_each_piece_mounts_its_own_credentials_only() -> None:
     doc = _doc()
     mesh = _mesh_services(doc)
-    exported = parser().parse_args(mesh["creds"]["command"][1:]).export
+    exported = _args(mesh["creds"]).export
     creds_mounts = _mounts(mesh["creds"])
-    expected = {"controller-1": "controller", "controller-2": "controller", "cli": "admin",
-                **{f"node-{i}": f"node-{i}" for i in (1, 2, 3)}}  # fmt: skip
+    expected = {"cli": "admin", "init": "admin", **{name: name for name in HOSTS}}
     for name, identity in expected.items():
         service = mesh[name]
-        env = service["environment"]
-        assert env["MESH_CREDS"] == "/run/mesh/nats.creds", name
-        (volume,) = [v for v in service["volumes"] if ":/run/mesh" in v]
-        source, target, mode = volume.split(":")
-        assert (target, mode) == ("/run/mesh", "ro"), name
+        assert service["environment"]["MESH_CREDS"] == "/run/mesh/nats.creds", name
+        source, mode = next(
+            (v.split(":")[0], v.split(":")[2]) for v in service["volumes"] if ":/run/mesh:" in v
+        )
+        assert mode == "ro", name
         assert creds_mounts[str(exported / identity)] == source, f"{name} mounts {source}"
-        assert len(service["volumes"]) == 1, f"{name} mounts more than its own credentials"
+    # init alone also holds the controllers' file: the secret it sets and its mesh-init's
+    controller = _args(mesh["init"]).controller_creds
+    assert (
+        _mounts(mesh["init"])[str(controller.parent)] == creds_mounts[str(exported / "controller")]
+    )
+    assert len(mesh["init"]["volumes"]) == 2
+    for name in ("cli", *HOSTS):
+        assert len(mesh[name]["volumes"]) == 1, f"{name} mounts more than its own credentials"
 
 
 def _excluded(path: str, patterns: list[str]) -> bool:
@@ -252,16 +252,21 @@ def test_dockerfile_copies_only_what_the_build_context_has() -> None:
 
 
 def test_docker_compose_config_accepts_the_file() -> None:
-    docker = shutil.which("docker")
-    if docker is None:
-        pytest.skip("no docker command here: `docker compose config` cannot check the file")
-    version = subprocess.run(
-        [docker, "compose", "version"], capture_output=True, text=True, timeout=30
-    )
-    if version.returncode != 0:
-        pytest.skip(f"`docker compose` is not available here: {version.stderr.strip()[:200]}")
+    compose: list[str] | None = None
+    if (
+        shutil.which("docker")
+        and subprocess.run(
+            ["docker", "compose", "version"], capture_output=True, timeout=30
+        ).returncode
+        == 0
+    ):
+        compose = ["docker", "compose"]
+    elif shutil.which("docker-compose"):
+        compose = ["docker-compose"]
+    if compose is None:
+        pytest.skip("neither `docker compose` nor docker-compose here: nothing can check the file")
     done = subprocess.run(
-        [docker, "compose", "-f", str(COMPOSE), "--profile", "cli", "config", "--quiet"],
+        [*compose, "-f", str(COMPOSE), "--profile", "cli", "config", "--quiet"],
         capture_output=True,
         text=True,
         timeout=60,

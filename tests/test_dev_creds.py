@@ -1,9 +1,9 @@
 """`mesh dev creds`: the credentials `mesh dev up` issues, issued without starting anything, and
 copied one identity per folder (compose.dev.yaml's `creds` service); then a real nats-server
-with compose.dev.yaml's own configuration admits those files and nobody else."""
+with compose.dev.yaml's own configuration (images/nats/nats.conf) admits those files and nobody
+else. tests/test_compose_up.py runs the whole file under Docker Compose."""
 
 import json
-import os
 import re
 import socket
 import stat
@@ -53,9 +53,11 @@ def test_issues_what_dev_up_issues_and_keeps_it(tmp_path: Path) -> None:
         assert stat.S_IMODE(copy.stat().st_mode) == 0o600
         original, exported = creds.read(held), creds.read(copy)
         assert (exported.seed, exported.inbox) == (original.seed, original.inbox)
+        assert exported.controller == original.controller  # a host checks what is signed
         seeds[name] = original.seed
         assert original.seed not in auth  # nats-server gets public keys only
     assert creds.read(out / "node-1" / "nats.creds").inbox == "_INBOX_node-1"
+    assert creds.read(out / "node-1" / "nats.creds").controller is not None
 
     # Again on the same folder: nothing new is issued (a restarted compose keeps its keys).
     again = ok_json(dev_creds("--dir", str(folder), "--export", str(out), "--json"))
@@ -85,7 +87,7 @@ def _compose_nats(tmp_path: Path) -> tuple[Path, int, int]:
     folder and the ports differ."""
     doc = yaml.safe_load((ROOT / "compose.dev.yaml").read_text())
     nats = doc["services"]["nats"]
-    target = Path(nats["configs"][0]["target"])
+    target = Path("/etc/nats/nats.conf")  # images/nats/Dockerfile copies it there
     auth_mount = next(v.split(":")[1] for v in nats["volumes"] if v.startswith("nats-auth:"))
     conf = tmp_path / target.relative_to("/")
     (tmp_path / Path(auth_mount).relative_to("/")).mkdir(parents=True)
@@ -98,7 +100,7 @@ def _compose_nats(tmp_path: Path) -> tuple[Path, int, int]:
     for made in ("auth.conf", "server.pem", "server.key"):
         (tmp_path / "mesh" / "nats" / made).rename(mounted / made)
     port, monitor = ports.free_port(), ports.free_port()
-    text = doc["configs"]["nats_conf"]["content"]
+    text = (ROOT / "images" / "nats" / "nats.conf").read_text()
     text = text.replace("/data", str(tmp_path / "data")).replace(":4222", f":{port}")
     text = text.replace(f'"{auth_mount}/', f'"{mounted}/')
     text = re.sub(r"^http: 127\.0\.0\.1:\d+$", f"http: 127.0.0.1:{monitor}", text, flags=re.M)
@@ -142,61 +144,3 @@ def _open(port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(0.2)
         return s.connect_ex(("127.0.0.1", port)) == 0
-
-
-async def test_compose_rehearsed_without_docker(tmp_path: Path, procs, database_url: str) -> None:
-    """compose.dev.yaml's controller and first host, run as processes with the file's own
-    commands and environment (paths mapped to tmp_path): each connects with its exported
-    credentials, the controllers' health check passes, the admin's file reads the fleet."""
-    doc = yaml.safe_load((ROOT / "compose.dev.yaml").read_text())
-    conf, port, _ = _compose_nats(tmp_path)
-    server = procs.start("nats-server", natsd.argv(conf))
-    wait_until(lambda: server.poll() is not None or _open(port), within=10, what="nats-server")
-    url = f"tls://127.0.0.1:{port}"
-
-    def env_of(service: str, identity: str) -> dict[str, str]:
-        env = dict(doc["services"][service]["environment"])
-        env["MESH_NATS_URL"] = url
-        env["MESH_CREDS"] = str(tmp_path / "out" / identity / "nats.creds")
-        if "MESH_DATABASE_URL" in env:
-            env["MESH_DATABASE_URL"] = database_url
-        if "MESH_SECRETS_KEY_FILE" in env:  # the controllers' alone, exported beside their creds
-            env["MESH_SECRETS_KEY_FILE"] = str(tmp_path / "out" / identity / "secrets.key")
-            assert os.stat(env["MESH_SECRETS_KEY_FILE"]).st_mode & 0o777 == 0o600
-        if "MESH_FILES" in env:
-            env["MESH_FILES"] = str(tmp_path / f"{service}-files")
-            Path(env["MESH_FILES"]).mkdir()
-        return env
-
-    def argv(command: list[str]) -> list[str]:
-        assert command[0] == "mesh"
-        return [*MESH, *(str(tmp_path / "root") if a == "/var/lib/mesh" else a
-                         for a in command[1:])]  # fmt: skip
-
-    ctl_env = env_of("controller-1", "controller")
-    procs.start("controller-1", argv(doc["services"]["controller-1"]["command"]), env=ctl_env)
-    health = doc["services"]["controller-1"]["healthcheck"]["test"]
-    assert health[0] == "CMD"
-
-    def healthy() -> bool:
-        done = subprocess.run(argv(health[1:]), env={**_base_env(), **ctl_env},
-                              capture_output=True, text=True)  # fmt: skip
-        return done.returncode == 0
-
-    wait_until(healthy, within=60, what="controller-1's health check")
-    procs.start("node-1", argv(doc["services"]["node-1"]["command"]),
-                env=env_of("node-1", "node-1"))  # fmt: skip
-    admin = {**_base_env(), **env_of("cli", "admin")}
-
-    def node_1_up() -> bool:
-        done = subprocess.run([*MESH, "nodes", "--json"], env=admin, capture_output=True,
-                              text=True)  # fmt: skip
-        return done.returncode == 0 and any(
-            n["name"] == "node-1" and n["up"] for n in json.loads(done.stdout)["nodes"]
-        )
-
-    wait_until(node_1_up, within=60, what="node-1 up, seen with the admin's credentials")
-
-
-def _base_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if not k.startswith("MESH_")}

@@ -33,6 +33,7 @@ from mesh.errors import MeshError
 from mesh.paths import write_private
 
 KEY_BYTES = 32  # AES-256
+FILE_NAME = "secrets.key"  # the key file's name wherever it lies (DIR/keys, beside creds)
 NONCE_BYTES = 12  # AES-GCM's standard nonce; random, and each key seals one value (a data key)
 # or a handful of data keys (the key-encryption key: far below the 2**32 random nonces NIST
 # allows one key)

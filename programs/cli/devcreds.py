@@ -27,7 +27,7 @@ from programs.cli.args import Parser
 from programs.cli.output import print_json
 
 EXPORT_FILE = "nats.creds"  # the name a host gives a process's credentials ($MESH_FILES)
-KEY_FILE = "secrets.key"  # the controllers' key of the secrets, beside their credentials
+KEY_FILE = secretkeys.FILE_NAME  # the controllers' key of the secrets, beside their credentials
 
 
 class Issued(msgspec.Struct):
@@ -106,8 +106,9 @@ def export(issued: dict[str, Held], out: Path) -> dict[str, str]:
         if found.seed is None:  # never: mesh issues nkey seeds
             raise registry.AuthError(f"{held.path}: not an nkey credentials file")
         target = out / name / EXPORT_FILE
+        # the controllers' key too: without it a host takes announcements and builds unsigned
         creds.write(target, who=held.who, seed=found.seed, inbox=found.inbox, ca=found.ca,
-                    servers=found.servers)  # fmt: skip
+                    servers=found.servers, controller=found.controller)  # fmt: skip
         copies[name] = str(target)
     return copies
 

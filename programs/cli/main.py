@@ -83,6 +83,19 @@ def parser() -> argparse.ArgumentParser:
     dev_up.add_argument(
         "--store-standby", action="store_true", help="PostgreSQL with a synchronous standby"
     )
+    dev_init = dev_verbs.add_parser(
+        "init", parents=[common],
+        help="install the controller on running servers and hosts (compose.dev.yaml)",
+    )  # fmt: skip
+    add = dev_init.add_argument
+    add("--hosts", type=int, default=3, metavar="N", help="node-1..N to place, then wait for (3)")
+    add("--control", type=int, default=2, metavar="K",
+        help="node-1..K run the controller: one holds the seat, the rest stand by (2)")  # fmt: skip
+    add("--controller-creds", type=Path, required=True, metavar="FILE",
+        help="the controllers' credentials")  # fmt: skip
+    add("--database-url", metavar="URL", help="PostgreSQL (env MESH_DATABASE_URL)")
+    add("--placed", type=Path, default=Path("/tmp/placed"), metavar="FILE",
+        help="written once the machines are placed (/tmp/placed)")  # fmt: skip
     devcreds.add_parser(dev_verbs, common)
     machines.add_dev_parser(dev_verbs, common)
 
@@ -214,6 +227,28 @@ async def cmd_dev_up(args: argparse.Namespace) -> None:
     )  # fmt: skip
 
 
+async def cmd_dev_init(args: argparse.Namespace) -> None:
+    from programs.init import init_running
+
+    if not 1 <= args.control <= args.hosts <= 64:
+        raise CliError(f"--control {args.control} --hosts {args.hosts}: "
+                       "1 <= control <= hosts <= 64 is needed")  # fmt: skip
+    database_url = config.database_url(args.database_url)
+    if not database_url:
+        raise CliError("no database: set MESH_DATABASE_URL or pass --database-url")
+    admin = config.creds(getattr(args, "creds", None))
+    if not admin:
+        raise CliError("no admin credentials: set MESH_CREDS or pass --creds")
+    for flag, path in (("--creds", Path(admin)), ("--controller-creds", args.controller_creds)):
+        if not path.is_file():
+            raise CliError(f"{flag}: {path} is not a file")
+    await init_running(
+        url=config.nats_url(getattr(args, "nats_url", None), admin), admin=Path(admin),
+        controller=args.controller_creds, database_url=database_url, hosts=args.hosts,
+        control=args.control, placed=args.placed, logs=args.placed.parent,
+    )  # fmt: skip
+
+
 async def cmd_init(args: argparse.Namespace) -> None:
     import socket
 
@@ -318,6 +353,7 @@ COMMANDS: dict[tuple[str, ...], Callable[[argparse.Namespace], Any]] = {
     ("handover",): cmd_handover,
     ("dev", "up"): cmd_dev_up,
     ("init",): cmd_init,
+    ("dev", "init"): cmd_dev_init,
     ("controller", "run"): cmd_controller_run,
     ("controller", "ready"): cmd_controller_ready,
     ("controller", "migrate"): cmd_controller_migrate,

@@ -416,8 +416,9 @@ class Applier:
                 continue
             supervised = self.supervisor.running.get(name)
             within = 60.0
-            if p.check is not None:
-                within = max(within, (p.check.passes + 3) * duration(p.check.every))
+            if p.check is not None:  # each check may take its timeout to answer
+                every = duration(p.check.every) + duration(p.check.timeout)
+                within = max(within, (p.check.passes + 3) * every)
             if supervised is not None:
                 with anyio.move_on_after(within):
                     await first_of(supervised.became_healthy, self._newer)
