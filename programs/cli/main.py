@@ -298,17 +298,18 @@ async def cmd_controller_run(args: argparse.Namespace) -> None:
         raise CliError("no database: set MESH_DATABASE_URL or pass --database-url")
     if args.instance:
         check_name(args.instance, field="--instance")
+    # The flags' values first: a mistyped flag is named before what the machine lacks.
+    events = config.events_kept(
+        max_age=args.events_max_age, max_count=args.events_max_count,
+        every=args.events_prune_every,
+    )  # fmt: skip
+    versions = config.versions_kept(count=args.versions_kept, every=args.versions_prune_every)
     secrets_key = config.secrets_key_file(args.secrets_key_file)
     if not secrets_key:
         raise CliError(
             "no key for the secrets: set MESH_SECRETS_KEY_FILE or pass --secrets-key-file "
             "(mesh dev up and mesh init make DIR/keys/secrets.key)"
         )
-    events = config.events_kept(
-        max_age=args.events_max_age, max_count=args.events_max_count,
-        every=args.events_prune_every,
-    )  # fmt: skip
-    versions = config.versions_kept(count=args.versions_kept, every=args.versions_prune_every)
     await run(
         nats_url=config.nats_url(
             getattr(args, "nats_url", None), config.creds(getattr(args, "creds", None))
