@@ -54,10 +54,12 @@ def test_issues_what_dev_up_issues_and_keeps_it(tmp_path: Path) -> None:
         original, exported = creds.read(held), creds.read(copy)
         assert (exported.seed, exported.inbox) == (original.seed, original.inbox)
         assert exported.controller == original.controller  # a host checks what is signed
+        assert exported.operator == original.operator  # where the operator's changes go
         seeds[name] = original.seed
         assert original.seed not in auth  # nats-server gets public keys only
     assert creds.read(out / "node-1" / "nats.creds").inbox == "_INBOX_node-1"
     assert creds.read(out / "node-1" / "nats.creds").controller is not None
+    assert creds.read(out / "admin" / "nats.creds").operator == "admin"
 
     # Again on the same folder: nothing new is issued (a restarted compose keeps its keys).
     again = ok_json(dev_creds("--dir", str(folder), "--export", str(out), "--json"))

@@ -23,6 +23,7 @@ import msgspec
 from mesh.auth import creds, registry, secretkeys, tls
 from mesh.auth.policy import Kind, Role
 from mesh.meshdir import DEFAULT_DIR, MeshDir
+from mesh.paths import write_private
 from programs.cli.args import Parser
 from programs.cli.output import print_json
 
@@ -106,9 +107,10 @@ def export(issued: dict[str, Held], out: Path) -> dict[str, str]:
         if found.seed is None:  # never: mesh issues nkey seeds
             raise registry.AuthError(f"{held.path}: not an nkey credentials file")
         target = out / name / EXPORT_FILE
-        # the controllers' key too: without it a host takes announcements and builds unsigned
-        creds.write(target, who=held.who, seed=found.seed, inbox=found.inbox, ca=found.ca,
-                    servers=found.servers, controller=found.controller)  # fmt: skip
+        # The file as issued, every line kept: the controllers' key (without it a host takes
+        # announcements and builds unsigned) and the operator it is (without it the operator's
+        # changes go where the server refuses them).
+        write_private(target, held.path.read_bytes())
         copies[name] = str(target)
     return copies
 
