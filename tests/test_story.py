@@ -11,6 +11,7 @@ every one must be answered.
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -65,9 +66,14 @@ def _inspect(name: str) -> dict | None:
 
 
 @pytest.fixture
-def container_controller(rootfs_image, nats_url, database_url):
+def container_controller(rootfs_image, nats_url, database_url, tmp_path):
     """The controller as the seed found it: a container, as user 65534, on the host network."""
     subprocess.run(["docker", "rm", "-f", CONTAINER], capture_output=True, timeout=60)
+    # The key of the secrets (the session's), readable by the container's user alone.
+    key = tmp_path / "secrets.key"
+    shutil.copyfile(os.environ["MESH_SECRETS_KEY_FILE"], key)
+    os.chown(key, 65534, 65534)
+    os.chmod(key, 0o600)
     # The mesh installed here, mounted read-only where it lies (the seed's "mounts standing in
     # for files"): this checkout, then this Python's site-packages.
     site = [sysconfig.get_paths()[k] for k in ("purelib", "platlib")]
@@ -78,6 +84,7 @@ def container_controller(rootfs_image, nats_url, database_url):
         ["docker", "run", "-d", "--name", CONTAINER, "--network", "host", "--user", "65534:65534",
          *mounts, "-e", f"PYTHONPATH={':'.join(paths)}", "-e", f"MESH_NATS_URL={nats_url}",
          "-e", f"MESH_DATABASE_URL={database_url}", "-e", "HOME=/tmp",
+         "-v", f"{key}:/run/secrets.key:ro", "-e", "MESH_SECRETS_KEY_FILE=/run/secrets.key",
          rootfs_image, python, "-m", "mesh", "controller", "run", "--instance", "container"],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
