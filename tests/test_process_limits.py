@@ -197,7 +197,7 @@ async def test_a_process_past_its_memory_max_is_killed_named_and_restarted(
 
     async def killed_for_it():
         p = await _process(nc, "hog")
-        return p if p and p["reason"] == "memory limit 64M reached" else None
+        return p if p and p.get("reason") == "memory limit 64M reached" else None
 
     p = await await_until(killed_for_it, within=60, what="hog killed at its memory limit")
     assert p["state"] in ("restarting", "failed") and not p["healthy"]
