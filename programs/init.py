@@ -18,7 +18,6 @@ installed.
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -29,12 +28,15 @@ import anyio
 import anyio.to_thread
 
 import services.controller
-from mesh import bus, subjects, wire
+from mesh import blobs, bus, subjects, wire
 from mesh.auth import creds, registry, secretkeys
-from mesh.client.asking import VerbFailed
+from mesh.client import changes
+from mesh.client.asking import VerbFailed, connected
 from mesh.embedded import pgauth, postgres
 from mesh.embedded.children import Child, spawn, stop_supervised
-from mesh.model import StatusReply
+from mesh.model import PlanProgress, PlanReply, StatusReply
+from mesh.modules import gate
+from mesh.modules.load import load
 from mesh.names import check_name
 from mesh.store import db
 from mesh.store.migrate import migrate
@@ -114,18 +116,14 @@ async def _make(mesh: DevMesh, *, name: str, record: Path) -> StatusReply:
         say(f"host {name} started, tier 0, builder (pid {host.pid}, root {mesh.dir / 'host'})")
         await _until(mesh, lambda s: s.nodes.up >= 1, f"host {name} registered")
 
-        admin = {**mesh._env(), "MESH_CREDS": str(mesh.creds["admin"])}
         # The controllers' URL with their role's password: the host writes it as a file only
         # the controller's account reads, and the CA that the store's certificate is checked
         # by beside it (`sslrootcert` names that file: mesh.config.database_url).
-        _mesh(admin, "secret", "set", "mesh-database-url",
-              stdin=pgauth.with_rootcert(mesh.database_url, STORE_CA_FILE))  # fmt: skip
-        _mesh(admin, "secret", "set", "mesh-store-ca", stdin=mesh.mesh.ca.read_text())
-        _mesh(admin, "secret", "set", "mesh-controller-creds",
-              stdin=mesh.creds["ctl"].read_text())  # fmt: skip
-        module = Path(services.controller.__file__).parent
-        say(f"installing the controller: mesh push {module} --wait")
-        await anyio.to_thread.run_sync(lambda: _mesh(admin, "push", str(module), "--wait"))
+        await _install_controller(mesh.nats_url, admin=mesh.creds["admin"], secrets={
+            "mesh-database-url": pgauth.with_rootcert(mesh.database_url, STORE_CA_FILE),
+            "mesh-store-ca": mesh.mesh.ca.read_text(),
+            "mesh-controller-creds": mesh.creds["ctl"].read_text(),
+        })  # fmt: skip
 
         temporary.proc.send_signal(signal.SIGTERM)  # hands the seat to the controller process
         await _until(mesh, lambda s: s.seat is not None and s.seat.holder != INIT_INSTANCE,
@@ -255,14 +253,33 @@ async def _ready(what: str, probe: Callable[[], Awaitable[bool]]) -> None:
     raise DevError(f"not ready within {WITHIN:g}s: {what}")
 
 
-def _mesh(env: dict[str, str], *args: str, stdin: str | None = None) -> None:
-    done = subprocess.run(
-        [sys.executable, "-P", "-m", "mesh", *args], env=env, input=stdin, text=True,
-        stdout=None if "--wait" in args else subprocess.DEVNULL, stderr=subprocess.PIPE,
-        timeout=WITHIN,
-    )  # fmt: skip
-    if done.returncode != 0:
-        raise DevError(f"mesh {' '.join(args)}: {done.stderr.strip()}")
+async def _install_controller(url: str, *, admin: Path, secrets: dict[str, str]) -> None:
+    """As the admin, on the library's client: the controller's secrets set, services/controller
+    pushed, and its plan followed to its end (a line per tier as it moves)."""
+    module = Path(services.controller.__file__).parent
+    try:
+        local = load(module)
+    except gate.Refused as e:
+        raise DevError(f"{module}: {e}") from None
+    told: dict[int, str] = {}
+
+    def show(p: PlanReply | PlanProgress) -> None:
+        for t in p.tiers:
+            if told.get(t.tier) != t.state:
+                told[t.tier] = t.state
+                say(f"  tier {t.tier}: {t.state}")
+
+    async with connected(url=url, creds=str(admin), what="installing the controller") as nc:
+        try:
+            for name, value in secrets.items():
+                await changes.set_secret(nc, url=url, name=name, value=value.encode())
+            say(f"installing the controller: mesh push {module}")
+            reply = await changes.push(nc, url=url, module=local)
+            say(reply.message)
+            if reply.plan is not None:
+                await changes.until_done(nc, url=url, plan_id=reply.plan, show=show)
+        except (VerbFailed, blobs.BlobMissing) as e:
+            raise DevError(f"installing the controller: {e}") from None
 
 
 async def _place(mesh: DevMesh, name: str) -> None:
@@ -400,15 +417,13 @@ async def _install(
     say(f"{hosts} host(s) up")
     if temporary is None:
         return await until(lambda s: True, "the status")
-    admin_env = {**os.environ, "MESH_NATS_URL": url, "MESH_CREDS": str(admin)}
-    _mesh(admin_env, "secret", "set", "mesh-database-url", stdin=database_url)
-    _mesh(admin_env, "secret", "set", "mesh-controller-creds", stdin=controller.read_text())
     # The CA a TLS store's certificate is checked by (services/controller/module.toml), as
     # `mesh init` sets it; compose's store is not TLS, and its URL names no such file.
-    _mesh(admin_env, "secret", "set", "mesh-store-ca", stdin=creds.read(admin).ca or "")
-    module = Path(services.controller.__file__).parent
-    say(f"installing the controller: mesh push {module} --wait")
-    await anyio.to_thread.run_sync(lambda: _mesh(admin_env, "push", str(module), "--wait"))
+    await _install_controller(url, admin=admin, secrets={
+        "mesh-database-url": database_url,
+        "mesh-controller-creds": controller.read_text(),
+        "mesh-store-ca": creds.read(admin).ca or "",
+    })  # fmt: skip
     temporary.proc.send_signal(signal.SIGTERM)  # hands the seat to a controller process
     status = await until(
         lambda s: s.seat is not None and s.seat.holder != INIT_INSTANCE

@@ -10,6 +10,7 @@ from nats.aio.client import Client
 
 from mesh import config, wire
 from mesh.client.asking import ask, connected
+from mesh.client.changes import CHANGE_TIMEOUT
 from mesh.client.pages import ask_list
 from mesh.errors import MeshError
 
@@ -18,9 +19,6 @@ T = TypeVar("T")
 
 class CliError(MeshError):
     """Printed as one line on stderr; the command exits 1."""
-
-
-CHANGE_TIMEOUT = 900.0  # a push may wait for a build (10 minutes by default) and then some
 
 
 def where(args: argparse.Namespace) -> tuple[str, str | None]:

@@ -12,6 +12,7 @@ from typing import Any
 
 from mesh import blobs
 from mesh.auth import secretkeys
+from mesh.client import changes
 from mesh.client.asking import VerbFailed, ask, connected
 from mesh.meshdir import DEFAULT_DIR, MeshDir
 from mesh.model import (
@@ -29,7 +30,6 @@ from mesh.model import (
     PushRequest,
     RotateKeyReply,
     RotateKeyRequest,
-    SecretSetRequest,
 )
 from mesh.modules import gate
 from mesh.modules.load import load
@@ -133,8 +133,7 @@ async def _upload_and_ask(
     url, creds = where(args)
     async with connected(url=url, creds=creds, what=name) as nc:
         try:
-            store = await blobs.store(nc)
-            await blobs.put(store, module.source)
+            await changes.upload(nc, module)
         except blobs.BlobMissing as e:
             raise CliError(f"{e}; {url}") from None
         timeout = getattr(args, "timeout", CHANGE_TIMEOUT)
@@ -150,9 +149,7 @@ async def _upload_and_ask(
 
 async def cmd_push(args: argparse.Namespace) -> None:
     def body(m: Any) -> PushRequest:
-        return PushRequest(
-            manifest=m.manifest_text, source=m.version, by=getpass.getuser(), hold=args.hold
-        )
+        return changes.push_request(m, hold=args.hold)
 
     reply: ChangeReply = await _upload_and_ask(args, "push", body, ChangeReply)
     await plans.wait_for(args, reply)
@@ -239,9 +236,7 @@ async def cmd_secret_set(args: argparse.Namespace) -> None:
         value = getpass.getpass(f"value of secret {args.name}: ").encode()
     else:
         value = sys.stdin.buffer.read()
-    body = SecretSetRequest(
-        name=args.name, value=base64.b64encode(value).decode(), by=getpass.getuser()
-    )
+    body = changes.secret_request(args.name, value)
     reply = await verb(args, "secret-set", ChangeReply, body, changes=True)
     await plans.wait_for(args, reply)
 
