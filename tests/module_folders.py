@@ -107,6 +107,8 @@ def gated_module(
     tiers: str = "[0, 1, 2]",
     extra: str = "",
     check_timeout: str = "1s",
+    env: str = "",
+    files: dict[str, str] | None = None,
 ) -> Path:
     """A module whose process is healthy when `marker` exists in its host's root (mode
     "needs") or as long as it does not ("fails-if"); "" means always healthy. A test decides
@@ -118,11 +120,11 @@ def gated_module(
         folder,
         f'[module]\nname = "{name}"\ndescription = "version {version}"\n'
         '[bundle.code]\nkind = "files"\nsource = "src"\n'
-        f'[process.{name}]\nbundle = "code"\ncommand = ["sleep", "3600"]\nroot = true\n'
+        f'[process.{name}]\nbundle = "code"\ncommand = ["sleep", "3600"]\nroot = true\n{env}'
         f'check = {{ {check}, every = "200ms", timeout = "{check_timeout}", passes = 1 }}\n'
         f'[rollout]\ndeadline = "{deadline}"\n{extra}'
         f"[assign]\ntiers = {tiers}\n",
-        files={"src/check.py": GATED_CHECK},
+        files={"src/check.py": GATED_CHECK, **(files or {})},
     )
 
 
@@ -147,15 +149,8 @@ def versioned_module(
     """A module like gated_module (healthy by a marker, or at once), whose version shows where
     a test can read it: its process's environment carries MODULE_VERSION = `version`, and its
     bundle holds a file of it (so each version has a bundle of its own, as a release has)."""
-    check = f'exec = ["python3", "check.py", "{mode}", "{marker}"]' if marker else 'exec = ["true"]'
-    return write_module(
-        folder,
-        f'[module]\nname = "{name}"\ndescription = "version {version}"\n'
-        '[bundle.code]\nkind = "files"\nsource = "src"\n'
-        f'[process.{name}]\nbundle = "code"\ncommand = ["sleep", "3600"]\nroot = true\n'
-        f'env = {{ MODULE_VERSION = "{version}" }}\n'
-        f'check = {{ {check}, every = "200ms", passes = 1 }}\n'
-        f'[rollout]\ndeadline = "{deadline}"\n'
-        f"[assign]\ntiers = {tiers}\n",
-        files={"src/check.py": GATED_CHECK, "src/VERSION": f"{version}\n"},
-    )
+    return gated_module(
+        folder, name=name, mode=mode, marker=marker, deadline=deadline, version=version,
+        tiers=tiers, env=f'env = {{ MODULE_VERSION = "{version}" }}\n',
+        files={"src/VERSION": f"{version}\n"},
+    )  # fmt: skip
