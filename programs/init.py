@@ -178,8 +178,14 @@ async def _record_and_say(
         f"  nats-server   {mesh.nats_url} (pid {', '.join(str(pids[c.name]) for c in servers)}), "
         f"TLS with the mesh's CA ({mesh.mesh.ca}), every connection authenticated; "
         f"credentials in {mesh.mesh.creds}\n"
-        f"  PostgreSQL    pid {pids['postgres']}, data in {mesh.dir / 'pg'}, passwords only "
-        f"(in {mesh.mesh.store_passwords}; the controllers' role `mesh` is no superuser)\n"
+        f"  PostgreSQL    pid {pids['postgres']}, data in {mesh.dir / 'pg'}, TLS only "
+        + (
+            f"through its front (pid {pids['postgres-front']}), "
+            if "postgres-front" in pids
+            else ""
+        )
+        + f"with the mesh's CA, and passwords only (in {mesh.mesh.store_passwords}; the "
+        "controllers' role `mesh` is no superuser)\n"
         f"  host {name:<8} pid {pids[name]}, tier 0, builds bundles\n"
         f"  controller    a process the host runs from services/controller (pid {seat.pid})\n"
         f"use it:          source {env}; mesh status\n"
@@ -233,7 +239,7 @@ async def _to_systemd(mesh: DevMesh, units: list[Unit]) -> dict[str, int]:
         if unit.piece.startswith("nats-"):
             url = urls[int(unit.piece.removeprefix("nats-n")) - 1]
             await _ready(f"nats-server on {url}", lambda u=url: _nats_answers(u, admin))
-        elif unit.piece == "postgres":
+        elif unit.piece in ("postgres", "postgres-front"):  # answers through the front, if any
             port = int(mesh.database_url.rsplit("@", 1)[-1].split("/")[0].rsplit(":", 1)[1])
             await postgres.wait_ready(
                 port, password=mesh.passwords.of(postgres.PG_USER), deadline=WITHIN,

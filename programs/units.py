@@ -1,5 +1,6 @@
-"""systemd units for the pieces of a mesh: each nats-server, PostgreSQL and the host agent that
-`mesh init` starts, and the host of a machine `mesh machine add` admits.
+"""systemd units for the pieces of a mesh: each nats-server, PostgreSQL (and its TLS front, where
+its programs lack SSL) and the host agent that `mesh init` starts, and the host of a machine
+`mesh machine add` admits.
 
 A unit is written from what the piece is started with (mesh.embedded.children records argv,
 environment, working folder and account at spawn), never from a shell string. `ExecStart=` is
@@ -199,6 +200,11 @@ def of_mesh(children: list[Child], *, host: str, folder: Path) -> list[Unit]:
             units.append(of_child(child, name="mesh-postgres.service",
                                   description=f"mesh PostgreSQL ({folder})",
                                   kill_signal="SIGINT"))  # fmt: skip
+        elif child.name == "postgres-front":
+            # The store's TLS front (a PostgreSQL built without SSL: mesh/embedded/pgfront.py)
+            units.append(of_child(child, name="mesh-postgres-front.service",
+                                  description=f"mesh PostgreSQL's TLS front ({folder})",
+                                  after=["mesh-postgres.service"]))  # fmt: skip
     servers = [u.name for u in units]
     for child in children:
         if child.name == host:

@@ -22,22 +22,26 @@ class Pair:
     standby: Child | None = None
     standby_port: int = 0
     children: list[Child] = field(default_factory=list)
+    ca: Path | None = None  # the CA its servers' certificates are checked by, on TLS
 
     def url(self, *ports: int) -> str:
         """The controllers' URL, as `mesh dev up --store-standby` gives it (their role)."""
         return postgres.multi_host_url(
             list(ports), DATABASE, user=postgres.CONTROLLER_USER,
-            password=self.passwords.of(postgres.CONTROLLER_USER),
+            password=self.passwords.of(postgres.CONTROLLER_USER), ca=self.ca,
         )  # fmt: skip
 
     def admin(self, port: int) -> str:
         """The superuser's, on one server: the test's own look inside."""
-        return postgres.url(port, DATABASE, password=self.passwords.of(postgres.PG_USER))
+        return postgres.url(port, DATABASE, password=self.passwords.of(postgres.PG_USER),
+                            ca=self.ca)  # fmt: skip
 
 
-async def start_pair(folder: Path, *, synchronous: bool) -> Pair:
+async def start_pair(folder: Path, *, synchronous: bool, ca_folder: Path | None = None) -> Pair:
     """A primary in FOLDER/pg and its standby in FOLDER/pg-standby, streaming; with
-    `synchronous`, the primary's commits wait for the standby once it is caught up."""
+    `synchronous`, the primary's commits wait for the standby once it is caught up. With
+    `ca_folder` (a mesh's CA), on TLS as `mesh dev up` runs them (behind their fronts, the
+    stream through the standby's relay, with the wheel's programs)."""
     settings = (
         postgres.PRIMARY
         if synchronous
@@ -46,26 +50,28 @@ async def start_pair(folder: Path, *, synchronous: bool) -> Pair:
     passwords = pgauth.Passwords(folder / "passwords")
     primary, url = await postgres.start(
         folder / "pg", log=folder / "primary.log", database=DATABASE, settings=settings,
-        passwords=passwords,
+        passwords=passwords, ca_folder=ca_folder,
     )  # fmt: skip
-    port = int(url.rsplit(":", 1)[1].split("/")[0])
-    pair = Pair(folder, primary, port, passwords, children=[primary])
+    port = int(url.split("@", 1)[1].split("/")[0].rsplit(":", 1)[1])
+    ca = ca_folder / "ca.pem" if ca_folder is not None else None
+    pair = Pair(folder, primary, port, passwords, children=[*primary.companions, primary], ca=ca)
     standby, standby_port = await postgres.start_standby(
         folder / "pg-standby", primary_port=port, log=folder / "standby.log",
-        passwords=passwords,
+        passwords=passwords, ca_folder=ca_folder,
     )  # fmt: skip
     pair.standby, pair.standby_port = standby, standby_port
-    pair.children.append(standby)
+    pair.children += [*standby.companions, standby]
     return pair
 
 
-async def sync_pair(folder: Path, pairs: list[Pair]) -> Pair:
+async def sync_pair(folder: Path, pairs: list[Pair], *, ca_folder: Path | None = None) -> Pair:
     """A synchronous pair (added to `pairs`, the fixture's), once the standby is in sync."""
-    pair = await start_pair(folder, synchronous=True)
+    pair = await start_pair(folder, synchronous=True, ca_folder=ca_folder)
     pairs.append(pair)
     await postgres.wait_synchronous(
-        pair.primary_port, password=pair.passwords.of(postgres.PG_USER), deadline=60
-    )
+        pair.primary_port, password=pair.passwords.of(postgres.PG_USER), deadline=60,
+        ca=pair.ca,
+    )  # fmt: skip
     return pair
 
 

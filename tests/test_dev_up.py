@@ -32,7 +32,8 @@ def _running_under(folder: Path) -> list[str]:
 def _pids(lines: list[str]) -> list[int]:
     """Every piece's pid, from `mesh dev up`'s own lines ("… (pid 123)")."""
     pids = [int(m) for line in lines for m in re.findall(r"pid (\d+)", line)]
-    assert len(pids) == 8, lines  # nats, postgres, two controllers, three hosts, the console
+    # nats, postgres and its TLS front, two controllers, three hosts, the console
+    assert len(pids) == 9, lines
     return pids
 
 

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -132,6 +133,9 @@ def test_systemd_analyze_verify_accepts_each_kind_of_unit(tmp_path: Path) -> Non
         Unit(name="mesh-postgres.service", description="mesh PostgreSQL",
              argv=postgres.argv(tmp_path / "pg", port=5432), user=account or "root",
              cwd=str(tmp_path / "pg"), kill_signal="SIGINT"),
+        Unit(name="mesh-postgres-front.service", description="mesh PostgreSQL's TLS front",
+             argv=postgres.front_argv(tmp_path / "pg", port=5432, socket=tmp_path / "pg-socket"),
+             user=account, after=["mesh-postgres.service"]),
         units.host_unit("node-1", [sys.executable, "-P", "-m", "mesh", "host", "run", "--name",
                                    "node-1", "--root", str(tmp_path / "a $root")]),
         units.host_unit("node-2", ["mesh", "host", "run", "--name", "node-2"]),  # machine add's
@@ -154,7 +158,8 @@ async def test_init_prints_units_that_start_each_piece_as_it_runs(made) -> None:
     folder = made.resolve()
     written = sorted((folder / "units").glob("*.service"))
     assert [p.name for p in written] == [
-        "mesh-host-ctl-machine.service", "mesh-nats-n1.service", "mesh-postgres.service",
+        "mesh-host-ctl-machine.service", "mesh-nats-n1.service", "mesh-postgres-front.service",
+        "mesh-postgres.service",
     ]  # fmt: skip
     for path in written:  # printed as written, each under its file's name
         assert f"# {path}\n{path.read_text()}" in done.stdout
@@ -162,7 +167,8 @@ async def test_init_prints_units_that_start_each_piece_as_it_runs(made) -> None:
     _verify(written)
 
     pids = json.loads((folder / "mesh.json").read_text())["pids"]
-    for path, piece in zip(written, ("ctl-machine", "nats-n1", "postgres"), strict=True):
+    pieces = ("ctl-machine", "nats-n1", "postgres-front", "postgres")
+    for path, piece in zip(written, pieces, strict=True):
         service = _sections(path.read_text())["Service"]
         running = Path(f"/proc/{pids[piece]}/cmdline").read_bytes().decode().split("\0")[:-1]
         assert units.split(service["ExecStart"][0]) == running, path.name  # the very argv
@@ -180,8 +186,11 @@ async def test_init_prints_units_that_start_each_piece_as_it_runs(made) -> None:
     host = _sections((folder / "units" / "mesh-host-ctl-machine.service").read_text())
     assert host["Service"]["Type"] == ["notify"] and host["Service"]["KillMode"] == ["process"]
     assert host["Unit"]["After"] == [
-        "network-online.target mesh-nats-n1.service mesh-postgres.service"
+        "network-online.target mesh-nats-n1.service mesh-postgres.service "
+        "mesh-postgres-front.service"
     ]
+    front = _sections((folder / "units" / "mesh-postgres-front.service").read_text())
+    assert front["Unit"]["After"] == ["network.target mesh-postgres.service"]
 
     # A new machine's host: the printed command, as a unit beside it.
     added = subprocess.run([*MESH, "--json", "machine", "add", "node-2", "--dir", str(folder)],
@@ -214,16 +223,27 @@ async def test_init_prints_units_that_start_each_piece_as_it_runs(made) -> None:
                       what="every process of the mesh gone")  # fmt: skip
     # nats-server, PostgreSQL, then the host, each once the one before listens (systemd would
     # start the host again until it connects: Restart=always)
-    servers = [env["MESH_NATS_URL"], env["MESH_DATABASE_URL"].split("?")[0]]
-    for path, url in zip(written[1:] + written[:1], [*servers, None], strict=True):
+    # (PostgreSQL on its Unix socket alone, its TLS front on the store's port after it)
+    nats_port, store_port = (
+        int(url.rsplit(":", 1)[1].split("/")[0])
+        for url in (env["MESH_NATS_URL"], env["MESH_DATABASE_URL"].split("?")[0])
+    )
+    store_socket = postgres.socket_path(postgres.socket_folder(folder / "pg"), store_port)
+    up: dict[str, Callable[[], bool] | None] = {
+        "mesh-nats-n1.service": lambda: _listens(nats_port),
+        "mesh-postgres.service": store_socket.exists,
+        "mesh-postgres-front.service": lambda: _listens(store_port),
+        "mesh-host-ctl-machine.service": None,
+    }
+    for name, listening in up.items():
+        path = folder / "units" / name
         log = folder / "logs" / f"{path.stem}.boot.log"
         booted = _boot(path, log=log)
-        if url is not None:
-            port = int(url.rsplit(":", 1)[1].split("/")[0])
+        if listening is not None:
             await await_until(
-                lambda p=port, b=booted: already(_listens(p) or b.poll() is not None),
+                lambda ready=listening, b=booted: already(ready() or b.poll() is not None),
                 within=30,
-                what=url,
+                what=name,
             )
             assert booted.poll() is None, f"{path.name} exited: {log.read_text()[-2000:]}"
     after = await await_until(lambda: _status(env), within=120, what="the mesh after a reboot")

