@@ -942,6 +942,22 @@ class OperatorReply(msgspec.Struct):
     message: str = ""
 
 
+# Changes made on the mesh's folder, not through a controller (`mesh machine add/remove`, `mesh
+# cert rotate`): the command line records each once done, on the operator's own subject, so
+# the audit log has it with the operator nats-server authenticated.
+FolderChange = Literal["machine-add", "machine-remove", "cert-rotate"]
+
+
+class FolderChangeRequest(Request):
+    change: FolderChange
+    subject: Word  # the machine, or the servers whose certificates were rotated
+    detail: Annotated[str, msgspec.Meta(max_length=500, pattern=r"^[^\x00-\x1f\x7f]*\Z")] = ""
+
+
+class FolderChangeReply(msgspec.Struct):
+    message: str = ""
+
+
 class OperatorsRequest(Request):
     pass
 

@@ -18,7 +18,7 @@ from secured import Secured
 
 from mesh import bus
 from mesh.auth import creds as credentials
-from mesh.auth import registry
+from mesh.auth import registry, tls
 from mesh.meshdir import MeshDir
 from services.controller.operators import subject_of
 
@@ -224,3 +224,39 @@ def test_an_operators_file_names_it_and_an_older_file_is_given_the_line(tmp_path
         users.save()
     again = credentials.read(path)
     assert again.operator == "admin" and again.seed == held.seed  # the same key
+
+
+async def test_folder_changes_are_audited_as_the_operator_the_server_verified(
+    secured_fleet, secured: Secured, as_identity
+):
+    """`mesh machine add/remove` and `mesh cert rotate` act on the mesh's folder, not through a
+    controller; each then tells the controller on the operator's own subject, so its entry
+    names the operator whose credentials nats-server authenticated."""
+    folder = str(secured.dir.root)
+    added = ok_json(secured.cli(None, "machine", "add", "node-7", "--dir", folder, "--json"))
+    assert added["audited"] and Path(added["creds"]).exists()
+    # Another admin, with credentials of its own: the entries are its.
+    olga = _add(secured, "olga", "--role", "admin")["creds"]
+    removed = ok_json(secured.cli(olga, "machine", "remove", "node-7", "--dir", folder, "--json"))
+    assert removed["audited"] and not Path(added["creds"]).exists()
+    tls.ensure_ca(secured.dir.tls)
+    tls.issue_server(secured.dir.tls, secured.dir.server_cert("n1"),
+                     secured.dir.server_key("n1"), name="n1", hosts=["127.0.0.1"])  # fmt: skip
+    ok(secured.cli(olga, "cert", "rotate", "--dir", folder))
+    said = {(e["who"], e["verb"], e["subject"], e["outcome"]) for e in _audit(secured)}
+    assert {("admin", "machine-add", "node-7", "ok"), ("olga", "machine-remove", "node-7", "ok"),
+            ("olga", "cert-rotate", "n1", "ok")} <= said, said  # fmt: skip
+
+    # olga's real credentials on the raw bus: admin's subject is refused by the server, and a
+    # name in the body is refused by the controller (no such field): nothing recorded.
+    raw = await as_identity(olga)
+    assert await raw.publish_refused("mesh.op.admin.folder-change")
+    forged = {"change": "machine-add", "subject": "node-8", "who": "admin"}
+    reply = await ask(raw.nc, "mesh.op.olga.folder-change", forged, timeout=30)
+    assert reply is not None and reply["error"]["code"] == "bad_request", reply
+    assert not [e for e in _audit(secured) if e["subject"] == "node-8"]
+    # A viewer may not record one: the server refuses its publish; the command says the
+    # change is done but not in the audit log.
+    done = secured.cli(secured.viewer, "machine", "add", "node-8", "--dir", folder, "--json")
+    assert done.returncode == 0 and "not in the audit log" in done.stderr, done.stderr
+    assert not ok_json(done)["audited"]

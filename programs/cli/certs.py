@@ -26,6 +26,7 @@ from cryptography.x509.oid import NameOID
 
 from mesh.auth import server, tls
 from mesh.meshdir import DEFAULT_DIR, MeshDir
+from programs.cli import folderaudit
 from programs.cli.args import Parser
 from programs.cli.client import CliError
 from programs.cli.output import print_json
@@ -269,6 +270,16 @@ async def cmd_cert_rotate(args: argparse.Namespace) -> None:
             elif r.state == "signalled":
                 state += " (it did not answer since: it takes the new certificate when it starts)"
             print(f"{r.name}: serial {old} → {r.serial}, expires {r.not_after}, {state}")
+    servers = ",".join(r.name for r in rotated)
+    await folderaudit.record(
+        args,
+        folder,
+        "cert-rotate",
+        servers,
+        "; ".join(
+            f"{r.name} serial {r.old_serial or 'none'} to {r.serial}, {r.state}" for r in rotated
+        ),
+    )
     failed = [r.name for r in rotated if r.state == "reload failed"]
     if failed:
         raise CliError(

@@ -25,7 +25,7 @@ from mesh.client.asking import connected
 from mesh.meshdir import DEFAULT_DIR, MeshDir
 from mesh.model import DrainReply, DrainRequest, LabelReply, LabelRequest
 from mesh.names import InvalidName, check_name
-from programs.cli import plans
+from programs.cli import folderaudit, plans
 from programs.cli.args import Parser, label, tier
 from programs.cli.client import CliError, verb, where
 from programs.cli.output import console, print_json, whole
@@ -44,12 +44,14 @@ class Added(msgspec.Struct):
     servers: str | None = None  # the NATS URL(s) the file carries, comma-separated
     unit_name: str = ""  # a systemd unit that runs the same command, at every boot
     unit: str = ""  # its text
+    audited: bool = False  # a controller recorded it in the audit log, as the verified operator
 
 
 class Removed(msgspec.Struct):
     name: str
     revoked: str  # the credentials file that no longer works (deleted)
     reloaded: bool
+    audited: bool = False
 
 
 def add_parsers(verbs: Any, common: argparse.ArgumentParser) -> None:
@@ -187,9 +189,12 @@ async def cmd_machine_add(args: argparse.Namespace) -> None:
     if not held.servers:  # the file names no servers: the command must
         argv += ["--nats-url", url]
     unit = host_unit(name, argv)
+    audited = await folderaudit.record(args, folder, "machine-add", name,
+                                       "builder" if args.builder else "")  # fmt: skip
     added = Added(name=name, creds=str(path), command=shlex.join(argv), reloaded=reloaded,
                   tier=placed[0], labels=placed[1], ca=held.ca is not None,
-                  servers=held.servers, unit_name=unit.name, unit=render(unit))  # fmt: skip
+                  servers=held.servers, unit_name=unit.name, unit=render(unit),
+                  audited=audited)  # fmt: skip
     if args.json:
         print_json(added)
         return
@@ -269,7 +274,8 @@ async def cmd_machine_remove(args: argparse.Namespace) -> None:
             raise CliError(f"machine {name} has no credentials in {folder.root}") from None
         users.save()
     reloaded = _reload(folder)
-    removed = Removed(name=name, revoked=str(path), reloaded=reloaded)
+    audited = await folderaudit.record(args, folder, "machine-remove", name, "revoked")
+    removed = Removed(name=name, revoked=str(path), reloaded=reloaded, audited=audited)
     if args.json:
         print_json(removed)
         return

@@ -17,10 +17,9 @@ import msgspec
 from rich.markup import escape
 from rich.table import Table
 
-from mesh import config
 from mesh.auth import registry
 from mesh.auth.policy import ROLES
-from mesh.client.asking import VerbFailed, ask, connected
+from mesh.client.asking import VerbFailed
 from mesh.meshdir import DEFAULT_DIR, MeshDir
 from mesh.model import (
     AuditReply,
@@ -35,6 +34,7 @@ from mesh.model import (
 from mesh.names import check_name
 from programs.cli.args import Parser, count
 from programs.cli.client import CliError, listed, verb
+from programs.cli.folderaudit import ask_as_admin
 from programs.cli.machines import _mesh, _reload
 from programs.cli.output import console, print_json, whole
 
@@ -113,14 +113,8 @@ async def cmd_audit(args: argparse.Namespace) -> None:
 async def _ask_as_admin(
     args: argparse.Namespace, folder: MeshDir, name: str, reply: type[Any], body: Any
 ) -> Any:
-    """A verb asked with the caller's credentials, or the folder's admin's (as `machine add`)."""
-    admin = folder.creds_file("operator", "admin")
-    creds = config.creds(getattr(args, "creds", None)) or (str(admin) if admin.exists() else None)
-    url = folder.nats_url() or config.nats_url(getattr(args, "nats_url", None))
-    timeout = getattr(args, "timeout", 10.0)
-    async with connected(url=url, creds=creds, what=f"operator {args.operator_command}") as nc:
-        return await ask(nc, url=url, verb=name, reply=reply, timeout=timeout,
-                         body=msgspec.json.encode(body), attempt=timeout)  # fmt: skip
+    return await ask_as_admin(args, folder, name, reply, body,
+                              what=f"operator {args.operator_command}")  # fmt: skip
 
 
 async def cmd_operator_add(args: argparse.Namespace) -> None:

@@ -26,6 +26,8 @@ from mesh.model import (
     DiffRequest,
     DrainReply,
     DrainRequest,
+    FolderChangeReply,
+    FolderChangeRequest,
     Handover,
     HandoverReply,
     HandoverRequest,
@@ -269,6 +271,10 @@ async def operator_remove(h: Holder, req: OperatorRemoveRequest) -> OperatorRepl
     return await operators.operator_remove(h.trust, req)
 
 
+async def folder_change(h: Holder, req: FolderChangeRequest) -> FolderChangeReply:
+    return await operators.folder_change(h.trust, req)
+
+
 async def operator_list(h: Holder, req: OperatorsRequest) -> OperatorsReply:
     return await operators.operator_list(h.trust, req)
 
@@ -334,6 +340,10 @@ VERBS: dict[str, Verb] = {
     "operator-add": Verb(OperatorAddRequest, OperatorReply, operator_add, bound=SLOW, limit=_SMALL),
     "operator-remove": Verb(
         OperatorRemoveRequest, OperatorReply, operator_remove, bound=SLOW, limit=_SMALL
+    ),
+    # machine add/remove and cert rotate, done on the mesh's folder: their audit entries
+    "folder-change": Verb(
+        FolderChangeRequest, FolderChangeReply, folder_change, bound=SLOW, limit=_SMALL
     ),
     # the key of the secrets (`mesh secret rotate-key`): an admin's, one change at a time
     "secret-rotate-key": Verb(
