@@ -170,7 +170,8 @@ def _epoch(url: str, creds: str) -> int:
 
 def _postgres_line(dev: DevUp, role: str, data: Path) -> tuple[int, int]:
     line = dev.wait_for(f"postgres {role} up on ", within=120)
-    m = re.fullmatch(rf"postgres {role} up on 127\.0\.0\.1:(\d+) \(data in (.+), pid (\d+)\)", line)
+    m = re.fullmatch(rf"postgres {role} up on 127\.0\.0\.1:(\d+) \(data in (.+), pid (\d+)\), "
+                     r"TLS only .*", line)  # fmt: skip
     assert m and m.group(2) == str(data), line
     return int(m.group(1)), int(m.group(3))
 
@@ -190,7 +191,8 @@ def test_dev_up_with_a_store_standby(open_dir: Path) -> None:
             password = (dir / "creds" / "store" / "mesh.password").read_text().strip()
             assert env["MESH_DATABASE_URL"] == (  # the controllers' role, not the superuser
                 f"postgresql://mesh:{password}@127.0.0.1:{primary},127.0.0.1:{standby}/mesh"
-                "?target_session_attrs=read-write"
+                "?target_session_attrs=read-write&sslmode=verify-full"
+                f"&sslrootcert={dir.resolve() / 'tls' / 'ca.pem'}"
             )
             done = mesh_cli("--json", "status", nats_url=url, creds=env["MESH_CREDS"])
             assert done.returncode == 0, done.stderr

@@ -23,6 +23,7 @@ is read again when its file changes (`mesh cert rotate`). One line at start; the
 
 import argparse
 import os
+import socket
 import ssl
 import struct
 import sys
@@ -140,6 +141,7 @@ class Front:
 
     async def _handle(self, client: SocketStream) -> None:
         peer = _peer(client)
+        _keepalives(client)
         try:
             with anyio.fail_after(HANDSHAKE_WITHIN):
                 secured = await self._start(client)
@@ -203,6 +205,16 @@ async def send_then_close(stream: ByteStream, data: bytes) -> None:
             NotImplementedError):  # fmt: skip
         pass
     await close_quietly(stream)
+
+
+def _keepalives(client: SocketStream) -> None:
+    """What PostgreSQL sets on its own TCP sessions (mesh/store/db.py, KEEPALIVES), which it
+    cannot behind the front: a client that vanished is found out, and its session ended."""
+    sock = client.extra(SocketAttribute.raw_socket)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for option, value in (("TCP_KEEPIDLE", 5), ("TCP_KEEPINTVL", 2), ("TCP_KEEPCNT", 3)):
+        if hasattr(socket, option):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
 
 
 def _peer(stream: SocketStream) -> str:
