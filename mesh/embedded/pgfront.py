@@ -27,6 +27,7 @@ import socket
 import ssl
 import struct
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import anyio
@@ -126,20 +127,28 @@ class Certificate:
         return self._context
 
 
+def guarded(
+    name: str, handle: Callable[[SocketStream], Awaitable[None]]
+) -> Callable[[SocketStream], Awaitable[None]]:
+    """`handle` for a listener's connections: one connection's failure, whatever it is, is
+    said in a line and its connection closed, never taking the server down."""
+
+    async def guard(client: SocketStream) -> None:
+        try:
+            await handle(client)
+        except Exception as e:
+            say(f"{name}: {_peer(client)}: {type(e).__name__}: {e}")
+            await close_quietly(client)
+
+    return guard
+
+
 class Front:
     def __init__(self, *, socket: Path, certificate: Certificate) -> None:
         self.socket = socket
         self.certificate = certificate
 
     async def handle(self, client: SocketStream) -> None:
-        # One connection's failure, whatever it is, never takes the front down.
-        try:
-            await self._handle(client)
-        except Exception as e:  # said, and the connection closed
-            say(f"postgres-front: {_peer(client)}: {type(e).__name__}: {e}")
-            await close_quietly(client)
-
-    async def _handle(self, client: SocketStream) -> None:
         peer = _peer(client)
         _keepalives(client)
         try:
@@ -245,7 +254,7 @@ async def serve(*, listen: tuple[str, int], socket: Path, cert: Path, key: Path)
     listener = await anyio.create_tcp_listener(local_host=listen[0], local_port=listen[1])
     say(f"postgres-front: TLS on {listen[0]}:{listen[1]} (certificate {cert}; plaintext "
         f"refused) for PostgreSQL's socket {socket}")  # fmt: skip
-    await listener.serve(front.handle)
+    await listener.serve(guarded("postgres-front", front.handle))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -29,6 +29,7 @@ from mesh.embedded.pgfront import (
     address,
     close_quietly,
     error_response,
+    guarded,
     reason,
     relay,
     request,
@@ -43,14 +44,6 @@ class Relay:
         self.context = context
 
     async def handle(self, client: SocketStream) -> None:
-        # One connection's failure, whatever it is, never takes the relay down.
-        try:
-            await self._handle(client)
-        except Exception as e:  # said, and the connection closed
-            say(f"postgres-relay: {type(e).__name__}: {e}")
-            await close_quietly(client)
-
-    async def _handle(self, client: SocketStream) -> None:
         where = f"{self.to[0]}:{self.to[1]}"
         try:
             with anyio.fail_after(HANDSHAKE_WITHIN):
@@ -102,7 +95,7 @@ async def serve(*, socket: Path, to: tuple[str, int], ca: Path, owner: str | Non
     if owner:
         shutil.chown(socket, owner, owner)
     say(f"postgres-relay: {socket} to {to[0]}:{to[1]} over TLS (verify-full against {ca})")
-    await listener.serve(Relay(to=to, context=context).handle)
+    await listener.serve(guarded("postgres-relay", Relay(to=to, context=context).handle))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -279,8 +279,8 @@ def _lock(data: Path, *, passwords: pgauth.Passwords, made: bool, tls: bool) -> 
         )
     if tls and plaintext:
         return (
-            f"PostgreSQL in {data} took plaintext connections: now TLS only (hostssl, a "
-            "certificate from the mesh's CA) and passwords"
+            f"PostgreSQL in {data} took plaintext connections: now TLS only (a certificate "
+            f"from the mesh's CA{', through its front' if local else ''}) and passwords"
         )
     return f"PostgreSQL in {data}: pg_hba.conf was not mesh's; written again (passwords only)"
 
