@@ -4,6 +4,7 @@ and streams through its relay (mesh/embedded/pgrelay.py). Real servers, real cli
 and psql (Debian's, built with SSL) with `sslmode=verify-full`, and raw sockets for what no
 client library sends. Every process is stopped at the end, even when a test fails."""
 
+import json
 import os
 import shutil
 import signal
@@ -266,6 +267,15 @@ async def test_dev_up_runs_the_store_behind_its_front(open_dir: Path) -> None:
         await await_until(answers, within=30, what="the store through its restarted front")
         ok(mesh_cli("secret", "set", "front-again", nats_url=nats_url, creds=values["MESH_CREDS"],
                     stdin="w"))  # fmt: skip
+
+        # `mesh cert rotate` gives the store a new certificate, which the front serves at once.
+        creds = values["MESH_CREDS"]
+        rotated = json.loads(ok(mesh_cli("cert", "rotate", "--dir", str(folder), "--json",
+                                         nats_url=nats_url, creds=creds)))  # fmt: skip
+        [store] = [r for r in rotated["servers"] if r["name"] == "postgres"]
+        assert store["state"] == "reloaded" and store["presented"] == store["serial"], store
+        assert store["serial"] != store["old_serial"]
+        assert await answers()
         dev.stop()
     finally:
         dev.kill()

@@ -5,6 +5,7 @@ controllers, the standby's copy and stream, the command line's URL) checks it wi
 PostgreSQL built with it (MESH_POSTGRES_BIN: Debian's, or MESH_TEST_POSTGRES_BIN), and skip
 where none is installed."""
 
+import json
 import os
 import ssl
 import subprocess
@@ -108,6 +109,17 @@ async def test_dev_up_runs_the_store_on_tls_and_refuses_plaintext(
             await conn.close()
         assert plaintext == [] and controllers >= 2  # two controllers, each its own sessions
         assert stream is not None and stream["ssl"] and stream["sync_state"] == "sync"
+
+        # `mesh cert rotate` gives both servers new certificates, which they serve once told
+        # to reload (SIGHUP); the standby's stream carries on.
+        rotated = json.loads(ok(mesh_cli("cert", "rotate", "--dir", str(folder), "--json",
+                                         nats_url=nats_url, creds=creds)))  # fmt: skip
+        stores = {r["name"]: r for r in rotated["servers"] if r["name"].startswith("postgres")}
+        assert set(stores) == {"postgres", "postgres-standby"}, rotated
+        for r in stores.values():
+            assert r["state"] == "reloaded" and r["presented"] == r["serial"] != r["old_serial"], r
+        conn = await db.connect(url)
+        await conn.close()
 
         dev.stop()
     finally:

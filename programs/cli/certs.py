@@ -1,5 +1,6 @@
 """`mesh cert rotate` / `mesh cert show`: the TLS certificates of a mesh folder's nats-servers
-(the folder `mesh dev up --dir` or `mesh init` made; docs/security.md).
+(the folder `mesh dev up --dir` or `mesh init` made; docs/security.md); `rotate` also the
+store's (its PostgreSQL's, or its TLS front's: mesh/embedded/postgres.py).
 
 Rotation issues every server a new key and certificate from the folder's CA, for the same name
 and addresses as the certificate it replaces, swaps the files in and reloads each running server
@@ -13,6 +14,7 @@ import argparse
 import ipaddress
 import os
 import re
+import signal
 import socket
 import ssl
 import time
@@ -25,6 +27,7 @@ from cryptography import x509
 from cryptography.x509.oid import NameOID
 
 from mesh.auth import server, tls
+from mesh.embedded import pgfront, postgres
 from mesh.meshdir import DEFAULT_DIR, MeshDir
 from programs.cli import folderaudit
 from programs.cli.args import Parser
@@ -200,6 +203,69 @@ def presented(host: str, port: int, ca: Path, *, timeout: float = 2.0) -> int | 
     return x509.load_der_x509_certificate(der).serial_number if der else None
 
 
+def _stores(folder: MeshDir) -> dict[str, Path]:
+    """The folder's PostgreSQL clusters with a certificate of the mesh's CA (the primary's,
+    a standby's: mesh/embedded/postgres.py), by the name their pieces have."""
+    found = {"postgres": folder.root / "pg", "postgres-standby": folder.root / "pg-standby"}
+    return {name: data for name, data in found.items() if (data / postgres.SERVER_CERT).is_file()}
+
+
+def _postmaster(data: Path) -> tuple[int, int] | None:
+    """The running server's pid and port, from its postmaster.pid; None if it is not running."""
+    try:
+        lines = (data / "postmaster.pid").read_text().splitlines()
+        pid, port = int(lines[0]), int(lines[3])
+        os.kill(pid, 0)
+    except (OSError, ValueError, IndexError):
+        return None
+    return pid, port
+
+
+def store_presented(port: int, ca: Path, *, timeout: float = 2.0) -> int | None:
+    """The serial of the certificate the store on 127.0.0.1:`port` presents (PostgreSQL's own
+    TLS, or its front's), after an SSLRequest; None if it does not answer with TLS."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False  # the serial is the question, not the name
+    context.load_verify_locations(cafile=str(ca))
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=timeout) as raw:
+            raw.sendall(pgfront.request(pgfront.SSL_REQUEST))
+            if raw.recv(1) != b"S":
+                return None
+            with context.wrap_socket(raw, server_hostname="127.0.0.1") as tls_sock:
+                der = tls_sock.getpeercert(binary_form=True)
+    except (OSError, ssl.SSLError):
+        return None
+    return x509.load_der_x509_certificate(der).serial_number if der else None
+
+
+async def _rotate_store(folder: MeshDir, name: str, old: x509.Certificate) -> Rotated:
+    """A new certificate for the store in place of `old`, for the same addresses, its files the
+    server's account's as before. A front reads it again by itself (its file changed); a
+    PostgreSQL with SSL of its own is told to reload (SIGHUP reads its SSL files again)."""
+    data = _stores(folder)[name]
+    cert_path = data / postgres.SERVER_CERT
+    rotated = _swap_in(
+        folder, name, cert_path, data / postgres.SERVER_KEY, old,
+        _hosts(old) or ["127.0.0.1", "localhost"], what=f"the store {name}",
+        owner=cert_path.stat(),
+    )  # fmt: skip
+    serial = int(rotated.serial, 16)
+    running = _postmaster(data)
+    if running is None:
+        return rotated
+    pid, port = running
+    os.kill(pid, signal.SIGHUP)
+    deadline = time.monotonic() + RELOAD_WITHIN
+    now = store_presented(port, folder.ca)
+    while now != serial and time.monotonic() < deadline:
+        await anyio.sleep(0.1)
+        now = store_presented(port, folder.ca)
+    rotated.presented = _hex(now) if now is not None else None
+    rotated.state = "signalled" if now is None else "reloaded" if now == serial else "reload failed"
+    return rotated
+
+
 def _server_paths(folder: MeshDir, name: str) -> tuple[Path, Path, Path]:
     return folder.server_cert(name), folder.server_key(name), folder.server(name) / "nats.conf"
 
@@ -256,9 +322,13 @@ async def cmd_cert_rotate(args: argparse.Namespace) -> None:
                 "which ones the new one must be valid for"
             )
         current[name] = (cert, hosts)
+    stores = {name: _load(data / postgres.SERVER_CERT, f"the store {name}'s certificate")
+              for name, data in _stores(folder).items()}  # fmt: skip
     rotated = []
     for name, (old, hosts) in current.items():
         rotated.append(await _rotate_one(folder, name, old, hosts))
+    for name, old in stores.items():
+        rotated.append(await _rotate_store(folder, name, old))
     if args.json:
         print_json(Rotation(dir=str(folder.root), ca=ca_info, servers=rotated))
     else:
@@ -288,27 +358,39 @@ async def cmd_cert_rotate(args: argparse.Namespace) -> None:
         )
 
 
-async def _rotate_one(
-    folder: MeshDir, name: str, old: x509.Certificate, hosts: list[str]
-) -> Rotated:
-    cert_path, key_path, conf = _server_paths(folder, name)
-    # Issued beside the files first, then moved over them (a rename each, the key first): a
-    # failure while issuing leaves the old pair in use, and the server reads neither half-way
-    # because it reads them only when signalled below.
+def _swap_in(
+    folder: MeshDir, name: str, cert_path: Path, key_path: Path, old: x509.Certificate,
+    hosts: list[str], *, what: str, owner: os.stat_result | None = None,
+) -> Rotated:  # fmt: skip
+    """A new key and certificate in place of `old`'s, for the same name and `hosts`: issued
+    beside the files first, then moved over them (a rename each, the key first), so a failure
+    while issuing leaves the old pair in use, and a server that reads them when signalled (or,
+    a front, when the certificate's file changes) never reads half a pair. `owner`: the
+    account the files stay with (the store's)."""
     new_cert = cert_path.with_name(f".{cert_path.name}.new")
     new_key = key_path.with_name(f".{key_path.name}.new")
     try:
         tls.issue_server(folder.tls, new_cert, new_key, name=_common_name(old, name), hosts=hosts)
     except tls.TlsError as e:
-        raise CliError(f"nats-server {name}: {e}") from None
+        raise CliError(f"{what}: {e}") from None
+    if owner is not None:
+        for path in (new_cert, new_key):
+            os.chown(path, owner.st_uid, owner.st_gid)
     os.replace(new_key, key_path)
     os.replace(new_cert, cert_path)
-    cert = _load(cert_path, f"nats-server {name}'s new certificate")
-    serial = cert.serial_number
-    rotated = Rotated(
-        name=name, hosts=hosts, old_serial=_hex(old.serial_number), serial=_hex(serial),
+    cert = _load(cert_path, f"{what}'s new certificate")
+    return Rotated(
+        name=name, hosts=hosts, old_serial=_hex(old.serial_number), serial=_hex(cert.serial_number),
         not_after=_when(cert), state="not running", presented=None, cert=str(cert_path),
     )  # fmt: skip
+
+
+async def _rotate_one(
+    folder: MeshDir, name: str, old: x509.Certificate, hosts: list[str]
+) -> Rotated:
+    cert_path, key_path, conf = _server_paths(folder, name)
+    rotated = _swap_in(folder, name, cert_path, key_path, old, hosts, what=f"nats-server {name}")
+    serial = int(rotated.serial, 16)
     try:
         server.reload(folder.server(name) / "nats.pid")
     except server.ServerNotRunning:
