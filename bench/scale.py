@@ -244,13 +244,16 @@ class SimProcess:
                 await asyncio.sleep(max(0.0, -late))
 
     async def boot(self, sim: Sim, after: float) -> None:
-        """One host starting `after` seconds into the ramp: watch, hear `held`, register."""
+        """One host starting `after` seconds into the ramp, in services/host/main.py's order:
+        hear `held`, beat, register, and only then watch its declaration (a host that never
+        applied makes its consumer once registered: ten thousand consumers made while the
+        fleet registers would load nats-server with work no real cold start asks of it)."""
         await asyncio.sleep(after)
         sim.started = True
         async with asyncio.TaskGroup() as tg:
             tg.create_task(self.held(sim))
-            tg.create_task(self.watch(sim))
             await self.register(sim)
+            tg.create_task(self.watch(sim))
 
     async def run(self, ramp: float) -> None:
         n = len(self.sims)
