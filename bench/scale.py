@@ -347,10 +347,46 @@ async def scrape(url: str, name: str) -> float | None:
 
 
 @dataclass
+class Probe:
+    """`status` asked every SAMPLE_EVERY with a deadline of STATUS_WITHIN, one at a time, while
+    something happens: how many were asked, how many not answered in time (or `busy`), and
+    the slowest answer."""
+
+    asked: int = 0
+    unanswered: int = 0
+    worst_s: float = 0.0
+
+    def text(self) -> str:
+        return f"{self.worst_s * 1000:.0f} ms, {self.unanswered}/{self.asked} late"
+
+
+STATUS_WITHIN = 1.0  # issue 32: `status` answered within 1 s throughout
+
+
+async def probe_status(nc: Client, found: Probe) -> None:
+    """Fill `found` until cancelled."""
+    while True:
+        t0 = time.monotonic()
+        found.asked += 1
+        try:
+            msg = await nc.request("mesh.ctl.status", b"{}", timeout=STATUS_WITHIN)
+            took = time.monotonic() - t0
+            if msg.data.startswith(b'{"error":'):
+                found.unanswered += 1
+        except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
+            took = time.monotonic() - t0
+            found.unanswered += 1
+        found.worst_s = max(found.worst_s, took)
+        await asyncio.sleep(max(0.0, SAMPLE_EVERY - took))
+
+
+@dataclass
 class Figures:
     machines: int
     cold_registered_s: float = float("nan")
     cold_up: dict[int, int] = field(default_factory=dict)  # seconds after start -> up
+    cold_status: Probe | None = None  # `status` asked every SAMPLE_EVERY while the fleet comes
+    cold_sims_late_s: float = float("nan")  # the simulator's own beat loop, behind
     idle_cores: dict[str, float] = field(default_factory=dict)
     rss_mib: dict[str, float] = field(default_factory=dict)
     loop_lag_ms: float | None = None  # the holder's worst event-loop lag while idle
@@ -364,6 +400,7 @@ class Figures:
     takeover_answered_s: float = float("nan")
     takeover_registered_s: float = float("nan")
     takeover_up: dict[int, int] = field(default_factory=dict)
+    takeover_status: Probe | None = None  # from the new holder's first answer on
     down_events: int = 0
     takeover_sims_late_s: float = float("nan")  # the simulator's own beat loop, behind
     flood_requests: int = 0
@@ -490,20 +527,29 @@ class Run:
 
     async def cold(self) -> None:
         epoch = await self.epoch()
+        assert self.nc is not None
         t0 = time.monotonic()
         await self.start_sims()
         ups = asyncio.create_task(self.up_over(t0, (1, 5, 10)))
-        while await self.registered_with(epoch) < self.n:
-            self.pieces.guard.check()
-            for child in self.sims:
-                if not child.running:
-                    ups.cancel()
-                    raise BenchError(f"{child.name} exited; its log ends:\n{child.tail()}")
-            await asyncio.sleep(0.1)
-        self.f.cold_registered_s = time.monotonic() - t0
-        self.f.cold_up = await ups
+        self.f.cold_status = Probe()
+        probing = asyncio.create_task(probe_status(self.nc, self.f.cold_status))
+        try:
+            while await self.registered_with(epoch) < self.n:
+                self.pieces.guard.check()
+                for child in self.sims:
+                    if not child.running:
+                        raise BenchError(f"{child.name} exited; its log ends:\n{child.tail()}")
+                await asyncio.sleep(0.1)
+            self.f.cold_registered_s = time.monotonic() - t0
+            self.f.cold_up = await ups
+        finally:
+            ups.cancel()
+            probing.cancel()
+        self.f.cold_sims_late_s = max(st.beat_late_max for st in await self.sim_stats(reset=True))
         say(f"  registered from cold in {self.f.cold_registered_s:.1f} s; up after 1/5/10 s: "
-            f"{self._ups(self.f.cold_up)}")  # fmt: skip
+            f"{self._ups(self.f.cold_up)}; status meanwhile: worst {self.f.cold_status.text()}"
+            f"; the simulated hosts' beats ran up to {self.f.cold_sims_late_s:.2f} s late"
+        )  # fmt: skip
         # every machine up before the idle measurement
         await self.until("every machine up", self._all_up, within=60)
 
@@ -631,13 +677,18 @@ class Run:
                 raise BenchError("no controller took the seat within 60 s of the kill")
         self.f.takeover_answered_s = time.monotonic() - t0
         epoch = s.seat.epoch
-        while await self.registered_with(epoch) < self.n:
-            self.pieces.guard.check()
-            if time.monotonic() - t0 > 120:
-                break
-            await asyncio.sleep(0.1)
-        else:
-            self.f.takeover_registered_s = time.monotonic() - t0
+        self.f.takeover_status = Probe()
+        probing = asyncio.create_task(probe_status(self.nc, self.f.takeover_status))
+        try:
+            while await self.registered_with(epoch) < self.n:
+                self.pieces.guard.check()
+                if time.monotonic() - t0 > 120:
+                    break
+                await asyncio.sleep(0.1)
+            else:
+                self.f.takeover_registered_s = time.monotonic() - t0
+        finally:
+            probing.cancel()
         self.f.takeover_up = await ups
         await asyncio.sleep(max(0.0, t0 + 15 - time.monotonic()))
         conn = await self.db()
@@ -749,6 +800,8 @@ def report(all_figures: list[Figures], args: argparse.Namespace) -> None:
     rows = [
         ("registered from cold, s", lambda f: f"{f.cold_registered_s:.1f}"),
         ("up 1/5/10 s after start", lambda f: _marks(f.cold_up)),
+        ("cold: status worst, late", lambda f: f.cold_status.text() if f.cold_status else "-"),
+        ("sims' beats late (cold), s", lambda f: f"{f.cold_sims_late_s:.2f}"),
         ("controller idle, cores", lambda f: f"{f.idle_cores.get('controller', 0):.3f}"),
         ("nats-server idle, cores", lambda f: f"{f.idle_cores.get('nats-server', 0):.3f}"),
         ("postgres idle, cores", lambda f: f"{f.idle_cores.get('postgres', 0):.3f}"),
@@ -762,6 +815,8 @@ def report(all_figures: list[Figures], args: argparse.Namespace) -> None:
         ("takeover: answered, s", lambda f: f"{f.takeover_answered_s:.2f}"),
         ("takeover: all registered, s", lambda f: f"{f.takeover_registered_s:.1f}"),
         ("takeover: up 1/5/10 s", lambda f: _marks(f.takeover_up)),
+        ("takeover: status worst, late",
+         lambda f: f.takeover_status.text() if f.takeover_status else "-"),
         ("reported down (takeover)", lambda f: str(f.down_events)),
         ("sims' beats late (takeover), s", lambda f: f"{f.takeover_sims_late_s:.2f}"),
         ("flood: answered (busy)", lambda f: f"{f.flood_requests} ({f.flood_busy})"),

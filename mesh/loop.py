@@ -1,9 +1,11 @@
-"""Which event loop every piece runs on: uvloop where it is installed, else asyncio's own.
+"""Which event loop every piece runs on: asyncio's own, or uvloop with MESH_LOOP=uvloop.
 
-Measured (docs/performance.md, Verbs): over TLS the controller's `status` costs less CPU a
-request on uvloop, whose transports read and write in C; the rest of the serving path is the
-same. `MESH_LOOP=asyncio` (or `uvloop`) chooses; the default is uvloop when it imports, so a
-machine without its wheel (it has none for some platforms) still runs, on asyncio.
+Measured (docs/performance.md, Verbs over TLS): uvloop takes a few µs off each request the
+controller answers, less than what the serving path's own work was (mesh/serving.py); and its
+subprocesses refuse `user`, `group` and `extra_groups`, with which a host drops its processes,
+checks and builds to their accounts and `mesh dev up` its pieces. So asyncio stays the default
+and uvloop is there to choose (`pip install 'mesh[uvloop]'`), for a controller, the command line,
+the console or `mesh mcp`, which start no such process.
 """
 
 import os
@@ -32,14 +34,12 @@ def _has_uvloop() -> bool:
 
 
 def chosen() -> str:
-    """The loop MESH_LOOP asks for, or the default: uvloop when installed."""
-    asked = os.environ.get("MESH_LOOP", "").strip().lower()
-    if not asked:
-        return "uvloop" if _has_uvloop() else "asyncio"
+    """The loop MESH_LOOP asks for, asyncio by default."""
+    asked = os.environ.get("MESH_LOOP", "").strip().lower() or "asyncio"
     if asked not in CHOICES:
         raise LoopError(f"MESH_LOOP={asked[:32]!r}: choose one of {', '.join(CHOICES)}")
     if asked == "uvloop" and not _has_uvloop():
-        raise LoopError("MESH_LOOP=uvloop: uvloop is not installed (pip install uvloop)")
+        raise LoopError("MESH_LOOP=uvloop: uvloop is not installed (pip install 'mesh[uvloop]')")
     return asked
 
 
