@@ -329,8 +329,9 @@ async def status(nc: Client, within: float = 5.0) -> StatusReply:
     return wire.decode_reply(data, StatusReply)
 
 
-async def scrape(url: str, name: str) -> float | None:
-    """One sample's value from a Prometheus text page (the controller's --metrics)."""
+async def scrape(url: str, name: str, having: str = "") -> float | None:
+    """One sample's value from a Prometheus text page (the controller's --metrics); with
+    `having`, the sum of the samples whose labels hold it (`verb="register"`)."""
     host, port = url.split("//", 1)[1].split("/", 1)[0].split(":")
     try:
         reader, writer = await asyncio.open_connection(host, int(port))
@@ -340,10 +341,14 @@ async def scrape(url: str, name: str) -> float | None:
     await writer.drain()
     text = (await reader.read()).decode(errors="replace")
     writer.close()
+    found = None
     for line in text.splitlines():
         if line.startswith(name + " ") or line.startswith(name + "{"):
-            return float(line.rsplit(" ", 1)[1])
-    return None
+            if not having:
+                return float(line.rsplit(" ", 1)[1])
+            if having in line.split("}", 1)[0]:
+                found = (found or 0.0) + float(line.rsplit(" ", 1)[1])
+    return found
 
 
 @dataclass
@@ -387,6 +392,7 @@ class Figures:
     cold_up: dict[int, int] = field(default_factory=dict)  # seconds after start -> up
     cold_status: Probe | None = None  # `status` asked every SAMPLE_EVERY while the fleet comes
     cold_sims_late_s: float = float("nan")  # the simulator's own beat loop, behind
+    cold_asked: tuple[float | None, float | None] = (None, None)  # registrations asked, busy
     idle_cores: dict[str, float] = field(default_factory=dict)
     rss_mib: dict[str, float] = field(default_factory=dict)
     loop_lag_ms: float | None = None  # the holder's worst event-loop lag while idle
@@ -546,6 +552,13 @@ class Run:
             ups.cancel()
             probing.cancel()
         self.f.cold_sims_late_s = max(st.beat_late_max for st in await self.sim_stats(reset=True))
+        # How many times the fleet asked to register (each host once, were it answered in time)
+        ctl = self.metrics["ctl-a"]
+        self.f.cold_asked = (
+            await scrape(ctl, "mesh_verb_requests_total", 'verb="register"'),
+            await scrape(ctl, "mesh_verb_requests_total", 'verb="register",outcome="busy"'),
+        )
+        say(f"  registrations asked meanwhile (busy): {_asked(self.f.cold_asked)}")
         say(f"  registered from cold in {self.f.cold_registered_s:.1f} s; up after 1/5/10 s: "
             f"{self._ups(self.f.cold_up)}; status meanwhile: worst {self.f.cold_status.text()}"
             f"; the simulated hosts' beats ran up to {self.f.cold_sims_late_s:.2f} s late"
@@ -788,6 +801,11 @@ def _marks(ups: dict[int, int]) -> str:
     return "/".join(str(ups.get(m, "?")) for m in (1, 5, 10))
 
 
+def _asked(asked: tuple[float | None, float | None]) -> str:
+    total, busy = asked
+    return "?" if total is None else f"{total:.0f} ({busy or 0:.0f})"
+
+
 def _ms(value: float | None) -> str:
     return "?" if value is None else f"{value:.1f}"
 
@@ -802,6 +820,7 @@ def report(all_figures: list[Figures], args: argparse.Namespace) -> None:
         ("up 1/5/10 s after start", lambda f: _marks(f.cold_up)),
         ("cold: status worst, late", lambda f: f.cold_status.text() if f.cold_status else "-"),
         ("sims' beats late (cold), s", lambda f: f"{f.cold_sims_late_s:.2f}"),
+        ("cold: registrations asked (busy)", lambda f: _asked(f.cold_asked)),
         ("controller idle, cores", lambda f: f"{f.idle_cores.get('controller', 0):.3f}"),
         ("nats-server idle, cores", lambda f: f"{f.idle_cores.get('nats-server', 0):.3f}"),
         ("postgres idle, cores", lambda f: f"{f.idle_cores.get('postgres', 0):.3f}"),

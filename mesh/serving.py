@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 import anyio
+import anyio.lowlevel
 from anyio.abc import TaskGroup
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -37,6 +38,7 @@ R = TypeVar("R")  # the reply
 
 STOP_WITHIN = 3.0  # each subscription's drain: a bus that is gone must not hold a stop up
 BUSY_LOG_EVERY = 10.0  # seconds between log lines about `busy` refusals of one bound
+TURN_EVERY = 0.005  # seconds a subscription may hold the event loop with queued requests
 
 
 @dataclass(frozen=True, eq=False)
@@ -290,8 +292,18 @@ def _callback(route: Deliver, endpoint: Endpoint) -> Callable[[Msg], Awaitable[N
     the endpoint asks for it. Anything else is dropped unanswered, and said."""
 
     match = origin.matcher(endpoint.subject)
+    turned = time.monotonic()  # when this subscription last let the event loop turn
 
     async def on_message(msg: Msg) -> None:
+        nonlocal turned
+        # nats-py hands a subscription's messages over one after another without letting the
+        # loop turn while more are queued: a storm of ten thousand registrations, each only
+        # started here, held every other subscription (`status`, the seat's pings) for
+        # seconds (bench/scale.py's cold start). So the loop turns every TURN_EVERY seconds.
+        now = time.monotonic()
+        if now - turned > TURN_EVERY:
+            turned = now
+            await anyio.lowlevel.checkpoint()
         if not origin.expected(endpoint.subject, msg, match):
             return
         if not origin.asked(msg):
