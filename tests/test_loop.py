@@ -5,7 +5,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from helpers import MESH, await_until, mesh_cli, ok_json
 
 
