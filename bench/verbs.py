@@ -29,8 +29,9 @@ new process each time: Python's start included; `mesh --json status` beside it s
 `--no-status` skips the status/echo rounds.
 
 Why: the controller's verbs should cost little more than the bus itself; the aim is `status`
-at >= 60% of the raw echo rate. The script prints the figures and whether the aim is met; it
-never fails on a timing (timings are not asserted anywhere, see docs/performance.md).
+at >= 90% of the raw echo rate, its p99 within 1.5x the echo's (issue 32). The script prints
+the figures and whether the aim is met; it never fails on a timing (timings are not asserted
+anywhere, see docs/performance.md).
 
     .venv/bin/python bench/verbs.py [--requests 5000] [--concurrent-requests 80000]
                                     [--concurrency 64] [--rounds 8] [--machines 0]
@@ -87,8 +88,10 @@ from mesh.model import Facts, Register, RegisterReply, StatusReply
 ECHO_SUBJECT = "bench.echo"
 ECHO_QUEUE = "bench-echo"
 ECHO_BODY = b'{"ok":true,"echo":"bench"}'
+ECHO_LOOP = "asyncio"  # --echo-loop
 REQUEST_TIMEOUT = 10.0
-AIM = 0.60  # the issue's aim: status at >= 60% of the raw echo rate
+AIM = 0.90  # issue 32's aim: status at >= 90% of the raw echo rate (issue 8's was 60%)
+AIM_P99 = 1.5  # and its p99 within 1.5x the echo's
 MODES: dict[str, Callable[[argparse.Namespace], str]] = {
     "sequential": lambda _: "sequential",
     "concurrent": lambda args: f"{args.concurrency} in flight",
@@ -123,6 +126,8 @@ async def start_echo(pieces: Pieces, nc: Client) -> Child:
     argv = [sys.executable, str(Path(__file__).resolve()), "--echo-server", pieces.server_url]
     if pieces.ca:
         argv += ["--echo-ca", pieces.ca]
+    if ECHO_LOOP == "uvloop":
+        argv += ["--echo-loop", "uvloop"]
     child = await pieces.start("echo", argv)
 
     async def answers() -> bool:
@@ -503,11 +508,15 @@ def report(rounds: dict[tuple[str, str], list[Result]], args: argparse.Namespace
         say(
             f"status/echo, {label(args)}: rate {s.rate / e.rate:.0%} (by round: {by_round}), "
             f"p50 {s.percentile(50) / e.percentile(50):.2f}x, "
+            f"p99 {s.percentile(99) / e.percentile(99):.2f}x, "
             f"responder CPU {cpu_s / cpu_e:.2f}x"
         )
-    ratio = by[STATUS_SUBJECT, "concurrent"].rate / by[ECHO_SUBJECT, "concurrent"].rate
-    verdict = "met" if ratio >= AIM else "NOT met"
-    say(f"aim: status at >= {AIM:.0%} of the raw echo rate (concurrent): {verdict} ({ratio:.0%})")
+    for mode, label in MODES.items():
+        s, e = by[STATUS_SUBJECT, mode], by[ECHO_SUBJECT, mode]
+        ratio, p99 = s.rate / e.rate, s.percentile(99) / e.percentile(99)
+        verdict = "met" if ratio >= AIM and p99 <= AIM_P99 else "NOT met"
+        say(f"aim ({label(args)}): status at >= {AIM:.0%} of the raw echo rate, p99 within "
+            f"{AIM_P99:g}x the echo's: {verdict} ({ratio:.0%}, {p99:.2f}x)")  # fmt: skip
     busiest = max(r.others_cores for r in results)
     if busiest > DISTURBED:
         say(
@@ -548,6 +557,11 @@ def parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument("--echo-server", metavar="URL", help=argparse.SUPPRESS)  # the child's mode
     p.add_argument("--echo-ca", metavar="FILE", help=argparse.SUPPRESS)
+    p.add_argument(
+        "--echo-loop", choices=("asyncio", "uvloop"), default="asyncio",
+        help="the echo responder's event loop (asyncio: nats-py as written; the controller's "
+        "is MESH_LOOP's, by default uvloop where installed: mesh/loop.py)",
+    )  # fmt: skip
     return p
 
 
@@ -589,8 +603,15 @@ async def run(args: argparse.Namespace) -> Run:
 def main() -> None:
     args = parser().parse_args()
     if args.echo_server:
-        asyncio.run(echo_server(args.echo_server, args.echo_ca))
+        if args.echo_loop == "uvloop":
+            import uvloop
+
+            uvloop.run(echo_server(args.echo_server, args.echo_ca))
+        else:
+            asyncio.run(echo_server(args.echo_server, args.echo_ca))
         return
+    global ECHO_LOOP
+    ECHO_LOOP = args.echo_loop
     for flag in ("requests", "concurrent_requests", "concurrency"):
         if getattr(args, flag) < 1:
             sys.exit(f"--{flag.replace('_', '-')} must be at least 1")

@@ -47,6 +47,19 @@ def matches(pattern: str, subject: str) -> bool:
     return len(want) == len(got)
 
 
+def matcher(pattern: str) -> Callable[[str], bool]:
+    """`matches` for one pattern, made once per subscription: a verb subscription's pattern is
+    `a.b.*` or `a.b.>`, checked by its prefix (a third of `matches`' cost, on every request)."""
+    head, _, tail = pattern.rpartition(".")
+    if head and "*" not in head and ">" not in head and tail in ("*", ">"):
+        prefix = head + "."
+        cut = len(prefix)
+        if tail == ">":
+            return lambda subject: subject.startswith(prefix)
+        return lambda subject: subject.startswith(prefix) and "." not in subject[cut:]
+    return lambda subject: matches(pattern, subject)
+
+
 def asked(msg: Msg) -> bool:
     """A request someone made: its reply goes to an inbox. An answer reflected here (from the
     JetStream API, or from a service asked with our subject as its reply) has no reply."""
@@ -74,9 +87,10 @@ class Strays:
 STRAYS = Strays()  # one per process: every subscription's refusals
 
 
-def expected(pattern: str, msg: Msg) -> bool:
-    """`msg` arrived as a subject `pattern` asked for; otherwise it is refused (and said)."""
-    if matches(pattern, msg.subject):
+def expected(pattern: str, msg: Msg, match: Callable[[str], bool] | None = None) -> bool:
+    """`msg` arrived as a subject `pattern` asked for (`match`, made by `matcher(pattern)`,
+    says so faster); otherwise it is refused (and said)."""
+    if match(msg.subject) if match is not None else matches(pattern, msg.subject):
         return True
     STRAYS.refused(pattern, msg, "not a subject it subscribed to: a delivery someone aimed here")
     return False

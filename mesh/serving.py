@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 import anyio
+import anyio.lowlevel
 from anyio.abc import TaskGroup
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -37,6 +38,7 @@ R = TypeVar("R")  # the reply
 
 STOP_WITHIN = 3.0  # each subscription's drain: a bus that is gone must not hold a stop up
 BUSY_LOG_EVERY = 10.0  # seconds between log lines about `busy` refusals of one bound
+TURN_EVERY = 0.005  # seconds a subscription may hold the event loop with queued requests
 
 
 @dataclass(frozen=True, eq=False)
@@ -91,7 +93,9 @@ class Stats:
         if outcome is None:  # a publish: nobody asked, nothing answered
             return
         took = time.perf_counter_ns() - started_ns
-        stats = self.verbs.setdefault((endpoint, verb), VerbStats())
+        stats = self.verbs.get((endpoint, verb))
+        if stats is None:  # not setdefault: that would make one on every request
+            stats = self.verbs[endpoint, verb] = VerbStats()
         stats.requests += 1
         stats.processing_ns += took
         if outcome != "ok":
@@ -196,11 +200,6 @@ class Server:
         counted = name if verb is not None else UNKNOWN
 
         # (Annotations as strings: a nested def evaluates its annotations at every request.)
-        async def answer(serve: "Callable[[], Awaitable[Any]]") -> None:
-            hint = verb.too_large if verb is not None else "ask for less"
-            outcome = await bus.answer(msg, serve, service=self.service, hint=hint)
-            self.stats.record(endpoint.name, counted, outcome, started)
-
         async def serve() -> "Any":
             caller = endpoint.caller(served, msg.subject)
             if verb is None:
@@ -215,9 +214,18 @@ class Server:
             self._refused(shed, name)
             self.stats.record(endpoint.name, counted, await self._busy_reply(msg, shed), started)
             return
+        hint = verb.too_large if verb is not None else "ask for less"
         if verb is None or verb.bound is None or self._tasks is None:
-            await answer(serve)
+            # Answered here, no task nor closure more: `status` and the other quick verbs are
+            # most of what is asked, and each allocation shows in its rate (bench/verbs.py).
+            outcome = await bus.answer(msg, serve, service=self.service, hint=hint)
+            self.stats.record(endpoint.name, counted, outcome, started)
             return
+
+        async def answer(serve: "Callable[[], Awaitable[Any]]") -> None:
+            outcome = await bus.answer(msg, serve, service=self.service, hint=hint)
+            self.stats.record(endpoint.name, counted, outcome, started)
+
         bound = verb.bound
         limiter = self._limiters.get(bound)
         if limiter is None:
@@ -283,8 +291,20 @@ def _callback(route: Deliver, endpoint: Endpoint) -> Callable[[Msg], Awaitable[N
     JetStream delivery aimed here, nor an answer reflected here: mesh/origin.py), signed where
     the endpoint asks for it. Anything else is dropped unanswered, and said."""
 
+    match = origin.matcher(endpoint.subject)
+    turned = time.monotonic()  # when this subscription last let the event loop turn
+
     async def on_message(msg: Msg) -> None:
-        if not origin.expected(endpoint.subject, msg):
+        nonlocal turned
+        # nats-py hands a subscription's messages over one after another without letting the
+        # loop turn while more are queued: a storm of ten thousand registrations, each only
+        # started here, held every other subscription (`status`, the seat's pings) for
+        # seconds (bench/scale.py's cold start). So the loop turns every TURN_EVERY seconds.
+        now = time.monotonic()
+        if now - turned > TURN_EVERY:
+            turned = now
+            await anyio.lowlevel.checkpoint()
+        if not origin.expected(endpoint.subject, msg, match):
             return
         if not origin.asked(msg):
             origin.STRAYS.refused(endpoint.subject, msg, "not a request (its reply is no inbox)")

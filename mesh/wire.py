@@ -90,7 +90,8 @@ def check_depth(data: bytes, *, limit: int = MAX_DEPTH) -> None:
 def decode_json(data: bytes, into: Any = Any, *, depth: int = MAX_DEPTH) -> Any:
     """msgspec.json.decode with the nesting checked first (TooDeep, a DecodeError): for a
     body that is not a request (a reply, a report, a bucket's value, a tool server's line)."""
-    check_depth(data, limit=depth)
+    if len(data) > depth:  # shorter, it cannot nest deeper: each level takes a byte
+        check_depth(data, limit=depth)
     return msgspec.json.decode(data, type=into)
 
 

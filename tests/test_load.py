@@ -315,3 +315,46 @@ async def test_more_than_a_thousand_machines_can_watch_their_declarations(
     info = await jsm.stream_info(f"KV_{DECLARATIONS}")
     assert info.state.consumer_count >= 1200
     assert info.config.max_consumers == CONSUMERS
+
+
+async def test_a_host_asks_once_per_window_while_unanswered(nc, nats_url) -> None:
+    """A controller too busy to answer in time is asked once per window (2 s, then 4 s), not
+    once a second within it: before, ten thousand hosts asked 448,656 times in a cold start
+    (docs/performance.md, issue 32). A responder that hears and never answers stands for it."""
+    from datetime import UTC, datetime
+
+    from mesh import bus
+    from services.host import registration
+    from services.host.verbs import HostStatus
+
+    heard: list[float] = []
+    two = anyio.Event()
+
+    async def silent(msg) -> None:  # hears, never answers
+        heard.append(time.monotonic())
+        if len(heard) == 2:
+            two.set()
+
+    await nc.subscribe("mesh.ctl.host.quiet-1.register", cb=silent)
+    await nc.flush()
+    host_nc = await bus.connect(nats_url, name="quiet-1")
+    status = HostStatus(
+        name="quiet-1", pid=1, tier=2, labels={}, root="/", dev_mode=True, registered=False,
+        epoch=0, started=datetime.now(UTC), version="test",
+    )  # fmt: skip
+
+    def current() -> Register:
+        return Register(name="quiet-1", tier=2, labels={}, facts=FACTS, beat_interval=1, pid=1)
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(registration.register, host_nc, current, status)
+            with anyio.fail_after(30):
+                await two.wait()
+            tg.cancel_scope.cancel()
+    finally:
+        await host_nc.close()
+    # The second request came after the whole first window: one second sooner, it would
+    # have been the old retry within the window.
+    assert heard[1] - heard[0] >= registration.ATTEMPT - 0.1
+    assert not status.registered

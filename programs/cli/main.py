@@ -13,9 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import anyio
-
-from mesh import config, errors
+from mesh import config, errors, loop
 from mesh.errors import MeshError
 from mesh.model import HandoverReply, NodesReply, NodesRequest, StatusReply
 from mesh.names import check_name
@@ -392,7 +390,7 @@ def main(argv: list[str] | None = None) -> None:
         os.environ["MESH_CA"] = args.ca
     command = COMMANDS[_key(args)]
     try:
-        anyio.run(command, args)
+        loop.run(command, args)
     except KeyboardInterrupt:
         sys.exit(130)
     except BaseException as e:

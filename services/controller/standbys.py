@@ -20,22 +20,33 @@ class Standbys:
     def __init__(self, *, own_instance: str) -> None:
         self._own = own_instance
         self._seen: dict[str, tuple[SeatAnnounce, float]] = {}
+        # The list as last made, until something is heard or gone or the first of them would
+        # expire: `status` asks on every call, standbys change about once a second.
+        self._listed: list[Standby] | None = None
+        self._listed_until = 0.0
 
     def heard(self, announce: SeatAnnounce) -> None:
         if announce.instance != self._own:
             self._seen[announce.instance] = (announce, time.monotonic())
+            self._listed = None
 
     def gone(self, instance: str) -> None:
         self._seen.pop(instance, None)
+        self._listed = None
 
     def current(self) -> list[Standby]:
+        """The standbys heard within FORGET_AFTER, by instance (the list is shared: read it)."""
         now = time.monotonic()
+        if self._listed is not None and now < self._listed_until:
+            return self._listed
         for instance in [i for i, (_, t) in self._seen.items() if now - t > FORGET_AFTER]:
             del self._seen[instance]
-        return [
+        self._listed = [
             Standby(instance=a.instance, pid=a.pid, host=a.host, since=a.since, version=a.version)
             for a, _ in sorted(self._seen.values(), key=lambda s: s[0].instance)
         ]
+        self._listed_until = min((t for _, t in self._seen.values()), default=now) + FORGET_AFTER
+        return self._listed
 
 
 async def announce(nc: Client, me: SeatAnnounce, signing: Signing) -> None:

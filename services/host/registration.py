@@ -62,7 +62,11 @@ async def register(
         registration = current()
         body = wire.encode(registration)
         try:
-            data = await bus.request(nc, subject, body, deadline=time.monotonic() + attempt)
+            # One request a window, answered or not (`no responders` aside: nobody heard it):
+            # asked again every second within it, ten thousand hosts whose controller is slow
+            # to answer would ask ever more often than it answers (issue 32's cold start).
+            data = await bus.request(nc, subject, body, deadline=time.monotonic() + attempt,
+                                     attempt_timeout=attempt)  # fmt: skip
         except bus.NoAnswer:
             if not waited:
                 log.info("host %s: no controller answers yet; still trying", registration.name)

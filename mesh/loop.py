@@ -1,0 +1,53 @@
+"""Which event loop every piece runs on: asyncio's own, or uvloop with MESH_LOOP=uvloop.
+
+Measured (docs/performance.md, Verbs over TLS): uvloop takes a few µs off each request the
+controller answers, less than what the serving path's own work was (mesh/serving.py); and its
+subprocesses refuse `user`, `group` and `extra_groups`, with which a host drops its processes,
+checks and builds to their accounts and `mesh dev up` its pieces. So asyncio stays the default
+and uvloop is there to choose (`pip install 'mesh[uvloop]'`), for a controller, the command line,
+the console or `mesh mcp`, which start no such process.
+"""
+
+import os
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import anyio
+
+from mesh.errors import MeshError
+
+T = TypeVar("T")
+
+CHOICES = ("asyncio", "uvloop")
+
+
+class LoopError(MeshError):
+    """MESH_LOOP names no loop we run on, or one that is not installed."""
+
+
+def _has_uvloop() -> bool:
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def chosen() -> str:
+    """The loop MESH_LOOP asks for, asyncio by default."""
+    asked = os.environ.get("MESH_LOOP", "").strip().lower() or "asyncio"
+    if asked not in CHOICES:
+        raise LoopError(f"MESH_LOOP={asked[:32]!r}: choose one of {', '.join(CHOICES)}")
+    if asked == "uvloop" and not _has_uvloop():
+        raise LoopError("MESH_LOOP=uvloop: uvloop is not installed (pip install 'mesh[uvloop]')")
+    return asked
+
+
+def options(loop: str | None = None) -> dict[str, Any]:
+    """anyio.run's backend options for `loop` (the chosen one by default)."""
+    return {"use_uvloop": (loop or chosen()) == "uvloop"}
+
+
+def run(main: Callable[..., Awaitable[T]], *args: Any) -> T:
+    """anyio.run on the chosen loop."""
+    return anyio.run(main, *args, backend="asyncio", backend_options=options())
