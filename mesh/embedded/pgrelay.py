@@ -12,6 +12,7 @@ PostgreSQL ErrorResponse. One line at start; then errors only.
 """
 
 import argparse
+import contextlib
 import os
 import shutil
 import ssl
@@ -20,16 +21,19 @@ from pathlib import Path
 
 import anyio
 from anyio.abc import ByteStream, SocketStream
+from anyio.streams.buffered import BufferedByteReceiveStream
 from anyio.streams.tls import TLSStream
 
 from mesh.auth.tls import TlsError, client_context
 from mesh.embedded.pgfront import (
     HANDSHAKE_WITHIN,
     SSL_REQUEST,
+    ProtocolError,
     address,
     close_quietly,
     error_response,
     guarded,
+    read_start,
     reason,
     relay,
     request,
@@ -52,6 +56,13 @@ class Relay:
                 anyio.BrokenResourceError, RefusedTls) as e:  # fmt: skip
             why = f"the store at {where}: {reason(e)}"
             say(f"postgres-relay: {why}")
+            # The client's start read first: an answer sent before it, then the close, can
+            # break the client's own send, and it reports a broken connection, not this.
+            with anyio.move_on_after(HANDSHAKE_WITHIN), contextlib.suppress(
+                ProtocolError, anyio.IncompleteRead, anyio.EndOfStream, anyio.BrokenResourceError,
+                OSError,
+            ):  # fmt: skip
+                await read_start(BufferedByteReceiveStream(client))
             await send_then_close(client, error_response(why, code="08001"))
             return
         await relay(client, server)
@@ -91,9 +102,14 @@ def _listener_path(socket: Path, owner: str | None) -> None:
 async def serve(*, socket: Path, to: tuple[str, int], ca: Path, owner: str | None) -> None:
     context = client_context(cafile=str(ca))
     _listener_path(socket, owner)
-    listener = await anyio.create_unix_listener(socket, mode=0o600)
+    # Bound and listening under another name, then renamed: whoever sees the socket's name can
+    # connect (a name seen between bind and listen refuses).
+    making = socket.with_name(f".{socket.name}.new")
+    making.unlink(missing_ok=True)
+    listener = await anyio.create_unix_listener(making, mode=0o600)
     if owner:
-        shutil.chown(socket, owner, owner)
+        shutil.chown(making, owner, owner)
+    making.rename(socket)
     say(f"postgres-relay: {socket} to {to[0]}:{to[1]} over TLS (verify-full against {ca})")
     await listener.serve(guarded("postgres-relay", Relay(to=to, context=context).handle))
 
