@@ -373,16 +373,41 @@ async def _respond(msg: Msg, body: bytes) -> None:
         log.warning("could not reply on %s: %s: %s", msg.subject, type(e).__name__, e)
 
 
-async def close(nc: Client, *, drain: bool = True) -> None:
-    """Drain when connected (in-flight replies go out) and `drain`; otherwise just close.
-    Never raises."""
-    try:
-        if nc.is_connected and drain:
-            await nc.drain()
-        elif not nc.is_closed:
-            await nc.close()
-    except Exception as e:
-        log.warning("closing the NATS connection: %s", reason(e))
+CLOSE_WITHIN = 3.0  # a close's bound: a drain past it is cut and the connection just closed
+
+
+async def close(nc: Client, *, drain: bool = True, within: float = CLOSE_WITHIN) -> None:
+    """Drain when connected (in-flight replies go out) and `drain`; otherwise, or once the drain
+    has taken half of `within`, just close. Never raises, never takes much longer than `within`,
+    even from a cancelled scope, and leaves none of nats-py's tasks behind: a reconnect loop
+    that outlived its cancellation kept a stopped host running (issue 29)."""
+    with anyio.CancelScope(shield=True):
+        try:
+            if nc.is_connected and drain:
+                with anyio.move_on_after(within / 2):
+                    await nc.drain()
+            if not nc.is_closed:
+                with anyio.move_on_after(within / 2):
+                    await nc.close()
+        except Exception as e:
+            log.warning("closing the NATS connection: %s", reason(e))
+        await _end_reconnecting(nc, within=within / 2)
+
+
+async def _end_reconnecting(nc: Client, *, within: float) -> None:
+    """Cancel nats-py's reconnect task until it has ended. Python 3.11's wait_for can swallow
+    a cancellation that comes as its connect attempt fails (it raises the OSError instead),
+    and nats-py's loop then goes on reconnecting to a server that is gone, for ever."""
+    task = nc._reconnection_task
+    if task is None or task.done():
+        return
+    nc._status = Client.CLOSED  # a reconnect that still succeeds must find us closed
+    with anyio.move_on_after(within):
+        while not task.done():
+            task.cancel()
+            await anyio.sleep(0.01)
+    if not task.done():
+        log.warning("closing the NATS connection: its reconnect task did not end")
 
 
 async def request(

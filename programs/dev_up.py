@@ -557,7 +557,7 @@ async def up(
     mesh = DevMesh(folder=folder, hosts=hosts, port=port, nats=nats, store_standby=store_standby)
     try:
         async with anyio.create_task_group() as tg:
-            tg.start_soon(stop_on_signals, tg.cancel_scope)
+            tg.start_soon(lambda: stop_on_signals(tg.cancel_scope, bound=False))
             mesh.issue_credentials()
             await mesh.start_nats()
             await mesh.start_postgres()

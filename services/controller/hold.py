@@ -47,6 +47,9 @@ log = logging.getLogger("mesh.controller")
 
 BUS_GRACE = 3.0  # a holder cut off from NATS this long steps down (docs/design.md, the seat)
 ROUND_TRIP_EVERY = 1.0  # how often the holder checks that NATS answers
+# A handover lets its slow verbs finish this long (then they are answered `unavailable`): with
+# the ready wait, the drain and the release it fits in mesh.lifetime.STOP_WITHIN.
+SLOW_VERBS_WITHIN = 4.0
 
 # A store session that ended under us, as asyncpg says it.
 _SESSION_ENDED = (
@@ -166,7 +169,7 @@ class Hold:
 
                     await self.stop.requested.wait()
                     await self._hand_over(held=held, plans=plans)
-                    serving.cancel_scope.deadline = anyio.current_time() + 10  # slow verbs finish
+                    serving.cancel_scope.deadline = anyio.current_time() + SLOW_VERBS_WITHIN
                 background.cancel_scope.cancel()
         except BaseException as e:
             cause = errors.leaf(e)
