@@ -104,31 +104,52 @@ class Link:
         self.silent = False  # the round trips found no answer for longer than they allow
         self.nc: Client | None = None  # set by connect: its own close is not a lost link
 
-    async def round_trips(self, nc: Client, *, every: float, within: float) -> None:
+    async def round_trips(
+        self, nc: Client, *, every: float, within: float, late: float | None = None,
+        lagging: Callable[[], bool] = lambda: False,
+    ) -> None:  # fmt: skip
         """Forever: every `every` seconds a PING the server must answer within `within`;
         `answered_at` is when it last did, and `silent` says it has not for `within` + `every`
         and nothing else came in meanwhile either (kept once the round trips stop: what they
         last found). A silent link shows here within seconds, where nats-py's own pings take
         10-15 s (and over TLS its close then waits out the SSL shutdown before it reports the
         disconnection). A PONG that is only late, behind a backlog of messages this process
-        has not read yet (a storm of requests), is not silence: the messages keep coming."""
+        has not read yet (a storm of requests), is not silence: the messages keep coming.
+        While `lagging()` (this process's own event loop has run late lately: a PONG may sit
+        unread behind it), silence takes `late` + `every` instead."""
         self.answered_at = self.heard_at = time.monotonic()
         self.silent = False
         received = nc.stats["in_msgs"]
-        while True:
-            await anyio.sleep(every)
+        # One PING out at a time, each given long to come back: nats-py fails its read loop on
+        # a PONG whose flush has timed out already, so silence is judged here, not by the
+        # flush's own timeout.
+        patience = 2 * max(within, late or 0.0)
+        outstanding = False
+
+        async def ping() -> None:
+            nonlocal outstanding
+            outstanding = True
             try:
-                with anyio.fail_after(within):
-                    await nc.flush(timeout=within)
+                with anyio.fail_after(patience + 1):
+                    await nc.flush(timeout=patience)
                 self.answered_at = time.monotonic()
             except Exception:  # timeouts, closed or reconnecting: all say "no answer"
                 pass
-            now = time.monotonic()
-            if nc.stats["in_msgs"] != received:
-                received, self.heard_at = nc.stats["in_msgs"], now
-            quiet = now - max(self.answered_at, self.heard_at)
-            self.silent = quiet > within + every
-            self._kick()
+            finally:
+                outstanding = False
+
+        async with anyio.create_task_group() as pings:
+            while True:
+                await anyio.sleep(every)
+                if not outstanding:
+                    pings.start_soon(ping)
+                now = time.monotonic()
+                if nc.stats["in_msgs"] != received:
+                    received, self.heard_at = nc.stats["in_msgs"], now
+                quiet = now - max(self.answered_at, self.heard_at)
+                allowed = late if late is not None and lagging() else within
+                self.silent = quiet > allowed + every
+                self._kick()
 
     def answers(self, nc: Client) -> bool:
         """NATS is there to hear us: connected, and not silent to our round trips (draining

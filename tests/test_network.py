@@ -58,7 +58,7 @@ from helpers import (
 from module_folders import gated_module
 
 from mesh import bus
-from mesh.auth import tls
+from mesh.auth import system, tls
 from mesh.embedded import natsd, pgauth, postgres
 
 pytestmark = pytest.mark.slow
@@ -101,6 +101,9 @@ class NetMesh:
         self.pg_folder: Path | None = None
         self.controllers: dict[str, subprocess.Popen] = {}
         self.hosts: dict[str, subprocess.Popen] = {}
+        # The system account's kicker, the controllers' alone (mesh/auth/system.py).
+        self.system_creds = tmp_path / "system.creds"
+        self.system = system.ensure(self.system_creds, ca=Path(self.ca).read_text())
 
     def env(self) -> dict[str, str]:
         return {"MESH_NATS_URL": self.url, "MESH_CA": self.ca,
@@ -117,7 +120,7 @@ class NetMesh:
             conf = natsd.write_config(
                 folder, port=CLIENT_PORT, name=name, host=self.net.address(name),
                 tls=natsd.Tls(cert=cert, key=key, ca=Path(self.ca)),
-                cluster=natsd.Cluster(port=ROUTE_PORT, routes=routes),
+                cluster=natsd.Cluster(port=ROUTE_PORT, routes=routes), system=self.system,
             )  # fmt: skip
             # The monitoring port, for /healthz (JetStream current) and /connz.
             conf.write_text(conf.read_text() + f'http: "{self.net.address(name)}:{MONITOR_PORT}"\n')
@@ -196,7 +199,8 @@ class NetMesh:
 
     def start_controller(self, instance: str) -> subprocess.Popen:
         argv = self.net.argv(instance, [*MESH, "controller", "run", "--instance", instance])
-        proc = self.procs.start(instance, argv, env=self.env())
+        env = {**self.env(), "MESH_SYSTEM_CREDS": str(self.system_creds)}
+        proc = self.procs.start(instance, argv, env=env)
         self.controllers[instance] = proc
         return proc
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import msgspec
 
+from mesh.auth import system as system_account
 from mesh.errors import MeshError
 
 
@@ -61,6 +62,7 @@ def write_config(
     max_payload: int | None = None,
     tls: Tls | None = None,
     cluster: Cluster | None = None,
+    system: str | None = None,
 ) -> Path:
     """Write `folder/nats.conf` for a server on `host`:`port` with JetStream in `folder/js`
     and its pid in `folder/nats.pid`. With `auth` (a file holding an `authorization` block, see
@@ -70,7 +72,10 @@ def write_config(
     With `tls`, clients must speak TLS (a plaintext client is refused) and the routes of a
     `cluster` are TLS too, each side checking the other's certificate against the CA. Servers in
     a cluster do not advertise each other to clients (`no_advertise`): every client is given
-    every server's URL, which is also the name its certificate is checked against."""
+    every server's URL, which is also the name its certificate is checked against.
+
+    `system` is the public key of the system account's one user, the seat's kicker
+    (mesh.auth.system): with it a new holder closes a cut-off holder's connection at once."""
     folder.mkdir(parents=True, exist_ok=True)
     store = folder / "js"
     store.mkdir(exist_ok=True)
@@ -119,6 +124,8 @@ def write_config(
                 "  }",
             ]
         lines.append("}")
+    if system is not None:
+        lines += system_account.config_lines(system)
     if max_payload is not None:
         lines.append(f"max_payload: {int(max_payload)}")
     if auth is not None:  # an include is read relative to the including file's folder

@@ -35,6 +35,7 @@ from mesh.store.migrate import migrate
 from services.controller import handover, metrics, readiness, secretkeys, standbys
 from services.controller.handover import VerbSubscriptions
 from services.controller.hold import Controller, Hold
+from services.controller.kick import Kicker
 from services.controller.readiness import Readiness
 from services.controller.seat import SeatLock
 from services.controller.standbys import Releases, SeatEvents, Standbys
@@ -67,6 +68,7 @@ async def run(
     secrets_key: Path,
     instance: str | None = None,
     creds: str | None = None,
+    system_creds: str | None = None,
     down_after: int = 3,
     metrics_on: served_metrics.Listen | None = None,
     events: EventsKept | None = None,
@@ -92,8 +94,10 @@ async def run(
     pool = await db.pool(database_url)
     nc = None
     link = bus.Link()
+    kicker = Kicker(None)
     try:
         nc = await bus.connect(nats_url, name=f"mesh-controller {instance}", creds=creds, link=link)
+        kicker = await Kicker.connect(nats_url, creds=system_creds)
         me = SeatAnnounce(
             instance=instance, pid=pid, host=host, since=started, version=version.running()
         )
@@ -102,6 +106,7 @@ async def run(
             released=Releases(), ready=Readiness(readiness.default_file()),
             signing=Signing.controller(creds), events=events, versions=versions,
             stats=Stats(observe=metrics.VERB_ANSWERED), down_after=down_after, keys=keys,
+            kicker=kicker,
         )  # fmt: skip
         await SeatEvents(signing=c.signing, standbys=c.standbys, released=c.released).subscribe(nc)
         # Start-up leaves tens of thousands of objects that live as long as the process; a full
@@ -126,6 +131,7 @@ async def run(
         with anyio.CancelScope(shield=True):
             if nc is not None:
                 await attempt("close NATS", bus.close(nc, drain=link.answers(nc)))
+            await attempt("close the kicker's NATS connection", kicker.close())
             await attempt("close the store pool", pool.close())
 
 
