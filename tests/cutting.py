@@ -48,9 +48,9 @@ class Cut(msgspec.Struct):
         return [a for a in self.answers if a.code != 0 or a.holder is None]
 
     def first_by_new(self, *, probes: bool = False) -> Answer | None:
-        return next((a for a in sorted(self.probes if probes else self.answers,
-                                       key=lambda a: a.done)
-                     if a.holder == self.standby and (a.epoch or 0) > self.epoch_before), None)  # fmt: skip
+        got = sorted(self.probes if probes else self.answers, key=lambda a: a.done)
+        new = (a for a in got if a.holder == self.standby and (a.epoch or 0) > self.epoch_before)
+        return next(new, None)
 
     def gap(self, *, probes: bool = False) -> float | None:
         """From the cut to the first answer by the new holder: as the bus probe got it, or
@@ -86,8 +86,9 @@ async def _status(m, cut: Cut) -> None:
         except (ValueError, KeyError, TypeError):
             pass
     said = done.stderr.decode(errors="replace").strip().splitlines()
+    last = said[-1] if said else ""
     cut.answers.append(Answer(sent=sent, done=time.monotonic(), code=done.returncode,
-                              holder=holder, epoch=epoch, said=said[-1] if said else ""))  # fmt: skip
+                              holder=holder, epoch=epoch, said=last))  # fmt: skip
 
 
 async def _probe(nc: Client, cut: Cut) -> None:
@@ -154,4 +155,3 @@ def summary(cut: Cut) -> str:
     return (f"{cut.kind}: {cut.holder} -> {cut.standby}, gap {_seconds(cut.gap(probes=True))} "
             f"(bus probe), {_seconds(cut.gap())} (command line); {len(cut.answers)} status, "
             f"{len(cut.unanswered())} unanswered")  # fmt: skip
-
