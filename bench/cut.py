@@ -90,9 +90,11 @@ def main() -> None:
     for kind, done in cuts.items():
         lost = sum(len(c.unanswered()) for c in done)
         asked = sum(len(c.answers) for c in done)
+        skipped = sum(c.skipped for c in done)
         print(f"{kind:>5}: gap {_figures([c.gap(probes=True) for c in done])} (bus probe); "
               f"{_figures([c.gap() for c in done])} (command line); "
-              f"{lost} of {asked} status unanswered")  # fmt: skip
+              f"{lost} of {asked} status unanswered"
+              + (f"; {skipped} not started, the machine too busy" if skipped else ""))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -21,6 +21,10 @@ from nats.aio.client import Client
 Kind = Literal["nats", "store", "both"]
 KINDS: tuple[Kind, ...] = ("nats", "store", "both")
 STATUS_EVERY = 0.5  # how often the client starts a `mesh --json status`
+# At most this many at once: a command line that a loaded machine starts late is not started
+# again and again on top of it (each start is a Python process's worth of CPU); one not
+# started is counted (`Cut.skipped`), never taken for a lost request.
+IN_FLIGHT = 12
 AFTER = 5.0  # how long the client goes on once the new holder has answered
 PROBE_EVERY = 0.1  # the bus probe's pace: the gap to a tenth of a second
 PROBE_WAIT = 1.0
@@ -43,6 +47,8 @@ class Cut(msgspec.Struct):
     at: float  # monotonic, the cut
     answers: list[Answer] = []  # the command line's
     probes: list[Answer] = []  # the bus probe's: status every PROBE_EVERY, each asked once
+    skipped: int = 0  # command lines not started, IN_FLIGHT running already
+    running: int = 0
 
     def unanswered(self) -> list[Answer]:
         return [a for a in self.answers if a.code != 0 or a.holder is None]
@@ -77,7 +83,11 @@ async def _status(m, cut: Cut) -> None:
     argv = m.net.argv("client", [*MESH, "--json", "status"])
     sent = time.monotonic()
     env = {k: v for k, v in os.environ.items() if k != "MESH_CREDS"}
-    done = await anyio.run_process(argv, check=False, env={**env, **m.env()})
+    cut.running += 1
+    try:
+        done = await anyio.run_process(argv, check=False, env={**env, **m.env()})
+    finally:
+        cut.running -= 1
     holder = epoch = None
     if done.returncode == 0:
         try:
@@ -126,7 +136,10 @@ async def cut_once(m, nc: Client, kind: Kind, *, within: float = 60) -> Cut:
         cut.at = time.monotonic()
         client.start_soon(_probing, nc, cut, stop)
         while True:  # every invocation ends by itself, within its --timeout (5 s by default)
-            client.start_soon(_status, m, cut)
+            if cut.running < IN_FLIGHT:
+                client.start_soon(_status, m, cut)
+            else:
+                cut.skipped += 1
             first = cut.first_by_new()
             if first is not None and time.monotonic() > first.done + AFTER:
                 break
@@ -152,6 +165,7 @@ def _seconds(gap: float | None) -> str:
 
 
 def summary(cut: Cut) -> str:
+    busy = f", {cut.skipped} not started (machine too busy)" if cut.skipped else ""
     return (f"{cut.kind}: {cut.holder} -> {cut.standby}, gap {_seconds(cut.gap(probes=True))} "
             f"(bus probe), {_seconds(cut.gap())} (command line); {len(cut.answers)} status, "
-            f"{len(cut.unanswered())} unanswered")  # fmt: skip
+            f"{len(cut.unanswered())} unanswered{busy}")  # fmt: skip
