@@ -91,10 +91,12 @@ def main() -> None:
         lost = sum(len(c.unanswered()) for c in done)
         asked = sum(len(c.answers) for c in done)
         skipped = sum(c.skipped for c in done)
+        baseline = statistics.median(c.baseline for c in done) if done else 0.0
+        busy = f"; {skipped} not started, the machine too busy" if skipped else ""
         print(f"{kind:>5}: gap {_figures([c.gap(probes=True) for c in done])} (bus probe); "
               f"{_figures([c.gap() for c in done])} (command line); "
-              f"{lost} of {asked} status unanswered"
-              + (f"; {skipped} not started, the machine too busy" if skipped else ""))  # fmt: skip
+              f"{lost} of {asked} status unanswered{busy}; a command line alone took "
+              f"{baseline:.2f}s (median, before the cuts)")  # fmt: skip
 
 
 if __name__ == "__main__":

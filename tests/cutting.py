@@ -10,6 +10,7 @@ bench/cut.py (ten of each, the gap's median and max).
 
 import json
 import os
+import statistics
 import time
 from typing import Literal
 
@@ -48,6 +49,7 @@ class Cut(msgspec.Struct):
     answers: list[Answer] = []  # the command line's
     probes: list[Answer] = []  # the bus probe's: status every PROBE_EVERY, each asked once
     skipped: int = 0  # command lines not started, IN_FLIGHT running already
+    baseline: float = 0.0  # a command line's own time before the cut (median of 3): its start
     running: int = 0
 
     def unanswered(self) -> list[Answer]:
@@ -130,6 +132,10 @@ async def cut_once(m, nc: Client, kind: Kind, *, within: float = 60) -> Cut:
     standby = next(b["instance"] for b in before["standbys"])
     cut = Cut(kind=kind, holder=holder, standby=standby,
               epoch_before=before["seat"]["epoch"], at=0.0)  # fmt: skip
+    before_cut = Cut(kind=kind, holder=holder, standby=standby, epoch_before=0, at=0.0)
+    for _ in range(3):
+        await _status(m, before_cut)
+    cut.baseline = statistics.median(a.done - a.sent for a in before_cut.answers)
     stop = anyio.Event()
     async with anyio.create_task_group() as client:
         fault(m, kind, holder, on=True)
@@ -168,4 +174,5 @@ def summary(cut: Cut) -> str:
     busy = f", {cut.skipped} not started (machine too busy)" if cut.skipped else ""
     return (f"{cut.kind}: {cut.holder} -> {cut.standby}, gap {_seconds(cut.gap(probes=True))} "
             f"(bus probe), {_seconds(cut.gap())} (command line); {len(cut.answers)} status, "
-            f"{len(cut.unanswered())} unanswered{busy}")  # fmt: skip
+            f"{len(cut.unanswered())} unanswered{busy}; a command line took {cut.baseline:.2f}s "
+            "before the cut")  # fmt: skip
