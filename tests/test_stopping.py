@@ -15,7 +15,7 @@ import anyio
 import nats
 import pytest
 from helpers import MESH, await_until, exited, fleet_up
-from test_faults import Servers
+from test_faults import Servers, servers  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.slow
 
@@ -23,19 +23,8 @@ STOP_WITHIN = 10.0  # the promise (docs/operations.md): every piece exits within
 WAIT_AT_MOST = 30.0  # how long the test waits for the exits at all (a loaded machine)
 
 
-@pytest.fixture
-async def servers(procs, tmp_path):
-    s = Servers(procs, tmp_path)
-    try:
-        await s.start_postgres()
-        await s.start_nats()
-        yield s
-    finally:
-        s.stop()
-
-
-async def _fleet(servers: Servers, procs, tmp_path) -> dict[str, subprocess.Popen]:
-    env = {"MESH_NATS_URL": servers.nats_url, "MESH_DATABASE_URL": servers.database_url}
+async def _fleet(on: Servers, procs, tmp_path) -> dict[str, subprocess.Popen]:
+    env = {"MESH_NATS_URL": on.nats_url, "MESH_DATABASE_URL": on.database_url}
 
     def controller(name: str) -> subprocess.Popen:
         return procs.start(name, [*MESH, "controller", "run", "--instance", name], env=env)
@@ -43,9 +32,9 @@ async def _fleet(servers: Servers, procs, tmp_path) -> dict[str, subprocess.Pope
     def host(name: str, *flags: str) -> subprocess.Popen:
         argv = [*MESH, "host", "run", "--name", name, "--root", str(tmp_path / "hosts" / name),
                 *flags, "--beat", "0.5"]  # fmt: skip
-        return procs.start(name, argv, env={"MESH_NATS_URL": servers.nats_url})
+        return procs.start(name, argv, env={"MESH_NATS_URL": on.nats_url})
 
-    nc = await nats.connect(servers.nats_url)
+    nc = await nats.connect(on.nats_url)
     try:
         fleet = await fleet_up(nc, start_controller=controller, start_host=host, hosts=1,
                                controllers=("ctl-a", "ctl-b"))  # fmt: skip
@@ -80,7 +69,10 @@ def _assert_in_time(pieces: dict[str, subprocess.Popen], took: dict[str, float])
 
 @pytest.mark.parametrize("servers_get", [signal.SIGTERM, signal.SIGKILL])
 async def test_every_piece_exits_soon_after_sigterm_with_its_bus_and_store_gone(
-    servers, procs, tmp_path, servers_get
+    servers,
+    procs,
+    tmp_path,
+    servers_get,  # noqa: F811
 ) -> None:
     """SIGTERM (or SIGKILL) to nats-server and PostgreSQL, and SIGTERM to the controllers and
     the host in the same instant: each piece exits within STOP_WITHIN."""
@@ -95,7 +87,9 @@ async def test_every_piece_exits_soon_after_sigterm_with_its_bus_and_store_gone(
 
 
 async def test_every_piece_exits_soon_after_sigterm_once_its_bus_is_gone_a_while(
-    servers, procs, tmp_path
+    servers,
+    procs,
+    tmp_path,  # noqa: F811
 ) -> None:
     """nats-server and PostgreSQL killed, the pieces left reconnecting for a few seconds (the
     holder steps down meanwhile and the next takes the seat, or tries to), then SIGTERM: each
