@@ -69,10 +69,10 @@ def _assert_in_time(pieces: dict[str, subprocess.Popen], took: dict[str, float])
 
 @pytest.mark.parametrize("servers_get", [signal.SIGTERM, signal.SIGKILL])
 async def test_every_piece_exits_soon_after_sigterm_with_its_bus_and_store_gone(
-    servers,
+    servers,  # noqa: F811 (the fixture)
     procs,
     tmp_path,
-    servers_get,  # noqa: F811
+    servers_get,
 ) -> None:
     """SIGTERM (or SIGKILL) to nats-server and PostgreSQL, and SIGTERM to the controllers and
     the host in the same instant: each piece exits within STOP_WITHIN."""
@@ -87,9 +87,9 @@ async def test_every_piece_exits_soon_after_sigterm_with_its_bus_and_store_gone(
 
 
 async def test_every_piece_exits_soon_after_sigterm_once_its_bus_is_gone_a_while(
-    servers,
+    servers,  # noqa: F811 (the fixture)
     procs,
-    tmp_path,  # noqa: F811
+    tmp_path,
 ) -> None:
     """nats-server and PostgreSQL killed, the pieces left reconnecting for a few seconds (the
     holder steps down meanwhile and the next takes the seat, or tries to), then SIGTERM: each
