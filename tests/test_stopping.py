@@ -1,6 +1,7 @@
 """A piece stops when asked, whatever the bus and the store do (issue 29): with nats-server and
 PostgreSQL stopped together with them (SIGTERM to all at once), or killed first (SIGKILL), the
-controller and the host exit within STOP_WITHIN of their SIGTERM. Real processes; every wait
+controllers, the host, the console and `mesh mcp` (over HTTP) exit within STOP_WITHIN of their
+SIGTERM. Real processes; every wait
 polls with a deadline.
 
 The fault seen: the host logged `received SIGTERM: stopping`, then `lost the NATS connection;
@@ -16,6 +17,8 @@ import nats
 import pytest
 from helpers import MESH, await_until, exited, fleet_up
 from test_faults import Servers, servers  # noqa: F401 (a fixture)
+
+from mesh.embedded import ports
 
 pytestmark = pytest.mark.slow
 
@@ -40,7 +43,23 @@ async def _fleet(on: Servers, procs, tmp_path) -> dict[str, subprocess.Popen]:
                                controllers=("ctl-a", "ctl-b"))  # fmt: skip
     finally:
         await nc.close()
-    return {**fleet.controllers, **fleet.hosts}
+    # The console and `mesh mcp` over HTTP, each listening once it has its bus.
+    clients = {}
+    for name, *argv in (("console", "console", "--listen"), ("mcp", "mcp", "--http")):
+        port = ports.free_port()
+        clients[name] = procs.start(name, [*MESH, *argv, f"127.0.0.1:{port}"],
+                                    env={"MESH_NATS_URL": on.nats_url})  # fmt: skip
+        await await_until(lambda p=port: listening(p), within=60, what=f"{name} to listen")
+    return {**fleet.controllers, **fleet.hosts, **clients}
+
+
+async def listening(port: int) -> bool:
+    try:
+        stream = await anyio.connect_tcp("127.0.0.1", port)
+    except OSError:
+        return False
+    await stream.aclose()
+    return True
 
 
 async def _exit_times(pieces: dict[str, subprocess.Popen], since: float) -> dict[str, float]:
@@ -107,3 +126,16 @@ async def test_every_piece_exits_soon_after_sigterm_once_its_bus_is_gone_a_while
         proc.send_signal(signal.SIGTERM)
     took = await _exit_times(alive, time.monotonic())
     _assert_in_time(alive, took)
+
+
+def test_a_process_stuck_after_the_signal_exits_at_the_bound() -> None:
+    """The watchdog behind every last step: a process whose stop does not end (here a sleep
+    that nothing cancels) exits with status 1, one line saying why, at the bound."""
+    code = "import time; from mesh.lifetime import exit_by; exit_by(0.5); time.sleep(60)"
+    started = time.monotonic()
+    done = subprocess.run([*MESH[:2], "-c", code], capture_output=True, text=True, timeout=30)
+    took = time.monotonic() - started
+    print(f"exited {took:.2f}s after the watchdog started (bound 0.5 s)")
+    assert done.returncode == 1, done.stderr
+    assert "still running 0.5s after being asked to stop: exiting now" in done.stderr
+    assert "Traceback" not in done.stderr
