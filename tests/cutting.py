@@ -136,24 +136,44 @@ async def cut_once(m, nc: Client, kind: Kind, *, within: float = 60) -> Cut:
     for _ in range(3):
         await _status(m, before_cut)
     cut.baseline = statistics.median(a.done - a.sent for a in before_cut.answers)
-    stop = anyio.Event()
+    fault(m, kind, holder, on=True)
+    cut.at = time.monotonic()
+
+    def done() -> bool:
+        first = cut.first_by_new()
+        return first is not None and time.monotonic() > first.done + AFTER
+
+    await asking(m, nc, cut, until=done, within=within)
+    fault(m, kind, holder, on=False)
+    return cut
+
+
+async def asking(m, nc: Client, cut: Cut, *, until, within: float) -> None:
+    """The status client (and the bus probe) from now until `until()` or `within` seconds, and
+    until every command line it started has ended (each within its --timeout, 5 s)."""
+    stop, started = anyio.Event(), time.monotonic()
     async with anyio.create_task_group() as client:
-        fault(m, kind, holder, on=True)
-        cut.at = time.monotonic()
         client.start_soon(_probing, nc, cut, stop)
-        while True:  # every invocation ends by itself, within its --timeout (5 s by default)
+        while not until() and time.monotonic() < started + within:
             if cut.running < IN_FLIGHT:
                 client.start_soon(_status, m, cut)
             else:
                 cut.skipped += 1
-            first = cut.first_by_new()
-            if first is not None and time.monotonic() > first.done + AFTER:
-                break
-            if time.monotonic() > cut.at + within:
-                break
             await anyio.sleep(STATUS_EVERY)  # ok: the client's pace, not a synchronisation
         stop.set()
-    fault(m, kind, holder, on=False)
+
+
+async def others_cut(m, nc: Client, member: str, *, seconds: float) -> Cut:
+    """Cut `member` (a standby or a host) off for `seconds` with the status client running."""
+    before = await await_until(lambda: held_status(nc, timeout=2), within=30, what="a holder")
+    holder = before["seat"]["holder"]
+    cut = Cut(kind="both", holder=holder, standby=holder, epoch_before=before["seat"]["epoch"],
+              at=time.monotonic())  # fmt: skip
+    m.net.cut(member)
+    try:
+        await asking(m, nc, cut, until=lambda: False, within=seconds)
+    finally:
+        m.net.restore(member)
     return cut
 
 

@@ -10,8 +10,9 @@ Root only (network namespaces): skipped otherwise.
 """
 
 import pytest
-from cutting import KINDS, cut_once, summary
-from test_network import net, netmesh, started  # noqa: F401 (fixtures)
+from cutting import KINDS, cut_once, others_cut, summary
+from helpers import held_status
+from test_network import CONTROLLERS, net, netmesh, started  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.slow
 
@@ -31,3 +32,22 @@ async def test_the_holder_cut_off_loses_no_request(netmesh, kind) -> None:  # no
     assert first.epoch is not None and first.epoch > cut.epoch_before
     # Nothing answered by the old holder after the new one had (two holders at once).
     assert all(a.holder == cut.standby for a in cut.answers if a.sent > first.done), cut
+
+
+async def test_a_standby_or_a_host_cut_off_changes_nothing(netmesh) -> None:  # noqa: F811
+    """The standby's link cut, then a host's, each for longer than the holder's step-down and
+    a host's down-detection: the holder keeps the seat and its epoch, and answers throughout."""
+    nc = await started(netmesh)
+    try:
+        before = (await held_status(nc, timeout=2))["seat"]
+        standby = next(c for c in CONTROLLERS if c != before["holder"])
+        cuts = [await others_cut(netmesh, nc, member, seconds=6) for member in (standby, "node-2")]
+        after = (await held_status(nc, timeout=2))["seat"]
+    finally:
+        await nc.close()
+    for cut in cuts:
+        lost = [(round(a.sent - cut.at, 2), a.code, a.said) for a in cut.unanswered()]
+        assert lost == [], lost
+        assert {(a.holder, a.epoch) for a in cut.answers} == {(before["holder"], before["epoch"])}
+    assert (after["holder"], after["epoch"]) == (before["holder"], before["epoch"])
+    assert netmesh.controllers[before["holder"]].poll() is None
