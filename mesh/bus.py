@@ -116,7 +116,8 @@ class Link:
         disconnection). A PONG that is only late, behind a backlog of messages this process
         has not read yet (a storm of requests), is not silence: the messages keep coming.
         While `lagging()` (this process's own event loop has run late lately: a PONG may sit
-        unread behind it), silence takes `late` + `every` instead."""
+        unread behind it), silence takes `late` + `every` instead. While nats-py says the
+        connection is down (it reconnects), nothing here is silence: `down_for` judges that."""
         self.answered_at = self.heard_at = time.monotonic()
         self.silent = False
         received = nc.stats["in_msgs"]
@@ -148,7 +149,9 @@ class Link:
                     received, self.heard_at = nc.stats["in_msgs"], now
                 quiet = now - max(self.answered_at, self.heard_at)
                 allowed = late if late is not None and lagging() else within
-                self.silent = quiet > allowed + every
+                # An outage nats-py reports (reconnecting, maybe to another server of the
+                # cluster) is `down_for`'s to judge: silence is of a link it thinks is up.
+                self.silent = nc.is_connected and quiet > allowed + every
                 self._kick()
 
     def answers(self, nc: Client) -> bool:
@@ -180,6 +183,7 @@ class Link:
     async def reconnected(self) -> None:
         log.info("NATS connection back")
         self.up = True
+        self.answered_at = self.heard_at = time.monotonic()  # the server answered us just now
         if self.on_up:
             self.on_up()
         self._kick()

@@ -6,13 +6,15 @@ So each holder records on the bus where its connection is (the server's id and i
 services/controller/epochs.py), and the next holder, when the seat did not come to it by a
 handover, asks that server to close that connection (`$SYS.REQ.SERVER.<id>.KICK`, routed to it
 across a cluster) as soon as its own verbs are subscribed. The request needs the system
-account's kicker (mesh.auth.system), a connection of its own opened at start; a controller
-without its credentials does not kick, and the server's pings end the window as before.
+account's kicker (mesh.auth.system), on a connection of its own for that one request; a
+controller without its credentials does not kick, and the server's pings end the window as
+before.
 """
 
 import json
 import logging
 
+import anyio
 import msgspec
 from nats.aio.client import Client
 
@@ -21,6 +23,7 @@ from mesh.errors import reason
 
 log = logging.getLogger("mesh.controller")
 
+CONNECT_WITHIN = 2.0  # the kicker's own connection (TLS, its nkey)
 KICK_WITHIN = 1.0  # one try: the answer comes from the server, wherever it is in the cluster
 
 
@@ -39,35 +42,36 @@ def where(nc: Client) -> Where | None:
 
 
 class Kicker:
-    """The system account's connection, if this controller has its credentials."""
+    """The system account's kicker, if this controller has its credentials: a connection of
+    its own for each kick, closed at once, so the system account is on the bus only for the
+    moment it is needed."""
 
-    def __init__(self, nc: Client | None) -> None:
-        self.nc = nc
-
-    @classmethod
-    async def connect(cls, url: str, *, creds: str | None) -> "Kicker":
+    def __init__(self, url: str, creds: str | None) -> None:
+        self.url = url
+        self.creds = creds
         if not creds:
             log.info("no system credentials (--system-creds): a cut-off holder's connection "
                      "stays until nats-server drops it")  # fmt: skip
-            return cls(None)
-        try:
-            return cls(await bus.connect(url, name="mesh-controller kicker", creds=creds))
-        except Exception as e:  # the seat works without it, only the window stays longer
-            log.warning("cannot connect as the system account's kicker: %s", reason(e))
-            return cls(None)
 
     async def kick(self, whom: Where, *, holder: str) -> bool:
         """Ask `whom`'s server to close it; whether the server said it did."""
-        if self.nc is None:
+        if not self.creds:
             return False
         subject = f"$SYS.REQ.SERVER.{whom.server}.KICK"
+        nc = None
         try:
-            msg = await self.nc.request(subject, json.dumps({"cid": whom.client}).encode(),
-                                        timeout=KICK_WITHIN)  # fmt: skip
+            with anyio.fail_after(CONNECT_WITHIN):
+                nc = await bus.connect(self.url, name="mesh-controller kicker", creds=self.creds,
+                                       reconnect=False)  # fmt: skip
+            msg = await nc.request(subject, json.dumps({"cid": whom.client}).encode(),
+                                   timeout=KICK_WITHIN)  # fmt: skip
             error = json.loads(msg.data).get("error")
         except Exception as e:
             log.warning("could not close %s's NATS connection: %s", holder, reason(e))
             return False
+        finally:
+            if nc is not None:
+                await bus.close(nc, drain=False, within=1.0)
         if error:  # gone already (its server dropped it, or it exited): nothing to do
             log.info("%s's NATS connection (client %d) is gone already: %s", holder,
                      whom.client, error.get("description", error))  # fmt: skip
@@ -75,7 +79,3 @@ class Kicker:
         log.info("closed %s's NATS connection (client %d on %s)", holder, whom.client,
                  whom.server[:8])  # fmt: skip
         return True
-
-    async def close(self) -> None:
-        if self.nc is not None:
-            await bus.close(self.nc, drain=False)

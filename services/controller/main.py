@@ -94,10 +94,9 @@ async def run(
     pool = await db.pool(database_url)
     nc = None
     link = bus.Link()
-    kicker = Kicker(None)
+    kicker = Kicker(nats_url, system_creds)
     try:
         nc = await bus.connect(nats_url, name=f"mesh-controller {instance}", creds=creds, link=link)
-        kicker = await Kicker.connect(nats_url, creds=system_creds)
         me = SeatAnnounce(
             instance=instance, pid=pid, host=host, since=started, version=version.running()
         )
@@ -131,7 +130,6 @@ async def run(
         with anyio.CancelScope(shield=True):
             if nc is not None:
                 await attempt("close NATS", bus.close(nc, drain=link.answers(nc)))
-            await attempt("close the kicker's NATS connection", kicker.close())
             await attempt("close the store pool", pool.close())
 
 
