@@ -1,6 +1,6 @@
 """Benchmark: the holder cut off while its process lives (issue 29), `--cuts` times each kind.
 
-On the network-namespace mesh of tests/test_network.py (3 nats-servers in a TLS cluster,
+On the network-namespace mesh of tests/netmesh.py (3 nats-servers in a TLS cluster,
 PostgreSQL, 2 controllers, 3 hosts, each in a namespace of its own; root only), the holder is
 cut off from NATS only (routes to the nats-servers refused in its namespace), from the store
 only (the route to PostgreSQL refused), or from both (its link down at the switch). Through
@@ -35,7 +35,7 @@ import netns  # noqa: E402
 from common import secrets_key_file  # noqa: E402
 from conftest import Procs  # noqa: E402
 from cutting import KINDS, Cut, cut_once, stand_by_again, summary  # noqa: E402
-from test_network import MEMBERS, NetMesh, started  # noqa: E402
+from netmesh import MEMBERS, NetMesh, started  # noqa: E402
 
 
 def _figures(gaps: list[float | None]) -> str:

@@ -270,6 +270,11 @@ async def connect(
 _OPERATORS: "weakref.WeakKeyDictionary[Client, str | None]" = weakref.WeakKeyDictionary()
 
 
+def authenticated(nc: Client) -> bool:
+    """Whether `nc` connected with credentials."""
+    return nc in _OPERATORS
+
+
 def operator_of(nc: Client) -> str | None:
     """The operator `nc` connected as, None for a connection without operator credentials."""
     return _OPERATORS.get(nc)

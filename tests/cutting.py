@@ -18,6 +18,7 @@ import anyio
 import msgspec
 from helpers import MESH, await_until, exited, held_status, standing_by
 from nats.aio.client import Client
+from netmesh import NATS
 
 Kind = Literal["nats", "store", "both"]
 KINDS: tuple[Kind, ...] = ("nats", "store", "both")
@@ -69,8 +70,6 @@ class Cut(msgspec.Struct):
 
 def fault(m, kind: Kind, member: str, *, on: bool) -> None:
     """Cut `member` off (`on`) or restore it."""
-    from test_network import NATS
-
     targets = {"nats": [m.net.address(n) for n in NATS], "store": [m.net.address("pg")]}
     if kind == "both":
         (m.net.cut if on else m.net.restore)(member)

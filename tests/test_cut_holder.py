@@ -1,5 +1,5 @@
 """The holder cut off while its process lives (issue 29): from NATS only, from the store only,
-or from both, on the network-namespace mesh of tests/test_network.py (3 nats-servers in a
+or from both, on the network-namespace mesh of tests/netmesh.py (3 nats-servers in a
 cluster, PostgreSQL, 2 controllers, 3 hosts). The real command line, `mesh --json status` with
 its defaults (--timeout 5), runs every 0.5 s from the cut until the standby has answered for a
 while: every request is answered, and the standby holds the seat with a higher epoch. The gap
@@ -12,13 +12,13 @@ Root only (network namespaces): skipped otherwise.
 import pytest
 from cutting import KINDS, cut_once, others_cut, summary
 from helpers import held_status
-from test_network import CONTROLLERS, net, netmesh, started  # noqa: F401 (fixtures)
+from netmesh import CONTROLLERS, started
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize("kind", KINDS)
-async def test_the_holder_cut_off_loses_no_request(netmesh, kind) -> None:  # noqa: F811
+async def test_the_holder_cut_off_loses_no_request(netmesh, kind) -> None:
     nc = await started(netmesh)
     try:
         cut = await cut_once(netmesh, nc, kind)
@@ -34,7 +34,7 @@ async def test_the_holder_cut_off_loses_no_request(netmesh, kind) -> None:  # no
     assert all(a.holder == cut.standby for a in cut.answers if a.sent > first.done), cut
 
 
-async def test_a_standby_or_a_host_cut_off_changes_nothing(netmesh) -> None:  # noqa: F811
+async def test_a_standby_or_a_host_cut_off_changes_nothing(netmesh) -> None:
     """The standby's link cut, then a host's, each for longer than the holder's step-down and
     a host's down-detection: the holder keeps the seat and its epoch, and answers throughout."""
     nc = await started(netmesh)

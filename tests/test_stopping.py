@@ -15,8 +15,8 @@ import time
 import anyio
 import nats
 import pytest
+from faults import Servers
 from helpers import MESH, await_until, exited, fleet_up
-from test_faults import Servers, servers  # noqa: F401 (a fixture)
 
 from mesh.embedded import ports
 
@@ -88,7 +88,7 @@ def _assert_in_time(pieces: dict[str, subprocess.Popen], took: dict[str, float])
 
 @pytest.mark.parametrize("servers_get", [signal.SIGTERM, signal.SIGKILL])
 async def test_every_piece_exits_soon_after_sigterm_with_its_bus_and_store_gone(
-    servers,  # noqa: F811 (the fixture)
+    servers,
     procs,
     tmp_path,
     servers_get,
@@ -106,7 +106,7 @@ async def test_every_piece_exits_soon_after_sigterm_with_its_bus_and_store_gone(
 
 
 async def test_every_piece_exits_soon_after_sigterm_once_its_bus_is_gone_a_while(
-    servers,  # noqa: F811 (the fixture)
+    servers,
     procs,
     tmp_path,
 ) -> None:

@@ -62,7 +62,7 @@ def write_config(
     max_payload: int | None = None,
     tls: Tls | None = None,
     cluster: Cluster | None = None,
-    system: str | None = None,
+    system: str | None = None,  # the seat's kicker's public key (mesh.auth.system)
 ) -> Path:
     """Write `folder/nats.conf` for a server on `host`:`port` with JetStream in `folder/js`
     and its pid in `folder/nats.pid`. With `auth` (a file holding an `authorization` block, see
@@ -72,10 +72,7 @@ def write_config(
     With `tls`, clients must speak TLS (a plaintext client is refused) and the routes of a
     `cluster` are TLS too, each side checking the other's certificate against the CA. Servers in
     a cluster do not advertise each other to clients (`no_advertise`): every client is given
-    every server's URL, which is also the name its certificate is checked against.
-
-    `system` is the public key of the system account's one user, the seat's kicker
-    (mesh.auth.system): with it a new holder closes a cut-off holder's connection at once."""
+    every server's URL, which is also the name its certificate is checked against."""
     folder.mkdir(parents=True, exist_ok=True)
     store = folder / "js"
     store.mkdir(exist_ok=True)
