@@ -49,6 +49,24 @@ class _AsyncioNoise(logging.Filter):
 logging.getLogger("asyncio").addFilter(_AsyncioNoise())
 
 
+async def _process_pong(self: Client) -> None:
+    """nats-py's own, but a PONG whose flush gave up already (timed out, or its task was
+    cancelled: a hold's round trips at its end) is skipped. nats-py sets the result of that
+    cancelled future, the InvalidStateError ends its read loop, and the connection then reads
+    nothing more, silently, until its own pings find it stale 10-15 s later: a controller that
+    had just handed the seat over stood by deaf, missed the next `handover` and took the seat
+    13 s late (the planned handover's rare lost requests, issue 29)."""
+    if self._pongs:
+        future = self._pongs.pop(0)
+        if not future.done():
+            future.set_result(True)
+        self._pongs_received += 1
+        self._pings_outstanding = 0
+
+
+Client._process_pong = _process_pong  # type: ignore[method-assign]
+
+
 class Unreachable(MeshError):
     """The NATS server at the URL did not accept a connection."""
 
