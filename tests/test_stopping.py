@@ -16,7 +16,7 @@ import anyio
 import nats
 import pytest
 from faults import Servers
-from helpers import MESH, await_until, exited, fleet_up
+from helpers import MESH, already, await_until, exited, fleet_up
 
 from mesh.embedded import ports
 
@@ -49,17 +49,9 @@ async def _fleet(on: Servers, procs, tmp_path) -> dict[str, subprocess.Popen]:
         port = ports.free_port()
         clients[name] = procs.start(name, [*MESH, *argv, f"127.0.0.1:{port}"],
                                     env={"MESH_NATS_URL": on.nats_url})  # fmt: skip
-        await await_until(lambda p=port: listening(p), within=60, what=f"{name} to listen")
+        await await_until(lambda p=port: already(not ports.port_free(p)), within=60,
+                          what=f"{name} to listen")  # fmt: skip
     return {**fleet.controllers, **fleet.hosts, **clients}
-
-
-async def listening(port: int) -> bool:
-    try:
-        stream = await anyio.connect_tcp("127.0.0.1", port)
-    except OSError:
-        return False
-    await stream.aclose()
-    return True
 
 
 async def _exit_times(pieces: dict[str, subprocess.Popen], since: float) -> dict[str, float]:
