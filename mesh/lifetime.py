@@ -28,8 +28,9 @@ def exit_by(within: float = STOP_WITHIN) -> None:
 
     def wait_then_exit() -> None:
         time.sleep(within)  # a thread of its own: its sleep is the bound, not a synchronisation
-        log.warning("still running %gs after being asked to stop: exiting now", within)
-        logging.shutdown()
+        # Straight to stderr: a logging handler's lock may be what the stuck thread holds.
+        said = f"{time.strftime('%H:%M:%S')} mesh: still running {within:g}s after being asked "
+        os.write(2, f"{said}to stop: exiting now\n".encode())
         os._exit(1)
 
     _watchdog = threading.Thread(target=wait_then_exit, name="exit-by", daemon=True)
