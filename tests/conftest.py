@@ -25,7 +25,9 @@ from pathlib import Path
 import asyncpg
 import nats
 import pytest
+from faults import servers  # noqa: F401 (a fixture: tests/faults.py)
 from helpers import MESH, Fleet, fleet_up, mesh_cli, wait_until
+from netmesh import net, netmesh  # noqa: F401 (fixtures: tests/netmesh.py)
 from secured import as_identity, secured, secured_fleet  # noqa: F401 (fixtures: tests/secured.py)
 from standby import Pair
 
@@ -92,7 +94,10 @@ def remove_accounts_made_by_tests() -> Iterator[None]:
     marker.unlink(missing_ok=True)
     if os.geteuid() != 0 or _live_sessions():
         return
-    known = json.loads(baseline.read_text())
+    try:
+        known = json.loads(baseline.read_text())
+    except FileNotFoundError:  # another session ended in the same moment and cleaned up
+        return
     for name in sorted(_names("passwd") - set(known["passwd"])):
         subprocess.run(["userdel", "--remove", name], capture_output=True)
     for name in sorted(_names("group") - set(known["group"])):
