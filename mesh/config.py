@@ -84,11 +84,19 @@ def secrets_key_file(flag: str | None = None) -> str | None:
 def creds(flag: str | None = None) -> str | None:
     """A credentials file: the flag, MESH_CREDS, or `nats.creds` among the files the host wrote
     for this process (like systemd's LoadCredential=); an empty one means none."""
-    given = flag or os.environ.get("MESH_CREDS")
-    if given:
-        return given
+    return flag or os.environ.get("MESH_CREDS") or _nonempty_file("nats.creds")
+
+
+def system_creds(flag: str | None = None) -> str | None:
+    """The NATS system account's kicker (controller: mesh/auth/system.py): the flag,
+    MESH_SYSTEM_CREDS, or `system.creds` among the files the host wrote for this process; an
+    empty one means none (a mesh whose servers have no system account)."""
+    return flag or os.environ.get("MESH_SYSTEM_CREDS") or _nonempty_file("system.creds")
+
+
+def _nonempty_file(name: str) -> str | None:
     folder = os.environ.get("MESH_FILES")
-    found = os.path.join(folder, "nats.creds") if folder else None
+    found = os.path.join(folder, name) if folder else None
     return found if found and os.path.isfile(found) and os.path.getsize(found) > 0 else None
 
 

@@ -123,6 +123,7 @@ async def _make(mesh: DevMesh, *, name: str, record: Path) -> StatusReply:
             "mesh-database-url": pgauth.with_rootcert(mesh.database_url, STORE_CA_FILE),
             "mesh-store-ca": mesh.mesh.ca.read_text(),
             "mesh-controller-creds": mesh.creds["ctl"].read_text(),
+            "mesh-system-creds": mesh.creds["system"].read_text(),
         })  # fmt: skip
 
         temporary.proc.send_signal(signal.SIGTERM)  # hands the seat to the controller process
@@ -429,6 +430,7 @@ async def _install(
         "mesh-database-url": database_url,
         "mesh-controller-creds": controller.read_text(),
         "mesh-store-ca": creds.read(admin).ca or "",
+        "mesh-system-creds": "",  # compose's nats-server has no system account: no kicker
     })  # fmt: skip
     temporary.proc.send_signal(signal.SIGTERM)  # hands the seat to a controller process
     status = await until(

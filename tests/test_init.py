@@ -4,6 +4,7 @@ the start (never a container), answering `mesh status` with the printed environm
 import json
 import os
 import subprocess
+from pathlib import Path
 
 from helpers import MESH, account_of
 
@@ -30,6 +31,11 @@ def test_init_makes_a_mesh_whose_controller_is_a_process(made) -> None:
     assert seat["holder"].startswith("ctl-machine-")  # the process, not mesh-init
     if os.geteuid() == 0:
         assert account_of(seat["pid"]) == "mesh-controller"
+    # The controller process has the system account's kicker as a file, so a new holder can
+    # close a cut-off holder's connection (services/controller/module.toml).
+    environ = (Path("/proc") / str(seat["pid"]) / "environ").read_bytes().split(b"\0")
+    files = dict(e.decode().split("=", 1) for e in environ if b"=" in e)["MESH_FILES"]
+    assert "BEGIN USER NKEY SEED" in (Path(files) / "system.creds").read_text()
     handover = json.loads(status.stdout)["handover"]
     assert handover["from"] == "mesh-init" and handover["planned"] is True
 

@@ -321,7 +321,7 @@ async def cmd_controller_run(args: argparse.Namespace) -> None:
         secrets_key=Path(secrets_key),
         instance=args.instance,
         creds=config.creds(getattr(args, "creds", None)),
-        system_creds=args.system_creds or os.environ.get("MESH_SYSTEM_CREDS") or None,
+        system_creds=config.system_creds(args.system_creds),
         down_after=args.down_after,
         metrics_on=args.metrics,
         events=events,
