@@ -55,7 +55,7 @@ async def test_dev_up_runs_the_store_on_tls_and_refuses_plaintext(
     folder = tmp_path / "dev"
     dev = DevUp(folder, "--store-standby", hosts=1)
     try:
-        nats_url = dev.ready(within=180)
+        nats_url = dev.ready(within=150)
         env = env_file(folder)
         ca = folder.resolve() / "tls" / "ca.pem"
         url = env["MESH_DATABASE_URL"]

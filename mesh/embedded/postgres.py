@@ -523,7 +523,26 @@ def base_backup(
             )
         return False
     init_folder(data)
-    done = subprocess.run(
+    try:
+        done = _base_backup(data, primary_port=primary_port, password=password, ca=ca, host=host)
+    except subprocess.TimeoutExpired:
+        raise PostgresFailed(
+            f"pg_basebackup from port {primary_port} did not end within {BASE_BACKUP_WITHIN:g}s"
+        ) from None
+    if done.returncode != 0:
+        raise PostgresFailed(
+            f"pg_basebackup failed ({done.returncode}): {done.stderr.strip()[-800:]}"
+        )
+    return True
+
+
+BASE_BACKUP_WITHIN = 120.0  # a new mesh's store is small: minutes mean something is stuck
+
+
+def _base_backup(
+    data: Path, *, primary_port: int, password: str, ca: Path | None, host: str
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
         [
             bin("pg_basebackup"),
             "-D", str(data),
@@ -535,14 +554,9 @@ def base_backup(
             "-c", "fast",
             "--no-password",
         ],
-        capture_output=True, text=True, cwd=data, **run_as(),
+        capture_output=True, text=True, cwd=data, **run_as(), timeout=BASE_BACKUP_WITHIN,
         env={**os.environ, "PGPASSWORD": password, **_libpq_tls(ca)},  # its account's alone
     )  # fmt: skip
-    if done.returncode != 0:
-        raise PostgresFailed(
-            f"pg_basebackup failed ({done.returncode}): {done.stderr.strip()[-800:]}"
-        )
-    return True
 
 
 # libpq looks for a client certificate in ~/.postgresql (root's, not the server's account's, which
