@@ -204,8 +204,11 @@ def _status_answered(history: list[dict], report: Report, under_repair: frozense
             report.slowest = max(report.slowest, took)
             continue
         end = start + max(took, STATUS_TIMEOUT)
-        active = sorted({kind for s, e, kind in windows if s <= end and start <= e + RECOVERY})
-        documented = [k for k in active if k.split("/")[0] in DOCUMENTED]
+        active = sorted({kind for s, e, kind in windows if s <= end and start <= e})
+        # A documented fault excuses the RECOVERY after its heal too (the seat taken again).
+        recent = [(s, e + RECOVERY, kind) for s, e, kind in windows]
+        documented = sorted({kind for s, e, kind in recent if s <= end and start <= e
+                             and kind.split("/")[0] in DOCUMENTED})  # fmt: skip
         repaired = [k for k in active if k in under_repair]
         label = ", ".join(active) or "no fault"
         if documented:
