@@ -156,6 +156,14 @@ def test_a_status_unanswered_outside_documented_faults() -> None:
     assert repaired.violations == [] and repaired.under_repair == {"kill/holder": 1}
 
 
+def test_a_status_lost_during_a_planned_handover_says_so() -> None:
+    h = clean()
+    line(h, id=4, phase="ok").update(phase="fail", t=10.0)
+    h.insert(10, {"t": 4.5, "type": "op", "phase": "invoke", "id": 9, "op": "handover"})
+    h.insert(12, {"t": 5.5, "type": "op", "phase": "ok", "id": 9, "op": "handover"})
+    assert check(h).unanswered == {"handover (planned), kill/holder": 1}
+
+
 def test_a_status_answered_too_late() -> None:
     h = clean()
     line(h, id=4, phase="ok")["t"] = 5.0 + STATUS_TIMEOUT + 1
@@ -201,7 +209,7 @@ def test_a_seed_gives_one_schedule_and_every_kind_comes_first() -> None:
 
 # --- runs on the cluster (root, network namespaces) ---------------------------------------------
 
-SEEDS = [1, 2]
+SEEDS = [3, 14]  # between them: kill, pause-free holder faults, a failover, both NATS kinds
 MINUTES = 0.75  # with the set-up and the end, about a minute each: two minutes in all
 
 

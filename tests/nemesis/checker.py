@@ -189,9 +189,19 @@ def _windows(history: list[dict]) -> list[tuple[float, float, str]]:
     return found
 
 
+def _handovers(history: list[dict]) -> list[tuple[float, float, str]]:
+    """(asked, answered) of every planned handover the workload asked, as a window: a status
+    lost while one ran is labelled with it too (it is no fault, but it explains)."""
+    asked = {line["id"]: line["t"] for line in history if line["type"] == "op"
+             and line["op"] == "handover" and line["phase"] == "invoke"}  # fmt: skip
+    ended = [line for line in history if line["type"] == "op" and line["phase"] != "invoke"]
+    return [(asked[e["id"]], e["t"], "handover (planned)") for e in ended if e["id"] in asked]
+
+
 def _status_answered(history: list[dict], report: Report, under_repair: frozenset[str]) -> None:
     windows = _windows(history)
     report.faults.update(w[2] for w in windows)
+    windows += _handovers(history)
     invoked = {line["id"]: line["t"] for line in history if line["type"] == "op"
                and line["op"] == "status" and line["phase"] == "invoke"}  # fmt: skip
     for line in history:
