@@ -39,7 +39,7 @@ async def main(args: argparse.Namespace) -> int:
         outcome = await run(args.seed, args.minutes, folder, say=say,
                             under_repair=tuple(args.under_repair))  # fmt: skip
     except ClusterError as e:
-        raise BenchError(f"{e} (logs in {folder}/logs)") from None
+        raise BenchError(f"{e} (the logs: {folder}/*.log)") from None
     say()
     for line in describe(outcome):
         say(line)

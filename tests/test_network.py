@@ -25,7 +25,6 @@ import ssl
 import subprocess
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import anyio
@@ -56,6 +55,7 @@ from helpers import (
     ok_json,
 )
 from module_folders import gated_module
+from netpieces import CLIENT_PORT, PG_PORT, nats_config, nats_current, postgres_argv
 
 from mesh import bus
 from mesh.auth import tls
@@ -67,7 +67,6 @@ NATS = ["n1", "n2", "n3"]
 CONTROLLERS = ["ctl-0", "ctl-1"]
 HOSTS = ["node-1", "node-2", "node-3"]
 MEMBERS = [*NATS, "pg", *CONTROLLERS, *HOSTS, "client"]
-CLIENT_PORT, ROUTE_PORT, MONITOR_PORT, PG_PORT = 4222, 6222, 8222, 5432
 BEAT = 0.5  # the hosts' beat: down after 3 missed, 1.5 s
 # A holder cut off from NATS by a silent link: its own round trips (every 1 s, each allowed
 # 3 s) find it silent, then it steps down (docs/design.md, the seat): about 5-8 s here. The
@@ -109,19 +108,9 @@ class NetMesh:
     # --- NATS ------------------------------------------------------------------------------
 
     async def start_nats(self) -> None:
-        routes = [f"{self.net.address(n)}:{ROUTE_PORT}" for n in NATS]
         for name in NATS:
             folder = self.dir / "nats" / name
-            cert, key = folder / "server.pem", folder / "server.key"
-            tls.issue_server(self.ca_folder, cert, key, name=name, hosts=[self.net.address(name)])
-            conf = natsd.write_config(
-                folder, port=CLIENT_PORT, name=name, host=self.net.address(name),
-                tls=natsd.Tls(cert=cert, key=key, ca=Path(self.ca)),
-                cluster=natsd.Cluster(port=ROUTE_PORT, routes=routes),
-            )  # fmt: skip
-            # The monitoring port, for /healthz (JetStream current) and /connz.
-            conf.write_text(conf.read_text() + f'http: "{self.net.address(name)}:{MONITOR_PORT}"\n')
-            self.confs[name] = conf
+            self.confs[name] = nats_config(self.net, folder, self.ca_folder, name, NATS)
             self.run_nats(name)
         for name in NATS:
             await self.nats_healthy(name)
@@ -141,12 +130,7 @@ class NetMesh:
 
         async def healthy():
             assert proc.poll() is None, (self.dir / f"nats-{name}.log").read_text()[-3000:]
-            url = f"http://{self.net.address(name)}:{MONITOR_PORT}/healthz"
-            try:
-                got = await anyio.to_thread.run_sync(_get, url)
-            except OSError:
-                return False
-            return json.loads(got).get("status") == "ok"
+            return await nats_current(self.net, name)
 
         await await_until(healthy, within=within, what=f"nats-server {name} healthy")
 
@@ -168,8 +152,7 @@ class NetMesh:
         await anyio.to_thread.run_sync(lambda: postgres.init(data, passwords=passwords))
         with open(data / "pg_hba.conf", "a") as hba:
             hba.write(f"host all all {self.net.subnet} trust\n")
-        argv = [*postgres.argv(data, port=PG_PORT), "-c",
-                f"listen_addresses={self.net.address('pg')}"]  # fmt: skip
+        argv = postgres_argv(data, self.net.address("pg"))
         with self.net.inside("pg"):  # forked in there, then drops to its account
             proc = self.procs.start("postgres", argv, cwd=data, **postgres.run_as())
         admin = self.database_url.rpartition("/")[0] + "/postgres"
@@ -216,14 +199,6 @@ class NetMesh:
         found = self.net.peers(holder, CLIENT_PORT) & addresses.keys()
         assert len(found) == 1, f"{holder} connected to {found}"
         return addresses[found.pop()]
-
-
-def _get(url: str) -> bytes:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as r:
-            return r.read()
-    except urllib.error.HTTPError as e:  # /healthz answers 503 with a body while not current
-        return e.read()
 
 
 @pytest.fixture

@@ -9,25 +9,23 @@ the standby, the old primary then copied again as the new one's synchronous stan
 faults of tests/nemesis/schedule.py, each with its heal. Runs as root (network namespaces).
 """
 
-import json
 import os
 import shutil
 import signal
 import subprocess
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import anyio
 import asyncpg
+from helpers import Procs
 from netns import Network
+from netpieces import CLIENT_PORT, PG_PORT, accepts, nats_config, nats_current, postgres_argv
 
 from mesh.auth import secretkeys, tls
 from mesh.embedded import natsd, pgauth, postgres
-from mesh.embedded.children import remove_containers, stop_agents, stop_supervised
 
 from .history import History
 
@@ -36,7 +34,6 @@ STORES = ["pg1", "pg2"]
 CONTROLLERS = ["ctl-0", "ctl-1"]
 HOSTS = ["node-1", "node-2", "node-3"]
 MEMBERS = [*NATS, *STORES, *CONTROLLERS, *HOSTS, "client"]
-CLIENT_PORT, ROUTE_PORT, MONITOR_PORT, PG_PORT = 4222, 6222, 8222, 5432
 DATABASE = "mesh"
 BEAT = 0.5  # the hosts' beat, as the network tests have it
 
@@ -56,23 +53,17 @@ async def until(probe: Callable[[], Awaitable[object]], *, within: float, what: 
         await anyio.sleep(0.1)  # polling a condition with a deadline
 
 
-def _get(url: str) -> bytes:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as r:
-            return r.read()
-    except urllib.error.HTTPError as e:  # /healthz answers 503 with a body while not current
-        return e.read()
-
-
 class Cluster:
     def __init__(self, net: Network, folder: Path, history: History, python: str) -> None:
         self.net, self.dir, self.history = net, folder, history
         self.mesh = [python, "-P", "-m", "mesh"]
-        self.logs = folder / "logs"
-        self.logs.mkdir(parents=True, exist_ok=True)
         # Outside any 0700 folder: PostgreSQL and the hosts' processes run as other accounts.
+        # FOLDER/hosts links to its hosts/, where the Procs' clean-up looks (as the fixture's).
         self.open = Path(tempfile.mkdtemp(prefix="mesh-nemesis-"))
         self.open.chmod(0o755)
+        (self.open / "hosts").mkdir()
+        (folder / "hosts").symlink_to(self.open / "hosts", target_is_directory=True)
+        self.started = Procs(folder)  # every piece's log is FOLDER/NAME.log
         self.ca_folder = folder / "tls"
         self.ca = str(tls.ensure_ca(self.ca_folder))
         self.key_file = self.open / "secrets.key"
@@ -89,37 +80,24 @@ class Cluster:
         self.restarts = 0
 
     def env(self) -> dict[str, str]:
-        return {**os.environ, "MESH_NATS_URL": self.url, "MESH_CA": self.ca,
+        return {"MESH_NATS_URL": self.url, "MESH_CA": self.ca,
                 "MESH_DATABASE_URL": self.database_url, "PYTHONUNBUFFERED": "1",
                 "MESH_SECRETS_KEY_FILE": str(self.key_file)}  # fmt: skip
 
     def start(self, name: str, argv: list[str], **kw) -> subprocess.Popen:
-        log = open(self.logs / f"{name}.log", "ab")  # the child's; ours is closed below
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True, **kw)  # fmt: skip
-        log.close()
-        self.procs[name] = proc
-        return proc
+        self.procs[name] = self.started.start(name, argv, **kw)
+        return self.procs[name]
 
     def log_tail(self, name: str, chars: int = 2000) -> str:
-        path = self.logs / f"{name}.log"
+        path = self.dir / f"{name}.log"
         return path.read_text(errors="replace")[-chars:] if path.exists() else ""
 
     # --- NATS ------------------------------------------------------------------------------
 
     async def start_nats(self) -> None:
-        routes = [f"{self.net.address(n)}:{ROUTE_PORT}" for n in NATS]
         for name in NATS:
-            folder = self.dir / "nats" / name
-            cert, key = folder / "server.pem", folder / "server.key"
-            tls.issue_server(self.ca_folder, cert, key, name=name, hosts=[self.net.address(name)])
-            conf = natsd.write_config(
-                folder, port=CLIENT_PORT, name=name, host=self.net.address(name),
-                tls=natsd.Tls(cert=cert, key=key, ca=Path(self.ca)),
-                cluster=natsd.Cluster(port=ROUTE_PORT, routes=routes),
-            )  # fmt: skip
-            conf.write_text(conf.read_text() + f'http: "{self.net.address(name)}:{MONITOR_PORT}"\n')
-            self.confs[name] = conf
+            self.confs[name] = nats_config(self.net, self.dir / "nats" / name, self.ca_folder,
+                                           name, NATS)  # fmt: skip
             self.run_nats(name)
         for name in NATS:
             await self.nats_healthy(name)
@@ -129,16 +107,11 @@ class Cluster:
 
     async def nats_healthy(self, name: str, within: float = 60) -> None:
         """It answers and its JetStream is current (/healthz)."""
-        url = f"http://{self.net.address(name)}:{MONITOR_PORT}/healthz"
 
         async def healthy() -> bool:
             if self.procs[name].poll() is not None:
                 raise ClusterError(f"nats-server {name} exited: {self.log_tail(name)}")
-            try:
-                got = await anyio.to_thread.run_sync(_get, url)
-            except OSError:
-                return False
-            return json.loads(got).get("status") == "ok"
+            return await nats_current(self.net, name)
 
         await until(healthy, within=within, what=f"nats-server {name} healthy")
 
@@ -149,8 +122,7 @@ class Cluster:
 
     def _postgres(self, member: str, settings: tuple[str, ...]) -> None:
         data = self.open / member
-        argv = [*postgres.argv(data, port=PG_PORT, settings=settings), "-c",
-                f"listen_addresses={self.pg[member]}"]  # fmt: skip
+        argv = postgres_argv(data, self.pg[member], settings)
         with self.net.inside(member):  # forked in there, then drops to its account
             self.start(member, argv, cwd=data, **postgres.run_as())
 
@@ -158,12 +130,7 @@ class Cluster:
         async def ready() -> bool:
             if self.procs[member].poll() is not None:
                 raise ClusterError(f"PostgreSQL {member} exited: {self.log_tail(member)}")
-            try:
-                conn = await asyncpg.connect(self.direct(member, "postgres"), timeout=2)
-            except (OSError, asyncpg.PostgresError, TimeoutError):
-                return False
-            await conn.close()
-            return True
+            return await accepts(self.direct(member, "postgres"))
 
         await until(ready, within=60, what=f"PostgreSQL on {member}")
 
@@ -311,17 +278,5 @@ class Cluster:
 
     def kill_all(self) -> None:
         """Whatever is left, even after a failure (process groups, SIGKILL), and the folders."""
-        for proc in self.procs.values():
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
-        hosts = self.open / "hosts"
-        stop_agents(hosts)
-        stop_supervised(hosts)
-        remove_containers(hosts)
+        self.started.kill_all()
         shutil.rmtree(self.open, ignore_errors=True)
