@@ -82,6 +82,7 @@ def test_a_clean_history_passes() -> None:
     report = check(clean())
     assert report.violations == [], report.violations
     assert report.answered == 2
+    assert report.late == 1  # the one across the holder's kill
     assert report.slowest == pytest.approx(1.5)
 
 

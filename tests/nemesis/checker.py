@@ -26,6 +26,7 @@ STATUS_TIMEOUT = 5.0  # the command line's `--timeout` default for a read (progr
 SLACK = 0.5  # an answer's own way back after the deadline (the client's last try)
 RECOVERY = 10.0  # after a documented fault heals: the seat taken again, the client reconnected
 EXIT_WITHIN = 10.0
+LATE = 1.0  # one try's bound: an answer after it means a try was lost (or a slow holder)
 # Faults after which a request may go unanswered (docs/operations.md, failure table): the
 # bus's majority gone (JetStream and the seat's record stop), every store down (nobody can
 # hold the seat until the standby is promoted).
@@ -48,6 +49,7 @@ class Report:
     excused: Counter = field(default_factory=Counter)  # ... during documented faults
     under_repair: Counter = field(default_factory=Counter)  # ... faults the lead excused
     answered: int = 0
+    late: int = 0  # answered in time, but after more than LATE seconds (a lost try or more)
     slowest: float = 0.0
     faults: Counter = field(default_factory=Counter)  # by kind/role
 
@@ -211,6 +213,7 @@ def _status_answered(history: list[dict], report: Report, under_repair: frozense
         took = line["t"] - start
         if line["phase"] == "ok" and took <= STATUS_TIMEOUT + SLACK:
             report.answered += 1
+            report.late += took > LATE
             report.slowest = max(report.slowest, took)
             continue
         end = start + max(took, STATUS_TIMEOUT)

@@ -17,7 +17,7 @@ from faults import install_audit  # the store's audit of every write (tests/faul
 from mesh.client.asking import VerbFailed, ask, connected
 from mesh.model import StatusReply
 
-from .checker import EXIT_WITHIN, Report, around, check
+from .checker import EXIT_WITHIN, LATE, Report, around, check
 from .cluster import CONTROLLERS, HOSTS, MEMBERS, NATS, Cluster, ClusterError, until
 from .history import History
 from .inject import Injector
@@ -190,7 +190,8 @@ def describe(o: Outcome) -> list[str]:
     lines = [
         f"seed {o.seed}, {o.seconds / 60:g} minutes, {len(o.faults)} faults "
         f"({', '.join(f'{k} {n}' for k, n in sorted(r.faults.items()))})",
-        f"status: {r.answered} answered within the timeout (slowest {r.slowest:.2f}s); "
+        f"status: {r.answered} answered within the timeout ({r.late} after more than "
+        f"{LATE:g}s, the slowest in {r.slowest:.2f}s); "
         f"unanswered: {dict(r.unanswered) or 0}; during documented faults: "
         f"{dict(r.excused) or 0}; under repair: {dict(r.under_repair) or 0}",
         f"pieces restarted by their supervisor: {o.restarts}",
