@@ -189,6 +189,12 @@ def test_a_piece_slow_to_stop() -> None:
     assert kinds(h) == ["exit", "exit"]
 
 
+def test_a_command_the_harness_had_to_kill() -> None:
+    h = clean()
+    line(h, id=7, phase="fail").update(phase="timeout", error="ran 180.0s")
+    assert kinds(h) == ["hung"]
+
+
 def test_no_final_state_is_a_violation() -> None:
     h = [x for x in clean() if x["type"] != "final"]
     assert "lost-write" in kinds(h)

@@ -14,7 +14,9 @@ What it verifies (issue 29):
   documented fault (the bus's majority gone, every store down) or within RECOVERY after it,
   counted apart; a fault kind the lead has declared under repair (`under_repair`, say
   `block-nats/holder`) is counted apart too;
-- every piece exited within EXIT_WITHIN seconds of SIGTERM.
+- every piece exited within EXIT_WITHIN seconds of SIGTERM;
+- no command hung: a change the harness had to kill (`timeout`: still running long after its
+  plan could have ended, tests/nemesis/workload.py's CHANGE_BOUND) is a violation too.
 """
 
 from collections import Counter, defaultdict
@@ -36,7 +38,8 @@ FINAL_PLAN_STATES = frozenset({"done", "failed", "reverted", "cancelled"})
 
 @dataclass
 class Violation:
-    kind: str  # one-holder, epochs-rise, stale-apply, lost-write, plan-not-final, status, exit
+    # one-holder, epochs-rise, stale-apply, lost-write, plan-not-final, status, exit, hung
+    kind: str
     t: float
     message: str
 
@@ -69,6 +72,7 @@ def check(history: list[dict[str, Any]], *, under_repair: Iterable[str] = ()) ->
     _applies_rise(history, report)
     _writes_kept(history, final, report)
     _status_answered(history, report, frozenset(under_repair))
+    _hung(history, report)
     _exits(history, report)
     return report
 
@@ -233,6 +237,13 @@ def _status_answered(history: list[dict], report: Report, under_repair: frozense
             how = "answered" if line["phase"] == "ok" else line["phase"]
             report.add("status", start, f"status {line['id']} sent at {start:.1f}s {how} after "
                        f"{took:.1f}s ({line.get('error', '')}); faults then: {label}")  # fmt: skip
+
+
+def _hung(history: list[dict], report: Report) -> None:
+    for line in history:
+        if line["type"] == "op" and line["op"] != "status" and line["phase"] == "timeout":
+            report.add("hung", line["t"], f"{line['op']} {line['id']} was still running when "
+                       f"the harness killed it ({line.get('error', '')})")  # fmt: skip
 
 
 def _exits(history: list[dict], report: Report) -> None:
