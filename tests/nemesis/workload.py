@@ -5,8 +5,10 @@ with the command line's defaults (a connection per request, `status` asked for 5
 declarations put, hosts' `applied` events), all into the history."""
 
 import json
+import os
 import random
 import re
+import signal
 from pathlib import Path
 
 import anyio
@@ -81,29 +83,52 @@ class Workload:
 
     # --- changes, with the command line ------------------------------------------------------
 
+    async def bounded(self, argv: list[str], oid: int) -> tuple[int | None, Path, Path]:
+        """The command run to its end, or to CHANGE_BOUND: then it is sent SIGABRT, which
+        (faulthandler) prints where each of its threads stands on its stderr, and killed.
+        Its exit code (None: it hung) and where its stdout and stderr are (FOLDER/cli/)."""
+        env = {**os.environ, **self.c.env(), "PYTHONFAULTHANDLER": "1"}
+        env.pop("MESH_CREDS", None)
+        folder = self.c.dir / "cli"
+        folder.mkdir(exist_ok=True)
+        out_path, err_path = folder / f"{oid}.out", folder / f"{oid}.err"
+        with out_path.open("wb") as out_file, err_path.open("wb") as err_file:
+            proc = await anyio.open_process(argv, env=env, stdout=out_file, stderr=err_file)
+            try:
+                with anyio.move_on_after(CHANGE_BOUND):
+                    await proc.wait()
+                if proc.returncode is not None:
+                    return proc.returncode, out_path, err_path
+                proc.send_signal(signal.SIGABRT)
+                with anyio.move_on_after(5):
+                    await proc.wait()
+            finally:  # not left behind when the run ends (or is cancelled) meanwhile
+                if proc.returncode is None:
+                    proc.kill()
+        return None, out_path, err_path
+
     async def cli(self, op: str, args: list[str], **asked) -> None:
         oid = self.history.next_id()
         self.history.add("op", phase="invoke", id=oid, op=op, **asked)
         argv = [*self.c.mesh, *args, "--json", "--timeout", f"{CHANGE_TIMEOUT:g}"]
-        env = {k: v for k, v in self.c.env().items() if k != "MESH_CREDS"}
-        with anyio.move_on_after(CHANGE_BOUND) as scope:
-            done = await anyio.run_process(argv, check=False, env=env)
-        if scope.cancelled_caught:
-            self.history.add("op", phase="timeout", id=oid, op=op, error=f"ran {CHANGE_BOUND}s")
+        code, out_path, err_path = await self.bounded(argv, oid)
+        if code is None:
+            self.history.add("op", phase="timeout", id=oid, op=op,
+                             error=f"ran {CHANGE_BOUND:g}s; its stacks: {err_path}")  # fmt: skip
             return
-        out = done.stdout.decode(errors="replace").strip()
+        out = out_path.read_text(errors="replace").strip()
         try:
             reply = json.loads(out) if out.startswith("{") else None
         except json.JSONDecodeError:
             reply = None
-        error = done.stderr.decode(errors="replace").strip().splitlines()[-1:]
+        error = err_path.read_text(errors="replace").strip().splitlines()[-1:]
         if reply is None or (op != "handover" and "plan" not in reply):
-            self.history.add("op", phase="fail", id=oid, op=op, code=done.returncode,
+            self.history.add("op", phase="fail", id=oid, op=op, code=code,
                              error=error[0][:300] if error else "")  # fmt: skip
             return
         said = re.search(r"at version (\d+)", reply.get("message", ""))
         self.history.add(
-            "op", phase="ok", id=oid, op=op, code=done.returncode, plan=reply.get("plan"),
+            "op", phase="ok", id=oid, op=op, code=code, plan=reply.get("plan"),
             version=said.group(1) if said else reply.get("version"),
             outcome=(reply.get("outcome") or {}).get("state"),
         )  # fmt: skip
