@@ -49,6 +49,24 @@ class _AsyncioNoise(logging.Filter):
 logging.getLogger("asyncio").addFilter(_AsyncioNoise())
 
 
+async def _process_pong(self: Client) -> None:
+    """nats-py's own, but a PONG whose flush gave up already (timed out, or its task was
+    cancelled: a hold's round trips at its end) is skipped. nats-py sets the result of that
+    cancelled future, the InvalidStateError ends its read loop, and the connection then reads
+    nothing more, silently, until its own pings find it stale 10-15 s later: a controller that
+    had just handed the seat over stood by deaf, missed the next `handover` and took the seat
+    13 s late (the planned handover's rare lost requests, issue 29)."""
+    if self._pongs:
+        future = self._pongs.pop(0)
+        if not future.done():
+            future.set_result(True)
+        self._pongs_received += 1
+        self._pings_outstanding = 0
+
+
+Client._process_pong = _process_pong  # type: ignore[method-assign]
+
+
 class Unreachable(MeshError):
     """The NATS server at the URL did not accept a connection."""
 
@@ -104,31 +122,55 @@ class Link:
         self.silent = False  # the round trips found no answer for longer than they allow
         self.nc: Client | None = None  # set by connect: its own close is not a lost link
 
-    async def round_trips(self, nc: Client, *, every: float, within: float) -> None:
+    async def round_trips(
+        self, nc: Client, *, every: float, within: float, late: float | None = None,
+        lagging: Callable[[], bool] = lambda: False,
+    ) -> None:  # fmt: skip
         """Forever: every `every` seconds a PING the server must answer within `within`;
         `answered_at` is when it last did, and `silent` says it has not for `within` + `every`
         and nothing else came in meanwhile either (kept once the round trips stop: what they
         last found). A silent link shows here within seconds, where nats-py's own pings take
         10-15 s (and over TLS its close then waits out the SSL shutdown before it reports the
         disconnection). A PONG that is only late, behind a backlog of messages this process
-        has not read yet (a storm of requests), is not silence: the messages keep coming."""
+        has not read yet (a storm of requests), is not silence: the messages keep coming.
+        While `lagging()` (this process's own event loop has run late lately: a PONG may sit
+        unread behind it), silence takes `late` + `every` instead. While nats-py says the
+        connection is down (it reconnects), nothing here is silence: `down_for` judges that."""
         self.answered_at = self.heard_at = time.monotonic()
         self.silent = False
         received = nc.stats["in_msgs"]
-        while True:
-            await anyio.sleep(every)
+        # One PING out at a time, each given long to come back: nats-py fails its read loop on
+        # a PONG whose flush has timed out already, so silence is judged here, not by the
+        # flush's own timeout.
+        patience = 2 * max(within, late or 0.0)
+        outstanding = False
+
+        async def ping() -> None:
+            nonlocal outstanding
+            outstanding = True
             try:
-                with anyio.fail_after(within):
-                    await nc.flush(timeout=within)
+                with anyio.fail_after(patience + 1):
+                    await nc.flush(timeout=patience)
                 self.answered_at = time.monotonic()
             except Exception:  # timeouts, closed or reconnecting: all say "no answer"
                 pass
-            now = time.monotonic()
-            if nc.stats["in_msgs"] != received:
-                received, self.heard_at = nc.stats["in_msgs"], now
-            quiet = now - max(self.answered_at, self.heard_at)
-            self.silent = quiet > within + every
-            self._kick()
+            finally:
+                outstanding = False
+
+        async with anyio.create_task_group() as pings:
+            while True:
+                await anyio.sleep(every)
+                if not outstanding:
+                    pings.start_soon(ping)
+                now = time.monotonic()
+                if nc.stats["in_msgs"] != received:
+                    received, self.heard_at = nc.stats["in_msgs"], now
+                quiet = now - max(self.answered_at, self.heard_at)
+                allowed = late if late is not None and lagging() else within
+                # An outage nats-py reports (reconnecting, maybe to another server of the
+                # cluster) is `down_for`'s to judge: silence is of a link it thinks is up.
+                self.silent = nc.is_connected and quiet > allowed + every
+                self._kick()
 
     def answers(self, nc: Client) -> bool:
         """NATS is there to hear us: connected, and not silent to our round trips (draining
@@ -159,6 +201,7 @@ class Link:
     async def reconnected(self) -> None:
         log.info("NATS connection back")
         self.up = True
+        self.answered_at = self.heard_at = time.monotonic()  # the server answered us just now
         if self.on_up:
             self.on_up()
         self._kick()
@@ -243,6 +286,11 @@ async def connect(
 # Which operator each connection authenticated as (its credentials file's `# mesh-operator:`):
 # the client asks its changes on that operator's own subjects (mesh.client.asking).
 _OPERATORS: "weakref.WeakKeyDictionary[Client, str | None]" = weakref.WeakKeyDictionary()
+
+
+def authenticated(nc: Client) -> bool:
+    """Whether `nc` connected with credentials."""
+    return nc in _OPERATORS
 
 
 def operator_of(nc: Client) -> str | None:
@@ -373,16 +421,41 @@ async def _respond(msg: Msg, body: bytes) -> None:
         log.warning("could not reply on %s: %s: %s", msg.subject, type(e).__name__, e)
 
 
-async def close(nc: Client, *, drain: bool = True) -> None:
-    """Drain when connected (in-flight replies go out) and `drain`; otherwise just close.
-    Never raises."""
-    try:
-        if nc.is_connected and drain:
-            await nc.drain()
-        elif not nc.is_closed:
-            await nc.close()
-    except Exception as e:
-        log.warning("closing the NATS connection: %s", reason(e))
+CLOSE_WITHIN = 3.0  # a close's bound: a drain past it is cut and the connection just closed
+
+
+async def close(nc: Client, *, drain: bool = True, within: float = CLOSE_WITHIN) -> None:
+    """Drain when connected (in-flight replies go out) and `drain`; otherwise, or once the drain
+    has taken half of `within`, just close. Never raises, never takes much longer than `within`,
+    even from a cancelled scope, and leaves none of nats-py's tasks behind: a reconnect loop
+    that outlived its cancellation kept a stopped host running (issue 29)."""
+    with anyio.CancelScope(shield=True):
+        try:
+            if nc.is_connected and drain:
+                with anyio.move_on_after(within / 2):
+                    await nc.drain()
+            if not nc.is_closed:
+                with anyio.move_on_after(within / 2):
+                    await nc.close()
+        except Exception as e:
+            log.warning("closing the NATS connection: %s", reason(e))
+        await _end_reconnecting(nc, within=within / 2)
+
+
+async def _end_reconnecting(nc: Client, *, within: float) -> None:
+    """Cancel nats-py's reconnect task until it has ended. Python 3.11's wait_for can swallow
+    a cancellation that comes as its connect attempt fails (it raises the OSError instead),
+    and nats-py's loop then goes on reconnecting to a server that is gone, for ever."""
+    task = nc._reconnection_task
+    if task is None or task.done():
+        return
+    nc._status = Client.CLOSED  # a reconnect that still succeeds must find us closed
+    with anyio.move_on_after(within):
+        while not task.done():
+            task.cancel()
+            await anyio.sleep(0.01)
+    if not task.done():
+        log.warning("closing the NATS connection: its reconnect task did not end")
 
 
 async def request(

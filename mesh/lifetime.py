@@ -1,18 +1,53 @@
 """Process lifetime: the one way a service stops, on SIGTERM or SIGINT, by cancelling its scope;
-and waiting for the first of several events."""
+the bound on how long stopping may take; and waiting for the first of several events."""
 
 import logging
+import os
 import signal
+import threading
+import time
 
 import anyio
 
 log = logging.getLogger("mesh")
 
+# Every piece exits within this of its first SIGTERM, whatever its bus or store does
+# (docs/operations.md): its last steps each have a shorter deadline of their own, and this is
+# the bound behind them all.
+STOP_WITHIN = 10.0
 
-async def stop_on_signals(scope: anyio.CancelScope) -> None:
+
+def exit_by(within: float = STOP_WITHIN) -> None:
+    """Make sure this process is gone `within` seconds from now: if it is still running then
+    (a last step that ignored its deadline, a library task that does not end when cancelled),
+    say so in one line and exit at once (status 1). A daemon thread, so it needs nothing of
+    the event loop, which is what may be stuck; started once, at the first signal."""
+    global _watchdog
+    if _watchdog is not None:
+        return
+
+    def wait_then_exit() -> None:
+        time.sleep(within)  # a thread of its own: its sleep is the bound, not a synchronisation
+        log.warning("still running %gs after being asked to stop: exiting now", within)
+        logging.shutdown()
+        os._exit(1)
+
+    _watchdog = threading.Thread(target=wait_then_exit, name="exit-by", daemon=True)
+    _watchdog.start()
+
+
+_watchdog: threading.Thread | None = None
+
+
+async def stop_on_signals(scope: anyio.CancelScope, *, bound: bool = True) -> None:
+    """Cancel `scope` at the first SIGTERM or SIGINT; with `bound`, the process exits within
+    STOP_WITHIN of it whatever happens (`mesh dev up`, which stops its children one after
+    another, is not bound)."""
     with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as received:
         async for signum in received:
             log.info("received %s: stopping", signal.Signals(signum).name)
+            if bound:
+                exit_by()
             scope.cancel()
             return
 

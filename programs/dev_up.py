@@ -27,7 +27,7 @@ import msgspec
 from nats.aio.client import Client
 
 from mesh import bus, metrics, subjects, wire
-from mesh.auth import registry, secretkeys, tls
+from mesh.auth import registry, secretkeys, system, tls
 from mesh.client.asking import probing
 from mesh.client.pages import every_page
 from mesh.embedded import natsd, pgauth, ports, postgres
@@ -98,6 +98,7 @@ class DevMesh:
         self.dir = folder.resolve()
         self.mesh = MeshDir(self.dir)
         self.creds: dict[str, Path] = {}  # piece (or "admin", "viewer") -> its credentials
+        self.system: str | None = None  # the system account's kicker (public key), once issued
         self.hosts = hosts
         self.port = port
         self.nats = nats  # nats-servers in the cluster
@@ -146,6 +147,9 @@ class DevMesh:
             self.creds["viewer"] = users.ensure("operator", "viewer", role="viewer")
             self.creds["tools"] = users.ensure("operator", "tools", role="tools")
             self.creds["ctl"] = users.ensure("controller", registry.CONTROLLER)
+            # The system account's kicker, the controllers' alone (mesh/auth/system.py).
+            self.creds["system"] = self.mesh.creds / "system.creds"
+            self.system = system.ensure(self.creds["system"], ca=self.mesh.ca.read_text())
             for i in range(1, self.hosts + 1):
                 name = f"node-{i}"
                 self.creds[name] = users.ensure("host", name, builder=i == 1)
@@ -213,7 +217,7 @@ class DevMesh:
                 tls.issue_server(self.mesh.tls, cert, key, name=name,
                                  hosts=["127.0.0.1", "localhost"])  # fmt: skip
             conf = natsd.write_config(
-                folder, port=client[i], name=name, auth=self.mesh.auth_conf,
+                folder, port=client[i], name=name, auth=self.mesh.auth_conf, system=self.system,
                 tls=natsd.Tls(cert=cert, key=key, ca=self.mesh.ca),
                 cluster=natsd.Cluster(port=cluster[i], routes=[f"127.0.0.1:{p}" for p in cluster])
                 if cluster else None,
@@ -319,7 +323,7 @@ class DevMesh:
     async def _start_controller(self, name: str) -> Child:
         argv = self._mesh_argv(
             "controller", "run", "--instance", name, "--creds", str(self.creds["ctl"]),
-            *self._metrics_on(name),
+            "--system-creds", str(self.creds["system"]), *self._metrics_on(name),
         )  # fmt: skip
         child = await self._start(name, argv, store=True)
         say(f"controller {name} started (pid {child.pid}, metrics {self._metrics_url(name)})")
@@ -557,7 +561,7 @@ async def up(
     mesh = DevMesh(folder=folder, hosts=hosts, port=port, nats=nats, store_standby=store_standby)
     try:
         async with anyio.create_task_group() as tg:
-            tg.start_soon(stop_on_signals, tg.cancel_scope)
+            tg.start_soon(lambda: stop_on_signals(tg.cancel_scope, bound=False))
             mesh.issue_credentials()
             await mesh.start_nats()
             await mesh.start_postgres()

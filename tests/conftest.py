@@ -25,7 +25,9 @@ from pathlib import Path
 import asyncpg
 import nats
 import pytest
+from faults import servers  # noqa: F401 (a fixture: tests/faults.py)
 from helpers import MESH, Fleet, Procs, fleet_up, mesh_cli, wait_until
+from netmesh import net, netmesh  # noqa: F401 (fixtures: tests/netmesh.py)
 from secured import as_identity, secured, secured_fleet  # noqa: F401 (fixtures: tests/secured.py)
 from standby import Pair
 

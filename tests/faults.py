@@ -11,13 +11,21 @@ every plan write carries the epoch of the last takeover before it, never an olde
 """
 
 import json
+import shutil
+import signal
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import anyio
 import asyncpg
+import nats
+import pytest
 from helpers import already, ask, await_until, held_status, kv_history, kv_keys
 
 from mesh import bus
+from mesh.embedded import natsd, pgauth, ports, postgres
 
 DEADLINE = 10.0  # a logical request's deadline, as the command line's (retries within it)
 
@@ -185,3 +193,86 @@ async def holder_above(nc, epoch: int, *, within: float = 60) -> dict:
         return s if s and s["seat"]["epoch"] > epoch else None
 
     return await await_until(above, within=within, what=f"a holder above epoch {epoch}")
+
+
+class Servers:
+    """A PostgreSQL and a nats-server of this test's own, each restartable on the same port
+    with its data kept (JetStream on disk with sync_interval: always)."""
+
+    def __init__(self, procs, tmp_path: Path) -> None:
+        self._procs = procs
+        # Not under pytest's folder, which is private to root (see conftest's pg_admin_url).
+        self.pg_folder = Path(tempfile.mkdtemp(prefix="mesh-test-pg-"))
+        self.pg_data = self.pg_folder / "data"
+        self.pg_port = ports.free_port()
+        self.nats_port = ports.free_port()
+        self.nats_conf = natsd.write_config(tmp_path / "bus", port=self.nats_port)
+        self.pg: subprocess.Popen | None = None
+        self.nats: subprocess.Popen | None = None
+        self.nats_url = f"nats://127.0.0.1:{self.nats_port}"
+        self.passwords = pgauth.Passwords(self.pg_folder / "passwords")
+        self.superuser = self.passwords.of(postgres.PG_USER)
+        self.database_url = postgres.url(  # the controllers' role, as `mesh dev up` gives it
+            self.pg_port, "mesh", user=postgres.CONTROLLER_USER,
+            password=self.passwords.of(postgres.CONTROLLER_USER),
+        )  # fmt: skip
+
+    async def start_postgres(self) -> None:
+        await anyio.to_thread.run_sync(
+            lambda: postgres.init(self.pg_data, passwords=self.passwords)
+        )
+        self.pg = self._procs.start(
+            "postgres", postgres.argv(self.pg_data, port=self.pg_port), cwd=self.pg_data,
+            **postgres.run_as(),
+        )  # fmt: skip
+        pg = self.pg
+        await postgres.wait_ready(
+            self.pg_port, password=self.superuser, deadline=30, alive=lambda: pg.poll() is None
+        )
+        await postgres.ensure_store(self.pg_port, database="mesh", passwords=self.passwords)
+
+    def stop_postgres(self) -> None:
+        assert self.pg is not None
+        self.pg.send_signal(signal.SIGINT)  # fast shutdown: every session is ended
+        self.pg.wait(timeout=30)
+
+    async def start_nats(self) -> None:
+        self.nats = self._procs.start("nats-server", natsd.argv(self.nats_conf))
+
+        async def listening():
+            assert self.nats is not None
+            assert self.nats.poll() is None, "nats-server exited"
+            try:
+                conn = await nats.connect(self.nats_url, allow_reconnect=False)
+            except Exception:
+                return False
+            await conn.close()
+            return True
+
+        await await_until(listening, within=15, what="nats-server to listen")
+
+    def kill_nats(self) -> None:
+        assert self.nats is not None
+        self.nats.kill()  # a crash: JetStream recovers its files at the next start
+        self.nats.wait(timeout=10)
+
+    def stop(self) -> None:
+        for proc in (self.pg, self.nats):
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+                try:
+                    proc.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+        shutil.rmtree(self.pg_folder, ignore_errors=True)
+
+
+@pytest.fixture
+async def servers(procs, tmp_path):
+    s = Servers(procs, tmp_path)
+    try:
+        await s.start_postgres()
+        await s.start_nats()
+        yield s
+    finally:
+        s.stop()

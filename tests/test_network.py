@@ -18,19 +18,12 @@ Root only (network namespaces): skipped otherwise, or where `ip netns add` is re
 
 import json
 import os
-import shutil
-import signal
 import socket
 import ssl
-import subprocess
-import tempfile
 import time
-from pathlib import Path
 
 import anyio
-import asyncpg
 import nats
-import netns
 import pytest
 from faults import (
     Verbs,
@@ -43,187 +36,27 @@ from faults import (
     waiting_in,
 )
 from helpers import (
-    MESH,
     ask,
     assert_tier_order,
     await_until,
     exited,
-    fleet_up,
     held_status,
-    mesh_cli,
     node_named,
     ok_json,
 )
 from module_folders import gated_module
-from netpieces import CLIENT_PORT, PG_PORT, nats_config, nats_current, postgres_argv
+from netmesh import CLIENT_PORT, CONTROLLERS, HOSTS, NATS, started
 
 from mesh import bus
 from mesh.auth import tls
-from mesh.embedded import natsd, pgauth, postgres
 
 pytestmark = pytest.mark.slow
 
-NATS = ["n1", "n2", "n3"]
-CONTROLLERS = ["ctl-0", "ctl-1"]
-HOSTS = ["node-1", "node-2", "node-3"]
-MEMBERS = [*NATS, "pg", *CONTROLLERS, *HOSTS, "client"]
-BEAT = 0.5  # the hosts' beat: down after 3 missed, 1.5 s
-# A holder cut off from NATS by a silent link: its own round trips (every 1 s, each allowed
-# 3 s) find it silent, then it steps down (docs/design.md, the seat): about 5-8 s here. The
-# bound leaves room for a loaded CI machine; nats-py's own pings alone took 46 s over TLS.
+# A holder cut off from NATS by a silent link: its own round trips (every 0.25 s) find 1 s of
+# silence, then it steps down (docs/architecture.md, the seat): about 1.5 s here. The bound
+# leaves room for a loaded CI machine; nats-py's own pings alone took 46 s over TLS.
 STEP_DOWN_PROMISED = 20.0
 STEP_DOWN_AT_MOST = 90.0  # how long the test waits for the exit at all
-
-
-@pytest.fixture
-def net():
-    why = netns.unavailable()
-    if why:
-        pytest.skip(why)
-    with netns.network(MEMBERS) as network:
-        yield network
-
-
-class NetMesh:
-    """The pieces of a mesh, each started inside its own namespace."""
-
-    def __init__(self, net: netns.Network, procs, tmp_path: Path) -> None:
-        self.net = net
-        self.procs = procs
-        self.dir = tmp_path
-        self.ca_folder = tmp_path / "tls"
-        self.ca = str(tls.ensure_ca(self.ca_folder))
-        self.nats: dict[str, subprocess.Popen] = {}
-        self.confs: dict[str, Path] = {}
-        self.url = ",".join(f"tls://{net.address(n)}:{CLIENT_PORT}" for n in NATS)
-        self.database_url = f"postgresql://{postgres.PG_USER}@{net.address('pg')}:{PG_PORT}/mesh"
-        self.pg_folder: Path | None = None
-        self.controllers: dict[str, subprocess.Popen] = {}
-        self.hosts: dict[str, subprocess.Popen] = {}
-
-    def env(self) -> dict[str, str]:
-        return {"MESH_NATS_URL": self.url, "MESH_CA": self.ca,
-                "MESH_DATABASE_URL": self.database_url, "PYTHONUNBUFFERED": "1"}  # fmt: skip
-
-    # --- NATS ------------------------------------------------------------------------------
-
-    async def start_nats(self) -> None:
-        for name in NATS:
-            folder = self.dir / "nats" / name
-            self.confs[name] = nats_config(self.net, folder, self.ca_folder, name, NATS)
-            self.run_nats(name)
-        for name in NATS:
-            await self.nats_healthy(name)
-
-    def run_nats(self, name: str) -> None:
-        argv = self.net.argv(name, natsd.argv(self.confs[name]))
-        self.nats[name] = self.procs.start(f"nats-{name}", argv)
-
-    def kill_nats(self, name: str) -> None:
-        proc = self.nats[name]
-        os.kill(proc.pid, signal.SIGKILL)
-        assert proc.wait(timeout=10) == -signal.SIGKILL
-
-    async def nats_healthy(self, name: str, within: float = 60) -> None:
-        """The server answers TLS clients and its JetStream is current (/healthz)."""
-        proc = self.nats[name]
-
-        async def healthy():
-            assert proc.poll() is None, (self.dir / f"nats-{name}.log").read_text()[-3000:]
-            return await nats_current(self.net, name)
-
-        await await_until(healthy, within=within, what=f"nats-server {name} healthy")
-
-    async def connect(self) -> nats.aio.client.Client:
-        return await bus.connect(self.url, name="test", ca=self.ca)
-
-    def cli(self, *args: str) -> subprocess.CompletedProcess:
-        """The `mesh` command line on this mesh (from the namespace the test thread is in)."""
-        return mesh_cli(*args, nats_url=self.url, answer=60, timeout=180)
-
-    # --- PostgreSQL ------------------------------------------------------------------------
-
-    async def start_postgres(self) -> None:
-        # Not under pytest's folder, which is private to root (see conftest's pg_admin_url).
-        self.pg_folder = Path(tempfile.mkdtemp(prefix="mesh-test-pg-"))
-        data = self.pg_folder / "data"
-        # The subnet's line below lets the test's pieces in without a password.
-        passwords = pgauth.Passwords(self.pg_folder / "passwords")
-        await anyio.to_thread.run_sync(lambda: postgres.init(data, passwords=passwords))
-        with open(data / "pg_hba.conf", "a") as hba:
-            hba.write(f"host all all {self.net.subnet} trust\n")
-        argv = postgres_argv(data, self.net.address("pg"))
-        with self.net.inside("pg"):  # forked in there, then drops to its account
-            proc = self.procs.start("postgres", argv, cwd=data, **postgres.run_as())
-        admin = self.database_url.rpartition("/")[0] + "/postgres"
-
-        async def ready():
-            assert proc.poll() is None, (self.dir / "postgres.log").read_text()[-3000:]
-            try:
-                conn = await asyncpg.connect(admin, timeout=2)
-            except (OSError, asyncpg.PostgresError, TimeoutError):
-                return False
-            try:
-                await conn.execute('CREATE DATABASE "mesh"')
-            finally:
-                await conn.close()
-            return True
-
-        await await_until(ready, within=60, what="PostgreSQL to accept connections")
-
-    def stop_postgres(self) -> None:
-        if self.pg_folder is not None:
-            shutil.rmtree(self.pg_folder, ignore_errors=True)
-
-    # --- the mesh's services ---------------------------------------------------------------
-
-    def start_controller(self, instance: str) -> subprocess.Popen:
-        argv = self.net.argv(instance, [*MESH, "controller", "run", "--instance", instance])
-        proc = self.procs.start(instance, argv, env=self.env())
-        self.controllers[instance] = proc
-        return proc
-
-    def start_host(self, name: str, *extra: str) -> subprocess.Popen:
-        argv = self.net.argv(name, [
-            *MESH, "host", "run", "--name", name, "--root", str(self.dir / "hosts" / name),
-            "--beat", str(BEAT), *extra,
-        ])  # fmt: skip
-        proc = self.procs.start(name, argv, env=self.env())
-        self.hosts[name] = proc
-        return proc
-
-    def holder_server(self, holder: str) -> str:
-        """The nats-server the controller `holder` is connected to (its namespace's only NATS
-        connection is the controller's)."""
-        addresses = {self.net.address(n): n for n in NATS}
-        found = self.net.peers(holder, CLIENT_PORT) & addresses.keys()
-        assert len(found) == 1, f"{holder} connected to {found}"
-        return addresses[found.pop()]
-
-
-@pytest.fixture
-async def netmesh(net, procs, tmp_path, monkeypatch):
-    """The test thread sits in the client namespace throughout: every socket it opens (NATS,
-    PostgreSQL, monitoring) and every command it runs goes over the switch."""
-    monkeypatch.setenv("MESH_CA", str(tmp_path / "tls" / "ca.pem"))
-    monkeypatch.delenv("MESH_CREDS", raising=False)
-    with net.inside("client"):
-        m = NetMesh(net, procs, tmp_path)
-        try:
-            yield m
-        finally:
-            procs.kill_all()  # before the namespaces go
-            m.stop_postgres()
-
-
-async def started(m: NetMesh) -> nats.aio.client.Client:
-    """NATS, PostgreSQL, ctl-0 holding, ctl-1 standing by, node-1..3 in tiers 0..2 up."""
-    await m.start_nats()
-    await m.start_postgres()
-    nc = await m.connect()
-    await fleet_up(nc, start_controller=m.start_controller, start_host=m.start_host,
-                   hosts=len(HOSTS), controllers=CONTROLLERS)  # fmt: skip
-    return nc
 
 
 async def kv_value(nc, key: str, within: float = 30) -> bytes:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import msgspec
 
+from mesh.auth import system as system_account
 from mesh.errors import MeshError
 
 
@@ -61,6 +62,7 @@ def write_config(
     max_payload: int | None = None,
     tls: Tls | None = None,
     cluster: Cluster | None = None,
+    system: str | None = None,  # the seat's kicker's public key (mesh.auth.system)
 ) -> Path:
     """Write `folder/nats.conf` for a server on `host`:`port` with JetStream in `folder/js`
     and its pid in `folder/nats.pid`. With `auth` (a file holding an `authorization` block, see
@@ -119,6 +121,8 @@ def write_config(
                 "  }",
             ]
         lines.append("}")
+    if system is not None:
+        lines += system_account.config_lines(system)
     if max_payload is not None:
         lines.append(f"max_payload: {int(max_payload)}")
     if auth is not None:  # an include is read relative to the including file's folder

@@ -123,6 +123,11 @@ def parser() -> argparse.ArgumentParser:
     ctl_run.add_argument("--database-url", metavar="URL", help="PostgreSQL (env MESH_DATABASE_URL)")
     ctl_run.add_argument("--instance", metavar="NAME", help="this controller's name")
     ctl_run.add_argument(
+        "--system-creds", metavar="FILE",
+        help="the NATS system account's kicker, to close a cut-off holder's connection at a "
+        "takeover (env MESH_SYSTEM_CREDS; controllers only)",
+    )  # fmt: skip
+    ctl_run.add_argument(
         "--secrets-key-file", metavar="F",
         help="the key of the secrets (env MESH_SECRETS_KEY_FILE; $MESH_FILES/secrets.key)",
     )  # fmt: skip
@@ -318,6 +323,7 @@ async def cmd_controller_run(args: argparse.Namespace) -> None:
         secrets_key=Path(secrets_key),
         instance=args.instance,
         creds=config.creds(getattr(args, "creds", None)),
+        system_creds=args.system_creds or os.environ.get("MESH_SYSTEM_CREDS") or None,
         down_after=args.down_after,
         metrics_on=args.metrics,
         events=events,

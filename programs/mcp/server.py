@@ -254,6 +254,9 @@ async def _http(mcp: Server, listen: Listen) -> None:
 
     addr, port = listen
     app = mcp.streamable_http_app(host=addr)
-    config = uvicorn.Config(app, host=addr, port=port, log_level="warning", lifespan="on")
+    # SIGTERM is uvicorn's to handle here: its graceful shutdown is bounded so that, with the
+    # bounded close of NATS after it, `mesh mcp` exits within mesh.lifetime.STOP_WITHIN.
+    config = uvicorn.Config(app, host=addr, port=port, log_level="warning", lifespan="on",
+                            timeout_graceful_shutdown=5)  # fmt: skip
     log.info("mesh mcp: streamable HTTP on http://%s:%d/mcp", addr, port)
     await uvicorn.Server(config).serve()

@@ -19,6 +19,7 @@ from nats.js.kv import KeyValue
 
 from mesh import subjects, wire
 from mesh.errors import MeshError
+from services.controller.kick import Where
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +31,13 @@ class BusEpoch(msgspec.Struct):
     holder: str
     pid: int
     at: datetime
+    # Where the holder's NATS connection is (kick.py): the next holder closes it if the seat
+    # did not come by a handover. Empty from an older controller.
+    server: str = ""
+    client: int = 0
+
+    def connection(self) -> Where | None:
+        return Where(server=self.server, client=self.client) if self.server else None
 
 
 class Seen(msgspec.Struct):
@@ -53,20 +61,38 @@ async def read(kv: KeyValue) -> Seen:
     return Seen(record=record, revision=entry.revision or 0)
 
 
-async def claim(kv: KeyValue, *, seen: Seen, epoch: int, holder: str, pid: int) -> None:
-    """Record `epoch` as the holder's, if nobody wrote since `seen`."""
-    body = msgspec.json.encode(BusEpoch(epoch=epoch, holder=holder, pid=pid, at=datetime.now(UTC)))
+async def claim(
+    kv: KeyValue, *, seen: Seen, epoch: int, holder: str, pid: int, at: Where | None = None
+) -> Seen:
+    """Record `epoch` as the holder's (its connection `at`), if nobody wrote since `seen`; what
+    is recorded now."""
+    record = BusEpoch(epoch=epoch, holder=holder, pid=pid, at=datetime.now(UTC),
+                      server=at.server if at else "", client=at.client if at else 0)  # fmt: skip
+    body = msgspec.json.encode(record)
     try:
         if seen.revision == 0:
-            await kv.create(subjects.SEAT, body)
+            revision = await kv.create(subjects.SEAT, body)
         else:
-            await kv.update(subjects.SEAT, body, last=seen.revision)
+            revision = await kv.update(subjects.SEAT, body, last=seen.revision)
     except KeyWrongLastSequenceError:
         now = await read(kv)
         who = f"{now.record.holder}, epoch {now.record.epoch}" if now.record else "unknown"
         raise EpochTaken(
             f"another controller recorded the seat on the bus first ({who}): not taking it"
         ) from None
+    return Seen(record=record, revision=revision)
+
+
+async def moved(kv: KeyValue, *, mine: Seen, at: Where | None) -> Seen:
+    """The holder's connection is somewhere else now (it reconnected, maybe to another server):
+    record where, if the record is still ours; what is recorded now."""
+    if mine.record is None or at is None or mine.record.connection() == at:
+        return mine
+    try:
+        return await claim(kv, seen=mine, epoch=mine.record.epoch, holder=mine.record.holder,
+                           pid=mine.record.pid, at=at)  # fmt: skip
+    except EpochTaken:  # a newer holder wrote: `watch` steps us down
+        return mine
 
 
 async def watch(kv: KeyValue, *, epoch: int) -> None:

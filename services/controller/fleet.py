@@ -20,7 +20,7 @@ import asyncpg
 from nats.aio.client import Client
 from nats.aio.subscription import Subscription
 
-from mesh import subjects, wire
+from mesh import bus, subjects, wire
 from mesh.batching import Batches
 from mesh.model import (
     Beat,
@@ -66,11 +66,14 @@ CHANGE_EVERY = 10.0
 
 
 def open_bus(nc: Client) -> bool:
-    """Whether the NATS server admits clients without credentials (its INFO has no
-    `auth_required`). On such a bus anyone may call `mesh tier` and `mesh label`, so a host's
-    own word on its tier and labels gives nothing away; under authentication it counts for
-    nothing (Kubernetes' NodeRestriction: a kubelet may not set the labels that steer work)."""
-    return not nc._server_info.get("auth_required", False)
+    """Whether the NATS server admits clients without credentials: its INFO has no
+    `auth_required`, or this controller itself connected without any (a server whose only
+    users are the system account's kicker, mesh/auth/system.py, says `auth_required` and
+    still admits everyone else). On such a bus anyone may call `mesh tier` and `mesh label`, so
+    a host's own word on its tier and labels gives nothing away; under authentication it
+    counts for nothing (Kubernetes' NodeRestriction: a kubelet may not set the labels that
+    steer work)."""
+    return not nc._server_info.get("auth_required", False) or not bus.authenticated(nc)
 
 
 async def tell_changed(nc: Client | None, changed: MachineChanged) -> None:

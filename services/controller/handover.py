@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 READY_WAIT = 2.0  # how long a holder waits for a standby to say it is subscribed
 SEAT_WAIT = 30.0  # how long a verb received before the seat is ours waits for it: longer
-# than the worst handover (ready wait, plan stop, drain, slow verbs' 10 s, lock release)
+# than the worst handover (ready wait, plan stop, drain, slow verbs' 4 s, lock release)
 EARLY_FOR = 15.0  # a standby that subscribed but never got the seat unsubscribes after this
 
 

@@ -26,10 +26,11 @@ from mesh.errors import MeshError, reason
 from mesh.model import Handover, SeatAnnounce, SeatInfo
 from mesh.serving import Stats
 from mesh.store import events, replication, seats
-from services.controller import bundles, epochs, handover, metrics, pruning, secretkeys
+from services.controller import bundles, epochs, handover, kick, metrics, pruning, secretkeys
 from services.controller.changes import Changes
 from services.controller.fleet import Fleet, open_bus
 from services.controller.handover import VerbSubscriptions
+from services.controller.kick import Kicker
 from services.controller.operators import Trust
 from services.controller.planner import Planner
 from services.controller.publishing import Manifests, Publisher
@@ -46,7 +47,17 @@ from services.controller.views import Views
 log = logging.getLogger("mesh.controller")
 
 BUS_GRACE = 3.0  # a holder cut off from NATS this long steps down (docs/design.md, the seat)
-ROUND_TRIP_EVERY = 1.0  # how often the holder checks that NATS answers
+# A silent link (no PONG, nothing else either) steps the holder down after SILENT_AFTER plus
+# a round trip's interval: the takeover, and the kick of its connection (kick.py), follow at
+# once, so this is most of the window a cut costs. While the holder's own event loop has run
+# more than LAGGING late in the last 10 s (mesh/looplag.py), a PONG may only sit unread behind
+# it, and silence takes BUS_GRACE instead: a busy holder does not give the seat away.
+ROUND_TRIP_EVERY = 0.25  # how often the holder checks that NATS answers
+SILENT_AFTER = 1.0
+LAGGING = 0.5
+# A handover lets its slow verbs finish this long (then they are answered `unavailable`): with
+# the ready wait, the drain and the release it fits in mesh.lifetime.STOP_WITHIN.
+SLOW_VERBS_WITHIN = 4.0
 
 # A store session that ended under us, as asyncpg says it.
 _SESSION_ENDED = (
@@ -75,6 +86,7 @@ class Controller(msgspec.Struct):
     stats: Stats  # every hold's verbs, counted together
     down_after: int  # beats a machine may miss before it is down
     keys: Keys  # the key of the secrets (secretkeys.py)
+    kicker: Kicker  # closes a cut-off holder's connection at a takeover (kick.py)
 
 
 class Hold:
@@ -102,6 +114,9 @@ class Hold:
         self.keys = c.keys
         self.reports: list[Subscription] = []  # the hosts' reports, once subscribed
         self.seat_kv: KeyValue | None = None  # the bus's record of the seat (epochs)
+        self.on_bus: epochs.Seen | None = None  # that record as this hold wrote it
+        self.before: epochs.BusEpoch | None = None  # and as the holder before it left it
+        self.kicker = c.kicker
         self.warnings: list[str] = []  # what the takeover found wrong with the store
 
     async def run(self) -> None:
@@ -155,7 +170,7 @@ class Hold:
                     )  # fmt: skip
                     await self._serve(
                         holder=holder, reports=HostReports(fleet=fleet, publisher=publisher),
-                        held=held, background=background,
+                        held=held, background=background, taken=taken,
                     )  # fmt: skip
                     plans = anyio.CancelScope()
                     background.start_soon(_plan_work, publisher, planner, row.epoch, plans)
@@ -166,7 +181,7 @@ class Hold:
 
                     await self.stop.requested.wait()
                     await self._hand_over(held=held, plans=plans)
-                    serving.cancel_scope.deadline = anyio.current_time() + 10  # slow verbs finish
+                    serving.cancel_scope.deadline = anyio.current_time() + SLOW_VERBS_WITHIN
                 background.cancel_scope.cancel()
         except BaseException as e:
             cause = errors.leaf(e)
@@ -201,8 +216,10 @@ class Hold:
             self.warnings.append(warning)
             await events.record(self.pool, "seat.store_behind", store_epoch=store_epoch,
                                 bus_epoch=bus_epoch, epoch=row.epoch)  # fmt: skip
-        await epochs.claim(self.seat_kv, seen=on_bus, epoch=row.epoch, holder=me.instance,
-                           pid=me.pid)  # fmt: skip
+        self.before = on_bus.record
+        self.on_bus = await epochs.claim(self.seat_kv, seen=on_bus, epoch=row.epoch,
+                                         holder=me.instance, pid=me.pid,
+                                         at=kick.where(self.nc))  # fmt: skip
         said = await replication.check(lock.conn)
         if said.warning is not None:  # HA needs synchronous replication (docs/operations.md)
             log.warning("controller %s: %s", me.instance, said.warning)
@@ -225,21 +242,34 @@ class Hold:
         return row, taken
 
     async def _serve(
-        self, *, holder: Holder, reports: HostReports, held: SeatAnnounce, background: TaskGroup
-    ) -> None:
-        """Serve verbs, hear the hosts, say `held`, and start the holder's background work."""
+        self, *, holder: Holder, reports: HostReports, held: SeatAnnounce, background: TaskGroup,
+        taken: Handover,
+    ) -> None:  # fmt: skip
+        """Serve verbs, hear the hosts, say `held`, close the last holder's connection if the
+        seat did not come by a handover, and start the holder's background work."""
         nc = self.nc
         await self.verbs.subscribe()
         self.verbs.serve(holder=holder, tasks=holder.tasks, fresh=self.lock.fresh)
         self.reports = await reports.subscribe(nc)
         await nc.flush()
+        before = self.before.connection() if self.before else None
+        if before is not None and not taken.planned and before != kick.where(nc):
+            assert self.before is not None
+            holder_before = self.before.holder
+            background.start_soon(lambda: self.kicker.kick(before, holder=holder_before))
         await _say(nc, self.signing, "held", held)
+
+        async def record_where() -> None:
+            assert self.seat_kv is not None and self.on_bus is not None
+            self.on_bus = await epochs.moved(self.seat_kv, mine=self.on_bus, at=kick.where(nc))
 
         def back_on_nats() -> None:
             holder.fleet.forgive()  # beats lost while we were away are not theirs
             # ...and reports may have been lost too: `held` again asks every host for them.
             background.start_soon(attempt, "announce held again",
                                   _say(nc, self.signing, "held", held))  # fmt: skip
+            # Maybe on another server now: the next holder must know where to kick.
+            background.start_soon(attempt, "record where we are on the bus", record_where())
 
         self.link.on_up = back_on_nats
         background.start_soon(self.lock.watch)
@@ -325,7 +355,10 @@ async def _step_down_without_bus(link: bus.Link, nc: Client) -> None:
     """Raise BusLost once NATS has been gone for BUS_GRACE: as nats-py reports it (a closed
     connection), or as our own round trips find it (a silent link)."""
     async with anyio.create_task_group() as tg:
-        tg.start_soon(lambda: link.round_trips(nc, every=ROUND_TRIP_EVERY, within=BUS_GRACE))
+        tg.start_soon(lambda: link.round_trips(
+            nc, every=ROUND_TRIP_EVERY, within=SILENT_AFTER, late=BUS_GRACE,
+            lagging=lambda: metrics.LOOP_LAG.worst() > LAGGING,
+        ))  # fmt: skip
         tg.start_soon(_unanswered, link)
         await link.down_for(BUS_GRACE)
         raise BusLost(f"lost NATS for more than {BUS_GRACE:g}s: gave up the seat")
@@ -334,7 +367,8 @@ async def _step_down_without_bus(link: bus.Link, nc: Client) -> None:
 async def _unanswered(link: bus.Link) -> None:
     await link.silent_for()
     raise BusLost(
-        f"lost NATS for more than {BUS_GRACE:g}s (our round trips had no answer): gave up the seat"
+        f"lost NATS for more than {SILENT_AFTER:g}s (our round trips had no answer): gave up the "
+        "seat"
     )
 
 

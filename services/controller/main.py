@@ -35,6 +35,7 @@ from mesh.store.migrate import migrate
 from services.controller import handover, metrics, readiness, secretkeys, standbys
 from services.controller.handover import VerbSubscriptions
 from services.controller.hold import Controller, Hold
+from services.controller.kick import Kicker
 from services.controller.readiness import Readiness
 from services.controller.seat import SeatLock
 from services.controller.standbys import Releases, SeatEvents, Standbys
@@ -67,6 +68,7 @@ async def run(
     secrets_key: Path,
     instance: str | None = None,
     creds: str | None = None,
+    system_creds: str | None = None,
     down_after: int = 3,
     metrics_on: served_metrics.Listen | None = None,
     events: EventsKept | None = None,
@@ -92,6 +94,7 @@ async def run(
     pool = await db.pool(database_url)
     nc = None
     link = bus.Link()
+    kicker = Kicker(nats_url, system_creds)
     try:
         nc = await bus.connect(nats_url, name=f"mesh-controller {instance}", creds=creds, link=link)
         me = SeatAnnounce(
@@ -102,6 +105,7 @@ async def run(
             released=Releases(), ready=Readiness(readiness.default_file()),
             signing=Signing.controller(creds), events=events, versions=versions,
             stats=Stats(observe=metrics.VERB_ANSWERED), down_after=down_after, keys=keys,
+            kicker=kicker,
         )  # fmt: skip
         await SeatEvents(signing=c.signing, standbys=c.standbys, released=c.released).subscribe(nc)
         # Start-up leaves tens of thousands of objects that live as long as the process; a full

@@ -20,9 +20,13 @@ from mesh.store import db
 log = logging.getLogger(__name__)
 
 SEAT_LOCK = 0x6D657368_5EA7  # "mesh" + "seat"
-PING_EVERY = 1.0
-PING_DEADLINE = 3.0
-IDLE_LIMIT = 5.0  # the server ends the lock's session after this long without a query
+# The server ends the lock's session IDLE_LIMIT after its last query: a holder cut off from the
+# store (or paused) loses the lock that long after its last ping, and no sooner, so these
+# bound the window a cut from the store costs (docs/operations.md). A holder's event loop is
+# kept from running that late by shedding (docs/architecture.md, Liveness).
+PING_EVERY = 0.5
+PING_DEADLINE = 1.0
+IDLE_LIMIT = 2.0
 FRESH_FOR = PING_EVERY + PING_DEADLINE  # < IDLE_LIMIT: a seat confirmed this recently is ours
 RECONNECT_MAX = 1.0  # a standby whose session failed connects again at least this often
 

@@ -13,6 +13,7 @@ from collections.abc import Awaitable
 import anyio
 
 from mesh.errors import reason
+from mesh.lifetime import exit_by
 from services.controller.handover import VerbSubscriptions
 
 log = logging.getLogger("mesh.controller")
@@ -48,6 +49,7 @@ class Stopping:
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as received:
             async for signum in received:
                 name = signal.Signals(signum).name
+                exit_by()  # the handover's steps have their deadlines; this bounds them all
                 if self.signalled.is_set() or self.hold is None:
                     log.info("received %s: stopping", name)
                     if self.hold is None and self.verbs is not None and self.verbs.active:
