@@ -6,6 +6,7 @@ listening on its switch address and accepting connections."""
 import json
 import urllib.error
 import urllib.request
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import anyio
@@ -18,10 +19,11 @@ from mesh.embedded import natsd, postgres
 CLIENT_PORT, ROUTE_PORT, MONITOR_PORT, PG_PORT = 4222, 6222, 8222, 5432
 
 
-def nats_config(net: Network, folder: Path, ca_folder: Path, name: str,
-                members: list[str]) -> Path:  # fmt: skip
+def nats_config(net: Network, folder: Path, ca_folder: Path, name: str, members: list[str],
+                system: str | None = None) -> Path:  # fmt: skip
     """nats-server `name`'s configuration in FOLDER: TLS with a certificate for its switch
-    address (from the CA in `ca_folder`), routes to every one of `members`, monitoring on."""
+    address (from the CA in `ca_folder`), routes to every one of `members`, monitoring on, and
+    with `system` the system account's kicker (its public key, mesh/auth/system.py)."""
     address = net.address(name)
     cert, key = folder / "server.pem", folder / "server.key"
     tls.issue_server(ca_folder, cert, key, name=name, hosts=[address])
@@ -30,10 +32,27 @@ def nats_config(net: Network, folder: Path, ca_folder: Path, name: str,
         tls=natsd.Tls(cert=cert, key=key, ca=ca_folder / "ca.pem"),
         cluster=natsd.Cluster(port=ROUTE_PORT,
                               routes=[f"{net.address(m)}:{ROUTE_PORT}" for m in members]),
+        system=system,
     )  # fmt: skip
     # The monitoring port, for /healthz (JetStream current) and /connz.
     conf.write_text(conf.read_text() + f'http: "{address}:{MONITOR_PORT}"\n')
     return conf
+
+
+def nats_configs(net: Network, folder: Path, ca_folder: Path, members: list[str],
+                 system: str | None = None) -> dict[str, Path]:  # fmt: skip
+    """Every member's configuration (nats_config), each in FOLDER/NAME."""
+    return {name: nats_config(net, folder / name, ca_folder, name, members, system=system)
+            for name in members}  # fmt: skip
+
+
+async def start_cluster(members: list[str], run: Callable[[str], object],
+                        healthy: Callable[[str], Awaitable[object]]) -> None:  # fmt: skip
+    """Every server started first, then each waited for (they elect their leaders together)."""
+    for name in members:
+        run(name)
+    for name in members:
+        await healthy(name)
 
 
 def monitor(url: str) -> bytes:

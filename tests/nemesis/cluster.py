@@ -1,7 +1,8 @@
 """The nemesis's cluster: every piece in a network namespace of its own (tests/netns.py), as
 tests/test_network.py and tests/test_store_faults.py have them, together: three nats-servers in
 one TLS cluster, PostgreSQL pg1 with pg2 its synchronous standby, controllers ctl-0 and ctl-1,
-hosts node-1..3 in tiers 0..2, and a `client` namespace for the workload.
+hosts node-1..3 in tiers 0..2, and a `client` namespace for the workload. The controllers have
+the system account's kicker, as tests/netmesh.py's do.
 
 It does what a machine's supervisor would (a controller that stepped down, or any piece that
 exited, is started again), what an HA manager would (the primary's death answered by promoting
@@ -22,9 +23,17 @@ import anyio
 import asyncpg
 from helpers import Procs
 from netns import Network
-from netpieces import CLIENT_PORT, PG_PORT, accepts, nats_config, nats_current, postgres_argv
+from netpieces import (
+    CLIENT_PORT,
+    PG_PORT,
+    accepts,
+    nats_configs,
+    nats_current,
+    postgres_argv,
+    start_cluster,
+)
 
-from mesh.auth import secretkeys, tls
+from mesh.auth import secretkeys, system, tls
 from mesh.embedded import natsd, pgauth, postgres
 
 from .history import History
@@ -78,6 +87,10 @@ class Cluster:
         self.primary, self.standby = "pg1", "pg2"
         self.down: set[str] = set()  # pieces a fault keeps down: the supervisor leaves them
         self.restarts = 0
+        # The system account's kicker, the controllers' alone (mesh/auth/system.py), as a real
+        # mesh has it: a new holder closes a cut-off holder's connection at once.
+        self.system_creds = folder / "system.creds"
+        self.system = system.ensure(self.system_creds, ca=Path(self.ca).read_text())
 
     def env(self) -> dict[str, str]:
         return {"MESH_NATS_URL": self.url, "MESH_CA": self.ca,
@@ -95,12 +108,8 @@ class Cluster:
     # --- NATS ------------------------------------------------------------------------------
 
     async def start_nats(self) -> None:
-        for name in NATS:
-            self.confs[name] = nats_config(self.net, self.dir / "nats" / name, self.ca_folder,
-                                           name, NATS)  # fmt: skip
-            self.run_nats(name)
-        for name in NATS:
-            await self.nats_healthy(name)
+        self.confs = nats_configs(self.net, self.dir / "nats", self.ca_folder, NATS, self.system)
+        await start_cluster(NATS, self.run_nats, self.nats_healthy)
 
     def run_nats(self, name: str) -> None:
         self.start(name, self.net.argv(name, natsd.argv(self.confs[name])))
@@ -218,7 +227,7 @@ class Cluster:
 
     def start_controller(self, instance: str) -> None:
         argv = self.net.argv(instance, [*self.mesh, "controller", "run", "--instance", instance])
-        self.start(instance, argv, env=self.env())
+        self.start(instance, argv, env={**self.env(), "MESH_SYSTEM_CREDS": str(self.system_creds)})
 
     def start_host(self, name: str) -> None:
         tier = str(min(HOSTS.index(name), 2))
