@@ -19,7 +19,7 @@ from nats.aio.client import Client
 from nats.aio.subscription import Subscription
 from nats.js.kv import KeyValue
 
-from mesh import blobs, bus, errors, paging, subjects, wire
+from mesh import bus, errors, paging, subjects, wire
 from mesh.auth.signing import Signing
 from mesh.config import EventsKept, VersionsKept
 from mesh.errors import MeshError, reason
@@ -27,6 +27,7 @@ from mesh.model import Handover, SeatAnnounce, SeatInfo
 from mesh.serving import Stats
 from mesh.store import events, replication, seats
 from services.controller import bundles, epochs, handover, kick, metrics, pruning, secretkeys
+from services.controller.buckets import Buckets
 from services.controller.changes import Changes
 from services.controller.fleet import Fleet, open_bus
 from services.controller.handover import VerbSubscriptions
@@ -87,6 +88,7 @@ class Controller(msgspec.Struct):
     down_after: int  # beats a machine may miss before it is down
     keys: Keys  # the key of the secrets (secretkeys.py)
     kicker: Kicker  # closes a cut-off holder's connection at a takeover (kick.py)
+    buckets: Buckets  # the bus's buckets, opened once (buckets.py)
 
 
 class Hold:
@@ -117,6 +119,7 @@ class Hold:
         self.on_bus: epochs.Seen | None = None  # that record as this hold wrote it
         self.before: epochs.BusEpoch | None = None  # and as the holder before it left it
         self.kicker = c.kicker
+        self.buckets = c.buckets
         self.warnings: list[str] = []  # what the takeover found wrong with the store
 
     async def run(self) -> None:
@@ -131,7 +134,7 @@ class Hold:
         )  # fmt: skip
         await fleet.load()
         await secretkeys.take_over(self.pool, self.keys, epoch=row.epoch)
-        _, obs = await blobs.ensure(self.nc)
+        _, obs = await self.buckets.blobs()
         held = msgspec.structs.replace(self.me, since=row.since, epoch=row.epoch,
                                        register_within=fleet.registration_window())  # fmt: skip
         try:
@@ -196,7 +199,7 @@ class Hold:
         and how it came to us (a handover, or not)."""
         lock, me = self.lock, self.me
         assert lock.conn is not None
-        self.seat_kv = await blobs.ensure_seat(self.nc)
+        self.seat_kv = await self.buckets.seat()
         on_bus = await epochs.read(self.seat_kv)
         bus_epoch = on_bus.record.epoch if on_bus.record else 0
         before = await seats.read(lock.conn, seat=subjects.SEAT)
