@@ -182,8 +182,10 @@ class Hold:
                         lock=changes.one_change,
                     ))  # fmt: skip
 
-                    await self.stop.requested.wait()
-                    await self._hand_over(held=held, plans=plans)
+                    while True:
+                        await self.stop.requested.wait()
+                        if await self._hand_over(held=held, plans=plans, background=background):
+                            break
                     serving.cancel_scope.deadline = anyio.current_time() + SLOW_VERBS_WITHIN
                 background.cancel_scope.cancel()
         except BaseException as e:
@@ -286,16 +288,34 @@ class Hold:
         background.start_soon(metrics.HELD.holding, holder.fleet, self.pool)
         background.start_soon(_step_down_without_bus, self.link, nc)
 
-    async def _hand_over(self, *, held: SeatAnnounce, plans: anyio.CancelScope) -> None:
+    async def _hand_over(
+        self, *, held: SeatAnnounce, plans: anyio.CancelScope, background: TaskGroup
+    ) -> bool:
+        """Whether the seat is handed over: at the `handover` verb with no standby answering
+        nor heard from since it began, it is kept (a standby cut off from the bus that still
+        reaches the store would take the lock, then wait for the bus: no holder for as long as
+        its cut lasts). A standby heard but slow to answer (a loaded machine) gets it."""
         nc = self.nc
         self.ready.set("handing-over", held.epoch)
         # The handover (docs/design.md, the seat): a standby joins the verb group first.
         answers = self.link.answers(self.nc)
+        began = time.monotonic()
         successor = await handover.announce(nc, held, self.signing) if answers else None
+        silent = not self.standbys.heard_since(began)
+        if successor is None and silent and answers and self.stop.may_keep():
+            log.warning("controller %s keeps the seat: no standby answered the handover",
+                        self.me.instance)  # fmt: skip
+            self.stop.kept()
+            self.ready.set("holding", held.epoch)
+            # A standby that joined the verb group and whose answer was lost leaves it again.
+            background.start_soon(attempt, "announce held again",
+                                  _say(nc, self.signing, "held", held))  # fmt: skip
+            return False
         log.info("controller %s hands over the seat%s", self.me.instance,
                  f" to {successor}" if successor else " (no standby answered)")  # fmt: skip
         plans.cancel()  # every plan write is a fenced transaction: the next holder goes on
         await self.verbs.stop(drain=self.link.answers(self.nc))
+        return True
 
     async def _release(self, *, fleet: Fleet, held: SeatAnnounce) -> None:
         nc, lock = self.nc, self.lock

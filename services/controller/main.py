@@ -172,7 +172,7 @@ async def _take_turns(
             stop = Stop()
             stopping.hold = stop
             if stopping.signalled.is_set():  # the signal came as the lock did: hand straight over
-                stop.requested.set()
+                stop.signal()
             try:
                 await Hold(c, lock=lock, verbs=verbs, stop=stop).run()
             finally:

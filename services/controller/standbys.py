@@ -28,6 +28,10 @@ class Standbys:
     def gone(self, instance: str) -> None:
         self._seen.pop(instance, None)
 
+    def heard_since(self, t: float) -> bool:
+        """Whether any standby announced itself since `t` (time.monotonic())."""
+        return any(at >= t for _, at in self._seen.values())
+
     def current(self) -> list[Standby]:
         now = time.monotonic()
         for instance in [i for i, (_, t) in self._seen.items() if now - t > FORGET_AFTER]:
