@@ -19,7 +19,7 @@ from nats.aio.client import Client
 from nats.aio.subscription import Subscription
 from nats.js.kv import KeyValue
 
-from mesh import bus, errors, paging, subjects, wire
+from mesh import blobs, bus, errors, paging, subjects, wire
 from mesh.auth.signing import Signing
 from mesh.config import EventsKept, VersionsKept
 from mesh.errors import MeshError, reason
@@ -59,6 +59,9 @@ LAGGING = 0.5
 # A handover lets its slow verbs finish this long (then they are answered `unavailable`): with
 # the ready wait, the drain and the release it fits in mesh.lifetime.STOP_WITHIN.
 SLOW_VERBS_WITHIN = 4.0
+# How long a takeover asks the seat's bucket again while its stream elects a leader (a
+# nats-server lost: 2 s or so); past it the controller exits and its supervisor restarts it.
+BUS_TAKE_WITHIN = 20.0
 
 # A store session that ended under us, as asyncpg says it.
 _SESSION_ENDED = (
@@ -201,8 +204,9 @@ class Hold:
         and how it came to us (a handover, or not)."""
         lock, me = self.lock, self.me
         assert lock.conn is not None
-        self.seat_kv = await self.buckets.seat()
-        on_bus = await epochs.read(self.seat_kv)
+        self.seat_kv = kv = await self.buckets.seat()
+        # The stream's leader may be moving (its nats-server lost): asked again, not a crash.
+        on_bus = await blobs.patiently(lambda: epochs.read(kv), within=BUS_TAKE_WITHIN)
         bus_epoch = on_bus.record.epoch if on_bus.record else 0
         before = await seats.read(lock.conn, seat=subjects.SEAT)
         row = await seats.take(
@@ -222,9 +226,11 @@ class Hold:
             await events.record(self.pool, "seat.store_behind", store_epoch=store_epoch,
                                 bus_epoch=bus_epoch, epoch=row.epoch)  # fmt: skip
         self.before = on_bus.record
-        self.on_bus = await epochs.claim(self.seat_kv, seen=on_bus, epoch=row.epoch,
-                                         holder=me.instance, pid=me.pid,
-                                         at=kick.where(self.nc))  # fmt: skip
+        self.on_bus = await blobs.patiently(
+            lambda: epochs.claim(kv, seen=on_bus, epoch=row.epoch, holder=me.instance,
+                                 pid=me.pid, at=kick.where(self.nc)),
+            within=BUS_TAKE_WITHIN,
+        )  # fmt: skip
         said = await replication.check(lock.conn)
         if said.warning is not None:  # HA needs synchronous replication (docs/operations.md)
             log.warning("controller %s: %s", me.instance, said.warning)
