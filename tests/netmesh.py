@@ -24,6 +24,9 @@ import pytest
 from helpers import MESH, await_until, fleet_up, mesh_cli
 from netpieces import (
     CLIENT_PORT,
+    CONTROLLERS,
+    HOSTS,
+    NATS,
     PG_PORT,
     accepts,
     nats_configs,
@@ -36,9 +39,6 @@ from mesh import bus
 from mesh.auth import system, tls
 from mesh.embedded import natsd, pgauth, postgres
 
-NATS = ["n1", "n2", "n3"]
-CONTROLLERS = ["ctl-0", "ctl-1"]
-HOSTS = ["node-1", "node-2", "node-3"]
 MEMBERS = [*NATS, "pg", *CONTROLLERS, *HOSTS, "client"]
 BEAT = 0.5  # the hosts' beat: down after 3 missed, 1.5 s
 

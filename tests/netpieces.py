@@ -17,6 +17,10 @@ from mesh.auth import tls
 from mesh.embedded import natsd, postgres
 
 CLIENT_PORT, ROUTE_PORT, MONITOR_PORT, PG_PORT = 4222, 6222, 8222, 5432
+# The cluster's members as tests/netmesh.py and the nemesis name them.
+NATS = ["n1", "n2", "n3"]
+CONTROLLERS = ["ctl-0", "ctl-1"]
+HOSTS = ["node-1", "node-2", "node-3"]
 
 
 def nats_config(net: Network, folder: Path, ca_folder: Path, name: str, members: list[str],

@@ -25,6 +25,9 @@ from helpers import Procs
 from netns import Network
 from netpieces import (
     CLIENT_PORT,
+    CONTROLLERS,
+    HOSTS,
+    NATS,
     PG_PORT,
     accepts,
     nats_configs,
@@ -38,10 +41,7 @@ from mesh.embedded import natsd, pgauth, postgres
 
 from .history import History
 
-NATS = ["n1", "n2", "n3"]
 STORES = ["pg1", "pg2"]
-CONTROLLERS = ["ctl-0", "ctl-1"]
-HOSTS = ["node-1", "node-2", "node-3"]
 MEMBERS = [*NATS, *STORES, *CONTROLLERS, *HOSTS, "client"]
 DATABASE = "mesh"
 BEAT = 0.5  # the hosts' beat, as the network tests have it
