@@ -21,20 +21,10 @@ from pathlib import Path
 
 import anyio
 import asyncpg
+import netpieces
 from helpers import Procs
 from netns import Network
-from netpieces import (
-    CLIENT_PORT,
-    CONTROLLERS,
-    HOSTS,
-    NATS,
-    PG_PORT,
-    accepts,
-    nats_configs,
-    nats_current,
-    postgres_argv,
-    start_cluster,
-)
+from netpieces import CLIENT_PORT, CONTROLLERS, HOSTS, NATS, PG_PORT
 
 from mesh.auth import secretkeys, system, tls
 from mesh.embedded import natsd, pgauth, postgres
@@ -108,8 +98,9 @@ class Cluster:
     # --- NATS ------------------------------------------------------------------------------
 
     async def start_nats(self) -> None:
-        self.confs = nats_configs(self.net, self.dir / "nats", self.ca_folder, NATS, self.system)
-        await start_cluster(NATS, self.run_nats, self.nats_healthy)
+        self.confs = netpieces.nats_configs(self.net, self.dir / "nats", self.ca_folder, NATS,
+                                            self.system)  # fmt: skip
+        await netpieces.start_cluster(NATS, self.run_nats, self.nats_healthy)
 
     def run_nats(self, name: str) -> None:
         self.start(name, self.net.argv(name, natsd.argv(self.confs[name])))
@@ -120,7 +111,7 @@ class Cluster:
         async def healthy() -> bool:
             if self.procs[name].poll() is not None:
                 raise ClusterError(f"nats-server {name} exited: {self.log_tail(name)}")
-            return await nats_current(self.net, name)
+            return await netpieces.nats_current(self.net, name)
 
         await until(healthy, within=within, what=f"nats-server {name} healthy")
 
@@ -131,7 +122,7 @@ class Cluster:
 
     def _postgres(self, member: str, settings: tuple[str, ...]) -> None:
         data = self.open / member
-        argv = postgres_argv(data, self.pg[member], settings)
+        argv = netpieces.postgres_argv(data, self.pg[member], settings)
         with self.net.inside(member):  # forked in there, then drops to its account
             self.start(member, argv, cwd=data, **postgres.run_as())
 
@@ -139,7 +130,7 @@ class Cluster:
         async def ready() -> bool:
             if self.procs[member].poll() is not None:
                 raise ClusterError(f"PostgreSQL {member} exited: {self.log_tail(member)}")
-            return await accepts(self.direct(member, "postgres"))
+            return await netpieces.accepts(self.direct(member, "postgres"))
 
         await until(ready, within=60, what=f"PostgreSQL on {member}")
 
