@@ -113,14 +113,19 @@ async def ensure(nc: Client, *, within: float = 60.0) -> tuple[KeyValue, ObjectS
     return await patiently(lambda: _ensure(nc), within=within)
 
 
+# One request on the seat's bucket: a takeover asks again (patiently) rather than wait out
+# nats-py's 5 s while the stream elects a new leader (about 2 s after a nats-server is lost).
+SEAT_TRY = 1.0
+
+
 async def ensure_seat(nc: Client, *, within: float = 60.0) -> KeyValue:
     """The bucket where the seat's holder records its epoch, opened (or created) as `ensure`
-    opens the others."""
+    opens the others; each request on it bounded by SEAT_TRY."""
     return await patiently(lambda: _ensure_seat(nc), within=within)
 
 
 async def _ensure_seat(nc: Client) -> KeyValue:
-    js = nc.jetstream()
+    js = nc.jetstream(timeout=SEAT_TRY)
     try:
         kv = await js.key_value(SEAT)
     except (BucketNotFoundError, NotFoundError):

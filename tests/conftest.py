@@ -26,14 +26,14 @@ import asyncpg
 import nats
 import pytest
 from faults import servers  # noqa: F401 (a fixture: tests/faults.py)
-from helpers import MESH, Fleet, fleet_up, mesh_cli, wait_until
+from helpers import MESH, Fleet, Procs, fleet_up, mesh_cli, wait_until
 from netmesh import net, netmesh  # noqa: F401 (fixtures: tests/netmesh.py)
 from secured import as_identity, secured, secured_fleet  # noqa: F401 (fixtures: tests/secured.py)
 from standby import Pair
 
 from mesh.auth import secretkeys
 from mesh.embedded import natsd, pgauth, ports, postgres
-from mesh.embedded.children import remove_containers, stop_agents, stop_supervised
+from mesh.embedded.children import stop_supervised
 
 # Ports of their own for each worker of a run in workers (pytest-xdist's gw0, gw1, ...): below
 # the kernel's ephemeral range, so that no other worker's server nor any outgoing connection's
@@ -117,43 +117,6 @@ def secrets_key_file() -> Iterator[Path]:
     yield path
     os.environ.pop("MESH_SECRETS_KEY_FILE", None)
     shutil.rmtree(folder, ignore_errors=True)
-
-
-class Procs:
-    """Processes a test started; all are killed (process group, SIGKILL) at teardown."""
-
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
-        self.started: list[subprocess.Popen] = []
-
-    def start(self, name: str, argv: list[str], *, env: dict[str, str] | None = None, **kw):
-        log = open(self.folder / f"{name}.log", "ab")
-        proc = subprocess.Popen(
-            argv,
-            stdin=subprocess.DEVNULL,
-            stdout=kw.pop("stdout", log),
-            stderr=kw.pop("stderr", subprocess.STDOUT),
-            env={**os.environ, **(env or {})},
-            start_new_session=True,
-            **kw,
-        )
-        proc.log_path = self.folder / f"{name}.log"  # type: ignore[attr-defined]
-        self.started.append(proc)
-        return proc
-
-    def kill_all(self) -> None:
-        for proc in self.started:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
-        stop_agents(self.folder / "hosts")  # an agent's new version is nobody's child
-        stop_supervised(self.folder / "hosts")  # what the test's hosts started, hosts gone
-        remove_containers(self.folder / "hosts")
 
 
 @pytest.fixture

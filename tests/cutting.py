@@ -12,6 +12,7 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Awaitable, Callable
 from typing import Literal
 
 import anyio
@@ -162,17 +163,24 @@ async def asking(m, nc: Client, cut: Cut, *, until, within: float) -> None:
         stop.set()
 
 
-async def others_cut(m, nc: Client, member: str, *, seconds: float) -> Cut:
-    """Cut `member` (a standby or a host) off for `seconds` with the status client running."""
+async def others_cut(
+    m, nc: Client, member: str, *, seconds: float, kind: Kind = "both",
+    then: Callable[[], Awaitable[object]] | None = None,
+) -> Cut:  # fmt: skip
+    """Cut `member` (a standby or a host) off (`kind`) for `seconds` with the status client
+    running, and `then()` at once if given."""
     before = await await_until(lambda: held_status(nc, timeout=2), within=30, what="a holder")
     holder = before["seat"]["holder"]
-    cut = Cut(kind="both", holder=holder, standby=holder, epoch_before=before["seat"]["epoch"],
+    cut = Cut(kind=kind, holder=holder, standby=holder, epoch_before=before["seat"]["epoch"],
               at=time.monotonic())  # fmt: skip
-    m.net.cut(member)
+    fault(m, kind, member, on=True)
     try:
-        await asking(m, nc, cut, until=lambda: False, within=seconds)
+        async with anyio.create_task_group() as tg:
+            if then is not None:
+                tg.start_soon(then)
+            await asking(m, nc, cut, until=lambda: False, within=seconds)
     finally:
-        m.net.restore(member)
+        fault(m, kind, member, on=False)
     return cut
 
 

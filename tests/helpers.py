@@ -31,6 +31,7 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.errors import NoKeysError
 
+from mesh.embedded.children import remove_containers, stop_agents, stop_supervised
 from mesh.modules.meshsource import PACKAGES, PROJECT_FILE
 
 MESH = [sys.executable, "-P", "-m", "mesh"]
@@ -178,6 +179,43 @@ async def exited(proc: subprocess.Popen) -> tuple[int] | None:
 async def already(value: object) -> object:
     """For await_until: a condition already computed (`lambda: already(n > 20)`)."""
     return value
+
+
+class Procs:
+    """Processes a test started; all are killed (process group, SIGKILL) at teardown."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.started: list[subprocess.Popen] = []
+
+    def start(self, name: str, argv: list[str], *, env: dict[str, str] | None = None, **kw):
+        log = open(self.folder / f"{name}.log", "ab")
+        proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=kw.pop("stdout", log),
+            stderr=kw.pop("stderr", subprocess.STDOUT),
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+            **kw,
+        )
+        proc.log_path = self.folder / f"{name}.log"  # type: ignore[attr-defined]
+        self.started.append(proc)
+        return proc
+
+    def kill_all(self) -> None:
+        for proc in self.started:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        stop_agents(self.folder / "hosts")  # an agent's new version is nobody's child
+        stop_supervised(self.folder / "hosts")  # what the test's hosts started, hosts gone
+        remove_containers(self.folder / "hosts")
 
 
 # --- a fleet: controllers and hosts up ------------------------------------------------------

@@ -9,13 +9,11 @@ would. The controllers have the system account's kicker (mesh/auth/system.py).
 Shared by tests/test_network.py, tests/test_cut_holder.py and bench/cut.py. Root only.
 """
 
-import json
 import os
 import shutil
 import signal
 import subprocess
 import tempfile
-import urllib.request
 from pathlib import Path
 
 import anyio
@@ -24,16 +22,24 @@ import nats
 import netns
 import pytest
 from helpers import MESH, await_until, fleet_up, mesh_cli
+from netpieces import (
+    CLIENT_PORT,
+    CONTROLLERS,
+    HOSTS,
+    NATS,
+    PG_PORT,
+    accepts,
+    nats_configs,
+    nats_current,
+    postgres_argv,
+    start_cluster,
+)
 
 from mesh import bus
 from mesh.auth import system, tls
 from mesh.embedded import natsd, pgauth, postgres
 
-NATS = ["n1", "n2", "n3"]
-CONTROLLERS = ["ctl-0", "ctl-1"]
-HOSTS = ["node-1", "node-2", "node-3"]
 MEMBERS = [*NATS, "pg", *CONTROLLERS, *HOSTS, "client"]
-CLIENT_PORT, ROUTE_PORT, MONITOR_PORT, PG_PORT = 4222, 6222, 8222, 5432
 BEAT = 0.5  # the hosts' beat: down after 3 missed, 1.5 s
 
 
@@ -73,22 +79,8 @@ class NetMesh:
     # --- NATS ------------------------------------------------------------------------------
 
     async def start_nats(self) -> None:
-        routes = [f"{self.net.address(n)}:{ROUTE_PORT}" for n in NATS]
-        for name in NATS:
-            folder = self.dir / "nats" / name
-            cert, key = folder / "server.pem", folder / "server.key"
-            tls.issue_server(self.ca_folder, cert, key, name=name, hosts=[self.net.address(name)])
-            conf = natsd.write_config(
-                folder, port=CLIENT_PORT, name=name, host=self.net.address(name),
-                tls=natsd.Tls(cert=cert, key=key, ca=Path(self.ca)),
-                cluster=natsd.Cluster(port=ROUTE_PORT, routes=routes), system=self.system,
-            )  # fmt: skip
-            # The monitoring port, for /healthz (JetStream current) and /connz.
-            conf.write_text(conf.read_text() + f'http: "{self.net.address(name)}:{MONITOR_PORT}"\n')
-            self.confs[name] = conf
-            self.run_nats(name)
-        for name in NATS:
-            await self.nats_healthy(name)
+        self.confs = nats_configs(self.net, self.dir / "nats", self.ca_folder, NATS, self.system)
+        await start_cluster(NATS, self.run_nats, self.nats_healthy)
 
     def run_nats(self, name: str) -> None:
         argv = self.net.argv(name, natsd.argv(self.confs[name]))
@@ -105,12 +97,7 @@ class NetMesh:
 
         async def healthy():
             assert proc.poll() is None, (self.dir / f"nats-{name}.log").read_text()[-3000:]
-            url = f"http://{self.net.address(name)}:{MONITOR_PORT}/healthz"
-            try:
-                got = await anyio.to_thread.run_sync(_get, url)
-            except OSError:
-                return False
-            return json.loads(got).get("status") == "ok"
+            return await nats_current(self.net, name)
 
         await await_until(healthy, within=within, what=f"nats-server {name} healthy")
 
@@ -132,18 +119,16 @@ class NetMesh:
         await anyio.to_thread.run_sync(lambda: postgres.init(data, passwords=passwords))
         with open(data / "pg_hba.conf", "a") as hba:
             hba.write(f"host all all {self.net.subnet} trust\n")
-        argv = [*postgres.argv(data, port=PG_PORT), "-c",
-                f"listen_addresses={self.net.address('pg')}"]  # fmt: skip
+        argv = postgres_argv(data, self.net.address("pg"))
         with self.net.inside("pg"):  # forked in there, then drops to its account
             proc = self.procs.start("postgres", argv, cwd=data, **postgres.run_as())
         admin = self.database_url.rpartition("/")[0] + "/postgres"
 
         async def ready():
             assert proc.poll() is None, (self.dir / "postgres.log").read_text()[-3000:]
-            try:
-                conn = await asyncpg.connect(admin, timeout=2)
-            except (OSError, asyncpg.PostgresError, TimeoutError):
+            if not await accepts(admin):
                 return False
+            conn = await asyncpg.connect(admin, timeout=2)
             try:
                 await conn.execute('CREATE DATABASE "mesh"')
             finally:
@@ -181,14 +166,6 @@ class NetMesh:
         found = self.net.peers(holder, CLIENT_PORT) & addresses.keys()
         assert len(found) == 1, f"{holder} connected to {found}"
         return addresses[found.pop()]
-
-
-def _get(url: str) -> bytes:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as r:
-            return r.read()
-    except urllib.error.HTTPError as e:  # /healthz answers 503 with a body while not current
-        return e.read()
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ Root only (network namespaces): skipped otherwise.
 
 import pytest
 from cutting import KINDS, cut_once, others_cut, summary
-from helpers import held_status
+from helpers import ask, held_status
 from netmesh import CONTROLLERS, started
 
 pytestmark = pytest.mark.slow
@@ -51,3 +51,30 @@ async def test_a_standby_or_a_host_cut_off_changes_nothing(netmesh) -> None:
         assert {(a.holder, a.epoch) for a in cut.answers} == {(before["holder"], before["epoch"])}
     assert (after["holder"], after["epoch"]) == (before["holder"], before["epoch"])
     assert netmesh.controllers[before["holder"]].poll() is None
+
+
+async def test_a_handover_to_a_standby_cut_from_nats_keeps_the_seat(netmesh) -> None:
+    """The nemesis's seed 4: the standby cut off from NATS only (it still reaches the store),
+    then `mesh handover` while the holder still lists it. No standby answers, so the holder
+    keeps the seat and its epoch and answers throughout. (It used to release the seat all the
+    same: the cut standby took the store's lock, then waited for the bus, no holder for 12 s.)"""
+    nc = await started(netmesh)
+    handed = []
+
+    async def hand_over() -> None:  # the verb at once: a command line starts too late here
+        handed.append(await ask(nc, "mesh.ctl.handover", timeout=5))
+
+    try:
+        before = (await held_status(nc, timeout=2))["seat"]
+        standby = next(c for c in CONTROLLERS if c != before["holder"])
+        cut = await others_cut(netmesh, nc, standby, seconds=8, kind="nats", then=hand_over)
+        after = await held_status(nc, timeout=2)
+    finally:
+        await nc.close()
+    # Accepted: the holder still listed the standby (heard within 3.5 s), so it announced.
+    assert handed and handed[0] and handed[0].get("to") == [standby], handed
+    lost = [(round(a.sent - cut.at, 2), a.code, a.said) for a in cut.unanswered()]
+    assert lost == [], lost
+    assert {(a.holder, a.epoch) for a in cut.answers} == {(before["holder"], before["epoch"])}
+    assert after is not None, "no holder answered once the cut ended"
+    assert (after["seat"]["holder"], after["seat"]["epoch"]) == (before["holder"], before["epoch"])

@@ -53,6 +53,7 @@ from helpers import (
     ok_json,
 )
 from module_folders import gated_module
+from netpieces import CLIENT_PORT, MONITOR_PORT, PG_PORT, accepts, postgres_argv
 from standby import DATABASE, Pair, promote, start_pair, sync_pair
 
 from mesh.embedded import natsd, pgauth, postgres
@@ -372,7 +373,7 @@ async def assert_declarations_of(nc, epoch: int) -> None:
 # names both servers, so after a promotion the same URL reaches the new primary.
 
 NET = ["nats", "pg1", "pg2", "ctl-0", "ctl-1", *HOSTS, "client"]
-NATS_PORT, PG_PORT, MONITOR_PORT = 4222, 5432, 8222
+NATS_PORT = CLIENT_PORT
 BEAT = 0.5
 STEP_DOWN_AT_MOST = 30.0  # a holder cut off from the store steps down within this (pings: ~4 s)
 
@@ -423,8 +424,7 @@ class StoreNet:
         await await_until(listening, within=30, what="nats-server to listen")
 
     def _postgres(self, member: str, data: Path, settings: tuple[str, ...]) -> None:
-        argv = [*postgres.argv(data, port=PG_PORT, settings=settings), "-c",
-                f"listen_addresses={self.pg[member]}"]  # fmt: skip
+        argv = postgres_argv(data, self.pg[member], settings)
         with self.net.inside(member):  # forked in there, then drops to its account
             self.servers[member] = self.procs.start(
                 f"postgres-{member}", argv, cwd=data, **postgres.run_as()
@@ -435,12 +435,7 @@ class StoreNet:
 
         async def ready():
             assert proc.poll() is None, (self.dir / f"postgres-{member}.log").read_text()[-3000:]
-            try:
-                conn = await asyncpg.connect(self.direct(member, "postgres"), timeout=2)
-            except (OSError, asyncpg.PostgresError, TimeoutError):
-                return False
-            await conn.close()
-            return True
+            return await accepts(self.direct(member, "postgres"))
 
         await await_until(ready, within=60, what=f"PostgreSQL on {member}")
 

@@ -59,8 +59,9 @@ async def connected(*, url: str, creds: str | None, what: str) -> AsyncIterator[
         try:
             yield nc
         finally:
-            with anyio.CancelScope(shield=True):
-                await nc.close()
+            # Bounded: nats-py's close awaits the socket's drain and close, unbounded (a
+            # command whose plan was done stayed running, the nemesis's seed 6 on main).
+            await bus.close(nc, drain=False)
     if refused:
         raise VerbFailed(
             f"forbidden: the credentials {creds or '(none)'} do not allow `{what}` "

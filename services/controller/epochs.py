@@ -76,6 +76,9 @@ async def claim(
             revision = await kv.update(subjects.SEAT, body, last=seen.revision)
     except KeyWrongLastSequenceError:
         now = await read(kv)
+        mine = (epoch, holder, pid)
+        if now.record is not None and (now.record.epoch, now.record.holder, now.record.pid) == mine:
+            return now  # our own write, whose acknowledgement was lost (a try asked again)
         who = f"{now.record.holder}, epoch {now.record.epoch}" if now.record else "unknown"
         raise EpochTaken(
             f"another controller recorded the seat on the bus first ({who}): not taking it"

@@ -27,6 +27,7 @@ from mesh.model import Handover, SeatAnnounce, SeatInfo
 from mesh.serving import Stats
 from mesh.store import events, replication, seats
 from services.controller import bundles, epochs, handover, kick, metrics, pruning, secretkeys
+from services.controller.buckets import Buckets
 from services.controller.changes import Changes
 from services.controller.fleet import Fleet, open_bus
 from services.controller.handover import VerbSubscriptions
@@ -58,6 +59,9 @@ LAGGING = 0.5
 # A handover lets its slow verbs finish this long (then they are answered `unavailable`): with
 # the ready wait, the drain and the release it fits in mesh.lifetime.STOP_WITHIN.
 SLOW_VERBS_WITHIN = 4.0
+# How long a takeover asks the seat's bucket again while its stream elects a leader (a
+# nats-server lost: 2 s or so); past it the controller exits and its supervisor restarts it.
+BUS_TAKE_WITHIN = 20.0
 
 # A store session that ended under us, as asyncpg says it.
 _SESSION_ENDED = (
@@ -87,6 +91,7 @@ class Controller(msgspec.Struct):
     down_after: int  # beats a machine may miss before it is down
     keys: Keys  # the key of the secrets (secretkeys.py)
     kicker: Kicker  # closes a cut-off holder's connection at a takeover (kick.py)
+    buckets: Buckets  # the bus's buckets, opened once (buckets.py)
 
 
 class Hold:
@@ -117,6 +122,7 @@ class Hold:
         self.on_bus: epochs.Seen | None = None  # that record as this hold wrote it
         self.before: epochs.BusEpoch | None = None  # and as the holder before it left it
         self.kicker = c.kicker
+        self.buckets = c.buckets
         self.warnings: list[str] = []  # what the takeover found wrong with the store
 
     async def run(self) -> None:
@@ -131,7 +137,7 @@ class Hold:
         )  # fmt: skip
         await fleet.load()
         await secretkeys.take_over(self.pool, self.keys, epoch=row.epoch)
-        _, obs = await blobs.ensure(self.nc)
+        _, obs = await self.buckets.blobs()
         held = msgspec.structs.replace(self.me, since=row.since, epoch=row.epoch,
                                        register_within=fleet.registration_window())  # fmt: skip
         try:
@@ -179,8 +185,10 @@ class Hold:
                         lock=changes.one_change,
                     ))  # fmt: skip
 
-                    await self.stop.requested.wait()
-                    await self._hand_over(held=held, plans=plans)
+                    while True:
+                        await self.stop.requested.wait()
+                        if await self._hand_over(held=held, plans=plans, background=background):
+                            break
                     serving.cancel_scope.deadline = anyio.current_time() + SLOW_VERBS_WITHIN
                 background.cancel_scope.cancel()
         except BaseException as e:
@@ -196,8 +204,9 @@ class Hold:
         and how it came to us (a handover, or not)."""
         lock, me = self.lock, self.me
         assert lock.conn is not None
-        self.seat_kv = await blobs.ensure_seat(self.nc)
-        on_bus = await epochs.read(self.seat_kv)
+        self.seat_kv = kv = await self.buckets.seat()
+        # The stream's leader may be moving (its nats-server lost): asked again, not a crash.
+        on_bus = await blobs.patiently(lambda: epochs.read(kv), within=BUS_TAKE_WITHIN)
         bus_epoch = on_bus.record.epoch if on_bus.record else 0
         before = await seats.read(lock.conn, seat=subjects.SEAT)
         row = await seats.take(
@@ -217,9 +226,11 @@ class Hold:
             await events.record(self.pool, "seat.store_behind", store_epoch=store_epoch,
                                 bus_epoch=bus_epoch, epoch=row.epoch)  # fmt: skip
         self.before = on_bus.record
-        self.on_bus = await epochs.claim(self.seat_kv, seen=on_bus, epoch=row.epoch,
-                                         holder=me.instance, pid=me.pid,
-                                         at=kick.where(self.nc))  # fmt: skip
+        self.on_bus = await blobs.patiently(
+            lambda: epochs.claim(kv, seen=on_bus, epoch=row.epoch, holder=me.instance,
+                                 pid=me.pid, at=kick.where(self.nc)),
+            within=BUS_TAKE_WITHIN,
+        )  # fmt: skip
         said = await replication.check(lock.conn)
         if said.warning is not None:  # HA needs synchronous replication (docs/operations.md)
             log.warning("controller %s: %s", me.instance, said.warning)
@@ -283,16 +294,34 @@ class Hold:
         background.start_soon(metrics.HELD.holding, holder.fleet, self.pool)
         background.start_soon(_step_down_without_bus, self.link, nc)
 
-    async def _hand_over(self, *, held: SeatAnnounce, plans: anyio.CancelScope) -> None:
+    async def _hand_over(
+        self, *, held: SeatAnnounce, plans: anyio.CancelScope, background: TaskGroup
+    ) -> bool:
+        """Whether the seat is handed over: at the `handover` verb with no standby answering
+        nor heard from since it began, it is kept (a standby cut off from the bus that still
+        reaches the store would take the lock, then wait for the bus: no holder for as long as
+        its cut lasts). A standby heard but slow to answer (a loaded machine) gets it."""
         nc = self.nc
         self.ready.set("handing-over", held.epoch)
         # The handover (docs/design.md, the seat): a standby joins the verb group first.
         answers = self.link.answers(self.nc)
+        began = time.monotonic()
         successor = await handover.announce(nc, held, self.signing) if answers else None
+        silent = not self.standbys.heard_since(began)
+        if successor is None and silent and answers and self.stop.may_keep():
+            log.warning("controller %s keeps the seat: no standby answered the handover",
+                        self.me.instance)  # fmt: skip
+            self.stop.kept()
+            self.ready.set("holding", held.epoch)
+            # A standby that joined the verb group and whose answer was lost leaves it again.
+            background.start_soon(attempt, "announce held again",
+                                  _say(nc, self.signing, "held", held))  # fmt: skip
+            return False
         log.info("controller %s hands over the seat%s", self.me.instance,
                  f" to {successor}" if successor else " (no standby answered)")  # fmt: skip
         plans.cancel()  # every plan write is a fenced transaction: the next holder goes on
         await self.verbs.stop(drain=self.link.answers(self.nc))
+        return True
 
     async def _release(self, *, fleet: Fleet, held: SeatAnnounce) -> None:
         nc, lock = self.nc, self.lock

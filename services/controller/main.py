@@ -28,11 +28,13 @@ from mesh import metrics as served_metrics
 from mesh.auth.signing import Signing
 from mesh.config import EventsKept, VersionsKept, events_kept, versions_kept
 from mesh.discovery import Discovery
+from mesh.errors import reason
 from mesh.model import SeatAnnounce, SeatRole
 from mesh.serving import Stats
 from mesh.store import db
 from mesh.store.migrate import migrate
 from services.controller import handover, metrics, readiness, secretkeys, standbys
+from services.controller.buckets import Buckets
 from services.controller.handover import VerbSubscriptions
 from services.controller.hold import Controller, Hold
 from services.controller.kick import Kicker
@@ -105,7 +107,7 @@ async def run(
             released=Releases(), ready=Readiness(readiness.default_file()),
             signing=Signing.controller(creds), events=events, versions=versions,
             stats=Stats(observe=metrics.VERB_ANSWERED), down_after=down_after, keys=keys,
-            kicker=kicker,
+            kicker=kicker, buckets=Buckets(nc),
         )  # fmt: skip
         await SeatEvents(signing=c.signing, standbys=c.standbys, released=c.released).subscribe(nc)
         # Start-up leaves tens of thousands of objects that live as long as the process; a full
@@ -131,6 +133,15 @@ async def run(
             if nc is not None:
                 await attempt("close NATS", bus.close(nc, drain=link.answers(nc)))
             await attempt("close the store pool", pool.close())
+
+
+async def _open_buckets(c: Controller) -> None:
+    """The buckets opened while standing by, so a takeover does not wait on JetStream's API;
+    not open yet (JetStream not answering), the take opens them."""
+    try:
+        await c.buckets.open()
+    except Exception as e:
+        log.info("controller %s: the bus's buckets not open yet: %s", c.me.instance, reason(e))
 
 
 def _discovery(c: Controller) -> Discovery:
@@ -161,7 +172,7 @@ async def _take_turns(
             stop = Stop()
             stopping.hold = stop
             if stopping.signalled.is_set():  # the signal came as the lock did: hand straight over
-                stop.requested.set()
+                stop.signal()
             try:
                 await Hold(c, lock=lock, verbs=verbs, stop=stop).run()
             finally:
@@ -183,5 +194,6 @@ async def _stand_by(c: Controller, *, lock: SeatLock, verbs: VerbSubscriptions) 
     async with anyio.create_task_group() as waiting:
         waiting.start_soon(standbys.announce, c.nc, c.me, c.signing)
         waiting.start_soon(handover.stand_ready, c.nc, c.me, verbs, c.signing)
+        waiting.start_soon(_open_buckets, c)
         await lock.wait()
         waiting.cancel_scope.cancel()

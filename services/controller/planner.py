@@ -54,6 +54,9 @@ log = logging.getLogger(__name__)
 NAMES_KEPT = 16384
 IDLE_CHECK = 5.0  # look for a plan this often even without being woken (a missed wake-up)
 LOOK_EVERY = 1.0  # the longest the planner waits without judging deadlines
+# How long a plan waits for the bundle store to say whether it has its bundles (a nats-server
+# lost, JetStream electing): past it the plan starts, the hosts fetching with their own retries.
+BUNDLE_CHECK_WITHIN = 15.0
 
 
 class _Stopped(Exception):
@@ -213,8 +216,18 @@ class Planner:
             current = (await modules.current_modules(conn)).get(p.subject)
         if current is None:
             return None
+        obs = self._obs
         for name, digest in sorted(current.bundles.items()):
-            if digest.startswith("sha256:") and not await blobs.has(self._obs, digest):
+            if not digest.startswith("sha256:"):
+                continue
+            try:  # JetStream electing a leader (a nats-server lost) answers late, or 503
+                there = await blobs.patiently(lambda d=digest: blobs.has(obs, d),
+                                              within=BUNDLE_CHECK_WITHIN)  # fmt: skip
+            except blobs.BlobsUnavailable as e:
+                log.warning("plan %d: could not look for bundle %s in the bundle store (%s); "
+                            "starting it all the same", p.id, name, e)  # fmt: skip
+                return None
+            if not there:
                 return (
                     f"bundle {name} of module {p.subject} ({digest[:19]}…) is not in the "
                     f"bundle store: push the module's folder again (mesh push DIR) to store "

@@ -34,6 +34,10 @@ class Standbys:
         self._seen.pop(instance, None)
         self._listed = None
 
+    def heard_since(self, t: float) -> bool:
+        """Whether any standby announced itself since `t` (time.monotonic())."""
+        return any(at >= t for _, at in self._seen.values())
+
     def current(self) -> list[Standby]:
         """The standbys heard within FORGET_AFTER, by instance (the list is shared: read it)."""
         now = time.monotonic()

@@ -28,10 +28,26 @@ class Stop:
     def __init__(self) -> None:
         self.requested = anyio.Event()
         self.stand_by_after = False
+        self.signalled = False
 
     def handover(self) -> None:
         self.stand_by_after = True
         self.requested.set()
+
+    def signal(self) -> None:
+        self.signalled = True
+        self.requested.set()
+
+    def may_keep(self) -> bool:
+        """Whether the holder may keep the seat when no standby answers: at the verb, yes
+        (releasing it to nobody leaves no holder, or one that cannot hear the bus); after a
+        signal, no (the process exits)."""
+        return self.stand_by_after and not self.signalled
+
+    def kept(self) -> None:
+        """The handover asked for did not happen: wait for the next request."""
+        self.requested = anyio.Event()
+        self.stand_by_after = False
 
 
 class Stopping:
@@ -60,7 +76,7 @@ class Stopping:
                     return
                 log.info("received %s: handing the seat over, then stopping", name)
                 self.signalled.set()
-                self.hold.requested.set()
+                self.hold.signal()
 
 
 async def attempt(what: str, step: Awaitable[object], *, within: float = 3.0) -> bool:
