@@ -49,7 +49,7 @@ async def until(probe: Callable[[], Awaitable[object]], *, within: float, what: 
             return value
         if time.monotonic() > deadline:
             raise ClusterError(f"timed out after {within:g}s waiting for {what}")
-        await anyio.sleep(0.1)  # polling a condition with a deadline
+        await anyio.sleep(0.1)  # ok: polling a condition with a deadline
 
 
 class Cluster:
@@ -242,7 +242,7 @@ class Cluster:
         """What a machine's supervisor does (systemd's Restart=always, one second later): a
         controller or host that exited is started again, unless a fault keeps it down."""
         while True:
-            await anyio.sleep(1.0)  # the supervisor's restart delay
+            await anyio.sleep(1.0)  # ok: the supervisor's restart delay
             for name in [*CONTROLLERS, *HOSTS]:
                 proc = self.procs.get(name)
                 if proc is None or name in self.down or proc.poll() is None:
@@ -271,7 +271,7 @@ class Cluster:
                 if proc.poll() is not None:
                     took[name] = round(time.monotonic() - sent, 2)
                     del alive[name]
-            await anyio.sleep(0.05)  # polling exits with a deadline
+            await anyio.sleep(0.05)  # ok: polling exits with a deadline
         for name in alive:
             took[name] = None
         return took

@@ -37,7 +37,7 @@ class Injector:
         self.c.history.add("fault", phase="start", id=fid, kind=fault.kind, role=fault.role,
                            target=target, lasts=fault.lasts)  # fmt: skip
         heal = await start(target)
-        await anyio.sleep(fault.lasts)  # the fault's planned duration
+        await anyio.sleep(fault.lasts)  # ok: the fault's planned duration
         after = await heal()
         self.c.history.add("fault", phase="end", id=fid, kind=fault.kind, target=target)
         if after is not None:

@@ -110,7 +110,7 @@ async def faults_in_turn(injector: Injector, faults: list[Fault], t0: float,
     for fault in faults:
         wait = t0 + fault.at - time.monotonic()
         if wait > 0:
-            await anyio.sleep(wait)  # the schedule's start time
+            await anyio.sleep(wait)  # ok: the schedule's start time
         say(f"  {time.monotonic() - t0:6.1f}s {fault.kind} {fault.role} "
             f"({injector.target(fault)}) for {fault.lasts:g}s")  # fmt: skip
         await injector.run(fault)
@@ -135,7 +135,7 @@ async def workload_and_faults(c: Cluster, faults: list[Fault], seed: int, second
             await faults_in_turn(injector, faults, t0, say)
             left = t0 + seconds - time.monotonic()
             if left > 0:
-                await anyio.sleep(left)  # the run's length, faults or not
+                await anyio.sleep(left)  # ok: the run's length, faults or not
             say("faults over, every one healed; letting the changes end")
             work.stopping.set()
             with anyio.move_on_after(CHANGE_BOUND):

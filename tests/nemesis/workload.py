@@ -79,7 +79,7 @@ class Workload:
     async def status_stream(self) -> None:
         while not self.stopping.is_set():
             await self.status_once()
-            await anyio.sleep(PACE)  # a person's pace between two commands
+            await anyio.sleep(PACE)  # ok: a person's pace between two commands
 
     # --- changes, with the command line ------------------------------------------------------
 
@@ -198,7 +198,7 @@ class Workload:
                 record = json.loads(entry.value)
                 self.history.add("epoch", source="bus", holder=record.get("holder"),
                                  epoch=record.get("epoch"), revision=entry.revision)  # fmt: skip
-            await anyio.sleep(0.5)  # the record's poll
+            await anyio.sleep(0.5)  # ok: the record's poll
 
 
 async def watcher(cluster: Cluster) -> Client:
