@@ -7,8 +7,19 @@ groups): the registration gate refuses them at push and the host again before it
 account, by the same rules (`refusal`), so a declaration that came some other way is refused too.
 """
 
+import fcntl
+import os
 import subprocess
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+# Held while an account or group is made. useradd's own lock does not always hold: two at once
+# for one name both succeed, the second rewriting the first's uid (seen on Debian 12), so a
+# process that looked the first up runs as a uid no account has.
+LOCK = Path("/etc/.mesh-accounts.lock")
+LOCK_WITHIN = 30.0
 
 PG_ACCOUNT = "mesh-postgres"  # the embedded PostgreSQL's (mesh/embedded/postgres.py)
 BUILD_ACCOUNT = "mesh-build"  # a builder's builds' (services/host/builder.py)
@@ -111,14 +122,39 @@ def ensure_system_account(
     groups: Sequence[str] = (),
 ) -> bool:
     """Create the account (and its extra groups) unless it exists; True if created now."""
-    for group in groups:
-        if not group_exists(group):
-            _run(["groupadd", "--system", group])
-    if exists(name):
+    if exists(name) and all(group_exists(g) for g in groups):
         return False
-    argv = ["useradd", "--system", "--user-group", "--shell", shell]
-    argv += ["--home-dir", home, "--create-home"] if home else ["--no-create-home"]
-    if groups:
-        argv += ["--groups", ",".join(groups)]
-    _run([*argv, name])
-    return True
+    with _one_at_a_time():
+        for group in groups:
+            if not group_exists(group):
+                _run(["groupadd", "--system", group])
+        if exists(name):
+            return False
+        argv = ["useradd", "--system", "--user-group", "--shell", shell]
+        argv += ["--home-dir", home, "--create-home"] if home else ["--no-create-home"]
+        if groups:
+            argv += ["--groups", ",".join(groups)]
+        _run([*argv, name])
+        return True
+
+
+@contextmanager
+def _one_at_a_time() -> Iterator[None]:
+    """Across processes (the hosts and stores of one machine), one maker of accounts at a time."""
+    fd = os.open(LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        deadline = time.monotonic() + LOCK_WITHIN
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise AccountError(
+                        f"{LOCK} is held by another process past {LOCK_WITHIN:.0f} s; "
+                        "no account was made"
+                    ) from None
+                time.sleep(0.02)  # ok: a lock taken for milliseconds, polled with a deadline
+        yield
+    finally:
+        os.close(fd)

@@ -13,12 +13,15 @@ runs), and back in, brought up to date by a plan of its own."""
 import argparse
 import getpass
 import shlex
+import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
+import anyio
 import msgspec
 
-from mesh import config
+from mesh import bus, config
 from mesh.auth import creds as credentials
 from mesh.auth import registry, server
 from mesh.client.asking import connected
@@ -145,8 +148,14 @@ def _mesh(args: argparse.Namespace) -> MeshDir:
     return folder
 
 
-def _reload(folder: MeshDir) -> bool:
-    """Reload every nats-server of the folder that runs; True if any did."""
+RELOAD_WITHIN = 10.0  # for each server to take a reload (it is asynchronous: a SIGHUP)
+
+
+async def _reload(folder: MeshDir, creds: str | None, *, admitted: bool) -> bool:
+    """Reload every nats-server of the folder that runs; True if any did, once each that answers
+    has taken the change: `creds` (a credentials file's text, if known) connects when
+    `admitted`, or is refused. Without the wait, credentials just issued could be refused by
+    the next command."""
     reloaded = False
     for pid_file in folder.pid_files():
         try:
@@ -154,7 +163,38 @@ def _reload(folder: MeshDir) -> bool:
         except server.ServerNotRunning:
             continue
         reloaded = True
+    url = folder.nats_url()
+    if not reloaded or url is None or not creds:
+        return reloaded
+    with tempfile.TemporaryDirectory(prefix="mesh-reload-") as held:
+        probe = Path(held) / "probe.creds"
+        probe.write_text(creds)
+        probe.chmod(0o600)
+        for one in config.servers(url):
+            await _taken(one, str(probe), admitted=admitted)
     return reloaded
+
+
+async def _taken(url: str, creds: str, *, admitted: bool) -> None:
+    """Wait until the server at `url` admits (or refuses) `creds`; said on stderr if it has not
+    within RELOAD_WITHIN, or answers not at all (it is stopping, or another's)."""
+    with anyio.move_on_after(RELOAD_WITHIN):
+        while True:
+            try:
+                nc = await bus.connect(url, name="mesh-reload-check", creds=creds,
+                                       reconnect=False)  # fmt: skip
+            except bus.Unauthorized:
+                if not admitted:
+                    return
+            except bus.Unreachable:
+                return  # not running any more: it takes the change at its start
+            else:
+                await bus.close(nc, drain=False)
+                if admitted:
+                    return
+            await anyio.sleep(0.1)  # ok: polling the server's reload, with a deadline
+    print(f"mesh: nats-server at {url} has not taken the change after {RELOAD_WITHIN:.0f} s; "
+          "see its log", file=sys.stderr)  # fmt: skip
 
 
 async def cmd_machine_add(args: argparse.Namespace) -> None:
@@ -183,7 +223,7 @@ async def cmd_machine_add(args: argparse.Namespace) -> None:
             raise CliError(f"machine {name} was given credentials meanwhile; see {folder.users}")
         path = users.issue("host", name, builder=args.builder)
         users.save()
-    reloaded = _reload(folder)
+    reloaded = await _reload(folder, path.read_text(), admitted=True)
     held = credentials.read(path)
     argv = ["mesh", "host", "run", "--name", name, "--creds", str(path)]
     if not held.servers:  # the file names no servers: the command must
@@ -268,12 +308,14 @@ async def cmd_machine_remove(args: argparse.Namespace) -> None:
     name = check_name(args.name, field="NAME")
     folder = _mesh(args)
     with registry.locked(folder) as users:
+        issued = folder.creds_file("host", name)
+        text = issued.read_text() if issued.exists() else ""
         try:
             path = users.revoke("host", name)
         except registry.AuthError:
             raise CliError(f"machine {name} has no credentials in {folder.root}") from None
         users.save()
-    reloaded = _reload(folder)
+    reloaded = await _reload(folder, text or None, admitted=False)
     audited = await folderaudit.record(args, folder, "machine-remove", name, "revoked")
     removed = Removed(name=name, revoked=str(path), reloaded=reloaded, audited=audited)
     if args.json:

@@ -133,8 +133,8 @@ async def cmd_operator_add(args: argparse.Namespace) -> None:
     with registry.locked(folder) as users:
         path = users.issue("operator", name, role=args.role, modules=glob)
         users.save()
-    added = Added(name=name, role=args.role, creds=str(path), modules=glob,
-                  reloaded=_reload(folder))  # fmt: skip
+    reloaded = await _reload(folder, path.read_text(), admitted=True)
+    added = Added(name=name, role=args.role, creds=str(path), modules=glob, reloaded=reloaded)
     if args.json:
         print_json(added)
         return
@@ -177,11 +177,13 @@ async def cmd_operator_remove(args: argparse.Namespace) -> None:
         if e.code != "not_found":  # else: one the controller never knew, revoked all the same
             unrecorded = e
     path = folder.creds_file("operator", name)
+    text = path.read_text() if issued and path.exists() else ""
     if issued:
         with registry.locked(folder) as users:
             path = users.revoke("operator", name)
             users.save()
-    removed = Removed(name=name, revoked=str(path), reloaded=issued and _reload(folder))
+    reloaded = issued and await _reload(folder, text or None, admitted=False)
+    removed = Removed(name=name, revoked=str(path), reloaded=reloaded)
     if unrecorded is not None:
         raise CliError(
             f"operator {name}: credentials revoked, but the controller did not record the "

@@ -255,14 +255,17 @@ class Cluster:
     # --- the end ---------------------------------------------------------------------------
 
     async def stop_all(self, within: float) -> dict[str, float | None]:
-        """SIGTERM to every piece at once (as a machine's shutdown sends it); the seconds each
-        took to exit, None for one still running after `within` (then killed)."""
+        """Every piece told to stop at once, as a machine's shutdown does: SIGTERM, and SIGINT
+        for PostgreSQL (its fast shutdown, the KillSignal of mesh's unit: SIGTERM is its smart
+        shutdown, which waits for every client); the seconds each took to exit, None for one
+        still running after `within` (then killed)."""
         sent = time.monotonic()
         alive = {n: p for n, p in self.procs.items() if p.poll() is None}
-        for proc in alive.values():
+        for name, proc in alive.items():
+            stop = signal.SIGINT if name in STORES else signal.SIGTERM
             try:
                 os.kill(proc.pid, signal.SIGCONT)  # a paused piece cannot hear it otherwise
-                os.kill(proc.pid, signal.SIGTERM)
+                os.kill(proc.pid, stop)
             except ProcessLookupError:
                 pass
         took: dict[str, float | None] = {}
