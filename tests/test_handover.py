@@ -81,7 +81,7 @@ async def test_handover_and_sigterm_leave_no_request_unanswered(two, nc, nats_ur
         # In a thread: the client's workers must keep sending while the command runs.
         done = await anyio.to_thread.run_sync(lambda: mesh_cli("handover", nats_url=nats_url))
         assert done.returncode == 0, done.stderr
-        assert "ctl-b" in done.stdout
+        assert "ctl-a handed the seat to ctl-b (epoch" in done.stdout, done.stdout
 
         async def moved_to(holder: str, epoch_above: int):
             s = await ask(nc, "mesh.ctl.status")
@@ -161,3 +161,28 @@ async def test_handover_without_a_standby_is_refused(nc, start_controller, nats_
     assert "no standby" in done.stderr and "Traceback" not in done.stderr
     s = await ask(nc, "mesh.ctl.status")
     assert s["seat"]["holder"] == "ctl-a"
+
+
+async def test_a_handover_no_standby_answers_says_the_holder_kept_the_seat(
+    two, nc, nats_url
+) -> None:
+    """A standby that is listed but cannot answer (stopped here): the holder keeps the seat,
+    and the command says so and exits 1, rather than that the seat was handed over."""
+    _, b = two
+
+    async def b_stands_by():
+        s = await ask(nc, "mesh.ctl.status")
+        return s if s and [x["instance"] for x in s["standbys"]] == ["ctl-b"] else None
+
+    before = await await_until(b_stands_by, within=30, what="ctl-b standing by")
+    b.send_signal(signal.SIGSTOP)
+    try:
+        done = await anyio.to_thread.run_sync(lambda: mesh_cli("handover", nats_url=nats_url))
+    finally:
+        b.send_signal(signal.SIGCONT)
+    assert done.returncode == 1, done.stdout
+    line = done.stderr.strip()
+    assert "Traceback" not in line and len(line.splitlines()) == 1, line
+    assert "ctl-a still holds the seat" in line, line
+    s = await ask(nc, "mesh.ctl.status")
+    assert s["seat"]["holder"] == "ctl-a" and s["seat"]["epoch"] == before["seat"]["epoch"]

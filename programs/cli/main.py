@@ -15,11 +15,12 @@ from typing import Any
 
 from mesh import config, errors, loop
 from mesh.errors import MeshError
-from mesh.model import HandoverReply, NodesReply, NodesRequest, StatusReply
+from mesh.model import NodesReply, NodesRequest, StatusReply
 from mesh.names import check_name
 from programs.cli import (
     certs,
     devcreds,
+    handover,
     hosts,
     machines,
     modules,
@@ -211,11 +212,6 @@ async def cmd_status(args: argparse.Namespace) -> None:
     print_json(s) if args.json else render.status(console(), s)
 
 
-async def cmd_handover(args: argparse.Namespace) -> None:
-    r = await verb(args, "handover", HandoverReply, changes=True)
-    print_json(r) if args.json else console().print(r.message)
-
-
 async def cmd_nodes(args: argparse.Namespace) -> None:
     r = await listed(args, "nodes", NodesReply, NodesRequest(), want=args.limit)
     print_json(whole(r)) if args.json else render.nodes(console(), r, want=args.limit)
@@ -355,7 +351,7 @@ async def cmd_host_run(args: argparse.Namespace) -> None:
 COMMANDS: dict[tuple[str, ...], Callable[[argparse.Namespace], Any]] = {
     ("status",): cmd_status,
     ("nodes",): cmd_nodes,
-    ("handover",): cmd_handover,
+    ("handover",): handover.cmd_handover,
     ("dev", "up"): cmd_dev_up,
     ("init",): cmd_init,
     ("dev", "init"): cmd_dev_init,
