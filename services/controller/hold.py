@@ -260,6 +260,7 @@ class Hold:
         seat did not come by a handover, and start the holder's background work."""
         nc = self.nc
         await self.verbs.subscribe()
+        await self.lock.confirm()
         self.verbs.serve(holder=holder, tasks=holder.tasks, fresh=self.lock.fresh)
         self.reports = await reports.subscribe(nc)
         await nc.flush()

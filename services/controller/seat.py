@@ -106,6 +106,18 @@ class SeatLock:
                 await self.conn.fetchval("SELECT 1")
             self._confirmed = time.monotonic()
 
+    async def confirm(self) -> None:
+        """Ask the session once, now: a takeover that took longer than FRESH_FOR to load must
+        not start serving with a seat that looks stale (each verb would be passed on to the
+        group, back to us, until the watch's first ping)."""
+        assert self.conn is not None
+        try:
+            with anyio.fail_after(PING_DEADLINE):
+                await self.conn.fetchval("SELECT 1")
+        except Exception as e:
+            raise SeatLost(f"the seat's store session failed: {reason(e)}") from e
+        self._confirmed = time.monotonic()
+
     def fresh(self) -> bool:
         """The session answered within FRESH_FOR: the seat is still ours. False in a holder
         woken from a pause (SIGSTOP) before its next ping finds the session gone: it must not
