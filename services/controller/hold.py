@@ -18,6 +18,7 @@ from anyio.abc import TaskGroup
 from nats.aio.client import Client
 from nats.aio.subscription import Subscription
 from nats.js.kv import KeyValue
+from nats.js.object_store import ObjectStore
 
 from mesh import blobs, bus, errors, paging, subjects, wire
 from mesh.auth.signing import Signing
@@ -62,6 +63,9 @@ SLOW_VERBS_WITHIN = 4.0
 # How long a takeover asks the seat's bucket again while its stream elects a leader (a
 # nats-server lost: 2 s or so); past it the controller exits and its supervisor restarts it.
 BUS_TAKE_WITHIN = 20.0
+# How long a signalled controller goes on taking the seat (then it serves and hands over at
+# once); past it, it stops without serving: the process's bound (mesh.lifetime) comes first.
+TAKE_WHEN_STOPPING = 3.0
 
 # A store session that ended under us, as asyncpg says it.
 _SESSION_ENDED = (
@@ -121,23 +125,21 @@ class Hold:
         self.seat_kv: KeyValue | None = None  # the bus's record of the seat (epochs)
         self.on_bus: epochs.Seen | None = None  # that record as this hold wrote it
         self.before: epochs.BusEpoch | None = None  # and as the holder before it left it
+        self.unclaimed: int | None = None  # the store's epoch before ours, until `_claim_bus`
         self.kicker = c.kicker
         self.buckets = c.buckets
         self.warnings: list[str] = []  # what the takeover found wrong with the store
 
     async def run(self) -> None:
-        try:
-            row, taken = await self._take()
-        except _SESSION_ENDED as e:  # the store went (a restart, a dropped database) as we took
-            raise SeatLost(f"the store failed as the seat was taken: {reason(e)}") from e
-        self.link.answered_at = time.monotonic()  # the round trips start with the hold
-        fleet = Fleet(
-            pool=self.pool, epoch=row.epoch, down_after=self.down_after,
-            open_bus=lambda: open_bus(self.nc), bus_answered=lambda: self.link.answered_at,
-        )  # fmt: skip
-        await fleet.load()
-        await secretkeys.take_over(self.pool, self.keys, epoch=row.epoch)
-        _, obs = await self.buckets.blobs()
+        loaded = await self._load_or_stop()
+        if loaded is None:
+            log.info("controller %s stops before serving: the seat did not load within %gs of "
+                     "the signal", self.me.instance, TAKE_WHEN_STOPPING)  # fmt: skip
+            if self.verbs.active:  # joined at a handover: what it holds goes to the group
+                with anyio.move_on_after(TAKE_WHEN_STOPPING):
+                    await self.verbs.leave()
+            return
+        row, taken, fleet, obs = loaded
         held = msgspec.structs.replace(self.me, since=row.since, epoch=row.epoch,
                                        register_within=fleet.registration_window())  # fmt: skip
         try:
@@ -199,38 +201,66 @@ class Hold:
         finally:
             await self._release(fleet=fleet, held=held)
 
+    async def _load_or_stop(
+        self,
+    ) -> tuple[seats.SeatRow, Handover, Fleet, ObjectStore] | None:
+        """The seat taken and what a hold needs loaded; None if a signal came and this took
+        TAKE_WHEN_STOPPING more (a bus or store gone): the process must exit in its bound."""
+        loaded = None
+        async with anyio.create_task_group() as tg:
+
+            async def until_signalled() -> None:
+                await self.stop.requested.wait()
+                if self.stop.signalled:
+                    await anyio.sleep(TAKE_WHEN_STOPPING)  # ok: a deadline, not a wait
+                    tg.cancel_scope.cancel()
+
+            tg.start_soon(until_signalled)
+            try:
+                row, taken = await self._take()
+            except _SESSION_ENDED as e:  # the store went (a restart, a dropped database)
+                raise SeatLost(f"the store failed as the seat was taken: {reason(e)}") from e
+            self.link.answered_at = time.monotonic()  # the round trips start with the hold
+            fleet = Fleet(
+                pool=self.pool, epoch=row.epoch, down_after=self.down_after,
+                open_bus=lambda: open_bus(self.nc), bus_answered=lambda: self.link.answered_at,
+            )  # fmt: skip
+            await fleet.load()
+            await secretkeys.take_over(self.pool, self.keys, epoch=row.epoch)
+            _, obs = await self.buckets.blobs()
+            loaded = (row, taken, fleet, obs)
+            tg.cancel_scope.cancel()
+        return loaded
+
     async def _take(self) -> tuple[seats.SeatRow, Handover]:
         """Take the seat: a new epoch above both the store's and the bus's, recorded in both,
-        and how it came to us (a handover, or not)."""
+        and how it came to us (a handover, or not).
+
+        After a handover the holder said its epoch as it began (signed): the bus holds none
+        higher, so the store's epoch is taken at once and the bus's record is claimed by
+        `_claim_bus` while verbs are served. A nats-server lost at that moment makes the
+        seat's stream elect a leader (seconds); the takeover does not wait for it."""
         lock, me = self.lock, self.me
         assert lock.conn is not None
         self.seat_kv = kv = await self.buckets.seat()
-        # The stream's leader may be moving (its nats-server lost): asked again, not a crash.
-        on_bus = await blobs.patiently(lambda: epochs.read(kv), within=BUS_TAKE_WITHIN)
-        bus_epoch = on_bus.record.epoch if on_bus.record else 0
         before = await seats.read(lock.conn, seat=subjects.SEAT)
-        row = await seats.take(
-            lock.conn, seat=subjects.SEAT, holder=me.instance, pid=me.pid, host=me.host,
-            at_least=bus_epoch + 1,
-        )  # fmt: skip
+        said_epoch = self.released.handing(before.holder) if before else None
+        if before is not None and said_epoch is not None and said_epoch >= before.epoch:
+            row = await seats.take(
+                lock.conn, seat=subjects.SEAT, holder=me.instance, pid=me.pid, host=me.host,
+                at_least=said_epoch + 1,
+            )  # fmt: skip
+            self.unclaimed = before.epoch
+        else:
+            # The stream's leader may be moving (its nats-server lost): asked again, not a crash.
+            on_bus = await blobs.patiently(lambda: epochs.read(kv), within=BUS_TAKE_WITHIN)
+            bus_epoch = on_bus.record.epoch if on_bus.record else 0
+            row = await seats.take(
+                lock.conn, seat=subjects.SEAT, holder=me.instance, pid=me.pid, host=me.host,
+                at_least=bus_epoch + 1,
+            )  # fmt: skip
+            await self._claim(kv, on_bus, row.epoch, store_epoch=before.epoch if before else 0)
         assert row.since is not None
-        store_epoch = before.epoch if before else 0
-        if store_epoch < bus_epoch:
-            warning = (
-                f"the store's epoch ({store_epoch}) was below the bus's ({bus_epoch}): the store "
-                "lost writes, as a failover without synchronous replication does; took epoch "
-                f"{row.epoch}, above both"
-            )
-            log.warning("controller %s: %s", me.instance, warning)
-            self.warnings.append(warning)
-            await events.record(self.pool, "seat.store_behind", store_epoch=store_epoch,
-                                bus_epoch=bus_epoch, epoch=row.epoch)  # fmt: skip
-        self.before = on_bus.record
-        self.on_bus = await blobs.patiently(
-            lambda: epochs.claim(kv, seen=on_bus, epoch=row.epoch, holder=me.instance,
-                                 pid=me.pid, at=kick.where(self.nc)),
-            within=BUS_TAKE_WITHIN,
-        )  # fmt: skip
         said = await replication.check(lock.conn)
         if said.warning is not None:  # HA needs synchronous replication (docs/operations.md)
             log.warning("controller %s: %s", me.instance, said.warning)
@@ -252,6 +282,43 @@ class Hold:
                  row.epoch, how)  # fmt: skip
         return row, taken
 
+    async def _claim(
+        self, kv: KeyValue, on_bus: epochs.Seen, epoch: int, *, store_epoch: int
+    ) -> None:
+        """Record our epoch on the bus over `on_bus` (compare-and-set: a controller that wrote
+        since wins, and we step down)."""
+        me = self.me
+        bus_epoch = on_bus.record.epoch if on_bus.record else 0
+        if bus_epoch >= epoch:
+            raise epochs.EpochTaken(
+                f"{on_bus.record.holder if on_bus.record else '?'} holds epoch {bus_epoch} on "
+                f"the bus, not below ours ({epoch}): stepping down"
+            )
+        if store_epoch < bus_epoch:
+            warning = (
+                f"the store's epoch ({store_epoch}) was below the bus's ({bus_epoch}): the store "
+                "lost writes, as a failover without synchronous replication does; took epoch "
+                f"{epoch}, above both"
+            )
+            log.warning("controller %s: %s", me.instance, warning)
+            self.warnings.append(warning)
+            await events.record(self.pool, "seat.store_behind", store_epoch=store_epoch,
+                                bus_epoch=bus_epoch, epoch=epoch)  # fmt: skip
+        self.before = on_bus.record
+        self.on_bus = await blobs.patiently(
+            lambda: epochs.claim(kv, seen=on_bus, epoch=epoch, holder=me.instance,
+                                 pid=me.pid, at=kick.where(self.nc)),
+            within=BUS_TAKE_WITHIN,
+        )  # fmt: skip
+
+    async def _claim_bus(self, epoch: int) -> None:
+        """After a handover's takeover, the bus's record, while verbs are served."""
+        assert self.seat_kv is not None and self.unclaimed is not None
+        kv = self.seat_kv
+        on_bus = await blobs.patiently(lambda: epochs.read(kv), within=BUS_TAKE_WITHIN)
+        await self._claim(kv, on_bus, epoch, store_epoch=self.unclaimed)
+        self.unclaimed = None
+
     async def _serve(
         self, *, holder: Holder, reports: HostReports, held: SeatAnnounce, background: TaskGroup,
         taken: Handover,
@@ -272,7 +339,9 @@ class Hold:
         await _say(nc, self.signing, "held", held)
 
         async def record_where() -> None:
-            assert self.seat_kv is not None and self.on_bus is not None
+            assert self.seat_kv is not None
+            if self.on_bus is None:
+                return  # not claimed yet: `_claim_bus` records where we are
             self.on_bus = await epochs.moved(self.seat_kv, mine=self.on_bus, at=kick.where(nc))
 
         def back_on_nats() -> None:
@@ -287,6 +356,8 @@ class Hold:
         background.start_soon(self.lock.watch)
         assert self.seat_kv is not None
         background.start_soon(lambda: epochs.watch(self.seat_kv, epoch=held.epoch))
+        if self.unclaimed is not None:
+            background.start_soon(self._claim_bus, held.epoch)
         background.start_soon(holder.fleet.run)
         background.start_soon(
             lambda: pruning.keep_pruned(self.pool, epoch=held.epoch, kept=self.events)

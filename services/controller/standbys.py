@@ -64,6 +64,7 @@ async def announce(nc: Client, me: SeatAnnounce, signing: Signing) -> None:
 
 
 RELEASE_KEPT = 60.0  # seconds a holder's `released` is remembered: a takeover follows in ms
+HANDING_KEPT = 30.0  # a handover begun this long ago is over: its lock released, or kept
 RELEASES_KEPT = 64  # and at most this many (every controller that ever let go is a new name)
 
 
@@ -73,6 +74,9 @@ class Releases:
 
     def __init__(self) -> None:
         self._at: dict[str, float] = {}
+        # Holders heard beginning a handover: (when, the epoch they said), until they say
+        # `held` again (they kept the seat) or HANDING_KEPT passes.
+        self._handing: dict[str, tuple[float, int]] = {}
 
     def __len__(self) -> int:
         return len(self._at)
@@ -85,6 +89,26 @@ class Releases:
             del self._at[old]
         while len(self._at) > RELEASES_KEPT:
             del self._at[next(iter(self._at))]  # the oldest
+
+    def begins(self, instance: str, epoch: int) -> None:
+        """`instance` announced a handover of the seat it holds at `epoch`."""
+        now = time.monotonic()
+        self._handing.pop(instance, None)
+        self._handing[instance] = (now, epoch)
+        while len(self._handing) > RELEASES_KEPT:
+            del self._handing[next(iter(self._handing))]  # the oldest
+
+    def kept(self, instance: str) -> None:
+        """`instance` holds the seat again (its handover found no standby)."""
+        self._handing.pop(instance, None)
+
+    def handing(self, instance: str) -> int | None:
+        """The epoch `instance` said as it began handing over lately, if it did; forgotten
+        once asked."""
+        said = self._handing.pop(instance, None)
+        if said is None or time.monotonic() - said[0] > HANDING_KEPT:
+            return None
+        return said[1]
 
     def take(self, instance: str) -> float | None:
         """When `instance` let go, if heard lately; forgotten once taken."""
@@ -117,3 +141,7 @@ class SeatEvents:
             self._standbys.gone(announce.instance)
             if msg.subject.endswith(".released"):
                 self._released.heard(announce.instance)
+            else:
+                self._released.kept(announce.instance)
+        elif msg.subject.endswith(".handover"):
+            self._released.begins(announce.instance, announce.epoch)
