@@ -22,7 +22,7 @@ import anyio
 import asyncpg
 import nats
 import pytest
-from helpers import already, ask, await_until, held_status, kv_history, kv_keys
+from helpers import already, ask, await_until, held_status, js, kv_history, kv_keys
 
 from mesh import bus
 from mesh.embedded import natsd, pgauth, ports, postgres
@@ -107,7 +107,7 @@ async def assert_one_epoch_at_a_time(database_url: str) -> set[int]:
 
 async def assert_kv_epochs_rise(nc) -> None:
     """In the declarations bucket's history, no key's epoch ever goes back."""
-    kv = await nc.jetstream().key_value("mesh-declarations")
+    kv = await js(nc).key_value("mesh-declarations")
     for key in await kv_keys(kv):
         epochs = [json.loads(e.value)["epoch"] for e in await kv_history(kv, key) if e.value]
         assert epochs == sorted(epochs), f"{key}: declarations published with epochs {epochs}"

@@ -29,6 +29,7 @@ import pytest
 from nats.aio.client import Client
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
+from nats.js import JetStreamContext
 from nats.js.errors import NoKeysError
 
 from mesh.embedded.children import remove_containers, stop_agents, stop_supervised
@@ -140,6 +141,13 @@ def one_line_error(done: subprocess.CompletedProcess) -> str:
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1, done.stderr
     return lines[0]
+
+
+def js(nc: Client) -> JetStreamContext:
+    """A JetStream context for a test's reads of the buckets: 30 s for each API request, not
+    nats-py's 5 s. A test asserts what is stored, not how fast; in CI's second pass, hosts'
+    tests beside each other, a 5 s `kv.get` timed out once (test_modules)."""
+    return nc.jetstream(timeout=30)
 
 
 async def kv_keys(kv, *, within: float = 30) -> list[str]:

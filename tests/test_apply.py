@@ -11,7 +11,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from helpers import MESH, ask, await_until, hosts_up, node_named, ok
+from helpers import MESH, ask, await_until, hosts_up, js, node_named, ok
 from module_folders import HELLO, HELLO_TOKEN, write_module
 
 from mesh import osaccounts
@@ -120,7 +120,7 @@ async def test_the_example_is_applied_on_the_assigned_machine(start_fleet, nc, c
     # A declaration of an older epoch is ignored: a paused old controller cannot roll back.
     events = await nc.subscribe("mesh.event.node-2.applied")
     await nc.flush()
-    kv = await nc.jetstream().key_value("mesh-declarations")
+    kv = await js(nc).key_value("mesh-declarations")
     current = json.loads((await kv.get("node-2")).value)
     stale = {**current, "epoch": 0, "digest": "sha256:" + "1" * 64}
     stale["declaration"] = {**current["declaration"], "processes": {}}

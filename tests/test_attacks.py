@@ -32,6 +32,7 @@ from helpers import (
     ask,
     await_until,
     env_file,
+    js,
     mesh_cli,
     next_failure,
     node_named,
@@ -559,7 +560,7 @@ async def test_a_privileged_group_is_taken_only_when_named_so_by_gate_and_host(
     # before any account is made.
     events = await nc.subscribe("mesh.event.node-1.applied")
     await nc.flush()
-    kv = await nc.jetstream().key_value("mesh-declarations")
+    kv = await js(nc).key_value("mesh-declarations")
     current = json.loads((await kv.get("node-1")).value)
     forged = {**current, "digest": "sha256:" + "2" * 64}
     intruder = f"intr-{tag}"

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import helpers
 import pytest
-from helpers import MESH, env_file, ok, ok_json
+from helpers import MESH, env_file, js, ok, ok_json
 from nats.js.errors import KeyDeletedError, KeyNotFoundError
 
 from mesh import blobs, bus
@@ -96,7 +96,7 @@ def jetstream(folder: Path, replicas: bool = True, key: str | None = None) -> di
         try:
             found: dict = {s: await blobs.replicas(nc, s) for s in STREAMS} if replicas else {}
             if key is not None:
-                kv = await nc.jetstream().key_value(blobs.DECLARATIONS)
+                kv = await js(nc).key_value(blobs.DECLARATIONS)
                 try:
                     found["key"] = (await kv.get(key)).value is not None
                 except (KeyNotFoundError, KeyDeletedError):

@@ -12,7 +12,17 @@ import json
 import os
 import signal
 
-from helpers import ask, await_until, held_status, node_named, ok, ok_json, one_line_error, running
+from helpers import (
+    ask,
+    await_until,
+    held_status,
+    js,
+    node_named,
+    ok,
+    ok_json,
+    one_line_error,
+    running,
+)
 from module_folders import versioned_module
 
 
@@ -77,7 +87,7 @@ async def test_a_drained_machine_keeps_its_processes_through_a_plan_until_undrai
     assert node["drained"] is True
     assert node["digest_wanted"] == steps["node-2"]["after"] != node["digest_applied"]
     assert node["digest_applied"] == steps["node-2"]["before"]
-    kv = await nc.jetstream().key_value("mesh-declarations")
+    kv = await js(nc).key_value("mesh-declarations")
     published = ok_json(cli("declaration", "node-2", "--json"))
     assert published["digest"] == node["digest_applied"]  # nothing stored nor sent for it
     assert json.loads((await kv.get("node-2")).value)["digest"] == node["digest_applied"]

@@ -7,7 +7,7 @@ import json
 import signal
 
 import asyncpg
-from helpers import ask, await_until
+from helpers import ask, await_until, js
 
 from services.host.apply import fenced
 
@@ -33,7 +33,7 @@ async def _held(nc, holder: str) -> dict:
 
 
 async def _bus_epoch(nc) -> dict:
-    kv = await nc.jetstream().key_value("mesh-seat")
+    kv = await js(nc).key_value("mesh-seat")
     return json.loads((await kv.get("mesh-controller")).value)
 
 
@@ -76,7 +76,7 @@ async def test_a_holder_steps_down_when_the_bus_names_a_higher_epoch(nc, start_c
     status = await _held(nc, "ctl-a")
     epoch = status["seat"]["epoch"]
     # Another controller recorded a higher epoch (it took the seat on another primary).
-    kv = await nc.jetstream().key_value("mesh-seat")
+    kv = await js(nc).key_value("mesh-seat")
     record = {"epoch": epoch + 3, "holder": "ctl-elsewhere", "pid": 1,
               "at": "2026-01-01T00:00:00Z"}  # fmt: skip
     await kv.put("mesh-controller", json.dumps(record).encode())

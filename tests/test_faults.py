@@ -40,6 +40,7 @@ from helpers import (
     exited,
     fleet_up,
     held_status,
+    js,
     mesh_cli,
     ok_json,
     standing_by,
@@ -232,7 +233,7 @@ async def test_a_paused_holder_loses_the_seat_and_its_late_writes_are_refused(
         await conn.close()
     assert [r["state"] for r in states] == ["done", "done"]
     await assert_kv_epochs_rise(nc)
-    kv = await nc.jetstream().key_value("mesh-declarations")
+    kv = await js(nc).key_value("mesh-declarations")
     for machine in ("node-1", "node-2"):  # republished by the new holder, under its epoch
         assert json.loads((await kv.get(machine)).value)["epoch"] == after["seat"]["epoch"]
 

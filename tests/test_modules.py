@@ -8,12 +8,12 @@ from pathlib import Path
 
 import asyncpg
 import pytest
-from helpers import MESH, ask, await_until, kv_keys, ok, ok_json, one_line_error
+from helpers import MESH, ask, await_until, js, kv_keys, ok, ok_json, one_line_error
 from module_folders import HELLO, HELLO_TOKEN, built_module
 
 
 async def declarations(nc) -> dict[str, dict]:
-    kv = await nc.jetstream().key_value("mesh-declarations")
+    kv = await js(nc).key_value("mesh-declarations")
     found = {}
     for key in await kv_keys(kv):
         found[key] = json.loads((await kv.get(key)).value)
@@ -197,7 +197,7 @@ async def test_builds_run_on_the_builder_are_cached_and_fail_clearly(
     bundle = decl["processes"]["app"]["bundle"]
     assert bundle.startswith("binary:sha256:")
     digest = decl["bundles"][bundle]["digest"]
-    store = await nc.jetstream().object_store("mesh-bundles")
+    store = await js(nc).object_store("mesh-bundles")
     assert (await store.get(digest.replace(":", "-"))).data  # the built bundle is stored
 
     # Same source folder and argv: the cached bundle is used, nothing is built again.

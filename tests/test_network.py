@@ -41,6 +41,7 @@ from helpers import (
     await_until,
     exited,
     held_status,
+    js,
     node_named,
     ok_json,
 )
@@ -64,7 +65,7 @@ async def kv_value(nc, key: str, within: float = 30) -> bytes:
 
     async def get():
         try:
-            kv = await nc.jetstream().key_value("mesh-declarations")
+            kv = await js(nc).key_value("mesh-declarations")
             return (await kv.get(key)).value
         except nats.errors.TimeoutError:
             return None

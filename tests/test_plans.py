@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers import MESH, ask, assert_tier_order, await_until, hosts_up, ok_json, when
+from helpers import MESH, ask, assert_tier_order, await_until, hosts_up, js, ok_json, when
 from module_folders import gated_module
 from nats.errors import TimeoutError as NatsTimeout
 from prometheus_client.parser import text_string_to_metric_families
@@ -71,7 +71,7 @@ async def test_tiers_in_order_then_a_broken_version_stops_and_reverts(
         ("node-1", 0, "done"), ("node-2", 1, "done"), ("node-3", 2, "done"),
     ]  # fmt: skip
     assert_tier_order(plan)
-    kv = await nc.jetstream().key_value("mesh-declarations")
+    kv = await js(nc).key_value("mesh-declarations")
     good = {
         m: json.loads((await kv.get(m)).value)["digest"] for m in ("node-1", "node-2", "node-3")
     }

@@ -29,6 +29,7 @@ from helpers import (
     assert_tier_order,
     await_until,
     held_status,
+    js,
     ok,
     ok_json,
     one_line_error,
@@ -95,7 +96,7 @@ async def three(start_fleet, start_controller, metrics_port, tmp_path):
 
 async def declared_of(nc, machines: tuple[str, ...]) -> dict[str, str]:
     """Each machine's declaration digest in the declarations bucket."""
-    kv = await nc.jetstream().key_value("mesh-declarations")
+    kv = await js(nc).key_value("mesh-declarations")
     return {m: json.loads((await kv.get(m)).value)["digest"] for m in machines}
 
 

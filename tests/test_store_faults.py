@@ -49,6 +49,7 @@ from helpers import (
     exited,
     fleet_up,
     held_status,
+    js,
     mesh_cli,
     ok_json,
 )
@@ -111,7 +112,7 @@ class Applied:
 
 
 async def bus_epoch(nc) -> dict:
-    kv = await nc.jetstream().key_value("mesh-seat")
+    kv = await js(nc).key_value("mesh-seat")
     return json.loads((await kv.get("mesh-controller")).value)
 
 
@@ -360,7 +361,7 @@ async def test_a_promoted_asynchronous_standby_without_the_last_takeover(
 
 
 async def assert_declarations_of(nc, epoch: int) -> None:
-    kv = await nc.jetstream().key_value("mesh-declarations")
+    kv = await js(nc).key_value("mesh-declarations")
     for machine in HOSTS:
         assert json.loads((await kv.get(machine)).value)["epoch"] == epoch, machine
 
