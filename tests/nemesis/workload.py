@@ -4,6 +4,7 @@ with the command line's defaults (a connection per request, `status` asked for 5
 --wait --json`, `mesh handover --json`), and what the bus says beside them (the seat's record,
 declarations put, hosts' `applied` events), all into the history."""
 
+import asyncio
 import json
 import os
 import random
@@ -27,6 +28,7 @@ CHANGE_TIMEOUT = 60.0  # a change's --timeout (the command line's default, 900 s
 CHANGE_BOUND = 180.0  # a change's command with --wait, to its end
 SECRET = "nem-token"
 PACE = 0.5  # between two status requests of one stream
+HUNG_AFTER = 10.0  # past the status's own timeout: the client's bounds did not hold
 
 
 def module(folder: Path, name: str, version: int, *, assigned: bool) -> Path:
@@ -44,6 +46,28 @@ def module(folder: Path, name: str, version: int, *, assigned: bool) -> Path:
     return folder
 
 
+FRAMES = ("cr_frame", "gi_frame", "ag_frame")
+AWAITS = ("cr_await", "gi_yieldfrom", "ag_await")
+
+
+def awaiting(task: asyncio.Task) -> str:
+    """The chain of awaits `task` stands in, outermost first, the innermost last."""
+    frames: list[str] = []
+    coro: object = task.get_coro()
+    while coro is not None:
+        frame = next((f for f in (getattr(coro, a, None) for a in FRAMES) if f), None)
+        if frame is None:
+            frames.append(repr(coro)[:120])  # a future, or a coroutine that has ended
+            break
+        code = frame.f_code
+        frames.append(f"{Path(code.co_filename).name}:{frame.f_lineno} {code.co_name}")
+        coro = next((c for c in (getattr(coro, a, None) for a in AWAITS) if c), None)
+        held = frame.f_locals.get("self")
+        if code.co_name == "__aenter__" and hasattr(held, "gen"):
+            coro = held.gen  # an asynccontextmanager's generator: its asend shows no frame
+    return " > ".join(frames)
+
+
 class Workload:
     def __init__(self, cluster: Cluster, injector: Injector, seed: int) -> None:
         self.c, self.injector = cluster, injector
@@ -58,8 +82,16 @@ class Workload:
     async def status_once(self) -> None:
         oid = self.history.next_id()
         self.history.add("op", phase="invoke", id=oid, op="status")
+        # Where a request that outlives every bound of the client stands, taken just before
+        # it is cancelled: the awaits of this task, innermost last.
+        stuck: list[str] = []
+        task = asyncio.current_task()
+        assert task is not None
+        looking = asyncio.get_running_loop().call_later(
+            STATUS_TIMEOUT + HUNG_AFTER - 0.1, lambda: stuck.append(awaiting(task))
+        )
         try:
-            with anyio.fail_after(STATUS_TIMEOUT + 10):
+            with anyio.fail_after(STATUS_TIMEOUT + HUNG_AFTER):
                 async with connected(url=self.c.url, creds=None, what="status") as nc:
                     s = await ask(nc, url=self.c.url, verb="status", reply=StatusReply,
                                   timeout=STATUS_TIMEOUT, attempt=1.0)  # fmt: skip
@@ -67,8 +99,11 @@ class Workload:
             self.history.add("op", phase="fail", id=oid, op="status", error=str(e)[:200])
             return
         except TimeoutError:
-            self.history.add("op", phase="timeout", id=oid, op="status", error="hung")
+            where = stuck[0] if stuck else "?"
+            self.history.add("op", phase="timeout", id=oid, op="status", error=f"hung in {where}")
             return
+        finally:
+            looking.cancel()
         seat = s.seat
         holder, epoch = (seat.holder, seat.epoch) if seat else (None, None)
         self.history.add("op", phase="ok", id=oid, op="status", holder=holder, epoch=epoch)
