@@ -18,6 +18,7 @@ import anyio
 import nats
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.aio.transport import TcpTransport
 from nats.errors import NoRespondersError, NoServersError
 from nats.errors import TimeoutError as NatsTimeout
 
@@ -65,6 +66,25 @@ async def _process_pong(self: Client) -> None:
 
 
 Client._process_pong = _process_pong  # type: ignore[method-assign]
+
+_start_tls = TcpTransport.connect_tls
+
+
+async def _connect_tls(self: TcpTransport, *args: Any, **kwargs: Any) -> None:
+    """nats-py's own, but a handshake that fails (a server killed during it, a certificate not
+    trusted) leaves no plain stream behind. asyncio's start_tls took that socket's protocol and
+    closed the socket, so the plain writer's `wait_closed` never ends, and nats-py awaits it as
+    it closes after the failed try: a command connecting to a cluster while a server died
+    waited for ever (the nemesis, issue 29)."""
+    try:
+        await _start_tls(self, *args, **kwargs)
+    except BaseException:
+        self._io_reader = self._io_writer = None
+        self._bare_io_reader = self._bare_io_writer = None
+        raise
+
+
+TcpTransport.connect_tls = _connect_tls  # type: ignore[method-assign]
 
 
 class Unreachable(MeshError):

@@ -143,11 +143,13 @@ def one_line_error(done: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
-def js(nc: Client) -> JetStreamContext:
+def js(nc: Client, timeout: float = 30) -> JetStreamContext:
     """A JetStream context for a test's reads of the buckets: 30 s for each API request, not
     nats-py's 5 s. A test asserts what is stored, not how fast; in CI's second pass, hosts'
-    tests beside each other, a 5 s `kv.get` timed out once (test_modules)."""
-    return nc.jetstream(timeout=30)
+    tests beside each other, a 5 s `kv.get` timed out once (test_modules). A test that asks
+    again while a stream elects its leader gives a shorter `timeout`: a request sent into the
+    election goes unanswered, and the next one is what gets through."""
+    return nc.jetstream(timeout=timeout)
 
 
 async def kv_keys(kv, *, within: float = 30) -> list[str]:

@@ -60,12 +60,13 @@ STEP_DOWN_PROMISED = 20.0
 STEP_DOWN_AT_MOST = 90.0  # how long the test waits for the exit at all
 
 
-async def kv_value(nc, key: str, within: float = 30) -> bytes:
-    """A key's value, asked again while JetStream re-elects after the servers' restarts."""
+async def kv_value(nc, key: str, within: float = 60) -> bytes:
+    """A key's value, asked again while JetStream re-elects after the servers' restarts: each
+    try 5 s (one 30 s try, sent into the election, once took the whole deadline in CI)."""
 
     async def get():
         try:
-            kv = await js(nc).key_value("mesh-declarations")
+            kv = await js(nc, timeout=5).key_value("mesh-declarations")
             return (await kv.get(key)).value
         except nats.errors.TimeoutError:
             return None

@@ -326,3 +326,30 @@ async def test_a_one_shot_client_of_a_cluster_connects_past_a_dead_server(tmp_pa
         s.wait(timeout=10)
     with pytest.raises(bus.Unreachable, match="cannot reach NATS"):
         await bus.connect(url, name="one-shot", reconnect=False, ca=str(ca))
+
+
+async def test_a_failed_handshake_does_not_hang_the_next_try(tmp_path, procs) -> None:
+    """Two servers: one whose certificate another CA issued (its handshake fails, as one killed
+    mid-handshake does), one good. Whichever the client tries first, it connects to the good
+    one within its bound: after a failed handshake nats-py waited for ever on the plain
+    socket's close (asyncio had handed that socket to TLS), found by the nemesis (issue 29)."""
+    ca = tls.ensure_ca(tmp_path / "tls")
+    other = tls.ensure_ca(tmp_path / "other-tls", name="other")
+    port = {"bad": ports.free_port(), "good": ports.free_port()}
+    for name, issuer in (("bad", tmp_path / "other-tls"), ("good", tmp_path / "tls")):
+        folder = tmp_path / name
+        cert, key = folder / "server.pem", folder / "server.key"
+        tls.issue_server(issuer, cert, key, name=name, hosts=["127.0.0.1"])
+        ca_of = other if name == "bad" else ca
+        conf = natsd.write_config(folder, port=port[name], name=name,
+                                  tls=natsd.Tls(cert=cert, key=key, ca=ca_of))  # fmt: skip
+        procs.start(f"nats-{name}", natsd.argv(conf))
+        wait_until(lambda p=port[name]: _listening(p), within=10, what=f"nats-server {name}")
+    url = f"tls://127.0.0.1:{port['bad']},tls://127.0.0.1:{port['good']}"
+    for _ in range(12):  # the pool's order is random: the bad server comes first some time
+        with anyio.fail_after(20):
+            nc = await bus.connect(url, name="one-shot", reconnect=False, ca=str(ca))
+        try:
+            assert nc.connected_url is not None and nc.connected_url.port == port["good"]
+        finally:
+            await bus.close(nc)
