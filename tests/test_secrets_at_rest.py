@@ -115,9 +115,13 @@ async def test_a_host_fetching_while_the_key_rotates_never_fails(
     try:
         rows = await conn.fetch("SELECT key_id FROM secrets")
         store_key = await conn.fetchval("SELECT key_id FROM secrets_key")
+        audited = await conn.fetch("SELECT detail FROM audit WHERE verb = 'secret-rotate-key' "
+                                   "AND outcome = 'ok' ORDER BY id")  # fmt: skip
     finally:
         await conn.close()
     assert [r["key_id"] for r in rows] == [keys[-1]] and store_key == keys[-1]
+    # Each rotation's audit entry names the key it brought (not a plan's "no change").
+    assert [r["detail"] for r in audited] == [f"the secrets under key {k}" for k in keys]
     # The store's secrets still reach the host, under the new key.
     ok(cli("secret", "set", "hello-token", "--wait", stdin=HELLO_TOKEN + "-2"))
     assert _token(tmp_path, "node-1").read_text() == HELLO_TOKEN + "-2"

@@ -729,7 +729,11 @@ class Changes:
             plan=plan,
             changed=changed,
             message=f"secret {req.name} is at version {version}; "
-            + (f"plan {plan} changes {len(changed)} machine(s)" if changed else "no change"),
+            + (
+                f"plan {plan} changes {len(changed)} machine(s)"
+                if changed
+                else "no machine's declaration changes"
+            ),
         )
 
     # --- going back to a version; machines out of the plans and back ---------------------------
@@ -881,9 +885,12 @@ class Changes:
         """One change at a time, like setting a secret: none is sealed under the old key
         while the rotation moves every secret off it (secretkeys.rotate)."""
 
-        async def plan() -> tuple[int | None, list[str]]:
+        async def plan(key: str) -> tuple[int | None, list[str]]:
             async with self._pool.acquire() as conn, conn.transaction():
                 await seats.fence(conn, epoch=self._epoch)
+                # The entry says what changed: the key (a plan's own line would say "no change"
+                # where no machine's declaration names the key's file).
+                await operators.audited(conn, detail=f"the secrets under key {key}")
                 # Its new file for every machine whose declaration names the key.
                 return await self._plan(
                     conn, await modules.assignments(conn), trigger="secret",

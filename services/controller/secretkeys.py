@@ -138,7 +138,7 @@ def _save(path: Path, ring: KeyRing) -> None:
         raise wire.BadRequest(f"this controller's key: {e}", code="unavailable") from None
 
 
-Planned = Callable[[], Awaitable[tuple[int | None, list[str]]]]
+Planned = Callable[[str], Awaitable[tuple[int | None, list[str]]]]  # given the new key's id
 
 
 async def rotate(
@@ -168,7 +168,7 @@ async def rotate(
     _save(keys.path, ring)
     keys.ring, keys.unreadable = ring, None
     done = await _bring_under(pool, ring, epoch=epoch)
-    planned, changed = await plan()
+    planned, changed = await plan(ring.active)
     async with pool.acquire() as conn:
         left = await secrets.not_under(conn, ring.active)
     if left:  # cannot happen one change at a time; never drop a key a secret still needs
