@@ -2,6 +2,7 @@
 one line on stderr with what to do, never a traceback."""
 
 import json
+import os
 import subprocess
 
 import pytest
@@ -108,3 +109,19 @@ def test_usage_errors_are_one_line() -> None:
     assert done.returncode == 2
     assert "--name" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("output", [[], ["--json"]], ids=["table", "json"])
+async def test_a_reader_gone_is_no_error(small_mesh, nats_url, output) -> None:
+    """`mesh nodes | head -1`: the reader closes the pipe early; the command says nothing on
+    stderr (no "internal error: BrokenPipeError", no "Exception ignored" at exit) and exits 1,
+    tables and JSON alike. The pipe's read end is closed before the command starts, so its
+    first write fails."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        done = subprocess.run([*MESH, "nodes", *output, "--nats-url", nats_url], stdout=write,
+                              stderr=subprocess.PIPE, text=True, timeout=60)  # fmt: skip
+    finally:
+        os.close(write)
+    assert (done.returncode, done.stderr) == (1, "")

@@ -8,6 +8,7 @@ exit 1; a traceback is shown only with MESH_DEBUG=1.
 import argparse
 import logging
 import os
+import select
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -376,6 +377,17 @@ def _key(args: argparse.Namespace) -> tuple[str, ...]:
     return (args.command, sub) if sub else (args.command,)
 
 
+def _reader_gone() -> bool:
+    """Whether whoever read our output went away (`mesh audit | head`): a pipe with no reader
+    polls POLLERR. A broken pipe elsewhere (a socket) is a real error, said as one."""
+    try:
+        poll = select.poll()
+        poll.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poll.poll(0))
+    except (OSError, ValueError):
+        return False
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     args.json = getattr(args, "json", False)
@@ -393,6 +405,7 @@ def main(argv: list[str] | None = None) -> None:
     command = COMMANDS[_key(args)]
     try:
         loop.run(command, args)
+        sys.stdout.flush()  # here, where a reader gone is handled, not at the interpreter's exit
     except KeyboardInterrupt:
         sys.exit(130)
     except BaseException as e:
@@ -401,6 +414,12 @@ def main(argv: list[str] | None = None) -> None:
             raise leaf from None
         if isinstance(leaf, KeyboardInterrupt):
             sys.exit(130)
+        if isinstance(leaf, BrokenPipeError) and _reader_gone():
+            # Nothing to say, and nobody to say it to on stdout; what is left in its buffer must
+            # not be flushed at exit (Python would print that it could not). Exit 1, as rich
+            # does for the tables (Console.on_broken_pipe): one answer for every output.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            sys.exit(1)
         if os.environ.get("MESH_DEBUG"):
             raise
         if isinstance(leaf, MeshError):
