@@ -152,6 +152,22 @@ def js(nc: Client, timeout: float = 30) -> JetStreamContext:
     return nc.jetstream(timeout=timeout)
 
 
+async def kv_read(nc: Client, bucket: str, read: Callable[[Any], Any], *, what: str,
+                  within: float = 60) -> Any:  # fmt: skip
+    """`await read(kv)` on the bucket, asked again until it gives something, each try 5 s: a
+    request sent while the test's connection reconnects, or while the stream elects its
+    leader, goes unanswered, and the next one gets through (CI saw one 30 s try, sent as the
+    connection broke, take a test's whole deadline)."""
+
+    async def once() -> Any:
+        try:
+            return await read(await js(nc, timeout=5).key_value(bucket))
+        except NatsTimeout:
+            return None
+
+    return await await_until(once, within=within, what=what)
+
+
 async def kv_keys(kv, *, within: float = 30) -> list[str]:
     """The keys of a KV bucket. nats-py's `keys()` lists them through a watcher that now and
     then, on a loaded machine or right after a fault, reports none (NoKeysError) or times out:

@@ -54,7 +54,12 @@ async def test_node_up_down_up(nc, start_controller, start_host, database_url) -
     finally:
         await conn.close()
     assert kinds[0] == "machine.registered"
-    assert kinds[-2:] == ["machine.down", "machine.up"]  # the pause, then the resumption
+    # The pause, then the resumption: the last down is followed by an up (a registration may
+    # come after it: a host whose connection went stale in the pause connects and registers
+    # again, as CI saw once).
+    assert "machine.down" in kinds, kinds
+    last_down = len(kinds) - 1 - kinds[::-1].index("machine.down")
+    assert "machine.up" in kinds[last_down:], kinds
     assert stored["up"] is True
     assert stored["tier"] == 1
 

@@ -8,16 +8,15 @@ from pathlib import Path
 
 import asyncpg
 import pytest
-from helpers import MESH, ask, await_until, js, kv_keys, ok, ok_json, one_line_error
+from helpers import MESH, ask, await_until, js, kv_keys, kv_read, ok, ok_json, one_line_error
 from module_folders import HELLO, HELLO_TOKEN, built_module
 
 
 async def declarations(nc) -> dict[str, dict]:
-    kv = await js(nc).key_value("mesh-declarations")
-    found = {}
-    for key in await kv_keys(kv):
-        found[key] = json.loads((await kv.get(key)).value)
-    return found
+    async def read(kv) -> dict[str, dict]:
+        return {key: json.loads((await kv.get(key)).value) for key in await kv_keys(kv)}
+
+    return await kv_read(nc, "mesh-declarations", read, what="the declarations")
 
 
 async def _hello_on_node_2(start_fleet, cli) -> None:

@@ -41,7 +41,7 @@ from helpers import (
     await_until,
     exited,
     held_status,
-    js,
+    kv_read,
     node_named,
     ok_json,
 )
@@ -60,18 +60,13 @@ STEP_DOWN_PROMISED = 20.0
 STEP_DOWN_AT_MOST = 90.0  # how long the test waits for the exit at all
 
 
-async def kv_value(nc, key: str, within: float = 60) -> bytes:
-    """A key's value, asked again while JetStream re-elects after the servers' restarts: each
-    try 5 s (one 30 s try, sent into the election, once took the whole deadline in CI)."""
+async def kv_value(nc, key: str) -> bytes:
+    """A key's value, asked again while JetStream re-elects after the servers' restarts."""
 
-    async def get():
-        try:
-            kv = await js(nc, timeout=5).key_value("mesh-declarations")
-            return (await kv.get(key)).value
-        except nats.errors.TimeoutError:
-            return None
+    async def read(kv) -> bytes:
+        return (await kv.get(key)).value
 
-    return await await_until(get, within=within, what=f"{key} in mesh-declarations")
+    return await kv_read(nc, "mesh-declarations", read, what=f"{key} in mesh-declarations")
 
 
 async def assert_declarations_newest(nc, plan: dict) -> None:
