@@ -221,6 +221,11 @@ class Hold:
             except _SESSION_ENDED as e:  # the store went (a restart, a dropped database)
                 raise SeatLost(f"the store failed as the seat was taken: {reason(e)}") from e
             self.link.answered_at = time.monotonic()  # the round trips start with the hold
+            # The lock's session pinged, with the server's idle limit on it, from the take on:
+            # a holder cut off while it loads loses the lock in IDLE_LIMIT, as one cut while
+            # it serves does (the nemesis: cut as it took the seat in a handover, it kept the
+            # lock until the cut ended, 7 s with no holder).
+            tg.start_soon(self.lock.watch)
             fleet = Fleet(
                 pool=self.pool, epoch=row.epoch, down_after=self.down_after,
                 open_bus=lambda: open_bus(self.nc), bus_answered=lambda: self.link.answered_at,

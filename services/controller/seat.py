@@ -85,26 +85,35 @@ class SeatLock:
                 self._confirmed = float("-inf")
                 ended.cancel()
 
-            self.conn.add_termination_listener(on_end)
+            conn = self.conn
+            conn.add_termination_listener(on_end)
             try:
                 await self._ping()
             except Exception as e:  # any failure: a session closed by the server while we
                 # were paused fails the next query with asyncpg's InternalClientError
                 raise SeatLost(f"the seat's store session failed: {reason(e)}") from e
+            finally:  # a hold watches again after its load: one listener at a time
+                conn.remove_termination_listener(on_end)
         raise SeatLost("the seat's store session failed: its connection ended")
 
     async def _ping(self) -> None:
         assert self.conn is not None
-        with anyio.fail_after(PING_DEADLINE):
-            await self.conn.execute(f"SET idle_session_timeout = {int(IDLE_LIMIT * 1000)}")
+        await self._ask(f"SET idle_session_timeout = {int(IDLE_LIMIT * 1000)}")
         # An answer of the session like any ping: a takeover that took seconds to load must
         # not leave the seat looking stale until the first ping.
         self._confirmed = time.monotonic()
         while True:
             await anyio.sleep(PING_EVERY)
-            with anyio.fail_after(PING_DEADLINE):
-                await self.conn.fetchval("SELECT 1")
+            await self._ask("SELECT 1")
             self._confirmed = time.monotonic()
+
+    async def _ask(self, query: str) -> None:
+        """One ping, bounded by PING_DEADLINE and shielded from the watch's own cancellation: a
+        watch cancelled (a takeover's load done) stops between pings, never in the middle of
+        one, which would leave the session busy for the next query on it."""
+        assert self.conn is not None
+        with anyio.CancelScope(shield=True), anyio.fail_after(PING_DEADLINE):
+            await self.conn.execute(query)
 
     async def confirm(self) -> None:
         """Ask the session once, now: a takeover that took longer than FRESH_FOR to load must
