@@ -395,3 +395,13 @@ def test_releases_heard_are_forgotten_by_age_and_number() -> None:
     assert r.take(f"ctl-{standbys.RELEASES_KEPT + 9}") == now
     assert r.take(f"ctl-{standbys.RELEASES_KEPT + 9}") is None  # taken once
     assert r.take("ctl-0") is None  # the oldest went first
+
+
+def test_a_release_is_void_once_its_controller_holds_again() -> None:
+    """ctl-0 let go, then held the seat again: a takeover from it now is not a handover (the
+    new holder closes its connection, which a cut holder's subscriptions need)."""
+    r = standbys.Releases()
+    r.heard("ctl-0")
+    r.begins("ctl-0", 7)
+    r.kept("ctl-0")  # its `held`
+    assert r.take("ctl-0") is None and r.handing("ctl-0") is None

@@ -99,8 +99,13 @@ class Releases:
             del self._handing[next(iter(self._handing))]  # the oldest
 
     def kept(self, instance: str) -> None:
-        """`instance` holds the seat again (its handover found no standby)."""
+        """`instance` holds the seat (again): what it said before of handing over or letting
+        go is over. A release remembered past that would make the next takeover from it look
+        planned, and a planned one does not close the old holder's connection: the nemesis
+        saw a holder cut from NATS 13 s after its previous release, taken over "handed over",
+        its subscriptions left on the server, and a status request lost to them."""
         self._handing.pop(instance, None)
+        self._at.pop(instance, None)
 
     def handing(self, instance: str) -> int | None:
         """The epoch `instance` said as it began handing over lately, if it did; forgotten
