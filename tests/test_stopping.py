@@ -123,8 +123,8 @@ async def test_every_piece_exits_soon_after_sigterm_once_its_bus_is_gone_a_while
 def test_a_process_stuck_after_the_signal_exits_at_the_bound() -> None:
     """The watchdog behind every last step: a process whose stop does not end (here a sleep
     that nothing cancels) exits with status 1, one line saying why, at the bound."""
-    # ok: the child's sleep is the stuck stop the watchdog must end, not a wait of the test's
-    code = "import time; from mesh.lifetime import exit_by; exit_by(0.5); time.sleep(60)"
+    stuck = "time.sleep(60)"  # ok: the child's stuck stop, which the watchdog must end
+    code = f"import time; from mesh.lifetime import exit_by; exit_by(0.5); {stuck}"
     started = time.monotonic()
     done = subprocess.run([*MESH[:2], "-c", code], capture_output=True, text=True, timeout=30)
     took = time.monotonic() - started

@@ -121,8 +121,7 @@ class SeatLock:
         group, back to us, until the watch's first ping)."""
         assert self.conn is not None
         try:
-            with anyio.fail_after(PING_DEADLINE):
-                await self.conn.fetchval("SELECT 1")
+            await self._ask("SELECT 1")
         except Exception as e:
             raise SeatLost(f"the seat's store session failed: {reason(e)}") from e
         self._confirmed = time.monotonic()
