@@ -120,7 +120,7 @@ async def test_a_host_fetching_while_the_key_rotates_never_fails(
     finally:
         await conn.close()
     assert [r["key_id"] for r in rows] == [keys[-1]] and store_key == keys[-1]
-    # Each rotation's audit entry names the key it brought (not a plan's "no change").
+    # Each rotation's audit entry names the key it brought (not a plan's "no plan").
     assert [r["detail"] for r in audited] == [f"the secrets under key {k}" for k in keys]
     # The store's secrets still reach the host, under the new key.
     ok(cli("secret", "set", "hello-token", "--wait", stdin=HELLO_TOKEN + "-2"))

@@ -280,7 +280,12 @@ class Changes:
         """`_recorded`, and the change's audit entry in the same transaction (operators.py):
         every change the catalog makes records its plan here, or that it has none."""
         plan, changed = await self._recorded(conn, machines, **how)
-        await operators.audited(conn, detail=f"plan {plan}" if plan is not None else "no change")
+        await operators.audited(
+            conn,
+            detail=f"plan {plan}"
+            if plan is not None
+            else "no plan: no machine's declaration changes",
+        )
         return plan, changed
 
     async def _recorded(
