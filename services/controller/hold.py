@@ -247,7 +247,8 @@ class Hold:
         seat's stream elect a leader (seconds); the takeover does not wait for it."""
         lock, me = self.lock, self.me
         assert lock.conn is not None
-        self.seat_kv = kv = await self.buckets.seat()
+        # Waits on the bus keep the lock's session answering (its idle limit: seat.py).
+        self.seat_kv = kv = await lock.kept_while(self.buckets.seat)
         before = await seats.read(lock.conn, seat=subjects.SEAT)
         said_epoch = self.released.handing(before.holder) if before else None
         if before is not None and said_epoch is not None and said_epoch >= before.epoch:
@@ -258,13 +259,17 @@ class Hold:
             self.unclaimed = before.epoch
         else:
             # The stream's leader may be moving (its nats-server lost): asked again, not a crash.
-            on_bus = await blobs.patiently(lambda: epochs.read(kv), within=BUS_TAKE_WITHIN)
+            on_bus = await lock.kept_while(
+                lambda: blobs.patiently(lambda: epochs.read(kv), within=BUS_TAKE_WITHIN)
+            )
             bus_epoch = on_bus.record.epoch if on_bus.record else 0
             row = await seats.take(
                 lock.conn, seat=subjects.SEAT, holder=me.instance, pid=me.pid, host=me.host,
                 at_least=bus_epoch + 1,
             )  # fmt: skip
-            await self._claim(kv, on_bus, row.epoch, store_epoch=before.epoch if before else 0)
+            await lock.kept_while(lambda: self._claim(
+                kv, on_bus, row.epoch, store_epoch=before.epoch if before else 0
+            ))  # fmt: skip
         assert row.since is not None
         said = await replication.check(lock.conn)
         if said.warning is not None:  # HA needs synchronous replication (docs/operations.md)

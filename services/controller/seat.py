@@ -10,6 +10,8 @@ Never take it through a transaction-pooling proxy: the lock belongs to the sessi
 
 import logging
 import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import anyio
 import asyncpg
@@ -18,6 +20,7 @@ from mesh.errors import MeshError, reason
 from mesh.store import db
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 SEAT_LOCK = 0x6D657368_5EA7  # "mesh" + "seat"
 # The server ends the lock's session IDLE_LIMIT after its last query: a holder cut off from the
@@ -27,6 +30,7 @@ SEAT_LOCK = 0x6D657368_5EA7  # "mesh" + "seat"
 PING_EVERY = 0.5
 PING_DEADLINE = 1.0
 IDLE_LIMIT = 2.0
+_IDLE_LIMIT = f"SET idle_session_timeout = {int(IDLE_LIMIT * 1000)}"
 FRESH_FOR = PING_EVERY + PING_DEADLINE  # < IDLE_LIMIT: a seat confirmed this recently is ours
 RECONNECT_MAX = 1.0  # a standby whose session failed connects again at least this often
 
@@ -41,9 +45,18 @@ class SeatLock:
         self.conn: asyncpg.Connection | None = None
         self._confirmed = float("-inf")  # when (monotonic) the session last answered, holding
 
+    async def _connect(self) -> asyncpg.Connection:
+        """The lock's session, with the server's idle limit on it from the start: a grant of
+        the lock that never reaches us (cut from the store as the holder let go) leaves the
+        session idle, and the server ends it IDLE_LIMIT later, so the seat goes to the next in
+        line instead of waiting for our link (the nemesis: 8.3 s with no holder)."""
+        conn = await db.connect(self._url)
+        await conn.execute(_IDLE_LIMIT)
+        return conn
+
     async def try_acquire(self) -> bool:
         """Connect and try the lock without waiting; True if it is ours now."""
-        self.conn = await db.connect(self._url)
+        self.conn = await self._connect()
         got = bool(await self.conn.fetchval("SELECT pg_try_advisory_lock($1)", SEAT_LOCK))
         if got:
             self._confirmed = time.monotonic()
@@ -57,7 +70,7 @@ class SeatLock:
         while True:
             try:
                 if self.conn is None:
-                    self.conn = await db.connect(self._url)
+                    self.conn = await self._connect()
                     if told:
                         log.info("standby: the store answers again; waiting for the seat")
                 await self.conn.execute("SELECT pg_advisory_lock($1)", SEAT_LOCK)
@@ -98,7 +111,7 @@ class SeatLock:
 
     async def _ping(self) -> None:
         assert self.conn is not None
-        await self._ask(f"SET idle_session_timeout = {int(IDLE_LIMIT * 1000)}")
+        await self._ask(_IDLE_LIMIT)
         # An answer of the session like any ping: a takeover that took seconds to load must
         # not leave the seat looking stale until the first ping.
         self._confirmed = time.monotonic()
@@ -106,6 +119,23 @@ class SeatLock:
             await anyio.sleep(PING_EVERY)
             await self._ask("SELECT 1")
             self._confirmed = time.monotonic()
+
+    async def kept_while(self, work: Callable[[], Awaitable[T]]) -> T:
+        """`work()`, which must not use the lock's session, while that session is pinged as
+        the watch pings it: the server ends a session idle for IDLE_LIMIT, and a take waits on
+        the bus (a stream electing its leader) longer than that."""
+        result: list[T] = []
+        async with anyio.create_task_group() as tg:
+
+            async def keep() -> None:
+                while True:
+                    await anyio.sleep(PING_EVERY)
+                    await self._ask("SELECT 1")
+
+            tg.start_soon(keep)
+            result.append(await work())
+            tg.cancel_scope.cancel()
+        return result[0]
 
     async def _ask(self, query: str) -> None:
         """One ping, bounded by PING_DEADLINE and shielded from the watch's own cancellation: a
