@@ -33,6 +33,7 @@ from mesh.auth import tls as mesh_tls
 from mesh.embedded import natsd, pgauth, ports, postgres
 from mesh.embedded.children import Child, spawn
 from mesh.model import StatusReply
+from programs.cli import command
 
 
 def secrets_key_file(folder: Path) -> str:
@@ -352,7 +353,7 @@ class Pieces:
         return child
 
     async def controller(self, nc: Client) -> Child:
-        argv = [sys.executable, "-P", "-m", "mesh", "controller", "run", "--instance", "bench-ctl"]
+        argv = command("controller", "run", "--instance", "bench-ctl")
         child = await self.start("controller", argv)
 
         async def holds_seat() -> bool:
@@ -420,7 +421,7 @@ def write_module(folder: Path, version: int) -> Path:
 
 async def push(folder: Path, nats_url: str, logs: Path, ca: str | None) -> int:
     """`mesh push DIR --json` (without --wait: the script follows the plan itself)."""
-    argv = [sys.executable, "-P", "-m", "mesh", "push", str(folder), "--json",
+    argv = [sys.executable, "-P", "-m", "programs.cli", "push", str(folder), "--json",
             "--nats-url", nats_url, "--timeout", str(PUSH_TIMEOUT)]  # fmt: skip
     if ca:
         argv += ["--ca", ca]

@@ -1,7 +1,8 @@
 """Benchmark: `status` verbs at a steady rate while the seat changes hands.
 
 The pieces are real: nats-server (no auth, as the tests run it), PostgreSQL (embedded, from
-mesh.embedded) and two controller processes (`python -m mesh controller run --instance ctl-a`),
+mesh.embedded) and two controller processes (`python -m programs.cli controller run --instance
+ctl-a`),
 one holding the seat and one standing by. A client sends `status` (`mesh.ctl.status`, body
 `{}`) open-loop at `--rate` requests a second: request i is due at start + i/rate and is sent
 then (late, not dropped, when the client falls behind), once, with its own `--timeout`;
@@ -107,12 +108,12 @@ SCENARIOS = ("handover", "sigterm", "sigkill")
 AIM_PLANNED_MAX = 0.250  # (a) max latency through a planned handover, seconds
 AIM_KILL_FIRST = 1.0  # (b) first answer after a SIGKILL, seconds
 
-# --log-ms: `python -m mesh` with millisecond log timestamps (mesh's own are whole seconds);
+# --log-ms: `python -m programs.cli` with millisecond log timestamps (mesh's own are whole seconds);
 # main()'s logging.basicConfig then does nothing, the root logger having its handler already.
 LOG_MS_WRAPPER = (
     "import logging, runpy; logging.basicConfig(level=logging.INFO, "
     "format='%(asctime)s.%(msecs)03d %(name)s: %(message)s', datefmt='%H:%M:%S'); "
-    "runpy.run_module('mesh', run_name='__main__', alter_sys=True)"
+    "runpy.run_module('programs.cli', run_name='__main__', alter_sys=True)"
 )
 # What the controllers log around a handover: (pattern, the name the timeline gives it).
 LOG_EVENTS = (
@@ -415,7 +416,7 @@ class Pieces:
             MESH_DATABASE_URL=self.database_url,
             MESH_SECRETS_KEY_FILE=secrets_key_file(self.folder),
         )
-        mesh = ["-c", LOG_MS_WRAPPER] if self.log_ms else ["-m", "mesh"]
+        mesh = ["-c", LOG_MS_WRAPPER] if self.log_ms else ["-m", "programs.cli"]
         argv = [sys.executable, *mesh, "controller", "run", "--instance", name]
         child = await spawn(name, argv, log=self.folder / "logs" / f"{name}.log", env=env)
         self.children.append(child)
@@ -1057,7 +1058,7 @@ def parser() -> argparse.ArgumentParser:
         "--log-ms",
         action="store_true",
         help="controllers log with millisecond timestamps (run through a `python -c` wrapper "
-        "around `-m mesh`); their handover lines join each run's timeline",
+        "around `-m programs.cli`); their handover lines join each run's timeline",
     )
     return p
 

@@ -2,7 +2,8 @@
 
 What it measures: how fast one controller takes a change through its three tiers. The pieces
 are real: nats-server (JetStream), PostgreSQL and one controller process
-(`python -m mesh controller run`) holding the seat. The machines are not: `--machines` (default
+(`python -m programs.cli controller run`) holding the seat. The machines are not: `--machines`
+(default
 1000) simulated hosts `sim-0001`, … live in this process, on one NATS connection, split over
 tiers 0/1/2 by `--split` (default 1,9,90 percent). Each one does what a real host
 (services/host) does on the wire and nothing else:
@@ -42,8 +43,9 @@ TLS), as bench/verbs.py does: the controller connects to server n1, the simulate
 The controller makes its buckets with min(3, N) replicas (mesh.blobs.ensure); the script prints
 the replicas, leader and peers of both streams.
 
-`--profile` runs the controller under cProfile (`python -m cProfile -o FILE -m mesh controller
-run`; it writes the profile when it stops, kept as $TMPDIR/mesh-bench-controller.prof) and
+`--profile` runs the controller under cProfile (`python -m cProfile -o FILE -m
+programs.cli controller run`; it writes the profile when it stops, kept as
+$TMPDIR/mesh-bench-controller.prof) and
 prints its top functions at the end: the figures of a profiled run are slower, read them for
 where the time goes, not for the rate.
 
@@ -370,7 +372,7 @@ async def start_controller(pieces: Pieces, nc: Client, profile: Path | None) -> 
     """The controller as in bench/verbs.py, optionally under cProfile."""
     if profile is None:
         return await pieces.controller(nc)
-    argv = [sys.executable, "-P", "-m", "cProfile", "-o", str(profile), "-m", "mesh",
+    argv = [sys.executable, "-P", "-m", "cProfile", "-o", str(profile), "-m", "programs.cli",
             "controller", "run", "--instance", "bench-ctl"]  # fmt: skip
     child = await pieces.start("controller", argv)
     deadline = time.monotonic() + 60

@@ -86,6 +86,7 @@ from mesh.model import (
     SeatAnnounce,
     StatusReply,
 )
+from programs.cli import command
 from services.host import registration, watch
 from services.host.verbs import HostStatus
 
@@ -439,8 +440,9 @@ class Run:
         for name in ("ctl-a", "ctl-b"):
             port = ports.free_port()
             self.metrics[name] = f"http://127.0.0.1:{port}/metrics"
-            argv = [sys.executable, "-P", "-m", "mesh", "controller", "run", "--instance", name,
-                    "--metrics", f"127.0.0.1:{port}"]  # fmt: skip
+            argv = command(
+                "controller", "run", "--instance", name, "--metrics", f"127.0.0.1:{port}"
+            )
             self.controllers[name] = await p.start(name, argv)
             await self.until(f"{name} answers", self._holds if name == "ctl-a" else self._standby)
 
@@ -616,7 +618,7 @@ class Run:
             f"p99 {self.f.status_ms[1]:.2f} ms, {errors} errors")  # fmt: skip
 
     async def nodes(self) -> None:
-        argv = [sys.executable, "-P", "-m", "mesh", "--json", "nodes", "--nats-url",
+        argv = [sys.executable, "-P", "-m", "programs.cli", "--json", "nodes", "--nats-url",
                 self.pieces.client_url, "--timeout", "60"]  # fmt: skip
         t0 = time.perf_counter()
         proc = await asyncio.create_subprocess_exec(
@@ -721,7 +723,7 @@ class Run:
         # the killed controller stands by again, for the flood's holder to keep its seat from
         self.controllers["ctl-a-again"] = await self.pieces.start(
             "ctl-a-again",
-            [sys.executable, "-P", "-m", "mesh", "controller", "run", "--instance", "ctl-a2"],
+            command("controller", "run", "--instance", "ctl-a2"),
         )
 
     async def flood(self) -> None:

@@ -108,10 +108,11 @@ from mesh.meshdir import MeshDir
 from mesh.model import NodesReply, NodesRequest, PlanReply, PlanRequest
 from mesh.modules import archive
 from mesh.modules.meshsource import PACKAGES, PROJECT_FILE
+from programs.cli import command
 from services.host import bundles
 
 CHECKOUT = Path(__file__).resolve().parent.parent
-MESH = [sys.executable, "-P", "-m", "mesh"]
+MESH = command()
 POLL_LOGS = 0.02  # seconds between two reads of the logs
 READY_WITHIN = 180.0  # `mesh dev up` until its `ready` line
 SETTLE_WITHIN = 60.0  # after a plan: until `nodes` shows what it should

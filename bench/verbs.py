@@ -6,7 +6,7 @@ What it measures, in one run, on one nats-server (or a cluster of `--nats N`, al
 1. the baseline: a bare nats-py subscription (queue group `bench-echo`) on `bench.echo` that
    answers every request with a small fixed JSON body, in a process of its own;
 2. the real `status` verb (`mesh.ctl.status`, body `{}`) of a real controller process
-   (`python -m mesh controller run`) that holds the seat against a real PostgreSQL.
+   (`python -m programs.cli controller run`) that holds the seat against a real PostgreSQL.
 
 For each, from one client connection: (a) sequential requests, one in flight, for latency;
 (b) concurrent requests, `--concurrency` in flight as asyncio tasks, for throughput. Both give
@@ -351,7 +351,7 @@ async def measure_cli(pieces: Pieces, lists: int, guard: Guard) -> Cli:
             guard.check()
             t0 = time.perf_counter()
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-P", "-m", "mesh", "--json", "--timeout", "60", verb,
+                sys.executable, "-P", "-m", "programs.cli", "--json", "--timeout", "60", verb,
                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
             )  # fmt: skip
             out, err = await proc.communicate()

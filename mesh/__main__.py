@@ -1,8 +1,22 @@
-"""`python -m mesh` is the `mesh` command (how `mesh dev up` starts its pieces, and how they show
-in `ps`). The one file of the library that looks up: it hands over to the command line, which
-stands above the library and the services (programs/)."""
+"""`python -m mesh`, kept for what earlier versions wrote down: `mesh init --units` recorded its
+pieces as `python -m mesh ...` in systemd units. The library does not import the command line
+(it stands above the library); this replaces the process (same pid, so a supervisor sees no
+change) with the same interpreter and flags running `python -m programs.cli`, the command's
+entry now. Nothing in the mesh starts a piece through here."""
 
-from programs.cli.main import main
+import os
+import sys
+
+
+def _forwarded(argv: list[str]) -> list[str]:
+    """The interpreter's own argv with the module `mesh` run by `-m` swapped for the command's."""
+    for i, word in enumerate(argv[:-1]):
+        if word == "-m" and argv[i + 1] == "mesh":
+            return [*argv[:i], "-m", "programs.cli", *argv[i + 2 :]]
+    # Run some other way (runpy, a debugger): the flags are lost, the arguments kept.
+    return [sys.executable, "-m", "programs.cli", *sys.argv[1:]]
+
 
 if __name__ == "__main__":
-    main()
+    new = _forwarded(sys.orig_argv)
+    os.execv(sys.executable, [sys.executable, *new[1:]])

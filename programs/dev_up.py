@@ -15,7 +15,6 @@ import fcntl
 import os
 import shlex
 import signal
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -45,6 +44,7 @@ from mesh.meshdir import MeshDir
 from mesh.model import NodesReply, NodesRequest, StatusReply
 from mesh.paths import write_private
 from mesh.store import db, secrets
+from programs.cli import command
 from programs.placement import place_new
 from services.host import successor
 
@@ -113,7 +113,7 @@ class DevMesh:
         self.metrics: dict[str, metrics.Listen] = {}  # piece -> its --metrics, kept on restarts
 
     def _mesh_argv(self, *args: str) -> list[str]:
-        return [sys.executable, "-P", "-m", "mesh", *args]  # -P: not the cwd's `mesh`
+        return command(*args)
 
     def _env(self, *, store: bool = False) -> dict[str, str]:
         """A piece's environment; the store's URL (and password) for controllers only."""

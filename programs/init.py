@@ -18,7 +18,6 @@ installed.
 import json
 import os
 import signal
-import sys
 import time
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
@@ -40,6 +39,7 @@ from mesh.modules.load import load
 from mesh.names import check_name
 from mesh.store import db
 from mesh.store.migrate import migrate
+from programs.cli import command
 from programs.dev_up import DevError, DevMesh, DirLock, _nats_answers, check_nats, say
 from programs.placement import CONTROL, NotPlaced, place, place_new
 from programs.units import Unit, UnitError, main_pid, of_mesh, shown, systemctl, systemd_runs
@@ -375,8 +375,7 @@ async def init_running(
            "MESH_SECRETS_KEY_FILE": str(key)}  # fmt: skip
     temporary = await spawn(
         INIT_INSTANCE,
-        [sys.executable, "-P", "-m", "mesh", "controller", "run", "--instance", INIT_INSTANCE,
-         "--creds", str(controller)],
+        command("controller", "run", "--instance", INIT_INSTANCE, "--creds", str(controller)),
         log=logs / f"{INIT_INSTANCE}.log", env=env,
     )  # fmt: skip
     try:

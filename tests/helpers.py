@@ -15,7 +15,6 @@ import shlex
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -34,8 +33,9 @@ from nats.js.errors import NoKeysError
 
 from mesh.embedded.children import remove_containers, stop_agents, stop_supervised
 from mesh.modules.meshsource import PACKAGES, PROJECT_FILE
+from programs.cli import command
 
-MESH = [sys.executable, "-P", "-m", "mesh"]
+MESH = command()
 CHECKOUT = Path(__file__).parent.parent
 
 

@@ -85,7 +85,8 @@ def container_controller(rootfs_image, nats_url, database_url, tmp_path):
          *mounts, "-e", f"PYTHONPATH={':'.join(paths)}", "-e", f"MESH_NATS_URL={nats_url}",
          "-e", f"MESH_DATABASE_URL={database_url}", "-e", "HOME=/tmp",
          "-v", f"{key}:/run/secrets.key:ro", "-e", "MESH_SECRETS_KEY_FILE=/run/secrets.key",
-         rootfs_image, python, "-m", "mesh", "controller", "run", "--instance", "container"],
+         rootfs_image, python, "-m", "programs.cli", "controller", "run",
+         "--instance", "container"],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr

@@ -13,7 +13,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +23,7 @@ from helpers import MESH, already, ask, await_until
 from mesh.embedded import natsd, postgres
 from mesh.embedded.children import stop_supervised
 from programs import units
+from programs.cli import command
 from programs.units import Unit
 
 AWKWARD = [
@@ -79,8 +79,9 @@ def _sections(text: str) -> dict[str, dict[str, list[str]]]:
 
 
 def test_a_host_agent_unit_is_notify_and_never_stops_its_processes() -> None:
-    argv = [sys.executable, "-P", "-m", "mesh", "host", "run", "--name", "node-2", "--creds",
-            "/var/lib/mesh/creds/hosts/node 2.creds"]  # fmt: skip
+    argv = command(
+        "host", "run", "--name", "node-2", "--creds", "/var/lib/mesh/creds/hosts/node 2.creds"
+    )
     unit = units.host_unit("node-2", argv, env={"MESH_NATS_URL": "tls://10.0.0.1:4222"})
     s = _sections(units.render(unit))
     service = s["Service"]
@@ -136,8 +137,8 @@ def test_systemd_analyze_verify_accepts_each_kind_of_unit(tmp_path: Path) -> Non
         Unit(name="mesh-postgres-front.service", description="mesh PostgreSQL's TLS front",
              argv=postgres.front_argv(tmp_path / "pg", port=5432, socket=tmp_path / "pg-socket"),
              user=account, after=["mesh-postgres.service"]),
-        units.host_unit("node-1", [sys.executable, "-P", "-m", "mesh", "host", "run", "--name",
-                                   "node-1", "--root", str(tmp_path / "a $root")]),
+        units.host_unit("node-1", command("host", "run", "--name", "node-1",
+                                           "--root", str(tmp_path / "a $root"))),
         units.host_unit("node-2", ["mesh", "host", "run", "--name", "node-2"]),  # machine add's
         Unit(name="mesh-awkward.service", description="every kind of word", argv=AWKWARD,
              env={"MESH_X": "$HOME 100% \"q\" \\"}),

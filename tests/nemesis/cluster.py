@@ -55,7 +55,7 @@ async def until(probe: Callable[[], Awaitable[object]], *, within: float, what: 
 class Cluster:
     def __init__(self, net: Network, folder: Path, history: History, python: str) -> None:
         self.net, self.dir, self.history = net, folder, history
-        self.mesh = [python, "-P", "-m", "mesh"]
+        self.mesh = [python, "-P", "-m", "programs.cli"]
         # Outside any 0700 folder: PostgreSQL and the hosts' processes run as other accounts.
         # FOLDER/hosts links to its hosts/, where the Procs' clean-up looks (as the fixture's).
         self.open = Path(tempfile.mkdtemp(prefix="mesh-nemesis-"))
