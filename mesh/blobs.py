@@ -70,6 +70,7 @@ CONSUMERS = 100_000
 # JetStream's answers to "too many replicas for this cluster": no suitable peers, insufficient
 # resources, replicas > 1 on a lone server. Anything else is raised, not taken for a small cluster.
 _TOO_FEW_SERVERS = {10005, 10023, 10074}
+_MADE_OTHERWISE = 10058  # "stream name already in use with a different configuration"
 CHUNK = 128 * 1024  # an object's chunk, as nats-py cuts them, on a server that takes that much
 CHUNK_HEADROOM = 1024  # a chunk's message carries headers and a subject besides its bytes
 _NO_BUCKET = "no object store {bucket}: has a controller held the seat yet?"
@@ -129,7 +130,11 @@ async def _ensure_seat(nc: Client) -> KeyValue:
     try:
         kv = await js.key_value(SEAT)
     except (BucketNotFoundError, NotFoundError):
-        kv = await _most(SEAT, lambda r: js.create_key_value(bucket=SEAT, history=5, replicas=r))
+        kv = await _most(
+            SEAT,
+            lambda r: js.create_key_value(bucket=SEAT, history=5, replicas=r),
+            lambda: js.key_value(SEAT),
+        )
     await _grow(nc, f"KV_{SEAT}")
     return kv
 
@@ -167,7 +172,9 @@ async def _ensure(nc: Client) -> tuple[KeyValue, ObjectStore]:
         kv = await js.key_value(DECLARATIONS)
     except (BucketNotFoundError, NotFoundError):
         kv = await _most(
-            DECLARATIONS, lambda r: js.create_key_value(bucket=DECLARATIONS, history=5, replicas=r)
+            DECLARATIONS,
+            lambda r: js.create_key_value(bucket=DECLARATIONS, history=5, replicas=r),
+            lambda: js.key_value(DECLARATIONS),
         )
     try:
         obs = await js.object_store(BUNDLES)
@@ -175,24 +182,33 @@ async def _ensure(nc: Client) -> tuple[KeyValue, ObjectStore]:
         obs = await _most(
             BUNDLES,
             lambda r: js.create_object_store(BUNDLES, config=ObjectStoreConfig(replicas=r)),
+            lambda: js.object_store(BUNDLES),
         )
     try:
         await js.object_store(BUILDS)
     except (BucketNotFoundError, NotFoundError):
         await _most(BUILDS, lambda r: js.create_object_store(BUILDS, config=ObjectStoreConfig(
-            replicas=r, max_bytes=BUILDS_MAX_BYTES, ttl=BUILDS_MAX_AGE)))  # fmt: skip
+            replicas=r, max_bytes=BUILDS_MAX_BYTES, ttl=BUILDS_MAX_AGE)),
+            lambda: js.object_store(BUILDS))  # fmt: skip
     for stream in (f"KV_{DECLARATIONS}", f"OBJ_{BUNDLES}"):
         await _grow(nc, stream)
         await _room_for_consumers(nc, stream)
     return kv, obs
 
 
-async def _most(what: str, create: Callable[[int], Awaitable[T]]) -> T:
-    """Create with REPLICAS, then fewer while the cluster has too few servers for them."""
+async def _most(
+    what: str, create: Callable[[int], Awaitable[T]], existing: Callable[[], Awaitable[T]]
+) -> T:
+    """Create with REPLICAS, then fewer while the cluster has too few servers for them; or open
+    the one another controller made meanwhile (two starting at once both found none, and the
+    other's is already grown or given room for consumers: `create` would differ from it)."""
     for replicas in range(REPLICAS, 0, -1):
         try:
             made = await create(replicas)
         except APIError as e:
+            if e.err_code == _MADE_OTHERWISE:
+                log.info("%s was made meanwhile by another; opened it", what)
+                return await existing()
             if replicas == 1 or e.err_code not in _TOO_FEW_SERVERS:
                 raise
             log.debug("%s with %d replicas: %s", what, replicas, e.description)
