@@ -123,6 +123,10 @@ class SimStats:
     by_epoch: dict[int, int] = field(default_factory=dict)  # epoch -> hosts registered with it
     last_at: dict[int, float] = field(default_factory=dict)  # epoch -> wall time of the last
     values: int = 0
+    # Wall times of the first and the last declaration heard since asked to reset: with the
+    # plan's steps (sent, judged) they say which side of the wire sets a plan's pace.
+    heard_first: float = 0.0
+    heard_last: float = 0.0
     applied: dict[str, int] = field(default_factory=dict)  # digest -> hosts that applied it
     heartbeats: int = 0  # the watch consumers' idle heartbeats heard
     watch_retries: int = 0  # consumer creations that failed and were tried again
@@ -216,6 +220,9 @@ class SimProcess:
             return
         env = self._decode(msg.data)
         self.stats.values += 1
+        now = time.time()
+        self.stats.heard_first = self.stats.heard_first or now
+        self.stats.heard_last = now
         if sim.applied is not None:
             self.stats.applied[sim.applied] -= 1
         sim.applied = env.digest
@@ -282,6 +289,7 @@ async def sims_main(args: argparse.Namespace) -> None:
         await msg.respond(msgspec.json.encode(proc.stats))
         if msg.data == b"reset":
             proc.stats.beat_late_max = 0.0
+            proc.stats.heard_first = proc.stats.heard_last = 0.0
 
     await conns[0].subscribe(f"bench.sims.{args.sims_index}.stats", cb=answer)
     await conns[0].flush()
@@ -635,6 +643,7 @@ class Run:
 
     async def plan(self) -> None:
         module = write_module(self.pieces.folder / "module", 1)
+        await self.sim_stats(reset=True)
         plan_id = await push(module, self.pieces.client_url, self.pieces.folder / "logs", None)
         conn = await self.db()
         try:
@@ -652,6 +661,11 @@ class Run:
             steps = await conn.fetchval(
                 "SELECT count(*) FROM plan_steps WHERE plan_id = $1", plan_id
             )
+            tiers = await conn.fetch(
+                "SELECT tier, count(*) AS n, min(started) AS sent, max(finished) AS judged"
+                " FROM plan_steps WHERE plan_id = $1 GROUP BY tier ORDER BY tier",
+                plan_id,
+            )
         finally:
             await conn.close()
         self.f.plan_s = (row["finished"] - row["started"]).total_seconds()
@@ -667,6 +681,18 @@ class Run:
                                  f" {retries} watch creations retried: {why})")  # fmt: skip
         say(f"  three-tier plan: {self.f.plan_note} in {self.f.plan_s:.2f} s, "
             f"{self.f.plan_rate:.0f} machines/s")  # fmt: skip
+        # Where the last tier's time went: the holder sending (its first step started), the
+        # fleet hearing (the simulators' first and last declaration), the holder judging.
+        heard = [st for st in await self.sim_stats() if st.heard_last]
+        if tiers and heard:
+            t0 = row["started"].timestamp()
+            last = tiers[-1]
+            first_heard = min(st.heard_first for st in heard) - t0
+            last_heard = max(st.heard_last for st in heard) - t0
+            say(f"  plan timeline, s after it started: tier {last['tier']} ({last['n']} machines)"
+                f" sent from {last['sent'].timestamp() - t0:.2f}; the fleet heard declarations"
+                f" from {first_heard:.2f} to {last_heard:.2f}; the tier judged done at"
+                f" {last['judged'].timestamp() - t0:.2f}")  # fmt: skip
 
     async def takeover(self) -> None:
         before = await self.epoch()
