@@ -32,8 +32,8 @@ from mesh.auth import secretkeys
 from mesh.auth import tls as mesh_tls
 from mesh.embedded import natsd, pgauth, ports, postgres
 from mesh.embedded.children import Child, spawn
+from mesh.entry import command
 from mesh.model import StatusReply
-from programs.cli import command
 
 
 def secrets_key_file(folder: Path) -> str:
@@ -421,8 +421,8 @@ def write_module(folder: Path, version: int) -> Path:
 
 async def push(folder: Path, nats_url: str, logs: Path, ca: str | None) -> int:
     """`mesh push DIR --json` (without --wait: the script follows the plan itself)."""
-    argv = [sys.executable, "-P", "-m", "programs.cli", "push", str(folder), "--json",
-            "--nats-url", nats_url, "--timeout", str(PUSH_TIMEOUT)]  # fmt: skip
+    argv = command("push", str(folder), "--json", "--nats-url", nats_url,
+                   "--timeout", str(PUSH_TIMEOUT))  # fmt: skip
     if ca:
         argv += ["--ca", ca]
     proc = await asyncio.create_subprocess_exec(

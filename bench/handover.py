@@ -100,6 +100,7 @@ from nats.aio.msg import Msg
 from mesh import subjects, wire
 from mesh.embedded import natsd, pgauth, ports, postgres
 from mesh.embedded.children import Child, spawn
+from mesh.entry import ENTRY
 from mesh.model import HandoverReply, SeatAnnounce, StatusReply
 
 STATUS_SUBJECT = "mesh.ctl.status"
@@ -113,7 +114,7 @@ AIM_KILL_FIRST = 1.0  # (b) first answer after a SIGKILL, seconds
 LOG_MS_WRAPPER = (
     "import logging, runpy; logging.basicConfig(level=logging.INFO, "
     "format='%(asctime)s.%(msecs)03d %(name)s: %(message)s', datefmt='%H:%M:%S'); "
-    "runpy.run_module('programs.cli', run_name='__main__', alter_sys=True)"
+    f"runpy.run_module('{ENTRY}', run_name='__main__', alter_sys=True)"
 )
 # What the controllers log around a handover: (pattern, the name the timeline gives it).
 LOG_EVENTS = (
@@ -416,7 +417,7 @@ class Pieces:
             MESH_DATABASE_URL=self.database_url,
             MESH_SECRETS_KEY_FILE=secrets_key_file(self.folder),
         )
-        mesh = ["-c", LOG_MS_WRAPPER] if self.log_ms else ["-m", "programs.cli"]
+        mesh = ["-c", LOG_MS_WRAPPER] if self.log_ms else ["-m", ENTRY]
         argv = [sys.executable, *mesh, "controller", "run", "--instance", name]
         child = await spawn(name, argv, log=self.folder / "logs" / f"{name}.log", env=env)
         self.children.append(child)

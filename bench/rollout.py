@@ -96,6 +96,7 @@ from mesh import bus, wire
 from mesh.blobs import BUNDLES, DECLARATIONS
 from mesh.client.pages import every_page
 from mesh.embedded.children import Child
+from mesh.entry import ENTRY
 from mesh.model import (
     Applied,
     Beat,
@@ -372,7 +373,7 @@ async def start_controller(pieces: Pieces, nc: Client, profile: Path | None) -> 
     """The controller as in bench/verbs.py, optionally under cProfile."""
     if profile is None:
         return await pieces.controller(nc)
-    argv = [sys.executable, "-P", "-m", "cProfile", "-o", str(profile), "-m", "programs.cli",
+    argv = [sys.executable, "-P", "-m", "cProfile", "-o", str(profile), "-m", ENTRY,
             "controller", "run", "--instance", "bench-ctl"]  # fmt: skip
     child = await pieces.start("controller", argv)
     deadline = time.monotonic() + 60

@@ -77,6 +77,7 @@ from mesh import bus, wire
 from mesh.blobs import DECLARATIONS
 from mesh.embedded import ports
 from mesh.embedded.children import Child
+from mesh.entry import command
 from mesh.model import (
     Applied,
     Beat,
@@ -86,7 +87,6 @@ from mesh.model import (
     SeatAnnounce,
     StatusReply,
 )
-from programs.cli import command
 from services.host import registration, watch
 from services.host.verbs import HostStatus
 
@@ -626,8 +626,7 @@ class Run:
             f"p99 {self.f.status_ms[1]:.2f} ms, {errors} errors")  # fmt: skip
 
     async def nodes(self) -> None:
-        argv = [sys.executable, "-P", "-m", "programs.cli", "--json", "nodes", "--nats-url",
-                self.pieces.client_url, "--timeout", "60"]  # fmt: skip
+        argv = command("--json", "nodes", "--nats-url", self.pieces.client_url, "--timeout", "60")
         t0 = time.perf_counter()
         proc = await asyncio.create_subprocess_exec(
             *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE

@@ -104,11 +104,11 @@ from nats.aio.client import Client
 from mesh import blobs, bus, subjects, wire
 from mesh.client.pages import every_page
 from mesh.embedded.children import Child, spawn, stop_agents, stop_supervised
+from mesh.entry import command
 from mesh.meshdir import MeshDir
 from mesh.model import NodesReply, NodesRequest, PlanReply, PlanRequest
 from mesh.modules import archive
 from mesh.modules.meshsource import PACKAGES, PROJECT_FILE
-from programs.cli import command
 from services.host import bundles
 
 CHECKOUT = Path(__file__).resolve().parent.parent

@@ -48,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 
 from mesh import bus  # noqa: E402
 from mesh.client.tools import call_tool  # noqa: E402
-from programs.cli import command  # noqa: E402
+from mesh.entry import command  # noqa: E402
 from services.host import processes  # noqa: E402
 from services.host.mcpstdio import Session  # noqa: E402
 

@@ -83,6 +83,7 @@ from nats.aio.msg import Msg
 from mesh import bus, wire
 from mesh.auth import tls as mesh_tls
 from mesh.embedded.children import Child
+from mesh.entry import command
 from mesh.model import Facts, Register, RegisterReply, StatusReply
 
 ECHO_SUBJECT = "bench.echo"
@@ -351,7 +352,7 @@ async def measure_cli(pieces: Pieces, lists: int, guard: Guard) -> Cli:
             guard.check()
             t0 = time.perf_counter()
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-P", "-m", "programs.cli", "--json", "--timeout", "60", verb,
+                *command("--json", "--timeout", "60", verb),
                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
             )  # fmt: skip
             out, err = await proc.communicate()

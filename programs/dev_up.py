@@ -38,13 +38,13 @@ from mesh.embedded.children import (
     stop_supervised,
     successor_of,
 )
+from mesh.entry import command
 from mesh.errors import MeshError
 from mesh.lifetime import stop_on_signals
 from mesh.meshdir import MeshDir
 from mesh.model import NodesReply, NodesRequest, StatusReply
 from mesh.paths import write_private
 from mesh.store import db, secrets
-from programs.cli import command
 from programs.placement import place_new
 from services.host import successor
 

@@ -33,13 +33,13 @@ from mesh.client import changes
 from mesh.client.asking import VerbFailed, connected
 from mesh.embedded import pgauth, postgres
 from mesh.embedded.children import Child, spawn, stop_supervised
+from mesh.entry import command
 from mesh.model import PlanProgress, PlanReply, StatusReply
 from mesh.modules import gate
 from mesh.modules.load import load
 from mesh.names import check_name
 from mesh.store import db
 from mesh.store.migrate import migrate
-from programs.cli import command
 from programs.dev_up import DevError, DevMesh, DirLock, _nats_answers, check_nats, say
 from programs.placement import CONTROL, NotPlaced, place, place_new
 from programs.units import Unit, UnitError, main_pid, of_mesh, shown, systemctl, systemd_runs

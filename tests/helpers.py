@@ -32,8 +32,8 @@ from nats.js import JetStreamContext
 from nats.js.errors import NoKeysError
 
 from mesh.embedded.children import remove_containers, stop_agents, stop_supervised
+from mesh.entry import command
 from mesh.modules.meshsource import PACKAGES, PROJECT_FILE
-from programs.cli import command
 
 MESH = command()
 CHECKOUT = Path(__file__).parent.parent

@@ -31,6 +31,8 @@ from helpers import (
     mesh_copy,
 )
 
+from mesh.entry import ENTRY
+
 ROOT = Path(__file__).parent.parent
 CONTAINER = "mesh-controller"
 IMAGE = "mesh-test/controller-rootfs:1"
@@ -85,7 +87,7 @@ def container_controller(rootfs_image, nats_url, database_url, tmp_path):
          *mounts, "-e", f"PYTHONPATH={':'.join(paths)}", "-e", f"MESH_NATS_URL={nats_url}",
          "-e", f"MESH_DATABASE_URL={database_url}", "-e", "HOME=/tmp",
          "-v", f"{key}:/run/secrets.key:ro", "-e", "MESH_SECRETS_KEY_FILE=/run/secrets.key",
-         rootfs_image, python, "-m", "programs.cli", "controller", "run",
+         rootfs_image, python, "-m", ENTRY, "controller", "run",
          "--instance", "container"],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip

@@ -22,8 +22,8 @@ from helpers import MESH, already, ask, await_until
 
 from mesh.embedded import natsd, postgres
 from mesh.embedded.children import stop_supervised
+from mesh.entry import command
 from programs import units
-from programs.cli import command
 from programs.units import Unit
 
 AWKWARD = [

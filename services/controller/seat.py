@@ -124,18 +124,11 @@ class SeatLock:
         """`work()`, which must not use the lock's session, while that session is pinged as
         the watch pings it: the server ends a session idle for IDLE_LIMIT, and a take waits on
         the bus (a stream electing its leader) longer than that."""
-        result: list[T] = []
         async with anyio.create_task_group() as tg:
-
-            async def keep() -> None:
-                while True:
-                    await anyio.sleep(PING_EVERY)
-                    await self._ask("SELECT 1")
-
-            tg.start_soon(keep)
-            result.append(await work())
+            tg.start_soon(self._ping)
+            result = await work()
             tg.cancel_scope.cancel()
-        return result[0]
+        return result
 
     async def _ask(self, query: str) -> None:
         """One ping, bounded by PING_DEADLINE and shielded from the watch's own cancellation: a

@@ -28,6 +28,7 @@ from netpieces import CLIENT_PORT, CONTROLLERS, HOSTS, NATS, PG_PORT
 
 from mesh.auth import secretkeys, system, tls
 from mesh.embedded import natsd, pgauth, postgres
+from mesh.entry import ENTRY
 
 from .history import History
 
@@ -55,7 +56,7 @@ async def until(probe: Callable[[], Awaitable[object]], *, within: float, what: 
 class Cluster:
     def __init__(self, net: Network, folder: Path, history: History, python: str) -> None:
         self.net, self.dir, self.history = net, folder, history
-        self.mesh = [python, "-P", "-m", "programs.cli"]
+        self.mesh = [python, "-P", "-m", ENTRY]
         # Outside any 0700 folder: PostgreSQL and the hosts' processes run as other accounts.
         # FOLDER/hosts links to its hosts/, where the Procs' clean-up looks (as the fixture's).
         self.open = Path(tempfile.mkdtemp(prefix="mesh-nemesis-"))
