@@ -644,6 +644,7 @@ class Run:
         module = write_module(self.pieces.folder / "module", 1)
         await self.sim_stats(reset=True)
         plan_id = await push(module, self.pieces.client_url, self.pieces.folder / "logs", None)
+        before, t_before = self.cpu(), time.monotonic()
         conn = await self.db()
         try:
             deadline = time.monotonic() + 300
@@ -653,6 +654,7 @@ class Run:
                     "SELECT state, started, finished, error FROM plans WHERE id = $1", plan_id
                 )
                 if row and row["state"] in ("done", "failed", "reverted"):
+                    after, t_after = self.cpu(), time.monotonic()
                     break
                 if time.monotonic() > deadline:
                     raise BenchError(f"plan {plan_id} did not end within 300 s")
@@ -692,6 +694,11 @@ class Run:
                 f" sent from {last['sent'].timestamp() - t0:.2f}; the fleet heard declarations"
                 f" from {first_heard:.2f} to {last_heard:.2f}; the tier judged done at"
                 f" {last['judged'].timestamp() - t0:.2f}")  # fmt: skip
+        # Whether the machine, rather than one piece, sets that pace: each piece's cores from
+        # the push's answer (the plan under way) to the plan's end.
+        seconds = t_after - t_before
+        cores = ", ".join(f"{k} {(after[k] - before[k]) / seconds:.2f}" for k in before)
+        say(f"  plan, cores over its last {seconds:.1f} s: {cores} (of {os.cpu_count()})")
 
     async def takeover(self) -> None:
         before = await self.epoch()

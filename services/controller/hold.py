@@ -145,7 +145,7 @@ class Hold:
         try:
             async with anyio.create_task_group() as background:
                 manifests = Manifests()
-                publisher = Publisher(pool=self.pool, js=self.nc.jetstream(), epoch=row.epoch,
+                publisher = Publisher(pool=self.pool, nc=self.nc, epoch=row.epoch,
                                       manifests=manifests, holder=self.me.instance)  # fmt: skip
                 changes = Changes(
                     pool=self.pool, nc=self.nc, obs=obs, fleet=fleet, epoch=row.epoch,

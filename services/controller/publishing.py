@@ -7,6 +7,7 @@ and a new holder puts every stored declaration again under its epoch (`republish
 
 import asyncio
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Iterable
 
@@ -14,7 +15,7 @@ import anyio
 import anyio.lowlevel
 import asyncpg
 import msgspec
-from nats.js import JetStreamContext
+from nats.aio.client import Client
 from nats.js.api import PubAck
 
 from mesh import blobs, wire
@@ -31,6 +32,8 @@ log = logging.getLogger(__name__)
 MAX_DECLARATION = 768 * 1024  # bytes of one declaration: with its envelope, under 1 MiB
 YIELD_EVERY = 500  # machines composed or sent between two turns of the event loop
 PUT_WITHIN = 30.0  # seconds for the server to acknowledge every put of one publish
+PUTS_PENDING = 4000  # puts awaiting the server's acknowledgement (nats-py's default)
+LOGGED_FROM = 500  # declarations in one publish from which it logs its time
 PARSED_KEPT = 256  # manifests kept parsed (by version id): enough for every module's current one
 
 
@@ -55,15 +58,20 @@ class Manifests:
 
 class Publisher:
     def __init__(
-        self, *, pool: asyncpg.Pool, js: JetStreamContext, epoch: int, manifests: Manifests,
+        self, *, pool: asyncpg.Pool, nc: Client, epoch: int, manifests: Manifests,
         holder: str = "",
     ) -> None:  # fmt: skip
         self._pool = pool
-        self._js = js  # its own: publish_async's acknowledgements come to one inbox of its own
+        # Its own context: publish_async's acknowledgements come to one inbox of its own, and
+        # its count of puts awaiting one is this publisher's alone.
+        self._js = nc.jetstream(publish_async_max_pending=PUTS_PENDING)
         self._epoch = epoch
         self._holder = holder  # named in every envelope: hosts refuse one epoch from two
         self._manifests = manifests
         self.wanted: dict[str, str] = {}  # machine -> digest of its published declaration
+        # machine -> digest of a put awaiting its acknowledgement: `keep_published` leaves it
+        # alone (a tier's puts, acknowledged over a second or more, were all put twice)
+        self._putting: dict[str, str] = {}
 
     async def compose(
         self, conn: asyncpg.Connection, machines: Iterable[str]
@@ -107,10 +115,21 @@ class Publisher:
         """After the commit. A put that fails is logged, not raised: the change is stored, and
         `keep_published` puts it again (the store is the truth, the KV its copy). Every put is
         sent before any acknowledgement is awaited (JetStream's asynchronous publish, bounded
-        by the client's pending limit): as 64 requests in flight, a tier of 9,000 machines
-        published at 3,000 puts a second, half this rate (bench/rollout.py)."""
+        by PUTS_PENDING): as 64 requests in flight, a tier of 9,000 machines published at
+        3,000 puts a second, half this rate (bench/rollout.py)."""
+        self._putting.update((machine, d) for machine, (d, _) in bodies.items())
+        try:
+            await self._publish(bodies)
+        finally:
+            for machine, (d, _) in bodies.items():
+                if self._putting.get(machine) == d:
+                    del self._putting[machine]
+
+    async def _publish(self, bodies: dict[str, tuple[str, bytes]]) -> None:
         sent: list[tuple[str, str, asyncio.Future[PubAck]]] = []
         failed: dict[str, str] = {}  # machine -> why
+        began = time.monotonic()
+        deadline = began + PUT_WITHIN
         for n, (machine, (d, body)) in enumerate(sorted(bodies.items())):
             if n % YIELD_EVERY == YIELD_EVERY - 1:
                 await anyio.lowlevel.checkpoint()  # a send rarely waits: let the loop turn
@@ -118,17 +137,28 @@ class Publisher:
                 machine=machine, digest=d, epoch=self._epoch, declaration=msgspec.Raw(body),
                 holder=self._holder,
             )  # fmt: skip
+            # A stall's deadline only where a put can stall: nats-py waits for a free slot
+            # through asyncio.wait_for, which with a timeout makes a task of every put, and
+            # that tripled the time of a tier's puts (bench/rollout.py).
+            stall = None
+            if self._js.publish_async_pending() >= PUTS_PENDING:
+                stall = max(0.0, deadline - time.monotonic())
             try:
                 ack = await self._js.publish_async(
-                    blobs.declaration_subject(machine), wire.encode(envelope), wait_stall=PUT_WITHIN
+                    blobs.declaration_subject(machine), wire.encode(envelope), wait_stall=stall
                 )
             except Exception as e:
                 failed[machine] = f"{type(e).__name__}: {e}"
                 continue
             sent.append((machine, d, ack))
-        with anyio.move_on_after(PUT_WITHIN):
-            for _, _, ack in sent:
-                await asyncio.wait([ack])  # its outcome is read below, whatever it is
+        handed = time.monotonic()
+        with anyio.move_on_after(max(0.0, deadline - handed)):
+            if sent:  # each outcome is read below, whatever it is
+                await asyncio.wait([ack for _, _, ack in sent])
+        if len(bodies) >= LOGGED_FROM:  # a tier's worth: how long the bus took to store it
+            acked = time.monotonic() - handed
+            log.info("put %d declaration(s): handed to the bus in %.2f s, acknowledged "
+                     "%.2f s later", len(bodies), handed - began, acked)  # fmt: skip
         for machine, d, ack in sent:
             if not ack.done():  # not acknowledged in time: given up (its slot freed)
                 ack.cancel()
@@ -146,15 +176,20 @@ class Publisher:
                         "%s: %s", len(failed), first, failed[first])  # fmt: skip
 
     async def keep_published(self, every: float = 5.0) -> None:
-        """Put again every stored declaration whose digest the KV does not have yet."""
         while True:
             await anyio.sleep(every)
-            async with self._pool.acquire() as conn:
-                stored = await declarations.digests(conn)
-                behind = [m for m, d in stored.items() if self.wanted.get(m) != d]
-                bodies = await declarations.declarations(conn, behind) if behind else {}
-            if bodies:
-                await self.publish({m: (d, body) for m, (d, body, _) in bodies.items()})
+            await self.put_behind()
+
+    async def put_behind(self) -> None:
+        """Put again every stored declaration whose digest the KV does not have yet, and no
+        put of it awaits an acknowledgement."""
+        async with self._pool.acquire() as conn:
+            stored = await declarations.digests(conn)
+            done, putting = self.wanted, self._putting
+            behind = [m for m, d in stored.items() if d not in (done.get(m), putting.get(m))]
+            bodies = await declarations.declarations(conn, behind) if behind else {}
+        if bodies:
+            await self.publish({m: (d, body) for m, (d, body, _) in bodies.items()})
 
     async def republish(self) -> int:
         """At takeover: every stored declaration, under this holder's epoch. Plans an earlier
