@@ -218,9 +218,10 @@ class Pieces:
 
     def __init__(
         self, folder: Path, guard: Guard, *, servers: int = 1, tls: bool = False,
-        max_payload: int | None = None,
+        max_payload: int | None = None, sync_interval: str = "always",
     ) -> None:  # fmt: skip
         self.folder = folder
+        self.sync_interval = sync_interval  # JetStream's fsyncs: mesh's "always" unless measuring
         self.max_payload = max_payload
         self.guard = guard
         self.servers = servers
@@ -284,6 +285,7 @@ class Pieces:
                 server_tls = natsd.Tls(cert=cert, key=key, ca=Path(self.ca))
             conf = natsd.write_config(
                 folder, port=port, name=name, tls=server_tls, max_payload=self.max_payload,
+                sync_interval=self.sync_interval,
                 cluster=natsd.Cluster(port=cluster[i], routes=[f"127.0.0.1:{p}" for p in cluster])
                 if cluster else None,
             )  # fmt: skip

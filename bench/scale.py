@@ -30,8 +30,12 @@ again, when every machine has registered with the new holder, how many are up af
 child runs in its own session and is stopped in a `finally`. The script never fails on a
 timing; the aims of issue 17 are printed beside the figures.
 
+`--nats 3` runs the same on a TLS cluster of three nats-servers (as `mesh dev up --nats 3`
+makes it: the buckets with three replicas, whose writes the servers fsync in batches, where a
+lone server fsyncs every put); the simulated hosts' connections spread over the servers.
+
     .venv/bin/python bench/scale.py [--machines 1000,3000,10000] [--sim-procs CORES]
-                                    [--connections 50] [--idle 10] [--flood 10]
+                                    [--connections 50] [--idle 10] [--flood 10] [--nats 1]
 """
 
 from __future__ import annotations
@@ -484,7 +488,8 @@ class Run:
             listing = self.pieces.folder / f"sims-{k}.json"
             listing.write_text(json.dumps(part))
             argv = [sys.executable, str(Path(__file__).resolve()), "--sims", str(listing),
-                    "--sims-url", self.pieces.client_url, "--sims-index", str(k),
+                    # every server, each connection to one of them (a cluster's hosts spread)
+                    "--sims-url", self.pieces.nats_url, "--sims-index", str(k),
                     "--connections", str(self.args.connections),
                     "--beat-interval", str(self.args.beat_interval),
                     "--ramp", str(self.args.ramp)]  # fmt: skip
@@ -627,6 +632,8 @@ class Run:
 
     async def nodes(self) -> None:
         argv = command("--json", "nodes", "--nats-url", self.pieces.client_url, "--timeout", "60")
+        if self.pieces.ca:
+            argv += ["--ca", self.pieces.ca]
         t0 = time.perf_counter()
         proc = await asyncio.create_subprocess_exec(
             *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
@@ -643,7 +650,9 @@ class Run:
     async def plan(self) -> None:
         module = write_module(self.pieces.folder / "module", 1)
         await self.sim_stats(reset=True)
-        plan_id = await push(module, self.pieces.client_url, self.pieces.folder / "logs", None)
+        plan_id = await push(
+            module, self.pieces.client_url, self.pieces.folder / "logs", self.pieces.ca
+        )
         before, t_before = self.cpu(), time.monotonic()
         conn = await self.db()
         try:
@@ -809,7 +818,7 @@ async def one(args: argparse.Namespace, n: int) -> Figures:
     say(f"\n=== {n} machines ===")
     guard = Guard(args.deadline)
     with tempfile.TemporaryDirectory(prefix="mesh-bench-scale-") as tmp:
-        pieces = Pieces(Path(tmp), guard)
+        pieces = Pieces(Path(tmp), guard, servers=args.nats, sync_interval=args.sync_interval)
         run = Run(args, pieces, n)
         try:
             await run.start()
@@ -846,7 +855,9 @@ def _ms(value: float | None) -> str:
 
 def report(all_figures: list[Figures], args: argparse.Namespace) -> None:
     say("")
-    say(f"{machine_line()}; simulated hosts in "
+    servers = f"a TLS cluster of {args.nats} nats-servers" if args.nats > 1 else "one nats-server"
+    servers += f", sync_interval {args.sync_interval}"
+    say(f"{machine_line()}; {servers}; simulated hosts in "
         f"{args.sim_procs} process(es), {args.connections} connections each, beating every "
         f"{args.beat_interval:g} s")  # fmt: skip
     rows = [
@@ -897,6 +908,15 @@ def parser() -> argparse.ArgumentParser:
         "ran 5.7 s late in a cold start of 10,000 under load, 1.8 s with two)",
     )  # fmt: skip
     p.add_argument("--connections", type=int, default=50, help="NATS connections a process (50)")
+    p.add_argument(
+        "--nats", type=int, default=1,
+        help="nats-servers: 1, or a TLS cluster of N, as mesh dev up --nats N makes (1)",
+    )  # fmt: skip
+    p.add_argument(
+        "--sync-interval", default="always",
+        help="JetStream's fsync interval: mesh runs 'always'; another (e.g. 2m, the server's "
+        "default) only to measure what a lone server's fsync of every put costs the plan",
+    )  # fmt: skip
     p.add_argument("--beat-interval", type=float, default=1.0, help="seconds between beats (1)")
     p.add_argument("--ramp", type=float, default=0.0, help="seconds over which hosts start (0)")
     p.add_argument("--idle", type=float, default=10.0, help="seconds measured idle (10)")

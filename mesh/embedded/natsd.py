@@ -63,6 +63,7 @@ def write_config(
     tls: Tls | None = None,
     cluster: Cluster | None = None,
     system: str | None = None,  # the seat's kicker's public key (mesh.auth.system)
+    sync_interval: str = "always",  # what mesh runs; another only to measure its cost (bench/)
 ) -> Path:
     """Write `folder/nats.conf` for a server on `host`:`port` with JetStream in `folder/js`
     and its pid in `folder/nats.pid`. With `auth` (a file holding an `authorization` block, see
@@ -88,7 +89,7 @@ def write_config(
         "ping_max: 2",
         "jetstream {",
         f"  store_dir: {json.dumps(str(store))}",
-        "  sync_interval: always",
+        f"  sync_interval: {json.dumps(sync_interval)}",
         "}",
     ]
     if tls is not None:
