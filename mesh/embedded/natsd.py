@@ -6,6 +6,7 @@ acknowledged writes under the default interval, and the mesh's declarations must
 
 import json
 import os
+import re
 import shutil
 import sys
 import sysconfig
@@ -19,6 +20,9 @@ from mesh.errors import MeshError
 
 class NatsServerMissing(MeshError):
     pass
+
+
+SYNC_INTERVAL = re.compile(r"always|[0-9]+(ms|s|m|h)")  # what write_config writes bare
 
 
 def binary() -> str:
@@ -74,6 +78,8 @@ def write_config(
     `cluster` are TLS too, each side checking the other's certificate against the CA. Servers in
     a cluster do not advertise each other to clients (`no_advertise`): every client is given
     every server's URL, which is also the name its certificate is checked against."""
+    if not SYNC_INTERVAL.fullmatch(sync_interval):  # written bare into the configuration
+        raise ValueError(f"sync_interval {sync_interval!r}: 'always' or a duration such as 2m")
     folder.mkdir(parents=True, exist_ok=True)
     store = folder / "js"
     store.mkdir(exist_ok=True)
@@ -89,7 +95,7 @@ def write_config(
         "ping_max: 2",
         "jetstream {",
         f"  store_dir: {json.dumps(str(store))}",
-        f"  sync_interval: {json.dumps(sync_interval)}",
+        f"  sync_interval: {sync_interval}",
         "}",
     ]
     if tls is not None:
