@@ -5,9 +5,11 @@ controller answers, less than what the serving path's own work was (mesh/serving
 subprocesses refuse `user`, `group` and `extra_groups`, with which a host drops its processes,
 checks and builds to their accounts and `mesh dev up` its pieces. So asyncio stays the default
 and uvloop is there to choose (`pip install 'mesh[uvloop]'`), for a controller, the command line,
-the console or `mesh mcp`, which start no such process.
+the console or `mesh mcp`, which start no such process; the pieces that do run on asyncio.
 """
 
+import importlib.util
+import logging
 import os
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -15,6 +17,8 @@ from typing import Any, TypeVar
 import anyio
 
 from mesh.errors import MeshError
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -26,11 +30,8 @@ class LoopError(MeshError):
 
 
 def _has_uvloop() -> bool:
-    try:
-        import uvloop  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """Found, not imported: a piece that runs on asyncio anyway loads none of it."""
+    return importlib.util.find_spec("uvloop") is not None
 
 
 def chosen() -> str:
@@ -48,6 +49,13 @@ def options(loop: str | None = None) -> dict[str, Any]:
     return {"use_uvloop": (loop or chosen()) == "uvloop"}
 
 
-def run(main: Callable[..., Awaitable[T]], *args: Any) -> T:
-    """anyio.run on the chosen loop."""
-    return anyio.run(main, *args, backend="asyncio", backend_options=options())
+def run(main: Callable[..., Awaitable[T]], *args: Any, drops_accounts: bool = False) -> T:
+    """anyio.run on the chosen loop; on asyncio's whatever is chosen for a piece that
+    `drops_accounts` (starts processes as other accounts: a host, dev up, init), said in one
+    line, so one MESH_LOOP for a whole machine (a shared environment file) is safe."""
+    loop = chosen()
+    if loop == "uvloop" and drops_accounts:
+        log.info("MESH_LOOP=uvloop: this piece runs on asyncio, since it starts processes as "
+                 "other accounts and uvloop's subprocesses cannot drop to one")  # fmt: skip
+        loop = "asyncio"
+    return anyio.run(main, *args, backend="asyncio", backend_options=options(loop))

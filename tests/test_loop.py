@@ -37,3 +37,26 @@ async def test_a_controller_answers_on_the_loop_chosen(procs, nats_url, database
 
     await await_until(holds, within=60, what="the controller holds the seat")
     assert _loaded(ctl.pid, "uvloop") == (loop == "uvloop")
+
+
+async def test_a_host_runs_on_asyncio_whatever_is_chosen(procs, nats_url, database_url, tmp_path):
+    """A host starts processes as other accounts, which uvloop's subprocesses cannot: with one
+    MESH_LOOP=uvloop for the whole machine, the controller runs on uvloop and the host on
+    asyncio, saying so, and registers as ever."""
+    pytest.importorskip("uvloop")
+    env = {"MESH_NATS_URL": nats_url, "MESH_DATABASE_URL": database_url, "MESH_LOOP": "uvloop"}
+    ctl = procs.start("ctl-a", [*MESH, "controller", "run", "--instance", "ctl-a"], env=env)
+    host = procs.start(
+        "node-1", [*MESH, "host", "run", "--name", "node-1", "--root", str(tmp_path / "node-1")],
+        env=env,
+    )  # fmt: skip
+
+    async def registered():
+        done = mesh_cli("--json", "nodes", nats_url=nats_url, answer=2, timeout=60)
+        return done.returncode == 0 and [n["name"] for n in ok_json(done)["nodes"]] == ["node-1"]
+
+    await await_until(registered, within=60, what="node-1 registered")
+    assert _loaded(ctl.pid, "uvloop")
+    assert not _loaded(host.pid, "uvloop")
+    said = host.log_path.read_text()  # type: ignore[attr-defined]
+    assert "MESH_LOOP=uvloop: this piece runs on asyncio" in said

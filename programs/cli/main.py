@@ -372,6 +372,10 @@ COMMANDS: dict[tuple[str, ...], Callable[[argparse.Namespace], Any]] = {
 }
 
 
+# The commands that start processes as other accounts (mesh/loop.py: never on uvloop)
+DROPS_ACCOUNTS = {("host", "run"), ("dev", "up"), ("dev", "init"), ("init",)}
+
+
 def _key(args: argparse.Namespace) -> tuple[str, ...]:
     sub = getattr(args, f"{args.command}_command", None)
     return (args.command, sub) if sub else (args.command,)
@@ -402,9 +406,10 @@ def main(argv: list[str] | None = None) -> None:
         # Read where every connection is made (mesh.config.ca), and inherited by what the
         # command starts (a host's processes, dev up's pieces).
         os.environ["MESH_CA"] = args.ca
-    command = COMMANDS[_key(args)]
+    key = _key(args)
+    command = COMMANDS[key]
     try:
-        loop.run(command, args)
+        loop.run(command, args, drops_accounts=key in DROPS_ACCOUNTS)
         sys.stdout.flush()  # here, where a reader gone is handled, not at the interpreter's exit
     except KeyboardInterrupt:
         sys.exit(130)
