@@ -9,7 +9,6 @@ the console or `mesh mcp`, which start no such process; the pieces that do run o
 """
 
 import importlib.util
-import logging
 import os
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -17,8 +16,6 @@ from typing import Any, TypeVar
 import anyio
 
 from mesh.errors import MeshError
-
-log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -49,13 +46,21 @@ def options(loop: str | None = None) -> dict[str, Any]:
     return {"use_uvloop": (loop or chosen()) == "uvloop"}
 
 
+# Why this process runs on asyncio although MESH_LOOP chose uvloop (None: it runs on the
+# chosen one): a host says it once it has started (a refusal stays one line).
+set_aside: str | None = None
+
+
 def run(main: Callable[..., Awaitable[T]], *args: Any, drops_accounts: bool = False) -> T:
     """anyio.run on the chosen loop; on asyncio's whatever is chosen for a piece that
-    `drops_accounts` (starts processes as other accounts: a host, dev up, init), said in one
-    line, so one MESH_LOOP for a whole machine (a shared environment file) is safe."""
+    `drops_accounts` (starts processes as other accounts: a host, dev up, init), so one
+    MESH_LOOP for a whole machine (a shared environment file) is safe."""
+    global set_aside
     loop = chosen()
     if loop == "uvloop" and drops_accounts:
-        log.info("MESH_LOOP=uvloop: this piece runs on asyncio, since it starts processes as "
-                 "other accounts and uvloop's subprocesses cannot drop to one")  # fmt: skip
+        set_aside = (
+            "MESH_LOOP=uvloop set aside: this piece runs on asyncio, since it starts processes "
+            "as other accounts and uvloop's subprocesses cannot drop to one"
+        )
         loop = "asyncio"
     return anyio.run(main, *args, backend="asyncio", backend_options=options(loop))

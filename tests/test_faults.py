@@ -45,7 +45,7 @@ from helpers import (
     ok_json,
     standing_by,
 )
-from module_folders import gated_module
+from module_folders import gated_module, write_module
 
 from mesh import wire
 from mesh.model import DeclarationReply
@@ -337,3 +337,47 @@ async def test_the_mesh_recovers_from_restarts_of_postgres_and_nats_during_a_pla
         await assert_kv_epochs_rise(nc)
     finally:
         await nc.close()
+
+
+async def test_a_removed_declarations_bucket_is_made_again_and_hosts_take_the_next_change(
+    start_fleet, nc, nats_url, tmp_path
+) -> None:
+    """The declarations' bucket removed under a running mesh (`nats stream rm`, or a server
+    that lost its store): the holder makes it again and puts every declaration again, and the
+    host, whose last value had a higher stream sequence than any in the new bucket, still takes
+    the next change (services/host/watch.py)."""
+
+    async def push(version: int) -> dict:
+        source = write_module(
+            tmp_path / f"files-v{version}",
+            '[module]\nname = "files"\n[bundle.code]\nkind = "files"\nsource = "src"\n'
+            "[assign]\ntiers = [0, 1, 2]\n",
+            files={"src/version.txt": f"{version}\n"},
+        )
+        done = mesh_cli("--json", "push", str(source), nats_url=nats_url, answer=60, timeout=120)
+        plan = await finished(nc, ok_json(done)["plan"], within=60)
+        assert plan["state"] == "done", plan
+        return plan
+
+    async def put_again() -> int | None:
+        try:
+            info = await nc.jsm().stream_info("KV_mesh-declarations")
+        except nats.js.errors.NotFoundError:
+            return None  # not made again yet
+        return info.state.last_seq if info.state.messages else None
+
+    fleet = await start_fleet(hosts=1)
+    for version in (1, 2, 3):  # the host's last value: the bucket's third put or later
+        await push(version)
+    before = (await nc.jsm().stream_info("KV_mesh-declarations")).state.last_seq
+
+    await nc.jsm().delete_stream("KV_mesh-declarations")
+    after = await await_until(put_again, within=30, what="node-1's declaration put again")
+    assert after < before  # a bucket made again: its sequences start over
+    log = fleet.controllers["ctl-a"].log_path.read_text()  # type: ignore[attr-defined]
+    assert "the declarations' bucket is gone" in log or "bucket was made again" in log, log
+
+    plan = await push(4)  # done only once node-1 applied it
+    assert steps(plan) == {"node-1": "done"}
+    s = await ask(nc, "mesh.host.node-1.status", timeout=2)
+    assert s is not None and s["applied"] == plan["steps"][0]["after"]

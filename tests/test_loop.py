@@ -59,4 +59,4 @@ async def test_a_host_runs_on_asyncio_whatever_is_chosen(procs, nats_url, databa
     assert _loaded(ctl.pid, "uvloop")
     assert not _loaded(host.pid, "uvloop")
     said = host.log_path.read_text()  # type: ignore[attr-defined]
-    assert "MESH_LOOP=uvloop: this piece runs on asyncio" in said
+    assert "host node-1: MESH_LOOP=uvloop set aside: this piece runs on asyncio" in said

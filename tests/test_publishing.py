@@ -33,6 +33,17 @@ def bodies(version: int) -> dict[str, tuple[str, bytes]]:
     }
 
 
+async def stored(database_url: str, tier: dict[str, tuple[str, bytes]]) -> None:
+    """The machines and their declarations in a store of this test's, as the holder wrote them."""
+    conn = await asyncpg.connect(database_url)
+    try:
+        await migrate(conn)
+        await conn.execute("INSERT INTO machines (name) SELECT unnest($1::text[])", list(tier))
+        await declarations.write_declarations(conn, tier, epoch=7)
+    finally:
+        await conn.close()
+
+
 async def test_a_tier_past_the_limit_of_pending_puts_is_all_put(nc) -> None:
     kv, _ = await blobs.ensure(nc)
     publisher = Publisher(pool=None, nc=nc, epoch=7, manifests=Manifests(), holder="ctl-t")  # type: ignore[arg-type]
@@ -74,14 +85,8 @@ async def test_keep_published_leaves_puts_awaiting_acknowledgement_alone(
     nc, nats_server: subprocess.Popen, database_url: str
 ) -> None:
     await blobs.ensure(nc)
-    tier = {m: (d, b) for m, (d, b) in list(bodies(1).items())[:50]}
-    conn = await asyncpg.connect(database_url)
-    try:
-        await migrate(conn)
-        await conn.execute("INSERT INTO machines (name) SELECT unnest($1::text[])", list(tier))
-        await declarations.write_declarations(conn, tier, epoch=7)
-    finally:
-        await conn.close()
+    tier = dict(list(bodies(1).items())[:50])
+    await stored(database_url, tier)
     pool = await asyncpg.create_pool(database_url, min_size=1, max_size=2)
     publisher = Publisher(pool=pool, nc=nc, epoch=7, manifests=Manifests(), holder="ctl-t")
     wanted = {m: d for m, (d, _) in tier.items()}
@@ -92,14 +97,14 @@ async def test_keep_published_leaves_puts_awaiting_acknowledgement_alone(
     try:
         async with anyio.create_task_group() as tg:
             # The tier's puts, held unacknowledged by a stopped server while keep_published
-            # looks at the store several times: it finds nothing to put (else it would wait
-            # for acknowledgements too, past the deadline).
+            # looks twice (each look at the bucket waits out its 5 s): it finds nothing to put
+            # (else it would wait for acknowledgements too, PUT_WITHIN, past the deadline).
             os.kill(nats_server.pid, signal.SIGSTOP)
             try:
                 tg.start_soon(publisher.publish, tier)
                 await anyio.wait_all_tasks_blocked()
-                with anyio.fail_after(10):
-                    for _ in range(5):
+                with anyio.fail_after(publishing.PUT_WITHIN - 5):
+                    for _ in range(2):
                         await publisher.put_behind()
             finally:
                 os.kill(nats_server.pid, signal.SIGCONT)
@@ -109,5 +114,30 @@ async def test_keep_published_leaves_puts_awaiting_acknowledgement_alone(
         await publisher.put_behind()  # and nothing is behind once they are acknowledged
         info = await nc.jsm().stream_info(f"KV_{blobs.DECLARATIONS}")
         assert info.state.messages == len(tier)
+    finally:
+        await pool.close()
+
+
+async def test_a_bucket_made_again_has_every_declaration_put_again(nc, database_url: str) -> None:
+    """The bucket removed (`nats stream rm`, or a server that lost its store): the next look
+    finds it gone, makes it again, and puts every stored declaration again, those the
+    publisher had seen acknowledged included."""
+    await blobs.ensure(nc)
+    tier = dict(list(bodies(1).items())[:20])
+    await stored(database_url, tier)
+    pool = await asyncpg.create_pool(database_url, min_size=1, max_size=2)
+    try:
+        publisher = Publisher(pool=pool, nc=nc, epoch=7, manifests=Manifests(), holder="ctl-t")
+        await publisher.publish(tier)
+        await publisher.put_behind()  # nothing behind: nothing put
+        info = await nc.jsm().stream_info(f"KV_{blobs.DECLARATIONS}")
+        assert info.state.messages == len(tier)
+
+        await nc.jsm().delete_stream(f"KV_{blobs.DECLARATIONS}")
+        await publisher.put_behind()
+        kv = await nc.jetstream().key_value(blobs.DECLARATIONS)
+        assert sorted(await kv.keys()) == sorted(tier)
+        put = wire.decode((await kv.get("pub-00000")).value, DeclarationReply)
+        assert (put.epoch, bytes(put.declaration)) == (7, b'{"version":1}')
     finally:
         await pool.close()

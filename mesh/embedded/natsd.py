@@ -22,7 +22,7 @@ class NatsServerMissing(MeshError):
     pass
 
 
-SYNC_INTERVAL = re.compile(r"always|[0-9]+(ms|s|m|h)")  # what write_config writes bare
+SYNC_INTERVAL = re.compile(r"always|[0-9]+(ms|s|m|h)")
 
 
 def binary() -> str:
@@ -78,8 +78,6 @@ def write_config(
     `cluster` are TLS too, each side checking the other's certificate against the CA. Servers in
     a cluster do not advertise each other to clients (`no_advertise`): every client is given
     every server's URL, which is also the name its certificate is checked against."""
-    if not SYNC_INTERVAL.fullmatch(sync_interval):  # written bare into the configuration
-        raise ValueError(f"sync_interval {sync_interval!r}: 'always' or a duration such as 2m")
     folder.mkdir(parents=True, exist_ok=True)
     store = folder / "js"
     store.mkdir(exist_ok=True)
@@ -95,7 +93,7 @@ def write_config(
         "ping_max: 2",
         "jetstream {",
         f"  store_dir: {json.dumps(str(store))}",
-        f"  sync_interval: {sync_interval}",
+        _sync_line(sync_interval),
         "}",
     ]
     if tls is not None:
@@ -138,6 +136,13 @@ def write_config(
     conf = folder / "nats.conf"
     conf.write_text(text)
     return conf
+
+
+def _sync_line(interval: str) -> str:
+    """JetStream's fsyncs, written bare: 'always' or a duration."""
+    if not SYNC_INTERVAL.fullmatch(interval):
+        raise ValueError(f"sync_interval {interval!r}: 'always' or a duration such as 2m")
+    return f"  sync_interval: {interval}"
 
 
 def argv(conf: Path) -> list[str]:

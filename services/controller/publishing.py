@@ -10,15 +10,19 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
+from datetime import datetime
 
 import anyio
 import anyio.lowlevel
 import asyncpg
 import msgspec
 from nats.aio.client import Client
+from nats.errors import Error as NatsError
 from nats.js.api import PubAck
+from nats.js.errors import NotFoundError
 
 from mesh import blobs, wire
+from mesh.errors import MeshError, reason
 from mesh.model import DeclarationReply
 from mesh.modules import gate
 from mesh.modules.compose import Conflict, ModuleVersion, Prepared, encode, merge, prepare
@@ -31,6 +35,7 @@ log = logging.getLogger(__name__)
 
 MAX_DECLARATION = 768 * 1024  # bytes of one declaration: with its envelope, under 1 MiB
 YIELD_EVERY = 500  # machines composed or sent between two turns of the event loop
+STREAM = f"KV_{blobs.DECLARATIONS}"
 PUT_WITHIN = 30.0  # seconds for the server to acknowledge every put of one publish
 PUTS_PENDING = 4000  # puts awaiting the server's acknowledgement (nats-py's default)
 LOGGED_FROM = 500  # declarations in one publish from which it logs its time
@@ -65,6 +70,8 @@ class Publisher:
         # Its own context: publish_async's acknowledgements come to one inbox of its own, and
         # its count of puts awaiting one is this publisher's alone.
         self._js = nc.jetstream(publish_async_max_pending=PUTS_PENDING)
+        self._nc = nc
+        self._created: datetime | None = None  # the bucket's, when last looked at
         self._epoch = epoch
         self._holder = holder  # named in every envelope: hosts refuse one epoch from two
         self._manifests = manifests
@@ -182,18 +189,50 @@ class Publisher:
 
     async def put_behind(self) -> None:
         """Put again every stored declaration whose digest the KV does not have yet, and no
-        put of it awaits an acknowledgement."""
+        put of it awaits an acknowledgement; every one, if the bucket was made again."""
+        lost = await self._made_again()
         async with self._pool.acquire() as conn:
             stored = await declarations.digests(conn)
             done, putting = self.wanted, self._putting
-            behind = [m for m, d in stored.items() if d not in (done.get(m), putting.get(m))]
+            behind = [
+                m for m, d in stored.items()
+                if lost or d not in (done.get(m), putting.get(m))
+            ]  # fmt: skip
             bodies = await declarations.declarations(conn, behind) if behind else {}
         if bodies:
             await self.publish({m: (d, body) for m, (d, body, _) in bodies.items()})
 
+    async def _made_again(self) -> bool:
+        """Whether the bucket is another than when last looked at: someone removed it (`nats
+        stream rm`), or the server lost its store. Gone, it is made again here, and every
+        declaration put again: hosts watch the new one (services/host/watch.py). The bus not
+        answering says nothing (asked again at the next look)."""
+        jsm = self._nc.jsm()
+        gone = False
+        try:
+            try:
+                info = await jsm.stream_info(STREAM)
+            except NotFoundError:
+                log.warning("the declarations' bucket is gone (removed, or its server lost its "
+                            "store): making it again, with every declaration")  # fmt: skip
+                gone = True
+                await blobs.ensure(self._nc)
+                info = await jsm.stream_info(STREAM)
+        except (NatsError, OSError, MeshError) as e:
+            log.debug("could not look at the declarations' bucket: %s", reason(e))
+            return False
+        before, self._created = self._created, info.created
+        if gone:
+            return True
+        if before in (None, info.created):
+            return False
+        log.warning("the declarations' bucket was made again: putting every declaration again")
+        return True
+
     async def republish(self) -> int:
         """At takeover: every stored declaration, under this holder's epoch. Plans an earlier
         holder left `building` are failed: that holder's push can no longer register them."""
+        await self._made_again()  # which bucket they go to: `put_behind` sees it made again
         async with self._pool.acquire() as conn:
             async with conn.transaction():
                 await seats.fence(conn, epoch=self._epoch)

@@ -21,7 +21,7 @@ from anyio.abc import TaskGroup
 from msgspec.structs import replace
 from nats.aio.client import Client
 
-from mesh import bus, subjects, version
+from mesh import bus, loop, subjects, version
 from mesh import metrics as served_metrics
 from mesh.auth.signing import Signing
 from mesh.discovery import Discovery
@@ -95,6 +95,8 @@ async def run(
         dev_mode=os.geteuid() != 0,  # accounts map to the current user
         registered=False, epoch=0, started=datetime.now(UTC), version=version.running(),
     )  # fmt: skip
+    if loop.set_aside:
+        log.info("host %s: %s", name, loop.set_aside)
     cgroups = limits.probe(machine=name, state=state)
     facts = gather(container_engine=await _container_engine(name), cgroups=cgroups)
     registering = Register(

@@ -100,7 +100,10 @@ async def values(nc: Client, key: str) -> AsyncIterator[bytes]:
                     log.info("missed a value of %s: watching again", subject)
                     break
                 seen = sequence
-                if msg.data and msg.metadata.sequence.stream > last:
+                # The value already yielded comes again when the key is watched again: skipped.
+                # A lower sequence is a bucket made again (removed, or its server's store lost;
+                # the holder puts every declaration again): its values are new.
+                if msg.data and msg.metadata.sequence.stream != last:
                     last = msg.metadata.sequence.stream
                     yield msg.data
         finally:
