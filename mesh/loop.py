@@ -31,11 +31,16 @@ def _has_uvloop() -> bool:
     return importlib.util.find_spec("uvloop") is not None
 
 
-def chosen() -> str:
-    """The loop MESH_LOOP asks for, asyncio by default."""
+def _asked() -> str:
     asked = os.environ.get("MESH_LOOP", "").strip().lower() or "asyncio"
     if asked not in CHOICES:
         raise LoopError(f"MESH_LOOP={asked[:32]!r}: choose one of {', '.join(CHOICES)}")
+    return asked
+
+
+def chosen() -> str:
+    """The loop MESH_LOOP asks for, asyncio by default."""
+    asked = _asked()
     if asked == "uvloop" and not _has_uvloop():
         raise LoopError("MESH_LOOP=uvloop: uvloop is not installed (pip install 'mesh[uvloop]')")
     return asked
@@ -56,11 +61,13 @@ def run(main: Callable[..., Awaitable[T]], *args: Any, drops_accounts: bool = Fa
     `drops_accounts` (starts processes as other accounts: a host, dev up, init), so one
     MESH_LOOP for a whole machine (a shared environment file) is safe."""
     global set_aside
-    loop = chosen()
-    if loop == "uvloop" and drops_accounts:
-        set_aside = (
-            "MESH_LOOP=uvloop set aside: this piece runs on asyncio, since it starts processes "
-            "as other accounts and uvloop's subprocesses cannot drop to one"
-        )
+    if not drops_accounts:
+        loop = chosen()
+    else:  # whether uvloop is installed does not matter (a host's new version may have none)
         loop = "asyncio"
+        if _asked() == "uvloop":
+            set_aside = (
+                "MESH_LOOP=uvloop set aside: this piece runs on asyncio, since it starts "
+                "processes as other accounts and uvloop's subprocesses cannot drop to one"
+            )
     return anyio.run(main, *args, backend="asyncio", backend_options=options(loop))
