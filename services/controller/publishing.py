@@ -232,7 +232,6 @@ class Publisher:
     async def republish(self) -> int:
         """At takeover: every stored declaration, under this holder's epoch. Plans an earlier
         holder left `building` are failed: that holder's push can no longer register them."""
-        await self._made_again()  # which bucket they go to: `put_behind` sees it made again
         async with self._pool.acquire() as conn:
             async with conn.transaction():
                 await seats.fence(conn, epoch=self._epoch)
