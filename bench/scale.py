@@ -36,6 +36,7 @@ lone server fsyncs every put); the simulated hosts' connections spread over the 
 
     .venv/bin/python bench/scale.py [--machines 1000,3000,10000] [--sim-procs CORES]
                                     [--connections 50] [--idle 10] [--flood 10] [--nats 1]
+                                    [--sync-interval always]
 """
 
 from __future__ import annotations

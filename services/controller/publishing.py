@@ -146,7 +146,7 @@ class Publisher:
             )  # fmt: skip
             # A stall's deadline only where a put can stall: nats-py waits for a free slot
             # through asyncio.wait_for, which with a timeout makes a task of every put, and
-            # that tripled the time of a tier's puts (bench/rollout.py).
+            # that tripled the time of a tier's puts (docs/performance.md, the plan's pace).
             stall = None
             if self._js.publish_async_pending() >= PUTS_PENDING:
                 stall = max(0.0, deadline - time.monotonic())
