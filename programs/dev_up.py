@@ -130,10 +130,12 @@ class DevMesh:
         env["PYTHONUNBUFFERED"] = "1"
         return env
 
-    async def _start(self, name: str, argv: list[str], *, store: bool = False) -> Child:
+    async def _start(
+        self, name: str, argv: list[str], *, store: bool = False, env: dict[str, str] | None = None
+    ) -> Child:
         child = await spawn(
-            name, argv, log=self.dir / "logs" / f"{name}.log", env=self._env(store=store),
-            detached=self.detached,
+            name, argv, log=self.dir / "logs" / f"{name}.log",
+            env={**self._env(store=store), **(env or {})}, detached=self.detached,
         )  # fmt: skip
         self.children.append(child)
         return child
@@ -350,16 +352,22 @@ class DevMesh:
 
     async def start_console(self) -> None:
         """`mesh console` on a free loopback port with the viewer's credentials: it shows what
-        a viewer may read and changes nothing."""
+        a viewer may read and changes nothing, and only to whoever has the token printed in
+        its URL (a new one each start): another account of this machine may reach the port."""
         port = ports.free_port()
         argv = self._mesh_argv(
             "console", "--listen", f"127.0.0.1:{port}", "--creds", str(self.creds["viewer"])
         )
-        child = await self._start("console", argv)
+        from programs.console.server import TOKEN_ENV, new_token
+
+        token = new_token()
+        # In its environment (which only this account and root read), never its argv (ps);
+        # the console does not write a token it was given to its log.
+        child = await self._start("console", argv, env={TOKEN_ENV: token})
         url = f"http://127.0.0.1:{port}/"
         # It listens once it hears the bus: a port that answers is a page that shows the fleet.
         await _wait(f"the console on {url}", child, lambda: _listening(port), within=30)
-        say(f"console {url} (read-only: the viewer's credentials, pid {child.pid})")
+        say(f"console {url}?token={token} (read-only: the viewer's credentials, pid {child.pid})")
 
     async def wait_ready(self) -> None:
         """Until the seat has a holder and a standby and every host is registered and up."""

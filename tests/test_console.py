@@ -4,18 +4,20 @@ three machines; a plan rolling out tier 0, then 1, then 2 while the page stays o
 reloaded); a machine's processes and its log, followed; the seat handed over; a machine going
 down, and when it was last heard from on a page opened after. A screenshot of each state is
 kept in the test's folder (the paths are printed). Around it, what needs no browser: the listen
-address, no bus, a port in use, the Host check, the headers, bad names and numbers in URLs, and
-what a viewer may hear on the bus."""
+address, no bus, a port in use, the token (then the cookie) it asks for, the Host check, the
+headers, bad names and numbers in URLs, and what a viewer may hear on the bus. (Another account
+of the machine, the unix socket and `mesh dev up`'s console: tests/test_attack_console.py.)"""
 
 import os
 import re
 import signal
 import socket
+import subprocess
 from pathlib import Path
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
-from helpers import DevUp, mesh_cli, ok, one_line_error
+from helpers import MESH, DevUp, mesh_cli, ok, one_line_error
 from module_folders import write_module
 
 from mesh import subjects
@@ -29,6 +31,8 @@ CHROMIUM_ARGS = [
     "--disable-component-update", "--disable-sync", "--no-first-run",
 ]  # fmt: skip
 TRAP = '<img src=x onerror="window.owned=1">'
+TOKEN = server.new_token()
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
 SEEN_WITHIN = 60_000  # ms a page has to show a state (Playwright polls the page until then)
 
 # A module whose process is healthy once a marker file exists in its host's root, so the test
@@ -100,7 +104,7 @@ def test_operators_hear_the_fleet_but_not_its_verbs() -> None:
 @pytest.fixture
 async def page_server():
     """The console's web side on a loopback port, with no bus behind it."""
-    console = Console(None, url="nats://nowhere", listen_host="127.0.0.1")  # type: ignore[arg-type]
+    console = Console(None, url="nats://nowhere", listen_host="127.0.0.1", token=TOKEN)  # type: ignore[arg-type]
     client = TestClient(TestServer(console.app(), host="127.0.0.1"))
     await client.start_server()
     yield client
@@ -108,34 +112,68 @@ async def page_server():
 
 
 async def test_the_page_is_served_with_headers_that_keep_it_its_own(page_server) -> None:
-    index = await page_server.get("/")
+    index = await page_server.get("/", headers=AUTH)
     assert index.status == 200 and "/static/app.js" in await index.text()
     csp = index.headers["Content-Security-Policy"]
     assert "script-src 'self'" in csp and "frame-ancestors 'none'" in csp
     assert index.headers["X-Content-Type-Options"] == "nosniff"
-    script = await page_server.get("/static/app.js")
+    script = await page_server.get("/static/app.js", headers=AUTH)
     assert script.status == 200 and "textContent" in await script.text()
     assert "innerHTML" not in (server.STATIC / "app.js").read_text()  # text nodes only
 
 
+async def test_it_asks_for_its_token_then_takes_the_cookie_it_set(page_server) -> None:
+    for path in ("/", "/events", "/api/plan/1", "/api/logs/node-3/steal", "/static/app.js"):
+        for headers in ({}, {"Authorization": "Bearer " + server.new_token()},
+                        {"Cookie": f"{server.COOKIE}={server.new_token()}"}):  # fmt: skip
+            refused = await page_server.get(path, headers=headers, allow_redirects=False)
+            assert refused.status == 401, (path, headers)
+            assert "Set-Cookie" not in refused.headers
+    wrong = await page_server.get("/?token=" + TOKEN[:-1] + "x", allow_redirects=False)
+    assert wrong.status == 401 and "not the console's token" in await wrong.text()
+    # The first visit: a cookie, and the same address without the token (its other queries kept).
+    first = await page_server.get(f"/api/logs/node.1/gated?wait=1&token={TOKEN}",
+                                  allow_redirects=False)  # fmt: skip
+    assert first.status == 303 and first.headers["Location"] == "/api/logs/node.1/gated?wait=1"
+    cookie = first.cookies[server.COOKIE]
+    assert cookie.value == TOKEN and cookie["httponly"] and cookie["samesite"] == "Strict"
+    assert cookie["path"] == "/" and first.headers["Cache-Control"] == "no-store"
+    home = await page_server.get(f"/?token={TOKEN}", allow_redirects=False)
+    assert home.status == 303 and home.headers["Location"] == "/"
+    # Then the cookie alone.
+    alone = {"Cookie": f"{server.COOKIE}={TOKEN}"}
+    assert (await page_server.get("/", headers=alone)).status == 200
+    assert (await page_server.get("/static/app.js", headers=alone)).status == 200
+
+
 async def test_another_host_name_and_writes_are_refused(page_server) -> None:
     # A page of another site whose name resolves to 127.0.0.1 (DNS rebinding) reads nothing.
-    rebound = await page_server.get("/", headers={"Host": "evil.example:8080"})
+    rebound = await page_server.get("/", headers={"Host": "evil.example:8080", **AUTH})
     assert rebound.status == 403 and "unexpected Host" in await rebound.text()
-    assert (await page_server.get("/", headers={"Host": "localhost:8080"})).status == 200
-    assert (await page_server.post("/events")).status == 405
+    assert (await page_server.get("/", headers={"Host": "localhost:8080", **AUTH})).status == 200
+    assert (await page_server.post("/events", headers=AUTH)).status == 405
+    assert (await page_server.post("/events")).status == 401  # nothing said to a stranger
 
 
 async def test_a_bad_name_or_number_in_a_url_is_refused_naming_it(page_server) -> None:
-    reply = await page_server.get("/api/logs/node.1/gated")
+    reply = await page_server.get("/api/logs/node.1/gated", headers=AUTH)
     assert reply.status == 400
     assert "machine" in (await reply.json())["error"]
     for query, field in (("wait=600", "wait"), ("wait=nan", "wait"), ("offset=-1", "offset")):
-        reply = await page_server.get(f"/api/logs/node-1/gated?{query}")
+        reply = await page_server.get(f"/api/logs/node-1/gated?{query}", headers=AUTH)
         assert reply.status == 400, query
         assert (await reply.json())["error"].startswith(f"{field}: "), query
-    reply = await page_server.get("/api/plan/x1")
+    reply = await page_server.get("/api/plan/x1", headers=AUTH)
     assert reply.status == 400 and "plan id" in (await reply.json())["error"]
+
+
+def test_a_token_given_that_is_not_one_is_one_line_that_does_not_show_it() -> None:
+    env = {**os.environ, server.TOKEN_ENV: "short secret", "MESH_NATS_URL": "nats://x:1"}
+    done = subprocess.run([*MESH, "console", "--listen", "127.0.0.1:1"], capture_output=True,
+                          text=True, timeout=60, env=env)  # fmt: skip
+    line = one_line_error(done)
+    assert line.startswith(f"mesh: error: {server.TOKEN_ENV}: not a console token"), line
+    assert "short secret" not in done.stderr
 
 
 # --- in a browser ------------------------------------------------------------------------------
@@ -160,7 +198,8 @@ def test_the_console_in_a_browser(tmp_path: Path) -> None:
     shots: list[Path] = []
     dev = DevUp(folder)
     try:
-        console_url = dev.match(r"console (http://127\.0\.0\.1:\d+/) ", within=180).group(1)
+        console_url = dev.match(r"console (http://127\.0\.0\.1:\d+/\?token=[\w-]+) ",
+                                within=180).group(1)  # fmt: skip
         nats_url = dev.ready(within=60)
         admin = str(folder / "creds" / "admin.creds")
         started = re.compile(r"host node-3 started \(pid (\d+)")
@@ -181,8 +220,10 @@ def test_the_console_in_a_browser(tmp_path: Path) -> None:
                 def row(machine: str):
                     return page.locator(f'#machines tr[data-machine="{machine}"]')
 
-                # 1. The fleet: three machines up, the seat held with a standby.
+                # 1. The fleet: three machines up, the seat held with a standby. The URL's token
+                # becomes a cookie, and the address bar shows the page without it.
                 page.goto(console_url)
+                assert "token" not in page.url and page.url == console_url.split("?")[0], page.url
                 for i, name in enumerate(("node-1", "node-2", "node-3")):
                     expect(row(name).locator(".state")).to_have_text("up", timeout=SEEN_WITHIN)
                     expect(row(name).locator(".tier")).to_have_text(str(i))

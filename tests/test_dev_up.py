@@ -1,13 +1,15 @@
 """`mesh dev up` end to end, as a user runs it: ready, nodes listed, a second one on the same
 folder refused, SIGTERM leaves nothing running, and a restart on the same folder keeps the data
 and the credentials. Every connection authenticates: the env file's admin credentials work, no
-credentials are refused."""
+credentials are refused; its console asks for the token its line prints."""
 
 import os
 import re
 import shlex
 import signal
 import subprocess
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 from helpers import MESH, DevUp, env_file, mesh_cli, ok_json
@@ -35,6 +37,15 @@ def _pids(lines: list[str]) -> list[int]:
     # nats, postgres and its TLS front, two controllers, three hosts, the console
     assert len(pids) == 9, lines
     return pids
+
+
+def _http_status(url: str, headers: dict[str, str] | None = None) -> int:
+    direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never a proxy's
+    try:
+        with direct.open(urllib.request.Request(url, headers=headers or {}), timeout=30) as answer:
+            return answer.status
+    except urllib.error.HTTPError as e:
+        return e.code
 
 
 def _alive(pids: list[int]) -> list[int]:
@@ -73,6 +84,15 @@ def test_dev_up_end_to_end(tmp_path: Path) -> None:
         assert "refused a connection without credentials" in refused.stderr
         for answer in (unknown, refused):
             assert "Traceback" not in answer.stderr and len(answer.stderr.splitlines()) == 1
+
+        # Its console asks who you are: the token its line prints, nothing without it.
+        line = next(line for line in dev.seen if line.startswith("console "))
+        shape = r"console http://127\.0\.0\.1:(\d+)/\?token=([\w-]{43}) \(read-only: .*, pid \d+\)"
+        console = re.fullmatch(shape, line)
+        assert console, line
+        page = f"http://127.0.0.1:{console.group(1)}/"
+        assert _http_status(page) == 401
+        assert _http_status(page, {"Authorization": f"Bearer {console.group(2)}"}) == 200
 
         nodes = ok_json(mesh_cli("--json", "nodes", nats_url=url, creds=creds))["nodes"]
         assert [(n["name"], n["tier"], n["up"]) for n in nodes] == [

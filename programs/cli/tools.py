@@ -16,7 +16,7 @@ import msgspec
 
 from mesh import wire
 from mesh.client.asking import connected
-from mesh.client.tools import CALL_TIMEOUT, call_tool, fleet_tools
+from mesh.client.tools import CALL_TIMEOUT, call_tool, check_tool_name, fleet_tools
 from mesh.model import ToolCallReply
 from mesh.names import check_name
 from programs.cli import render
@@ -93,6 +93,7 @@ async def cmd_tools(args: argparse.Namespace) -> None:
 async def cmd_tool_call(args: argparse.Namespace) -> None:
     check_name(args.machine, field="MACHINE")
     check_name(args.server, field="SERVER")
+    check_tool_name(args.tool, field="TOOL")
     arguments = arguments_of(args.args)
     url, creds = where(args)
     async with connected(url=url, creds=creds, what="tool call") as nc:

@@ -9,9 +9,22 @@ progress (mesh.plan.<id>), machines drained, undrained or skipped by a plan for 
 open pages as a server-sent event; a burst of events is one refresh. A machine's page reads a
 process's log from its host (`logs`, as `mesh logs` does). Nothing here changes the fleet:
 viewer credentials are enough.
+
+It asks who you are (docs/security.md, the console): over TCP, every request must carry the
+console's token (a new one at each start, printed with its URL): `?token=` once, which sets a
+cookie and sends the page to its address without the token, then the cookie; or `Authorization:
+Bearer`. Over its unix socket (`--socket`, mode 0600), the socket's mode and the peer's uid say
+who it is. Anything else is 401: the page, the API and the events alike.
 """
 
+import hmac
 import logging
+import os
+import re
+import secrets
+import socket
+import stat
+import struct
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -23,6 +36,7 @@ import nats.errors
 from aiohttp import web
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectSendStream
+from multidict import MultiDict
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
@@ -69,6 +83,10 @@ KEEPALIVE = 15.0  # a comment line on an idle stream, so proxies and browsers ke
 # machines shown above them.
 SECTIONS = ("nodes", "status", "plans", "modules", "audit")
 AUDIT_LISTED = 20  # the audit log's newest entries the page shows
+TOKEN_BYTES = 32  # secrets.token_urlsafe: 43 characters, never guessed
+TOKEN_ENV = "MESH_CONSOLE_TOKEN"  # how a supervisor (`mesh dev up`) gives it: never on argv (ps)
+TOKEN_FORM = re.compile(r"[A-Za-z0-9_-]{32,256}")  # a given token: URL- and cookie-safe, long
+COOKIE = "mesh-console"  # its name; `-PORT` added once bound: two consoles on one host coexist
 
 
 class ConsoleError(MeshError):
@@ -79,16 +97,33 @@ def page_url(host: str, port: int) -> str:
     return f"http://{f'[{host}]' if ':' in host else host}:{port}/"
 
 
+def new_token() -> str:
+    return secrets.token_urlsafe(TOKEN_BYTES)
+
+
+def check_token(token: str, *, field: str = TOKEN_ENV) -> str:
+    """A token given to the console (not made by it): long enough, and safe in a URL and a
+    cookie. The message never shows it: it is a secret."""
+    if not TOKEN_FORM.fullmatch(token):
+        raise ConsoleError(
+            f"{field}: not a console token ({len(token)} characters): it must be 32 to 256 of "
+            "A-Z a-z 0-9 - _ (python3 -c 'import secrets; print(secrets.token_urlsafe(32))')"
+        )
+    return token
+
+
 def _frame(event: str, data: Any) -> bytes:
     """One server-sent event: msgspec's JSON has no newline, so one `data:` line holds it."""
     return b"event: " + event.encode() + b"\ndata: " + msgspec.json.encode(data) + b"\n\n"
 
 
 class Console:
-    def __init__(self, nc: Client, *, url: str, listen_host: str) -> None:
+    def __init__(self, nc: Client, *, url: str, listen_host: str | None, token: str) -> None:
         self.nc = nc
         self.url = url  # the bus, as errors name it
-        self._loopback = listen_host in LOOPBACK
+        self._loopback = listen_host is None or listen_host in LOOPBACK
+        self._token = token.encode()
+        self.cookie = COOKIE
         self._pages: set[MemoryObjectSendStream[bytes]] = set()
         self._frames: dict[str, bytes] = {}  # section -> its last answer, as a page gets it
         self._problems: dict[str, str] = {}  # section -> why its last refresh failed
@@ -297,10 +332,14 @@ class Console:
     async def _guard(
         self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
     ) -> web.StreamResponse:
+        over_socket = _over_socket(request)
         # On loopback, only pages this machine's browser opened by that name: another site's
         # page whose name resolves to 127.0.0.1 (DNS rebinding) is refused.
-        if self._loopback and request.url.host not in LOOPBACK:
+        if (self._loopback or over_socket) and request.url.host not in LOOPBACK:
             return web.Response(status=403, text=f"unexpected Host: {request.host[:100]}\n")
+        refused = self._who(request, over_socket)
+        if refused is not None:
+            return refused
         if request.method not in ("GET", "HEAD"):
             return web.Response(status=405, text="the console only reads\n")
         response = await handler(request)
@@ -314,6 +353,42 @@ class Console:
         response.headers["X-Content-Type-Options"] = "nosniff"
         response.headers["Referrer-Policy"] = "no-referrer"
         return response
+
+    def _is_token(self, given: str) -> bool:
+        # In constant time: how long a wrong guess took says nothing of the token.
+        return hmac.compare_digest(given.encode(errors="replace"), self._token)
+
+    def _who(self, request: web.Request, over_socket: bool) -> web.StreamResponse | None:
+        """None for a request the console serves; else the answer to whoever sent it."""
+        if over_socket:
+            # Only the console's account (and root) can open a socket of mode 0600; the peer's
+            # uid is checked as well, for a connection made before the mode was set.
+            uid = _peer_uid(request)
+            if uid in (os.geteuid(), 0):
+                return None
+            return _refused(request, f"the console's socket is not for uid {uid}")
+        given = request.query.get("token")
+        if given is not None:
+            if not self._is_token(given):
+                return _refused(request, "that is not the console's token (it prints a new one "
+                                "each time it starts)")  # fmt: skip
+            # The first visit: a cookie from now on, and the address without the token, so it
+            # stays out of the browser's history and off the screen.
+            rest = MultiDict((k, v) for k, v in request.query.items() if k != "token")
+            moved = web.Response(status=303, headers={
+                "Location": str(request.rel_url.with_query(rest)), "Cache-Control": "no-store",
+                "Referrer-Policy": "no-referrer",
+            })  # fmt: skip
+            moved.set_cookie(self.cookie, given, path="/", httponly=True, samesite="Strict")
+            return moved
+        scheme, _, bearer = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() == "bearer" and self._is_token(bearer.strip()):
+            return None
+        cookie = request.cookies.get(self.cookie)
+        if cookie is not None and self._is_token(cookie):
+            return None
+        return _refused(request, "the console asks who you are: open the URL it printed "
+                        "(…/?token=…), or send Authorization: Bearer TOKEN")  # fmt: skip
 
     async def _index(self, request: web.Request) -> web.StreamResponse:
         return web.FileResponse(STATIC / "index.html")
@@ -390,6 +465,66 @@ class Console:
             return _error(404 if e.code == "not_found" else 502, f"logs: {e}")
 
 
+def _over_socket(request: web.Request) -> bool:
+    sock = request.transport.get_extra_info("socket") if request.transport else None
+    return sock is not None and sock.family == socket.AF_UNIX
+
+
+def _peer_uid(request: web.Request) -> int | None:
+    sock = request.transport.get_extra_info("socket") if request.transport else None
+    try:
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    except (AttributeError, OSError):
+        return None
+    return struct.unpack("3i", creds)[1]
+
+
+def _refused(request: web.Request, message: str) -> web.Response:
+    """401: JSON for the page's own requests (it shows `error`), text for a person."""
+    headers = {"WWW-Authenticate": 'Bearer realm="mesh console"', "Cache-Control": "no-store"}
+    if request.path.startswith("/api/"):
+        return web.Response(status=401, body=msgspec.json.encode({"error": message}),
+                            content_type="application/json", headers=headers)  # fmt: skip
+    return web.Response(status=401, text=message + "\n", headers=headers)
+
+
+def bind_socket(path: Path) -> socket.socket:
+    """A unix socket of mode 0600 at `path`, listening. One left by a console that is gone is
+    replaced; a live one, or anything else at `path`, is an error naming --socket."""
+    try:
+        mode = path.lstat().st_mode
+    except FileNotFoundError:
+        mode = None
+    except OSError as e:
+        raise ConsoleError(f"--socket: {path}: {e.strerror or e}") from None
+    if mode is not None:
+        if not stat.S_ISSOCK(mode):
+            raise ConsoleError(f"--socket: {path} exists and is not a socket")
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            try:
+                probe.connect(str(path))
+            except (ConnectionRefusedError, FileNotFoundError):
+                path.unlink(missing_ok=True)  # a console that is gone left it
+            except OSError as e:
+                raise ConsoleError(f"--socket: {path}: {e.strerror or e}") from None
+            else:
+                raise ConsoleError(f"--socket: {path} is in use (another console answers there)")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    # Made 0600 by bind itself: no moment when another account could connect.
+    old = os.umask(0o177)
+    try:
+        sock.bind(str(path))
+    except OSError as e:
+        sock.close()
+        raise ConsoleError(f"--socket: cannot listen on {path}: {e.strerror or e}") from None
+    finally:
+        os.umask(old)
+    os.chmod(path, 0o600)
+    sock.listen(128)
+    sock.setblocking(False)
+    return sock
+
+
 def _json(data: Any) -> web.Response:
     return web.Response(body=msgspec.json.encode(data), content_type="application/json")
 
@@ -402,11 +537,14 @@ def _error(status: int, message: str) -> web.Response:
 
 
 async def run(
-    *, url: str, creds: str | None, listen: tuple[str, int],
+    *, url: str, creds: str | None, listen: tuple[str, int] | None,
+    socket_path: Path | None = None, token: str | None = None,
     task_status: TaskStatus[str] = anyio.TASK_STATUS_IGNORED,
 ) -> None:  # fmt: skip
-    """Serve the console until SIGTERM/SIGINT (or cancelled); `task_status` gets its URL."""
-    host, port = listen
+    """Serve the console until SIGTERM/SIGINT (or cancelled); `task_status` gets its URL (with
+    its token). `token`: the one to ask for, given by whoever started it (else a new one, said
+    in the log with the URL; a given one never is: its log may be readable by others)."""
+    host = listen[0] if listen is not None else None
     refused: list[str] = []
     shown: list[Console] = []
 
@@ -427,7 +565,9 @@ async def run(
         )  # fmt: skip
     except (bus.Unreachable, bus.Unauthorized) as e:
         raise ConsoleError(str(e)) from None
-    console = Console(nc, url=url, listen_host=host)
+    given = token is not None
+    token = token if token is not None else new_token()
+    console = Console(nc, url=url, listen_host=host, token=token)
     shown.append(console)
 
     def back() -> None:  # events were missed while the bus was gone: ask everything again
@@ -435,6 +575,7 @@ async def run(
 
     link.on_up = back
     runner = web.AppRunner(console.app(), access_log=None, shutdown_timeout=1.0)
+    made: os.stat_result | None = None  # the socket we made, removed when we stop
     try:
         await console.subscribe()
         if refused:
@@ -443,17 +584,29 @@ async def run(
                 "the console needs a viewer's (or an admin's)"
             )
         await runner.setup()
-        site = web.TCPSite(runner, host, port)
-        try:
-            await site.start()
-        except OSError as e:
-            raise ConsoleError(
-                f"--listen: cannot listen on {host}:{port}: {e.strerror or e}"
-            ) from None
-        bound = site._server.sockets[0].getsockname()[1] if site._server else port  # type: ignore[union-attr]
-        where = page_url(host, bound)
-        log.info("console on %s (read-only; the fleet on %s)", where, url)
-        task_status.started(where)
+        places: list[str] = []
+        where = ""
+        if listen is not None:
+            site = web.TCPSite(runner, listen[0], listen[1])
+            try:
+                await site.start()
+            except OSError as e:
+                raise ConsoleError(
+                    f"--listen: cannot listen on {listen[0]}:{listen[1]}: {e.strerror or e}"
+                ) from None
+            bound = site._server.sockets[0].getsockname()[1] if site._server else listen[1]  # type: ignore[union-attr]
+            console.cookie = f"{COOKIE}-{bound}"
+            where = page_url(listen[0], bound)
+            places.append(where if given else f"{where}?token={token}")
+        if socket_path is not None:
+            sock = bind_socket(socket_path)
+            made = os.stat(socket_path)
+            await web.SockSite(runner, sock).start()
+            places.append(f"unix socket {socket_path} (mode 0600: no token)")
+            where = where or f"unix:{socket_path}"
+        log.info("console on %s (read-only; the fleet on %s%s)", " and ".join(places), url,
+                 "; the token as given" if given and listen is not None else "")  # fmt: skip
+        task_status.started(f"{where}?token={token}" if listen is not None else where)
         async with anyio.create_task_group() as tg:
             tg.start_soon(stop_on_signals, tg.cancel_scope)
             tg.start_soon(console.refreshing)
@@ -463,3 +616,15 @@ async def run(
             console.close_pages()
             await runner.cleanup()
             await bus.close(nc, drain=False)
+            if made is not None and socket_path is not None:
+                _remove_ours(socket_path, made)
+
+
+def _remove_ours(path: Path, made: os.stat_result) -> None:
+    """The socket we made, unless another console has put its own there since."""
+    try:
+        now = path.lstat()
+        if (now.st_dev, now.st_ino) == (made.st_dev, made.st_ino):
+            path.unlink()
+    except OSError:
+        pass

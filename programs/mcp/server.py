@@ -11,7 +11,8 @@ reports its tools (`mesh.event.*.tools`) or every WATCH_EVERY seconds: when what
 listed changed, every client is told (`notifications/tools/list_changed`). A call goes to the
 machine's host (`mesh.host.<name>.tool`, as `mesh tool call` does); whatever keeps it from a
 result (an unknown tool, a server that is not ready, a timeout, a machine that does not answer,
-credentials that may not call tools) is an MCP tool error (`isError`) saying so.
+credentials that may not call tools) is an MCP tool error (`isError`) saying so; so is a name
+whose machine, server or tool is not a name (`*`, `>`), refused before anything is sent.
 """
 
 import ipaddress
@@ -29,10 +30,11 @@ from nats.aio.client import Client
 
 from mesh import bus, subjects
 from mesh.client.asking import VerbFailed, connected
-from mesh.client.tools import CALL_TIMEOUT, ToolCallFailed, call_tool, fleet_tools
+from mesh.client.tools import CALL_TIMEOUT, ToolCallFailed, call_tool, check_call, fleet_tools
 from mesh.errors import MeshError
 from mesh.metrics import Listen
 from mesh.model import ToolEntry
+from mesh.names import InvalidName
 
 log = logging.getLogger("mesh.mcp")
 
@@ -159,6 +161,12 @@ class FleetTools:
         if where is None:
             return _error(f"{params.name!r} is not a tool of the fleet (MACHINE.SERVER.TOOL)")
         machine, server, tool = where
+        # Before anything goes on the bus (the listing included): `*` or `>` as a machine would
+        # be a wildcard in the call's subject.
+        try:
+            check_call(machine=machine, server=server, tool=tool)
+        except InvalidName as e:
+            return _error(f"{params.name[:200]!r} is not a tool of the fleet: {e}")
         try:
             known = (await self.tools()).get(params.name)
         except VerbFailed:

@@ -434,7 +434,14 @@ function listen() {
     state.beats.set(JSON.parse(e.data).name, Date.now());
     render_beats();
   });
-  events.onerror = () => { state.live = false; render(); }; // EventSource connects again by itself
+  events.onerror = () => {
+    state.live = false; // EventSource connects again by itself, unless it was refused
+    if (events.readyState === EventSource.CLOSED) {
+      // 401: the console started again since (a new token), or the cookie is gone
+      state.problems.set("console", "it asks who you are: open the URL it printed (…/?token=…)");
+    }
+    render();
+  };
 }
 
 window.addEventListener("hashchange", render);
