@@ -2,9 +2,11 @@
 bundles and build logs, content-addressed) and the KV bucket `mesh-declarations`.
 
 The declarations can be rebuilt from PostgreSQL (a new holder republishes them); bundles and
-module sources live only here, which is why they are replicated. A builder never writes the
-bundle store: it leaves what it built in `mesh-builds` (bounded in size and age), and the
-controller checks it and stores it here (`adopt`).
+module sources live only here, which is why they are replicated. Nobody but the controller (and
+an admin) writes the bundle store: a builder leaves what it built in `mesh-builds`, an operator
+the module it pushes in `mesh-uploads` (each bounded in size and age, each writer adding objects
+under names of its own), and the controller checks the bytes against their digest and stores
+them here (`adopt`).
 
 Objects are read message by message through the stream's `STREAM.MSG.GET` (`get`), never by a
 consumer or a direct get: a consumer's deliver subject and a direct get's reply land stored
@@ -59,6 +61,9 @@ BUNDLES = "mesh-bundles"
 BUILDS = "mesh-builds"  # what builders built, until the controller has adopted it
 BUILDS_MAX_BYTES = 1024 * 2**20  # at most: a builder can fill this, and only this
 BUILDS_MAX_AGE = 24 * 3600.0  # seconds: what no controller adopted is dropped after this
+UPLOADS = "mesh-uploads"  # modules' archives operators push, until the controller adopts them
+UPLOADS_MAX_BYTES = 1024 * 2**20  # at most: an operator can fill this, and only this
+UPLOADS_MAX_AGE = 3600.0  # seconds: a push or a dry run adopts its archive long before
 DECLARATIONS = "mesh-declarations"
 SEAT = "mesh-seat"  # the seat's epoch as the bus knows it (services/controller/epochs.py)
 REPLICAS = 3  # at most; fewer where the cluster has fewer servers
@@ -184,12 +189,14 @@ async def _ensure(nc: Client) -> tuple[KeyValue, ObjectStore]:
             lambda r: js.create_object_store(BUNDLES, config=ObjectStoreConfig(replicas=r)),
             lambda: js.object_store(BUNDLES),
         )
-    try:
-        await js.object_store(BUILDS)
-    except (BucketNotFoundError, NotFoundError):
-        await _most(BUILDS, lambda r: js.create_object_store(BUILDS, config=ObjectStoreConfig(
-            replicas=r, max_bytes=BUILDS_MAX_BYTES, ttl=BUILDS_MAX_AGE)),
-            lambda: js.object_store(BUILDS))  # fmt: skip
+    for staging, most, age in ((BUILDS, BUILDS_MAX_BYTES, BUILDS_MAX_AGE),
+                               (UPLOADS, UPLOADS_MAX_BYTES, UPLOADS_MAX_AGE)):  # fmt: skip
+        try:
+            await js.object_store(staging)
+        except (BucketNotFoundError, NotFoundError):
+            await _most(staging, lambda r, b=staging, n=most, a=age: js.create_object_store(
+                b, config=ObjectStoreConfig(replicas=r, max_bytes=n, ttl=a)),
+                lambda b=staging: js.object_store(b))  # fmt: skip
     for stream in (f"KV_{DECLARATIONS}", f"OBJ_{BUNDLES}"):
         await _grow(nc, stream)
         await _room_for_consumers(nc, stream)
@@ -406,18 +413,35 @@ async def get(
     return data
 
 
-async def staged(nc: Client) -> ObjectStore:
-    """Where a builder leaves what it built (it may write there and nowhere else)."""
-    return await _open(nc, BUILDS)
+async def staged(nc: Client, bucket: str = BUILDS) -> ObjectStore:
+    """Where a builder leaves what it built, or an operator what it pushes (UPLOADS): each may
+    write there and nowhere else."""
+    return await _open(nc, bucket)
 
 
 async def stage(builds: ObjectStore, what: str, data: bytes) -> str:
-    """Leave `data` in the builds' bucket for the controller to adopt, under a name of its own
-    (`what` and a random part: a builder may add there, never replace, since replacing purges);
+    """Leave `data` in a staging bucket for the controller to adopt, under a name of its own
+    (`what` and a random part: a writer may add there, never replace, since replacing purges);
     the name."""
     name = f"{what}.{secrets.token_hex(8)}"
     await _put(builds, name, data)
     return name
+
+
+async def staged_bytes(nc: Client, name: str, *, d: str, bucket: str) -> bytes:
+    """What is staged as `name`, checked against the digest `d` it was staged for."""
+    data = await _read(nc, name, bucket=bucket, limit=archive.MAX_ARCHIVE, what=d)
+    if digest(data) != d:
+        raise BlobCorrupt(f"{d}: the stored bytes have digest {digest(data)}")
+    return data
+
+
+async def unstage(nc: Client, name: str, *, bucket: str) -> None:
+    """Delete what was staged as `name` (adopted, or read by a dry run)."""
+    try:
+        await (await staged(nc, bucket)).delete(name)
+    except Exception as e:  # what is left there is dropped at its age (the bucket's ttl)
+        log.info("could not delete %s from %s: %s", name, bucket, e)
 
 
 async def adopt(
@@ -426,17 +450,12 @@ async def adopt(
     """Controller: take `name` out of the builds' bucket into the bundle store and return its
     bytes: checked against digest `d` and stored under it, or else stored as `keep_as`."""
     if d is not None:
-        data = await _read(nc, name, bucket=BUILDS, limit=archive.MAX_ARCHIVE, what=d)
-        if digest(data) != d:
-            raise BlobCorrupt(f"{d}: the stored bytes have digest {digest(data)}")
+        data = await staged_bytes(nc, name, d=d, bucket=BUILDS)
         await put(obs, data)
     else:
         data = await get_named(nc, name, bucket=BUILDS)
         await put_named(obs, keep_as or name, data)
-    try:
-        await (await staged(nc)).delete(name)
-    except Exception as e:  # what is left there is dropped at its age (BUILDS_MAX_AGE)
-        log.info("could not delete %s from %s: %s", name, BUILDS, e)
+    await unstage(nc, name, bucket=BUILDS)
     return data
 
 

@@ -365,14 +365,24 @@ Text = Annotated[str, msgspec.Meta(max_length=256 * 1024)]
 
 
 By = Annotated[str, msgspec.Meta(max_length=200, pattern=r"^[^\x00]*\Z")]  # as the client says
+# A deployer's modules: a glob (fnmatch: `*`, `?`, `[...]`) over module names.
+ModuleGlob = Annotated[
+    str, msgspec.Meta(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9_*?\[\]!-]+\Z")
+]
+
+
+# Where a client left a module's archive for the controller to adopt (mesh.blobs.stage): an
+# object of the uploads' bucket, named by the client (its digest and a random part).
+Upload = Annotated[str, msgspec.Meta(min_length=1, max_length=160, pattern=r"^[A-Za-z0-9_.-]+\Z")]
 
 
 class PushRequest(Request, omit_defaults=True):
     # omit_defaults: a push without `hold` is the body a controller from before understands
     manifest: Text  # module.toml as written
-    source: Digest  # the module's archive, already in the object store
+    source: Digest  # the module's archive: in the uploads' bucket as `upload`, or stored already
     by: By = ""
     hold: bool = False  # record the plan `held`: no machine changes until `plan-approve`
+    upload: Upload | None = None
 
 
 CHANGED_LISTED = 1000  # machines a change's reply names at most: its plan lists every one
@@ -580,10 +590,12 @@ class DeclarationReply(msgspec.Struct):
     holder: str = ""  # the controller that published it: hosts refuse one epoch from two
 
 
-class SecretSetRequest(Request):
+class SecretSetRequest(Request, omit_defaults=True):
     name: Name
     value: Annotated[str, msgspec.Meta(max_length=700 * 1024)]  # base64 of at most 512 KiB
     by: By = ""
+    # The modules that may name it (a glob, mesh/auth/scopes.py); None keeps the one it had.
+    modules: ModuleGlob | None = None
 
 
 # --- the key of the secrets (`mesh secret rotate-key`; services/controller/secretkeys.py) ------
@@ -609,6 +621,7 @@ class RotateKeyReply(msgspec.Struct):
 class DiffRequest(Request, omit_defaults=True):
     manifest: Text
     source: Digest
+    upload: Upload | None = None  # as a push's
     after: Cursor | None = None  # a page of the machines that would change
     limit: int = PAGE_LIMIT
 
@@ -887,10 +900,6 @@ class ToolCallReply(msgspec.Struct):
 # --- trust: the audit log and named operators (docs/verbs.md: audit, operator-*) --------------
 
 OperatorRole = Literal["admin", "deployer", "viewer", "tools"]  # as mesh.auth.policy.Role
-# A deployer's modules: a glob (fnmatch: `*`, `?`, `[...]`) over module names.
-ModuleGlob = Annotated[
-    str, msgspec.Meta(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9_*?\[\]!-]+\Z")
-]
 
 
 class AuditRequest(Request, omit_defaults=True):
@@ -917,29 +926,56 @@ class AuditReply(msgspec.Struct):
     next: str | None = None
 
 
-class OperatorAddRequest(Request):
+# What an admin grants a scoped operator (mesh/auth/scopes.py): root | groups:G[,G...] |
+# secrets:GLOB | accounts:A[,A...]
+_ACCOUNTS = r"[a-z_][a-z0-9_-]{0,31}(?:,[a-z_][a-z0-9_-]{0,31})*"
+ALLOW_PATTERN = (
+    rf"^(?:root|groups:{_ACCOUNTS}|secrets:[A-Za-z0-9_*?\[\]!-]{{1,200}}|accounts:{_ACCOUNTS})\Z"
+)
+Allow = Annotated[str, msgspec.Meta(max_length=400, pattern=ALLOW_PATTERN)]
+
+
+class OperatorAddRequest(Request, omit_defaults=True):
     """Recorded by `mesh operator add` before the operator's credentials count."""
 
     name: Name
     role: OperatorRole
     modules: ModuleGlob | None = None  # deployers only
+    allow: Annotated[list[Allow], msgspec.Meta(max_length=32)] = []  # deployers only
 
 
-class OperatorRemoveRequest(Request):
+class OperatorRemoveRequest(Request, omit_defaults=True):
     name: Name
+    revert: bool = False  # unassign the modules it pushed last, each through a plan
 
 
-class OperatorInfo(msgspec.Struct):
+class OperatorInfo(msgspec.Struct, omit_defaults=True):
     name: str
     role: str
     modules: str | None = None
+    allow: list[str] = []
 
 
-class OperatorReply(msgspec.Struct):
+class Brought(msgspec.Struct):
+    """What an operator brought into the mesh (`operator remove` lists it): the plans it asked
+    for that are not over, the modules whose current version it pushed (with their processes
+    and machines) and the secrets it set last."""
+
+    plans: list[int] = []
+    modules: list[str] = []
+    processes: list[str] = []  # MODULE.PROCESS
+    machines: list[str] = []  # where those modules are assigned
+    secrets: list[str] = []
+
+
+class OperatorReply(msgspec.Struct, omit_defaults=True):
     name: str
     role: str
     modules: str | None = None
     message: str = ""
+    allow: list[str] = []
+    brought: Brought | None = None  # `operator remove`
+    reverted: list[int] = []  # the plans `--revert` made
 
 
 # Changes made on the mesh's folder, not through a controller (`mesh machine add/remove`, `mesh

@@ -6,6 +6,7 @@ the piece it was aimed at refuses what arrived (and says so in its log), and not
 docs/security.md, "Threat model", lists what each compromised piece can and cannot do.
 """
 
+import base64
 import grp
 import json
 import os
@@ -1020,3 +1021,201 @@ async def test_a_store_an_older_mesh_made_with_trust_is_converted_not_broken(
         dev.stop()
     finally:
         dev.kill()
+
+
+# --- a scoped operator (issue 39): a deployer scoped to web-* was an admin in all but name -----
+# bob, `--role deployer --modules 'web-*'`, pushed modules of his own that ran as root, joined
+# shadow and disk, ran as another module's account, named the controller's secrets and other
+# modules' as files, and purged the bundle store with his own credentials. Each is refused now,
+# naming the field; an admin (or an admin's grant) still may.
+
+_SLEEP = 'command = ["sleep", "3600"]\nbundle = "sys"\n'
+_SYS = '[bundle.sys]\nkind = "system"\npath = "/usr/bin"\n'
+
+
+def _scoped(secured: Secured, name: str, *extra: str) -> str:
+    """An operator `name`, deployer of `web-*` (and what `extra` grants): its credentials."""
+    added = ok_json(secured.cli(None, "operator", "add", name, "--role", "deployer",
+                                "--modules", "web-*", *extra, "--dir", str(secured.dir.root),
+                                "--json"))  # fmt: skip
+    return added["creds"]
+
+
+def _mod(tmp_path: Path, name: str, tables: str) -> Path:
+    folder = tmp_path / "modules" / name
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "module.toml").write_text(f'[module]\nname = "{name}"\n{_SYS}{tables}')
+    return folder
+
+
+def _forbidden(secured: Secured, creds: str, folder: Path, *fields: str) -> str:
+    line = one_line_error(secured.cli(creds, "push", str(folder), "--timeout", "60"))
+    assert line.startswith("forbidden:") or "forbidden: " in line, line
+    for field in fields:
+        assert field in line, (field, line)
+    return line
+
+
+async def test_a_deployer_gets_no_root_no_privileged_group_and_no_other_modules_account(
+    secured_fleet, secured: Secured, tmp_path: Path
+):
+    # The account another module declared first: the `files` tool server's, in the attack.
+    ok(secured.cli(secured.admin, "push", str(_mod(tmp_path, "shop", "[account.shop]\n")),
+                   "--timeout", "60"))  # fmt: skip
+    bob = _scoped(secured, "bob")
+
+    root = _mod(tmp_path, "web-root", f"[process.web-root]\n{_SLEEP}root = true\n")
+    _forbidden(secured, bob, root, "module web-root", "process.web-root.root")
+    groups = _mod(tmp_path, "web-groups",
+                  '[account.web-groups]\nprivileged_groups = ["shadow", "disk"]\n'
+                  f'[process.web-groups]\n{_SLEEP}account = "web-groups"\n')  # fmt: skip
+    _forbidden(secured, bob, groups, "account.web-groups.privileged_groups", "'disk'")
+    taken = _mod(tmp_path, "web-acct", f'[account.shop]\n[process.web-acct]\n{_SLEEP}'
+                 'account = "shop"\n')  # fmt: skip
+    _forbidden(secured, bob, taken, "account.shop", "module shop's")
+    joined = _mod(tmp_path, "web-join", '[account.web-join]\ngroups = ["shop"]\n'
+                  f'[process.web-join]\n{_SLEEP}account = "web-join"\n')  # fmt: skip
+    _forbidden(secured, bob, joined, "account.web-join.groups", "'shop'")
+    tool = _mod(tmp_path, "web-tool", f"[tool.t]\n{_SLEEP}root = true\n")
+    _forbidden(secured, bob, tool, "tool.t.root")
+
+    listed = {m["name"] for m in ok_json(secured.cli(secured.viewer, "--json", "modules"))[
+        "modules"]}  # fmt: skip
+    assert not listed & {"web-root", "web-groups", "web-acct", "web-join", "web-tool"}, listed
+    refusals = [e for e in ok_json(secured.cli(secured.viewer, "audit", "--json", "--who", "bob"))[
+        "entries"] if e["outcome"] == "forbidden"]  # fmt: skip
+    assert {e["subject"] for e in refusals} >= {"web-root", "web-groups", "web-acct"}, refusals
+
+    # An admin grants what a scoped operator may ask for, by name; an admin pushes it anyway.
+    carl = _scoped(secured, "carl", "--allow", "root", "--allow", "groups:disk,shadow",
+                   "--allow", "accounts:shop")  # fmt: skip
+    listed_ops = ok_json(secured.cli(secured.viewer, "--json", "operator", "list"))["operators"]
+    assert next(o for o in listed_ops if o["name"] == "carl")["allow"] == [
+        "accounts:shop", "groups:disk,shadow", "root"]  # fmt: skip
+    for folder in (root, groups, taken):
+        ok(secured.cli(carl, "push", str(folder), "--timeout", "60"))
+    ok(secured.cli(secured.admin, "push", str(joined), "--timeout", "60"))
+    # A grant is a deployer's: another role is refused it, in one line.
+    vera = ["operator", "add", "vera", "--role", "viewer", "--allow", "root"]
+    line = one_line_error(secured.cli(None, *vera, "--dir", str(secured.dir.root)))
+    assert line.endswith("--allow: 'root' is for a deployer, not a viewer"), line
+
+
+async def test_a_deployer_cannot_purge_write_or_consume_the_mesh_s_streams(
+    secured_fleet, secured: Secured, as_identity, tmp_path: Path
+):
+    """Row 4 of the attack: bob purged the bundle store (`{"success":true,"purged":10}`), wrote
+    into it and made consumers with any deliver subject. Now the server refuses each; his push
+    goes through the uploads' bucket, which the controller adopts and empties."""
+    admin = secured_fleet
+    obs = await blobs.store(admin)
+    kept = await blobs.put(obs, b"a bundle that must stay")
+    before = await admin.jsm().stream_info("OBJ_mesh-bundles")
+    bob_creds = _scoped(secured, "bob")
+    bob = await as_identity(bob_creds)
+    for subject in (
+        "$JS.API.STREAM.PURGE.OBJ_mesh-bundles", "$JS.API.STREAM.DELETE.OBJ_mesh-bundles",
+        "$O.mesh-bundles.M.x", "$O.mesh-bundles.C.x",
+        "$JS.API.CONSUMER.CREATE.OBJ_mesh-bundles", "$JS.API.CONSUMER.CREATE.OBJ_mesh-bundles.x",
+        "$JS.API.DIRECT.GET.OBJ_mesh-bundles.$O.mesh-bundles.M.x",
+        "$JS.API.CONSUMER.CREATE.KV_mesh-declarations", "$JS.API.STREAM.PURGE.KV_mesh-declarations",
+        "$KV.mesh-declarations.node-1", "$JS.API.STREAM.PURGE.OBJ_mesh-uploads",
+        "$JS.API.STREAM.DELETE.OBJ_mesh-uploads", "$JS.API.CONSUMER.CREATE.OBJ_mesh-uploads",
+        "$JS.API.STREAM.PURGE.OBJ_mesh-builds", "$JS.API.STREAM.UPDATE.OBJ_mesh-bundles",
+    ):  # fmt: skip
+        assert await bob.publish_refused(subject), subject
+    made = await _consumer(
+        bob.nc,
+        "OBJ_mesh-bundles",
+        name="x",
+        deliver_subject="mesh.op.admin.push",
+        ack_policy=AckPolicy.NONE,
+    )
+    assert made == "refused"
+    after = await admin.jsm().stream_info("OBJ_mesh-bundles")
+    assert after.state.messages == before.state.messages
+    assert await blobs.get(admin, kept) == b"a bundle that must stay"
+
+    # What he may do with JetStream is what his push needs: it works, and leaves nothing staged.
+    web = _mod(tmp_path, "web-a", "[account.web-a]\n")
+    pushed = ok_json(secured.cli(bob_creds, "--json", "push", str(web), "--timeout", "60"))
+    assert pushed["version"].startswith("sha256:"), pushed
+    assert await blobs.get(admin, pushed["version"])  # adopted into the bundle store
+
+    async def emptied() -> bool:
+        staged = await admin.jsm().stream_info("OBJ_mesh-uploads", subjects_filter=">")
+        return not any(s.startswith("$O.mesh-uploads.C.") for s in staged.state.subjects or {})
+
+    await await_until(emptied, within=30, what="the upload adopted and its chunks purged")
+
+
+async def test_a_deployer_names_only_secrets_its_modules_may_use_and_the_holder_checks_again(
+    secured_fleet, secured: Secured, as_identity, tmp_path: Path
+):
+    """Row 1 of the attack: bob's `web-steal` named `mesh-secrets-key`, `hello-token` and
+    `mesh-database-url` as files and read them in `mesh logs`. Now the push is refused; a
+    secret an admin set for `web-*` is his modules' to use; the holder checks again when a host
+    asks for one, so a secret taken from his modules stops being served at once."""
+    admin = secured_fleet
+    ok(secured.cli(secured.admin, "secret", "set", "hello-token", stdin=SECRET))
+    bob = _scoped(secured, "bob")
+    for secret in ("mesh-secrets-key", "hello-token", "mesh-database-url", "mesh-controller-creds"):
+        files = f'files = {{ "f" = {{ secret = "{secret}" }} }}\n'
+        steal = _mod(tmp_path, "web-steal", f'[account.web-steal]\n[process.steal]\n{_SLEEP}'
+                     f'account = "web-steal"\n{files}')  # fmt: skip
+        _forbidden(secured, bob, steal, "process.steal.files.f.secret", secret)
+    # Not even an admin names the controller's own secrets in another module.
+    line = one_line_error(secured.cli(secured.admin, "push", str(steal), "--timeout", "60"))
+    assert "forbidden" in line and "the controller's own secret" in line, line
+
+    ok(secured.cli(secured.admin, "secret", "set", "web-token", "--modules", "web-*",
+                   stdin="web-value-1"))  # fmt: skip
+    web = _mod(tmp_path, "web-ok", f'[account.web-ok]\n[process.web-ok]\n{_SLEEP}'
+               'account = "web-ok"\nfiles = { "token" = { secret = "web-token" } }\n')  # fmt: skip
+    ok(secured.cli(bob, "push", str(web), "--timeout", "60"))
+    ok(secured.cli(bob, "assign", "web-ok", "node-2", "--wait", "--timeout", "120"))
+
+    host = await as_identity(secured.creds("host", "node-2"))
+
+    async def served(name: str) -> dict:
+        answer = await ask(host.nc, "mesh.ctl.host.node-2.secret", {"name": name}, timeout=10)
+        assert answer is not None, name
+        return answer
+
+    assert base64.b64decode((await served("web-token"))["value"]) == b"web-value-1"
+    for name in ("mesh-secrets-key", "hello-token", "mesh-database-url"):
+        assert (await served(name))["error"]["code"] == "forbidden", name
+    # The admin gives the secret to other modules: bob's module, already on node-2, is served
+    # it no more (the gate let it through when it was pushed; the holder asks again).
+    ok(secured.cli(secured.admin, "secret", "set", "web-token", "--modules", "other-*",
+                   stdin="web-value-2"))  # fmt: skip
+    refused = (await served("web-token"))["error"]
+    assert refused["code"] == "forbidden" and "module web-ok" in refused["message"], refused
+
+    # Removing bob says what he brought in; --revert takes his module off its machines.
+    removed = ok_json(secured.cli(None, "operator", "remove", "bob", "--revert", "--json",
+                                  "--dir", str(secured.dir.root)))  # fmt: skip
+    brought = removed["brought"]
+    assert brought["modules"] == ["web-ok"] and brought["machines"] == ["node-2"], removed
+    assert brought["processes"] == ["web-ok.web-ok"], removed
+    assert len(removed["reverted"]) == 1, removed
+    unassigned = str(removed["reverted"][0])
+
+    async def ended() -> dict | None:
+        plan = ok_json(secured.cli(secured.viewer, "--json", "plan", unassigned))
+        return plan if plan["state"] not in ("pending", "rolling") else None
+
+    done = await await_until(ended, within=120, what=f"plan {unassigned} to end")
+    assert done["state"] == "done", done
+
+    async def gone() -> bool:
+        node = await node_named(admin, "node-2")
+        return node is not None and not any(p["name"] == "web-ok" for p in node["processes"])
+
+    await await_until(gone, within=60, what="web-ok off node-2")
+    entries = ok_json(secured.cli(secured.viewer, "audit", "--json"))["entries"]
+    said = {(e["who"], e["verb"], e["subject"], e["outcome"]) for e in entries}
+    assert {
+        ("admin", "operator-remove", "bob", "ok"),
+        ("admin", "unassign", "web-ok", "ok"),
+    } <= said

@@ -8,8 +8,9 @@ permissions are decided (docs/security.md explains them).
 - the **controller** (every instance shares one identity) serves every verb and owns JetStream;
 - an **operator** is an `admin` (every verb), a `deployer` (reads, and push, diff, assign,
   unassign, rollback and steering plans: the controller limits those to the modules its glob
-  matches), a `viewer` (the verbs that only read, `tools` included: a viewer lists the fleet's
-  tools but calls none) or a `tools` operator (lists and calls the fleet's tools,
+  matches, and what they ask of a machine: mesh/auth/scopes.py; of JetStream, only the uploads'
+  bucket its pushes write to), a `viewer` (the verbs that only read, `tools` included: a viewer
+  lists the fleet's tools but calls none) or a `tools` operator (lists and calls the fleet's tools,
   `mesh.host.<name>.tool`, and reads what that needs; changes nothing).
 
 Reads are asked on `mesh.ctl.<verb>`; every other verb only on the operator's own subjects,
@@ -25,7 +26,7 @@ from typing import Literal
 import msgspec
 
 from mesh import subjects
-from mesh.blobs import BUILDS, BUNDLES, DECLARATIONS, SEAT
+from mesh.blobs import BUILDS, BUNDLES, DECLARATIONS, SEAT, UPLOADS
 
 Kind = Literal["host", "controller", "operator"]
 Role = Literal["admin", "deployer", "viewer", "tools"]
@@ -76,6 +77,8 @@ KV_SUBJECTS = f"$KV.{DECLARATIONS}"
 OBJ_SUBJECTS = f"$O.{BUNDLES}"
 BUILDS_STREAM = f"OBJ_{BUILDS}"
 BUILDS_SUBJECTS = f"$O.{BUILDS}"
+UPLOADS_STREAM = f"OBJ_{UPLOADS}"
+UPLOADS_SUBJECTS = f"$O.{UPLOADS}"
 
 
 class User(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
@@ -121,14 +124,23 @@ def _bundle_reads() -> list[str]:
     return [f"{_API}.STREAM.MSG.GET.{OBJ_STREAM}"]
 
 
+def _staging(subjects_: str, stream: str) -> list[str]:
+    """Adding objects to a staging bucket (mesh.blobs.stage): its subjects, its stream's info
+    and one message at a time of it; no purge, no delete, no consumer."""
+    return [f"{subjects_}.>", f"{_API}.STREAM.INFO.{stream}", f"{_API}.STREAM.MSG.GET.{stream}"]
+
+
 def _build_writes() -> list[str]:
     """A builder's: what it built, left in the builds' bucket for the controller to adopt
     (mesh.blobs.stage); nothing of the bundle store, which it cannot purge or overwrite."""
-    return [
-        f"{BUILDS_SUBJECTS}.>",
-        f"{_API}.STREAM.INFO.{BUILDS_STREAM}",
-        f"{_API}.STREAM.MSG.GET.{BUILDS_STREAM}",
-    ]
+    return _staging(BUILDS_SUBJECTS, BUILDS_STREAM)
+
+
+def _uploads() -> list[str]:
+    """An operator's that pushes (admin, deployer): the module's archive, left in the uploads'
+    bucket for the controller to adopt (mesh.client.changes.upload); nothing of the bundle
+    store, nor of any other stream."""
+    return _staging(UPLOADS_SUBJECTS, UPLOADS_STREAM)
 
 
 def _bundle_writes() -> list[str]:
@@ -191,6 +203,7 @@ def _controller(user: User) -> Permissions:
             f"$KV.{SEAT}.>",  # the seat's epoch on the bus (services/controller/epochs.py)
             f"{OBJ_SUBJECTS}.>",
             f"{BUILDS_SUBJECTS}.>",  # what builders left there, deleted once adopted
+            f"{UPLOADS_SUBJECTS}.>",  # what operators pushed, deleted once adopted
         ],
         subscribe=[
             subjects.ctl(">"),
@@ -223,12 +236,11 @@ def _operator(user: User) -> Permissions:
             subscribe=[f"{inbox(user)}.>", *OPERATOR_WATCH],
         )
     if user.role == "deployer":
+        # JetStream: its uploads alone. No purge, delete, consumer or direct get of the mesh's
+        # streams: a consumer's deliver subject is not checked against its creator's
+        # permissions, and a purge of the bundle store fails every plan after it.
         return Permissions(
-            publish=[
-                *reads,
-                *(subjects.op(user.name, v) for v in DEPLOYER_VERBS),
-                *_jetstream_uses(),
-            ],
+            publish=[*reads, *(subjects.op(user.name, v) for v in DEPLOYER_VERBS), *_uploads()],
             subscribe=[f"{inbox(user)}.>", *OPERATOR_WATCH],
         )
     return Permissions(
@@ -241,14 +253,15 @@ def _operator(user: User) -> Permissions:
                 for v in (*HOST_READ_VERBS, *HOST_ADMIN_VERBS, *HOST_TOOL_VERBS)
             ),
             *_jetstream_uses(),
+            *_uploads(),
         ],
         subscribe=[f"{inbox(user)}.>", *OPERATOR_WATCH],
     )
 
 
 def _jetstream_uses() -> list[str]:
-    """An admin's and a deployer's: uploads of module sources (push, plan diff) and reading
-    what JetStream holds."""
+    """An admin's: reading what JetStream holds, and writing the bundle store (a bundle put
+    there by hand; a mesh whose controller makes no uploads' bucket yet)."""
     return [
         f"{_API}.STREAM.NAMES",
         f"{_API}.STREAM.MSG.GET.{OBJ_STREAM}",

@@ -18,17 +18,27 @@ from mesh.modules.load import LocalModule
 CHANGE_TIMEOUT = 900.0  # a push may wait for a build (10 minutes by default) and then some
 
 
-async def upload(nc: Client, module: LocalModule) -> None:
-    """The module's archive into the bundle store, where the controller reads it (content-
-    addressed: an archive stored already is not sent again). Raises blobs.BlobMissing."""
-    await blobs.put(await blobs.store(nc), module.source)
+async def upload(nc: Client, module: LocalModule) -> str | None:
+    """The module's archive, left in the uploads' bucket for the controller to adopt (an
+    operator writes nowhere else: mesh/auth/policy.py); the name it is staged under. A mesh
+    whose controller has not made that bucket yet (an older one) takes it in the bundle store,
+    as it did: None. Raises blobs.BlobMissing."""
+    try:
+        uploads = await blobs.staged(nc, blobs.UPLOADS)
+    except blobs.BlobMissing:
+        await blobs.put(await blobs.store(nc), module.source)
+        return None
+    return await blobs.stage(uploads, blobs.object_name(module.version), module.source)
 
 
-def push_request(module: LocalModule, *, hold: bool = False) -> PushRequest:
+def push_request(
+    module: LocalModule, *, hold: bool = False, upload: str | None = None
+) -> PushRequest:
     # `by` is the local name; a mesh with operators records the operator it verified instead.
     return PushRequest(
-        manifest=module.manifest_text, source=module.version, by=getpass.getuser(), hold=hold
-    )
+        manifest=module.manifest_text, source=module.version, by=getpass.getuser(), hold=hold,
+        upload=upload,
+    )  # fmt: skip
 
 
 async def push(
@@ -37,14 +47,15 @@ async def push(
 ) -> ChangeReply:  # fmt: skip
     """Upload, then ask `push`, tried once per answer window (a slow answer, e.g. a build, must
     not be taken for a lost request and sent again)."""
-    await upload(nc, module)
-    body = wire.encode(push_request(module, hold=hold))
+    staged = await upload(nc, module)
+    body = wire.encode(push_request(module, hold=hold, upload=staged))
     return await ask(nc, url=url, verb="push", reply=ChangeReply, timeout=timeout, body=body,
                      attempt=timeout)  # fmt: skip
 
 
-def secret_request(name: str, value: bytes) -> SecretSetRequest:
-    return SecretSetRequest(name=name, value=base64.b64encode(value).decode(), by=getpass.getuser())
+def secret_request(name: str, value: bytes, *, modules: str | None = None) -> SecretSetRequest:
+    return SecretSetRequest(name=name, value=base64.b64encode(value).decode(),
+                            by=getpass.getuser(), modules=modules)  # fmt: skip
 
 
 async def set_secret(

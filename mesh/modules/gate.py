@@ -396,6 +396,12 @@ def _account(mod: str, name: str, a: Account) -> None:
     if owner is not None and owner != mod:
         raise Refused(mod, f, f"{name!r} is module {owner}'s alone: it reads that module's "
                       "credentials")  # fmt: skip
+    for g in a.groups:  # an account's own group reads what the account lets its group read
+        owner = osaccounts.OWNED_ACCOUNTS.get(g)
+        if g in osaccounts.RESERVED_ACCOUNTS and g != "root":  # root: NEVER_GROUPS says why
+            raise Refused(mod, f"{f}.groups", f"{g!r} is the group of the reserved account {g}")
+        if owner is not None and owner != mod:
+            raise Refused(mod, f"{f}.groups", f"{g!r} is the group of module {owner}'s account")
     refused = osaccounts.refusal(name, groups=a.groups, privileged_groups=a.privileged_groups)
     if refused is not None:
         field, why = refused

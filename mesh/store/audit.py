@@ -12,6 +12,7 @@ class OperatorRow(msgspec.Struct, frozen=True):
     role: str
     modules: str | None
     removed: bool
+    allow: list[str] = []  # what an admin granted beyond its modules' accounts (scopes.py)
 
 
 async def record(
@@ -62,26 +63,33 @@ async def page(
 
 async def operator(conn: asyncpg.Connection | asyncpg.Pool, name: str) -> OperatorRow | None:
     r = await conn.fetchrow(
-        "SELECT name, role, modules, removed IS NOT NULL AS removed FROM operators WHERE name = $1",
+        "SELECT name, role, modules, removed IS NOT NULL AS removed, allow FROM operators"
+        " WHERE name = $1",
         name,
     )
     return OperatorRow(**dict(r)) if r else None
 
 
 async def add_operator(
-    conn: asyncpg.Connection, *, name: str, role: str, modules: str | None, by: str
+    conn: asyncpg.Connection,
+    *,
+    name: str,
+    role: str,
+    modules: str | None,
+    by: str,
+    allow: list[str] | None = None,
 ) -> bool:
     """Record a new operator (or one removed before, again); False if one of that name is
     there and not removed."""
     added = await conn.fetchval(
         """
-        INSERT INTO operators (name, role, modules, added_by) VALUES ($1, $2, $3, $4)
+        INSERT INTO operators (name, role, modules, added_by, allow) VALUES ($1, $2, $3, $4, $5)
         ON CONFLICT (name) DO UPDATE SET role = $2, modules = $3, added_by = $4, added = now(),
-            removed = NULL, removed_by = NULL
+            removed = NULL, removed_by = NULL, allow = $5
         WHERE operators.removed IS NOT NULL
         RETURNING name
         """,
-        name, role, modules, by,
+        name, role, modules, by, allow or [],
     )  # fmt: skip
     return added is not None
 
@@ -99,7 +107,7 @@ async def remove_operator(conn: asyncpg.Connection, *, name: str, by: str) -> bo
 
 async def operators(conn: asyncpg.Connection | asyncpg.Pool) -> list[OperatorRow]:
     rows = await conn.fetch(
-        "SELECT name, role, modules, removed IS NOT NULL AS removed FROM operators"
+        "SELECT name, role, modules, removed IS NOT NULL AS removed, allow FROM operators"
         " WHERE removed IS NULL ORDER BY name"
     )
     return [OperatorRow(**dict(r)) for r in rows]
@@ -111,3 +119,15 @@ async def plan_trigger(
     """A plan's trigger (push, assign, ...) and subject (the module, machine or secret)."""
     r = await conn.fetchrow("SELECT trigger, subject FROM plans WHERE id = $1", plan_id)
     return (r["trigger"], r["subject"]) if r else None
+
+
+OVER = ("done", "failed", "reverted", "cancelled")  # a plan in one of these changes nothing more
+
+
+async def open_plans_of(conn: asyncpg.Connection | asyncpg.Pool, name: str) -> list[int]:
+    """The plans `name` asked for that are not over."""
+    rows = await conn.fetch(
+        "SELECT id FROM plans WHERE requested_by = $1 AND state <> ALL($2::text[]) ORDER BY id",
+        name, list(OVER),
+    )  # fmt: skip
+    return [r["id"] for r in rows]

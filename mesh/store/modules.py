@@ -116,6 +116,13 @@ async def version_of(conn: asyncpg.Connection, version_id: int) -> StoredVersion
     return _version(r)
 
 
+async def pushed_by(conn: asyncpg.Connection, *, module: str, version: str) -> str | None:
+    """Who pushed that version of the module first (None: no such version)."""
+    return await conn.fetchval(
+        "SELECT pushed_by FROM module_versions WHERE module = $1 AND version = $2", module, version
+    )
+
+
 async def assignments(conn: asyncpg.Connection) -> dict[str, set[str]]:
     """machine -> modules assigned to it."""
     found: dict[str, set[str]] = {}

@@ -16,9 +16,8 @@ from typing import Literal
 import asyncpg
 import msgspec
 
+from mesh.auth.scopes import KEY_SECRET, SecretScope
 from mesh.auth.secretkeys import KeyRing, Sealed
-
-KEY_SECRET = "mesh-secrets-key"
 
 
 class StoreKey(msgspec.Struct, frozen=True):
@@ -41,20 +40,48 @@ async def key_version(conn: asyncpg.Connection) -> int:
     return known.version if known else 1
 
 
-async def set_secret(conn: asyncpg.Connection, *, name: str, value: bytes, ring: KeyRing) -> int:
-    """Store a new version of `name`, sealed under the ring's active key; its version."""
+async def set_secret(
+    conn: asyncpg.Connection,
+    *,
+    name: str,
+    value: bytes,
+    ring: KeyRing,
+    by: str = "",
+    modules: str | None = None,
+) -> int:
+    """Store a new version of `name`, sealed under the ring's active key; its version. `by`
+    (the operator) and `modules` (a glob; None keeps the one it had) say who may use it
+    (mesh/auth/scopes.py)."""
     current = await conn.fetchval("SELECT version FROM secrets WHERE name = $1 FOR UPDATE", name)
     version = (current or 0) + 1
     sealed = ring.seal(name=name, version=version, value=value)
     await conn.execute(
         """
-        INSERT INTO secrets (name, value, data_key, key_id, version) VALUES ($1, $2, $3, $4, $5)
+        INSERT INTO secrets (name, value, data_key, key_id, version, set_by, modules)
+        VALUES ($1, $2, $3, $4, $5, $6, $7)
         ON CONFLICT (name) DO UPDATE SET value = $2, data_key = $3, key_id = $4, version = $5,
-            updated_at = now()
+            set_by = $6, modules = coalesce($7, secrets.modules), updated_at = now()
         """,
-        name, sealed.value, sealed.data_key, sealed.key_id, version,
+        name, sealed.value, sealed.data_key, sealed.key_id, version, by, modules,
     )  # fmt: skip
     return version
+
+
+async def scopes(
+    conn: asyncpg.Connection | asyncpg.Pool, names: list[str] | None = None
+) -> dict[str, SecretScope]:
+    """Who may use each secret that is set (those `names`, or all)."""
+    rows = await conn.fetch(
+        "SELECT name, modules, set_by FROM secrets WHERE $1::text[] IS NULL OR name = ANY($1)",
+        names,
+    )
+    return {r["name"]: SecretScope(modules=r["modules"], set_by=r["set_by"]) for r in rows}
+
+
+async def set_by(conn: asyncpg.Connection | asyncpg.Pool, operator: str) -> list[str]:
+    """The secrets `operator` set last, by name."""
+    rows = await conn.fetch("SELECT name FROM secrets WHERE set_by = $1 ORDER BY name", operator)
+    return [r["name"] for r in rows]
 
 
 async def secret(

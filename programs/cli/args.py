@@ -4,7 +4,10 @@ import argparse
 import sys
 from typing import Any
 
+import msgspec
+
 from mesh import metrics
+from mesh.model import ModuleGlob
 from mesh.names import InvalidName, check_name
 
 
@@ -42,6 +45,16 @@ def count(text: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"{n} is not a count (1 or more)")
     return n
+
+
+def module_glob(text: str) -> str:
+    """`--modules GLOB`: a glob of module names, as the controller takes it."""
+    try:
+        return msgspec.convert(text, ModuleGlob)
+    except msgspec.ValidationError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a glob of module names (letters, digits, - _ * ? [ ])"
+        ) from None
 
 
 LIMIT_HELP = "show at most N (asking only for the pages they need)"

@@ -35,7 +35,7 @@ from mesh.modules import gate
 from mesh.modules.load import load
 from mesh.wire import encode
 from programs.cli import plans, render, steering
-from programs.cli.args import LIMIT_HELP, Parser, count, label, tier
+from programs.cli.args import LIMIT_HELP, Parser, count, label, module_glob, tier
 from programs.cli.client import CHANGE_TIMEOUT, CliError, listed, verb, where
 from programs.cli.output import console, print_json, whole
 
@@ -89,6 +89,11 @@ def add_parsers(verbs: Any, common: argparse.ArgumentParser) -> None:
     secret_set = secret_verbs.add_parser("set", parents=[common], help="store a secret")
     secret_set.add_argument("name")
     secret_set.add_argument("--from-file", type=Path, metavar="F", help="read the value from F")
+    secret_set.add_argument(
+        "--modules", metavar="GLOB", type=module_glob,
+        help="the modules that may name it (a glob: 'web-*'); besides them, only admins' "
+        "modules do (it keeps the one it had without)",
+    )  # fmt: skip
     _wait_flag(secret_set)
     rotate = secret_verbs.add_parser(
         "rotate-key", parents=[common],
@@ -128,28 +133,30 @@ def _local(folder: Path) -> Any:
 async def _upload_and_ask(
     args: argparse.Namespace, name: str, body_of: Any, reply: type, *, pages: bool = False
 ) -> Any:
-    """Upload the module's archive, then ask `name` (every page of it, with `pages`)."""
+    """Upload the module's archive, then ask `name` (every page of it, with `pages`):
+    `body_of(module, upload)` is the request, `upload` the name the archive was staged under."""
     module = _local(args.dir)
     url, creds = where(args)
     async with connected(url=url, creds=creds, what=name) as nc:
         try:
-            await changes.upload(nc, module)
+            staged = await changes.upload(nc, module)
         except blobs.BlobMissing as e:
             raise CliError(f"{e}; {url}") from None
         timeout = getattr(args, "timeout", CHANGE_TIMEOUT)
+        body = body_of(module, staged)
         if pages:
             args.timeout = timeout
-            return await listed(args, name, reply, body_of(module), want=args.limit,
+            return await listed(args, name, reply, body, want=args.limit,
                                 connection=nc, attempt=timeout)  # fmt: skip
         return await ask(
             nc, url=url, verb=name, reply=reply, timeout=timeout,
-            body=encode(body_of(module)), attempt=timeout,
+            body=encode(body), attempt=timeout,
         )  # fmt: skip
 
 
 async def cmd_push(args: argparse.Namespace) -> None:
-    def body(m: Any) -> PushRequest:
-        return changes.push_request(m, hold=args.hold)
+    def body(m: Any, upload: str | None) -> PushRequest:
+        return changes.push_request(m, hold=args.hold, upload=upload)
 
     reply: ChangeReply = await _upload_and_ask(args, "push", body, ChangeReply)
     await plans.wait_for(args, reply)
@@ -157,7 +164,8 @@ async def cmd_push(args: argparse.Namespace) -> None:
 
 async def cmd_plan_diff(args: argparse.Namespace) -> None:
     reply: DiffReply = await _upload_and_ask(
-        args, "diff", lambda m: DiffRequest(manifest=m.manifest_text, source=m.version),
+        args, "diff",
+        lambda m, upload: DiffRequest(manifest=m.manifest_text, source=m.version, upload=upload),
         DiffReply, pages=True,
     )  # fmt: skip
     if args.json:
@@ -236,7 +244,7 @@ async def cmd_secret_set(args: argparse.Namespace) -> None:
         value = getpass.getpass(f"value of secret {args.name}: ").encode()
     else:
         value = sys.stdin.buffer.read()
-    body = changes.secret_request(args.name, value)
+    body = changes.secret_request(args.name, value, modules=args.modules)
     reply = await verb(args, "secret-set", ChangeReply, body, changes=True)
     await plans.wait_for(args, reply)
 

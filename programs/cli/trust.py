@@ -1,6 +1,7 @@
 """`mesh audit [--limit N] [--who NAME]`: who changed what, as the mesh verified it; and `mesh
-operator add NAME --role ROLE [--modules GLOB]` / `operator list` / `operator remove NAME`:
-named operators, each with credentials of its own (docs/operations.md, Operators).
+operator add NAME --role ROLE [--modules GLOB] [--allow WHAT]...` / `operator list` / `operator
+remove NAME [--revert]`: named operators, each with credentials of its own (docs/operations.md,
+Operators; what a deployer's modules may ask for: docs/security.md, a scoped operator).
 
 Adding and removing an operator happen on the machine that holds the mesh's folder (as `mesh
 machine add` does): its credentials are issued into the folder and the mesh's nats-servers
@@ -22,9 +23,10 @@ from mesh.auth.policy import ROLES
 from mesh.client.asking import VerbFailed
 from mesh.meshdir import DEFAULT_DIR, MeshDir
 from mesh.model import (
+    Allow,
     AuditReply,
     AuditRequest,
-    ModuleGlob,
+    Brought,
     OperatorAddRequest,
     OperatorRemoveRequest,
     OperatorReply,
@@ -32,7 +34,7 @@ from mesh.model import (
     OperatorsRequest,
 )
 from mesh.names import check_name
-from programs.cli.args import Parser, count
+from programs.cli.args import Parser, count, module_glob
 from programs.cli.client import CliError, listed, verb
 from programs.cli.folderaudit import ask_as_admin
 from programs.cli.machines import _mesh, _reload
@@ -47,12 +49,15 @@ class Added(msgspec.Struct):
     creds: str  # the operator's credentials file, mode 0600: hand it to that operator alone
     modules: str | None = None
     reloaded: bool = False  # the running servers admit it now (else: at their next start)
+    allow: list[str] = []  # what an admin granted it beyond its modules' own accounts
 
 
 class Removed(msgspec.Struct):
     name: str
     revoked: str  # the credentials file that no longer works (deleted)
     reloaded: bool  # the running servers closed its connections
+    brought: Brought | None = None  # what it brought in (None: the controller did not say)
+    reverted: list[int] = []  # `--revert`: the plans that unassign its modules
 
 
 def add_parsers(verbs: Any, common: argparse.ArgumentParser) -> None:
@@ -76,13 +81,22 @@ def add_parsers(verbs: Any, common: argparse.ArgumentParser) -> None:
     add.add_argument("name", metavar="NAME")
     add.add_argument("--role", required=True, choices=ROLES)
     add.add_argument(
-        "--modules", metavar="GLOB",
+        "--modules", metavar="GLOB", type=module_glob,
         help="a deployer's modules (a glob: 'web-*'); every module without",
+    )  # fmt: skip
+    add.add_argument(
+        "--allow", metavar="WHAT", action="append", default=[],
+        help="what a deployer's modules may ask for beyond their own accounts (repeatable): "
+        "root, groups:LIST (privileged groups), secrets:GLOB, accounts:LIST (other modules')",
     )  # fmt: skip
     remove = operator_verbs.add_parser(
         "remove", parents=[common], help="revoke an operator at once"
     )
     remove.add_argument("name", metavar="NAME")
+    remove.add_argument(
+        "--revert", action="store_true",
+        help="also unassign the modules it pushed last, each through a plan",
+    )  # fmt: skip
     for p in (add, remove):
         p.add_argument(
             "--dir", type=Path, default=DEFAULT_DIR, help=f"the mesh's folder ({DEFAULT_DIR})"
@@ -120,6 +134,7 @@ async def _ask_as_admin(
 async def cmd_operator_add(args: argparse.Namespace) -> None:
     name = check_name(args.name, field="NAME")
     glob = _glob(args.modules, role=args.role)
+    allow = _allowed(args.allow, role=args.role)
     folder = _mesh(args)
     if registry.Registry.load(folder).get("operator", name) is not None:
         raise CliError(
@@ -128,17 +143,19 @@ async def cmd_operator_add(args: argparse.Namespace) -> None:
         )
     # Recorded by the controller first (with its audit entry): credentials that work are
     # always an operator the controller knows, and scopes.
-    body = OperatorAddRequest(name=name, role=args.role, modules=glob)
+    body = OperatorAddRequest(name=name, role=args.role, modules=glob, allow=allow)
     await _ask_as_admin(args, folder, "operator-add", OperatorReply, body)
     with registry.locked(folder) as users:
         path = users.issue("operator", name, role=args.role, modules=glob)
         users.save()
     reloaded = await _reload(folder, path.read_text(), admitted=True)
-    added = Added(name=name, role=args.role, creds=str(path), modules=glob, reloaded=reloaded)
+    added = Added(name=name, role=args.role, creds=str(path), modules=glob, reloaded=reloaded,
+                  allow=allow)  # fmt: skip
     if args.json:
         print_json(added)
         return
     scope = f", modules {glob}" if glob else ""
+    scope += f", allowed {' '.join(allow)}" if allow else ""
     print(f"operator {name} ({args.role}{scope}): credentials in {path} (mode 0600)")
     print(f"hand that file to {name} alone: `MESH_CREDS={path} mesh ...` acts as {name}")
     if not added.reloaded:
@@ -146,16 +163,22 @@ async def cmd_operator_add(args: argparse.Namespace) -> None:
 
 
 def _glob(modules: str | None, *, role: str) -> str | None:
-    if modules is None:
-        return None
-    if role != "deployer":
+    if modules is not None and role != "deployer":
         raise CliError(f"--modules: {modules!r} is for a deployer, not a {role}")
-    try:
-        return msgspec.convert(modules, ModuleGlob)
-    except msgspec.ValidationError:
-        raise CliError(
-            f"--modules: {modules!r} is not a glob of module names (letters, digits, - _ * ? [ ])"
-        ) from None
+    return modules
+
+
+def _allowed(words: list[str], *, role: str) -> list[str]:
+    if words and role != "deployer":
+        raise CliError(f"--allow: {words[0]!r} is for a deployer, not a {role}")
+    for word in words:
+        try:
+            msgspec.convert(word, Allow)
+        except msgspec.ValidationError:
+            raise CliError(
+                f"--allow: {word!r} is not root, groups:LIST, secrets:GLOB or accounts:LIST"
+            ) from None
+    return sorted(set(words))
 
 
 async def cmd_operator_remove(args: argparse.Namespace) -> None:
@@ -166,9 +189,10 @@ async def cmd_operator_remove(args: argparse.Namespace) -> None:
     folder = _mesh(args)
     issued = registry.Registry.load(folder).get("operator", name) is not None
     unrecorded: VerbFailed | None = None
+    answer: OperatorReply | None = None
     try:
-        await _ask_as_admin(args, folder, "operator-remove", OperatorReply,
-                            OperatorRemoveRequest(name=name))  # fmt: skip
+        asked = OperatorRemoveRequest(name=name, revert=args.revert)
+        answer = await _ask_as_admin(args, folder, "operator-remove", OperatorReply, asked)
     except VerbFailed as e:
         if e.code == "not_found" and not issued:
             raise CliError(
@@ -183,7 +207,9 @@ async def cmd_operator_remove(args: argparse.Namespace) -> None:
             path = users.revoke("operator", name)
             users.save()
     reloaded = issued and await _reload(folder, text or None, admitted=False)
-    removed = Removed(name=name, revoked=str(path), reloaded=reloaded)
+    removed = Removed(name=name, revoked=str(path), reloaded=reloaded,
+                      brought=answer.brought if answer else None,
+                      reverted=answer.reverted if answer else [])  # fmt: skip
     if unrecorded is not None:
         raise CliError(
             f"operator {name}: credentials revoked, but the controller did not record the "
@@ -198,6 +224,31 @@ async def cmd_operator_remove(args: argparse.Namespace) -> None:
         if removed.reloaded
         else f"no nats-server is running for {folder.root}: it will not admit {name}"
     )
+    if removed.brought is not None:
+        for line in _brought(name, removed.brought, removed.reverted):
+            print(line)
+
+
+def _brought(name: str, b: Brought, reverted: list[int]) -> list[str]:
+    """What the operator brought in, in words; what stays until someone takes it back."""
+    if not (b.plans or b.modules or b.secrets):
+        return [f"{name} brought in nothing that is still current"]
+    lines = []
+    if b.modules:
+        where = f" on {', '.join(b.machines)}" if b.machines else " (assigned nowhere)"
+        lines.append(f"modules whose current version {name} pushed: {', '.join(b.modules)}"
+                     f"{where}; processes {', '.join(b.processes) or 'none'}")  # fmt: skip
+    if b.plans:
+        lines.append(f"plans {name} asked for that are not over: "
+                     + ", ".join(str(p) for p in b.plans))  # fmt: skip
+    if b.secrets:
+        lines.append(f"secrets {name} set last: {', '.join(b.secrets)}")
+    if reverted:
+        lines.append("unassigned through plans " + ", ".join(str(p) for p in reverted))
+    elif b.modules:
+        lines.append("they keep running: `mesh operator remove --revert` (or `mesh unassign`) "
+                     "takes them off their machines")  # fmt: skip
+    return lines
 
 
 async def cmd_operator_list(args: argparse.Namespace) -> None:
@@ -206,11 +257,11 @@ async def cmd_operator_list(args: argparse.Namespace) -> None:
         print_json(reply)
         return
     table = Table(box=None, header_style="bold")
-    for column in ("NAME", "ROLE", "MODULES"):
+    for column in ("NAME", "ROLE", "MODULES", "ALLOWED"):
         table.add_column(column)
     for o in reply.operators:
         modules = o.modules or ("*" if o.role == "deployer" else "-")
-        table.add_row(escape(o.name), o.role, escape(modules))
+        table.add_row(escape(o.name), o.role, escape(modules), escape(" ".join(o.allow)) or "-")
     console().print(table)
 
 

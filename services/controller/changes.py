@@ -54,7 +54,7 @@ from mesh.model import (
 from mesh.modules import archive, gate, load, meshsource
 from mesh.modules.manifest import ON_THE_MACHINE, Assign, Bundle, Manifest
 from mesh.store import events, modules, plans, seats, secrets
-from services.controller import build_requests, operators, secretkeys, steering
+from services.controller import build_requests, operators, scoping, secretkeys, steering
 from services.controller import rollback as versions
 from services.controller.fleet import Fleet, tell_changed
 from services.controller.publishing import Manifests, Publisher
@@ -100,14 +100,21 @@ class ToBuild(msgspec.Struct, frozen=True):
 # --- a push's steps before anything is stored (the dry run takes them too) -------------------
 
 
-async def read_source(*, nc: Client, manifest_text: str, source: str) -> tuple[Manifest, bytes]:
-    """The pushed manifest, gated, and its source archive, checked against it."""
+async def read_source(
+    *, nc: Client, manifest_text: str, source: str, upload: str | None
+) -> tuple[Manifest, bytes]:
+    """The pushed manifest, gated, and its source archive, checked against it: from the
+    uploads' bucket where the client left it (`upload`), else from the bundle store (a client
+    from before). Nothing is stored: a push that is refused leaves nothing behind."""
     try:
         manifest = gate.parse(manifest_text)
     except gate.Refused as e:
         raise wire.BadRequest(str(e), code="refused") from None
     try:
-        data = await blobs.get(nc, source)
+        if upload is None:
+            data = await blobs.get(nc, source)
+        else:
+            data = await blobs.staged_bytes(nc, upload, d=source, bucket=blobs.UPLOADS)
     except (blobs.BlobMissing, blobs.BlobCorrupt) as e:
         raise wire.BadRequest(f"source: {e}", code="not_found") from None
     try:
@@ -485,9 +492,15 @@ class Changes:
 
     async def push(self, req: PushRequest) -> ChangeReply:
         manifest, data = await read_source(
-            nc=self._nc, manifest_text=req.manifest, source=req.source
+            nc=self._nc, manifest_text=req.manifest, source=req.source, upload=req.upload
         )
         name = manifest.module.name
+        async with self._pool.acquire() as conn:
+            await scoping.check_push(conn, manifests=self._manifests, manifest=manifest,
+                                     by=req.by)  # fmt: skip
+        if req.upload is not None:  # the archive kept with its bundles, as a client once put it
+            await blobs.put(self._obs, data)
+            await blobs.unstage(self._nc, req.upload, bucket=blobs.UPLOADS)
         unchanged = replied(plan=None, changed=[], message="no change", version=req.source)
         # Pushes of this module in the order they came (a later one never registers before an
         # earlier one that is still building); other changes do not wait for the builds.
@@ -722,7 +735,8 @@ class Changes:
         async with self._one_change:
             async with self._pool.acquire() as conn, conn.transaction():
                 await seats.fence(conn, epoch=self._epoch)
-                version = await secrets.set_secret(conn, name=req.name, value=value, ring=ring)
+                version = await secrets.set_secret(conn, name=req.name, value=value, ring=ring,
+                                                   by=req.by, modules=req.modules)  # fmt: skip
                 # A secret's old value is not kept, so there is nothing to revert to.
                 plan, changed = await self._plan(
                     conn, await modules.assignments(conn), trigger="secret", subject=req.name,

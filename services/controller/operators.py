@@ -22,7 +22,8 @@ transaction of its own (`no change`, a handover) is written once it is answered.
 import fnmatch
 import logging
 import tomllib
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, replace
 from typing import Any
@@ -35,6 +36,7 @@ from mesh.auth.policy import DEPLOYER_VERBS, READ_VERBS
 from mesh.model import (
     AuditReply,
     AuditRequest,
+    Brought,
     FolderChangeReply,
     FolderChangeRequest,
     OperatorAddRequest,
@@ -44,8 +46,9 @@ from mesh.model import (
     OperatorsReply,
     OperatorsRequest,
 )
+from mesh.modules import gate
 from mesh.serving import Verb
-from mesh.store import audit
+from mesh.store import audit, modules, secrets
 
 log = logging.getLogger(__name__)
 
@@ -272,31 +275,73 @@ async def audit_log(t: Trust, req: AuditRequest) -> AuditReply:
 
 
 async def operator_add(t: Trust, req: OperatorAddRequest) -> OperatorReply:
-    if req.modules is not None and req.role != "deployer":
-        raise wire.BadRequest(
-            f"modules: {req.modules!r} is for a deployer, not a {req.role}", code="bad_request"
-        )
+    for field, given in (("modules", req.modules), ("allow", " ".join(req.allow))):
+        if given and req.role != "deployer":
+            raise wire.BadRequest(
+                f"{field}: {given!r} is for a deployer, not a {req.role}", code="bad_request"
+            )
     asked = ASKED.get()
     async with t.pool.acquire() as conn, conn.transaction():
         if not await audit.add_operator(conn, name=req.name, role=req.role, modules=req.modules,
-                                        by=asked.who if asked else ANONYMOUS):  # fmt: skip
+                                        by=asked.who if asked else ANONYMOUS,
+                                        allow=req.allow):  # fmt: skip
             raise wire.BadRequest(f"operator {req.name} exists already", code="conflict")
         scope = f", modules {req.modules}" if req.modules else ""
+        scope += f", allowed {' '.join(req.allow)}" if req.allow else ""
         await audited(conn, subject=req.name, detail=f"{req.role}{scope}")
-    return OperatorReply(name=req.name, role=req.role, modules=req.modules,
+    return OperatorReply(name=req.name, role=req.role, modules=req.modules, allow=req.allow,
                          message=f"operator {req.name} ({req.role}{scope}) recorded")  # fmt: skip
 
 
 async def operator_remove(t: Trust, req: OperatorRemoveRequest) -> OperatorReply:
+    """Removed at once; the reply says what it brought in, which stays until someone takes it
+    back (`--revert`: verbs.py unassigns its modules, each through a plan)."""
     asked = ASKED.get()
     async with t.pool.acquire() as conn, conn.transaction():
         row = await audit.operator(conn, req.name)
         if row is None or row.removed:
             raise wire.BadRequest(f"no operator {req.name}", code="not_found")
         await audit.remove_operator(conn, name=req.name, by=asked.who if asked else ANONYMOUS)
-        await audited(conn, subject=req.name, detail=row.role)
-    return OperatorReply(name=req.name, role=row.role, modules=row.modules,
+        what = await brought(conn, req.name)
+        modules = f"; its modules {', '.join(what.modules)}" if what.modules else ""
+        await audited(conn, subject=req.name, detail=row.role + modules)
+    return OperatorReply(name=req.name, role=row.role, modules=row.modules, brought=what,
                          message=f"operator {req.name} removed")  # fmt: skip
+
+
+async def brought(conn: asyncpg.Connection, name: str) -> Brought:
+    """What `name` brought into the mesh that is still there: its plans not over, the modules
+    whose current version it pushed (their processes and machines), the secrets it set last."""
+    current = [v for v in (await modules.current_modules(conn)).values() if v.pushed_by == name]
+    assigned = await modules.assignments(conn)
+    ours = {v.module for v in current}
+    processes = []
+    for v in sorted(current, key=lambda v: v.module):
+        try:
+            m = gate.parse(v.manifest)
+        except gate.Refused:  # registered by an older gate: named by module alone
+            continue
+        processes += [f"{v.module}.{p}" for p in sorted({*m.process, *m.tool})]
+    return Brought(
+        plans=await audit.open_plans_of(conn, name),
+        modules=sorted(ours),
+        processes=processes,
+        machines=sorted(machine for machine, mods in assigned.items() if mods & ours),
+        secrets=await secrets.set_by(conn, name),
+    )
+
+
+@contextmanager
+def asked_as(verb: str, subject: str) -> Iterator[None]:
+    """A change made on behalf of the one being served (`operator remove --revert`'s
+    unassigns): audited as its own entry, by the same operator."""
+    outer = ASKED.get()
+    token = ASKED.set(Asked(who=outer.who if outer else ANONYMOUS, verb=verb, subject=subject,
+                            epoch=outer.epoch if outer else 0))  # fmt: skip
+    try:
+        yield
+    finally:
+        ASKED.reset(token)
 
 
 async def folder_change(t: Trust, req: FolderChangeRequest) -> FolderChangeReply:
@@ -316,5 +361,7 @@ async def folder_change(t: Trust, req: FolderChangeRequest) -> FolderChangeReply
 async def operator_list(t: Trust, _: OperatorsRequest) -> OperatorsReply:
     rows = await audit.operators(t.pool)
     return OperatorsReply(
-        operators=[OperatorInfo(name=r.name, role=r.role, modules=r.modules) for r in rows]
+        operators=[
+            OperatorInfo(name=r.name, role=r.role, modules=r.modules, allow=r.allow) for r in rows
+        ]
     )

@@ -68,6 +68,7 @@ from mesh.model import (
     ToolsRequest,
 )
 from mesh.serving import Bound, Endpoint, Verb
+from mesh.store import modules as catalog
 from services.controller import operators
 from services.controller.changes import Changes
 from services.controller.fleet import Fleet
@@ -268,7 +269,20 @@ async def operator_add(h: Holder, req: OperatorAddRequest) -> OperatorReply:
 
 
 async def operator_remove(h: Holder, req: OperatorRemoveRequest) -> OperatorReply:
-    return await operators.operator_remove(h.trust, req)
+    reply = await operators.operator_remove(h.trust, req)
+    if not req.revert or reply.brought is None:
+        return reply
+    reverted = []
+    for module in reply.brought.modules:
+        async with h.trust.pool.acquire() as conn:
+            assigned = await catalog.assignments(conn)
+        on = sorted(m for m, mods in assigned.items() if module in mods)
+        if not on:
+            continue
+        with operators.asked_as("unassign", module):
+            done = await h.changes.assign(AssignRequest(module=module, machines=on), undo=True)
+        reverted += [done.plan] if done.plan is not None else []
+    return msgspec.structs.replace(reply, reverted=reverted)
 
 
 async def folder_change(h: Holder, req: FolderChangeRequest) -> FolderChangeReply:

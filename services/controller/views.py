@@ -43,11 +43,11 @@ from mesh.model import (
     ToolsRequest,
     VersionEntry,
 )
-from mesh.modules.compose import Declaration, tools_of
+from mesh.modules.compose import Declaration
 from mesh.modules.diff import diff
 from mesh.store import builds, declarations, modules, plans, secrets
 from mesh.store.modules import StoredVersion
-from services.controller import changes, rollout
+from services.controller import changes, rollout, scoping
 from services.controller.fleet import Fleet
 from services.controller.publishing import Manifests, Publisher
 from services.controller.secretkeys import Keys
@@ -153,7 +153,7 @@ class Views:
         the changes of its own machines only."""
         at = paging.after(req.after, verb="diff", shape=(str,))
         manifest, data = await changes.read_source(
-            nc=self._nc, manifest_text=req.manifest, source=req.source
+            nc=self._nc, manifest_text=req.manifest, source=req.source, upload=req.upload
         )
         name = manifest.module.name
         bundles, todo = await changes.pack_bundles(
@@ -289,19 +289,20 @@ class Views:
         return ToolsReply(tools=page.items, next=page.next)
 
     async def secret_for(self, machine: str, name: str) -> SecretReply:
-        """A secret's value, for a host whose declaration names it; nobody else gets it."""
+        """A secret's value, for a host whose declaration names it in a module that may have
+        it (scoping.py); nobody else gets it."""
         async with self._pool.acquire() as conn:
             stored = (await declarations.declarations(conn, [machine])).get(machine)
+            if stored is None:
+                raise wire.BadRequest(
+                    f"machine {machine} has no declaration: it names no secret", code="forbidden"
+                )
+            known = self._fleet.machines.get(machine)
+            await scoping.check_serve(
+                conn, machine=machine, labels=known.labels if known else {}, secret=name,
+                decl=msgspec.json.decode(stored[1], type=Declaration),
+            )  # fmt: skip
             value = await self._secret(conn, name)
-        named = False
-        if stored is not None:
-            decl = msgspec.json.decode(stored[1], type=Declaration)
-            runs = [*decl.processes.values(), *tools_of(decl).values()]
-            named = any(f.secret == name for p in runs for f in p.files.values())
-        if not named:
-            raise wire.BadRequest(
-                f"machine {machine}'s declaration names no secret {name}", code="forbidden"
-            )
         if value is None:
             raise wire.BadRequest(f"secret {name} has not been set", code="not_found")
         version, data = value
