@@ -15,6 +15,7 @@ the field and the value, before anything is sent on the bus, and the server goes
 import http.client
 import os
 import re
+import socket
 import subprocess
 from pathlib import Path
 
@@ -58,10 +59,12 @@ def _status_as_nobody(url: str, *curl: str) -> str:
     return done.stdout.strip()
 
 
-def _console(procs, nats_url: str, creds: str, *flags: str) -> tuple[subprocess.Popen, str]:
-    """`mesh console` with `flags` on the test's NATS as `creds`; its process and the line of
-    its log that says where it is, once it says it."""
-    proc = procs.start("console", [*MESH, "console", "--creds", creds, *flags],
+def _console(
+    procs, nats_url: str, creds: str, *flags: str, name: str = "console"
+) -> tuple[subprocess.Popen, str]:
+    """`mesh console` with `flags` on the test's NATS as `creds` (its log: `name`.log); its
+    process and the line of its log that says where it is, once it says it."""
+    proc = procs.start(name, [*MESH, "console", "--creds", creds, *flags],
                        env={"MESH_NATS_URL": nats_url})  # fmt: skip
     log = proc.log_path
 
@@ -148,9 +151,19 @@ def test_the_consoles_socket_is_its_owners_alone(secured, procs, open_dir) -> No
                               capture_output=True, text=True, timeout=60)  # fmt: skip
         assert mine.stdout == ("200" if path == "/" else "400"), (path, mine)
     assert not _listens_on_tcp(proc.pid)  # --socket alone: no port at all
+    # Another console is not let take it over, and says why in one line.
+    taken = mesh_cli("console", "--socket", str(sock), nats_url=secured.url, creds=secured.viewer)
+    assert one_line_error(taken) == f"mesh: error: --socket: {sock} is in use (another console " \
+        "answers there)"  # fmt: skip
     proc.terminate()
     assert proc.wait(timeout=30) == 0
     assert not sock.exists()  # removed as it stops
+    # One left by a console that is gone (killed) is replaced, and made 0600 again.
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as left:
+        left.bind(str(sock))
+    sock.chmod(0o666)
+    _console(procs, secured.url, secured.viewer, "--socket", str(sock), name="console-again")
+    assert (sock.stat().st_mode & 0o777) == 0o600
 
 
 @pytest.mark.slow

@@ -501,6 +501,7 @@ def bind_socket(path: Path) -> socket.socket:
         if not stat.S_ISSOCK(mode):
             raise ConsoleError(f"--socket: {path} exists and is not a socket")
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            probe.settimeout(2)  # a live one whose backlog is full answers late, not never
             try:
                 probe.connect(str(path))
             except (ConnectionRefusedError, FileNotFoundError):
