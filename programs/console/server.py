@@ -585,26 +585,9 @@ async def run(
                 "the console needs a viewer's (or an admin's)"
             )
         await runner.setup()
-        places: list[str] = []
-        where = ""
-        if listen is not None:
-            site = web.TCPSite(runner, listen[0], listen[1])
-            try:
-                await site.start()
-            except OSError as e:
-                raise ConsoleError(
-                    f"--listen: cannot listen on {listen[0]}:{listen[1]}: {e.strerror or e}"
-                ) from None
-            bound = site._server.sockets[0].getsockname()[1] if site._server else listen[1]  # type: ignore[union-attr]
-            console.cookie = f"{COOKIE}-{bound}"
-            where = page_url(listen[0], bound)
-            places.append(where if given else f"{where}?token={token}")
-        if socket_path is not None:
-            sock = bind_socket(socket_path)
-            made = os.stat(socket_path)
-            await web.SockSite(runner, sock).start()
-            places.append(f"unix socket {socket_path} (mode 0600: no token)")
-            where = where or f"unix:{socket_path}"
+        places, where, made = await _sites(runner, console, listen=listen,
+                                           socket_path=socket_path,
+                                           shown=None if given else token)  # fmt: skip
         log.info("console on %s (read-only; the fleet on %s%s)", " and ".join(places), url,
                  "; the token as given" if given and listen is not None else "")  # fmt: skip
         task_status.started(f"{where}?token={token}" if listen is not None else where)
@@ -619,6 +602,37 @@ async def run(
             await bus.close(nc, drain=False)
             if made is not None and socket_path is not None:
                 _remove_ours(socket_path, made)
+
+
+async def _sites(
+    runner: web.AppRunner, console: "Console", *, listen: tuple[str, int] | None,
+    socket_path: Path | None, shown: str | None,
+) -> tuple[list[str], str, os.stat_result | None]:  # fmt: skip
+    """Where the console serves: its TCP port (its cookie named after the port) and its unix
+    socket; the places said in the log (with the token `shown`), the page's address, and the
+    socket made (or None)."""
+    places: list[str] = []
+    where = ""
+    made: os.stat_result | None = None
+    if listen is not None:
+        site = web.TCPSite(runner, listen[0], listen[1])
+        try:
+            await site.start()
+        except OSError as e:
+            raise ConsoleError(
+                f"--listen: cannot listen on {listen[0]}:{listen[1]}: {e.strerror or e}"
+            ) from None
+        bound = site._server.sockets[0].getsockname()[1] if site._server else listen[1]  # type: ignore[union-attr]
+        console.cookie = f"{COOKIE}-{bound}"
+        where = page_url(listen[0], bound)
+        places.append(f"{where}?token={shown}" if shown is not None else where)
+    if socket_path is not None:
+        sock = bind_socket(socket_path)
+        made = os.stat(socket_path)
+        await web.SockSite(runner, sock).start()
+        places.append(f"unix socket {socket_path} (mode 0600: no token)")
+        where = where or f"unix:{socket_path}"
+    return places, where, made
 
 
 def _remove_ours(path: Path, made: os.stat_result) -> None:
