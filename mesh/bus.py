@@ -18,14 +18,16 @@ import anyio
 import nats
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.aio.transport import TcpTransport
 from nats.errors import NoRespondersError, NoServersError
 from nats.errors import TimeoutError as NatsTimeout
 
-from mesh import config, wire
+from mesh import config, subjects, wire
 from mesh.auth import creds as credentials
 from mesh.auth import tls
 from mesh.errors import MeshError, reason
+from mesh.ratelimit import Said, more
 
 log = logging.getLogger(__name__)
 
@@ -115,10 +117,28 @@ def violation(error: Exception) -> str | None:
     return f"{what} {found.group(2).strip()}"
 
 
+# nats-py reports some errors once per message: a message a subscription's pending limits
+# dropped (SlowConsumerError), a reply the server refused because it came after the server had
+# forgotten the request (a permissions violation: a backlog answered minutes late). A host's
+# flood made those 500,000 lines in a minute (issue 39): each kind is said once a window, with
+# a count. Kinds are few: the error's class, and the subscription or the refused subject's
+# first token (an inbox prefix: one per identity), never the message's own subject.
+_ERRORS_SAID = Said[tuple[str, str]](burst=3, every=10.0)
+
+
+def _kind(e: Exception) -> tuple[str, str]:
+    if isinstance(e, nats.errors.SlowConsumerError):
+        return type(e).__name__, e.sub.subject if e.sub is not None else ""
+    refused = violation(e)
+    if refused is not None:
+        return "violation", refused.partition(".")[0][:80]
+    return type(e).__name__, ""
+
+
 async def _quiet(e: Exception) -> None:
     # Connection trouble is reported by the callers (once, not per reconnect attempt); anything
     # else, such as an exception escaping a subscription callback, must not vanish.
-    if not isinstance(
+    if isinstance(
         e,
         OSError
         | NatsTimeout
@@ -126,14 +146,65 @@ async def _quiet(e: Exception) -> None:
         | nats.errors.StaleConnectionError
         | nats.errors.UnexpectedEOF,
     ):
-        log.warning("nats: %s: %s", type(e).__name__, e)
+        return
+    kind = _kind(e)
+    unsaid = _ERRORS_SAID.unsaid(kind)
+    if unsaid is None:
+        return
+    if isinstance(e, nats.errors.SlowConsumerError):  # its own words name the Subscription object
+        log.warning("nats: the subscription to %s is behind: its pending limits dropped a message "
+                    "on %s%s", kind[1], e.subject[:128], more(unsaid))  # fmt: skip
+    else:
+        log.warning("nats: %s: %s%s", type(e).__name__, str(e)[:300], more(unsaid))
+
+
+# Per connection: the subscriptions (by sid) whose messages are checked as they are parsed.
+_ADMITTING: "weakref.WeakKeyDictionary[Client, dict[int, Callable[[str, bytes], bool]]]" = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def admit(sub: Subscription, admits: Callable[[str, bytes], bool]) -> None:
+    """Drop each message of `sub` that `admits(subject, body)` refuses as nats-py parses it:
+    before it builds a message, queues it or calls back (`admits` may keep the body for later).
+    A host flooding its own subjects then costs the subscriber a check per message, where a
+    message would cost several times that and, its queue full, crowd out other hosts'
+    (docs/architecture.md, the hosts' traffic). What is dropped still counts as received in the
+    connection's stats (the traffic is there: a link busy with it is not silent). `admits` must
+    be quick; one that raises lets the message in."""
+    nc: Client = sub._conn
+    checks = _ADMITTING.get(nc)
+    if checks is None:
+        checks = _ADMITTING[nc] = {}
+        process = nc._process_msg
+
+        async def admitting(
+            sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes | None
+        ) -> None:
+            check = checks.get(sid)
+            if check is not None:
+                try:
+                    admitted = check(subject.decode(), data)
+                except Exception:
+                    admitted = True
+                if not admitted:
+                    nc.stats["in_msgs"] += 1
+                    nc.stats["in_bytes"] += len(data)
+                    return
+            await process(sid, subject, reply, data, headers)
+
+        nc._process_msg = admitting  # type: ignore[method-assign]
+    for sid in [sid for sid in checks if sid not in nc._subs]:  # unsubscribed since
+        del checks[sid]
+    checks[sub._id] = admits
 
 
 class Link:
     """The state of one connection, fed by nats-py's disconnect/reconnect callbacks, so a
     service can act on an outage that lasts (step down) and on its end (forgive lost beats)."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: str = "the NATS connection") -> None:
+        self.name = name  # in its lines: a service with two connections says which
         self.up = True
         self.on_up: Callable[[], None] | None = None
         self._changed = anyio.Event()
@@ -214,12 +285,12 @@ class Link:
     async def disconnected(self) -> None:
         closing = self.nc is not None and (self.nc.is_closed or self.nc.is_draining)
         if self.up and not closing:  # nats-py says "disconnected" on our own close too
-            log.info("lost the NATS connection; reconnecting")
+            log.info("lost %s; reconnecting", self.name)
         self.up = False
         self._kick()
 
     async def reconnected(self) -> None:
-        log.info("NATS connection back")
+        log.info("%s is back", self.name)
         self.up = True
         self.answered_at = self.heard_at = time.monotonic()  # the server answered us just now
         if self.on_up:
@@ -413,16 +484,24 @@ async def answer(
         body = wire.error(e.code, str(e))
     except Exception:
         ref = secrets.token_hex(4)
-        log.exception("request on %s failed: internal error %s", msg.subject, ref)
+        # With its traceback a few times a window: a caller repeating the request that fails
+        # must not cost a traceback each (the reply names the id either way).
+        unsaid = _ANSWERS_SAID.unsaid(("internal", subjects.last(msg.subject)[:64]))
+        if unsaid is not None:
+            log.exception("request on %s failed: internal error %s%s", msg.subject[:128], ref,
+                          more(unsaid))  # fmt: skip
         outcome = "internal"
         body = wire.error("internal", f"internal error {ref}; see the {service}'s log")
     # nats-py refuses (MaxPayloadError) a payload past the server's max_payload; refused here
     # first, the caller hears why instead of waiting out its timeout.
     limit = msg._client.max_payload  # of the connection the request came in on
     if len(body) > limit:
-        verb = msg.subject.rsplit(".", 1)[-1]
-        log.warning("reply to %s is %d bytes, more than the NATS server takes (%d): answered "
-                    "too_large", msg.subject, len(body), limit)  # fmt: skip
+        verb = subjects.last(msg.subject)[:64]
+        unsaid = _ANSWERS_SAID.unsaid(("too_large", verb))
+        if unsaid is not None:
+            log.warning("reply to %s is %d bytes, more than the NATS server takes (%d): "
+                        "answered too_large%s", msg.subject[:128], len(body), limit,
+                        more(unsaid))  # fmt: skip
         outcome = "too_large"
         body = wire.error(
             "too_large",
@@ -438,7 +517,15 @@ async def _respond(msg: Msg, body: bytes) -> None:
     try:
         await msg.respond(body)
     except Exception as e:
-        log.warning("could not reply on %s: %s: %s", msg.subject, type(e).__name__, e)
+        unsaid = _ANSWERS_SAID.unsaid(("reply", type(e).__name__))
+        if unsaid is not None:
+            log.warning("could not reply on %s: %s: %s%s", msg.subject[:128], type(e).__name__, e,
+                        more(unsaid))  # fmt: skip
+
+
+# A request's answer can fail once per request (a connection closed under a backlog of them, a
+# verb that fails for every caller): said a few times a window per verb, then counted.
+_ANSWERS_SAID = Said[tuple[str, str]](burst=3, every=10.0)
 
 
 CLOSE_WITHIN = 3.0  # a close's bound: a drain past it is cut and the connection just closed

@@ -291,6 +291,9 @@ class Node(msgspec.Struct):
     # Skipped by every plan, keeping what it runs (`mesh drain`); `digest_wanted` is then what
     # the catalog composes for it, which it gets once undrained.
     drained: bool = False
+    # Sent more than a host does within the last minute (beats, reports or requests past its
+    # budget, dropped unread: services/controller/noisy.py).
+    noisy: bool = False
 
 
 class NodesReply(msgspec.Struct):

@@ -57,6 +57,19 @@ def matcher(pattern: str) -> Callable[[str], bool]:
         if tail == ">":
             return lambda subject: subject.startswith(prefix)
         return lambda subject: subject.startswith(prefix) and "." not in subject[cut:]
+    tokens = pattern.split(".")
+    wild = [i for i, token in enumerate(tokens) if token == "*"]
+    fixed = [t for t in tokens if t != "*"]
+    if wild and wild == list(range(wild[0], wild[-1] + 1)) and not any("*" in t or ">" in t
+                                                                       for t in fixed):  # fmt: skip
+        # Fixed tokens around a run of `*` (mesh.host.*.beat, mesh.event.*.*: the hosts'
+        # subscriptions, a flood passes here per message): its ends and its count of tokens.
+        head = ".".join(tokens[: wild[0]]) + "." if wild[0] else ""
+        tail = "." + ".".join(tokens[wild[-1] + 1 :]) if wild[-1] + 1 < len(tokens) else ""
+        dots = len(tokens) - 1
+        return lambda subject: (
+            subject.startswith(head) and subject.endswith(tail) and subject.count(".") == dots
+        )
     return lambda subject: matches(pattern, subject)
 
 
@@ -109,8 +122,10 @@ async def subscribe(
     if cb is None:
         return await nc.subscribe(subject, queue=queue, **options)
 
+    match = matcher(subject)  # made once: a host's flood passes here per message
+
     async def checked(msg: Msg) -> None:
-        if expected(subject, msg):
+        if expected(subject, msg, match):
             await cb(msg)
 
     return await nc.subscribe(subject, queue=queue, cb=checked, **options)

@@ -39,17 +39,32 @@ class PerKey(Generic[K]):
         now = self._clock()
         self._buckets[key] = (self._tokens(key, now) - 1.0, now)
         if now - self._tidied >= self.every:
-            self._tidied = now
-            full = [k for k in self._buckets if self._tokens(k, now) >= self.burst]
-            for k in full:
-                del self._buckets[k]
+            self._tidy(now)
+
+    def _tidy(self, now: float) -> None:
+        self._tidied = now
+        full = [k for k in self._buckets if self._tokens(k, now) >= self.burst]
+        for k in full:
+            del self._buckets[k]
 
     def take(self, key: K) -> bool:
-        """`allows` and `spend` in one; False (and nothing spent) when held back."""
-        if not self.allows(key):
+        """`allows` and `spend` in one; False (and nothing spent) when held back. (One look at
+        the clock and the bucket: a host's flood is checked here once per message.)"""
+        now = self._clock()
+        tokens = self._tokens(key, now)
+        if tokens < 1.0:
             return False
-        self.spend(key)
+        self._buckets[key] = (tokens - 1.0, now)
+        if now - self._tidied >= self.every:
+            self._tidy(now)
         return True
+
+    def refund(self, key: K) -> None:
+        """One given back to `key` (work it was allowed that is over: a request answered), up
+        to its burst: a bucket of requests in flight rather than of a rate."""
+        now = self._clock()
+        if key in self._buckets:
+            self._buckets[key] = (min(float(self.burst), self._tokens(key, now) + 1.0), now)
 
     def hold(self, key: K) -> None:
         """One held back for `key`: counted for the next `held`."""
@@ -68,3 +83,28 @@ class PerKey(Generic[K]):
     def held_for(self, key: K) -> int:
         """How many times `key` was held back since this was last asked for it (reset)."""
         return self._held.pop(key, 0)
+
+
+class Said(Generic[K]):
+    """A log line that could repeat once per message (a NATS error per message dropped, a reply
+    refused for each of a flood's requests): said `burst` times at once per key, then once each
+    `every` seconds with how many were not, on `PerKey`'s buckets. Keys are few and fixed by the
+    caller (an error's kind, a subscription), never a message's own words."""
+
+    def __init__(
+        self, *, burst: int = 1, every: float = 60.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._keys = PerKey[K](burst=burst, every=every, clock=clock)
+
+    def unsaid(self, key: K) -> int | None:
+        """None: not now (this one is counted); otherwise say it now, with this many others
+        not said since the last time (0: none)."""
+        if not self._keys.take(key):
+            self._keys.hold(key)
+            return None
+        return self._keys.held_for(key)
+
+
+def more(unsaid: int) -> str:
+    """What a line said after a silence adds: how many were not said."""
+    return f" (and {unsaid} more not logged since the last said)" if unsaid else ""

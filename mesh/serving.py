@@ -123,6 +123,9 @@ class Endpoint:
     # Whether the controllers signed a request (mesh.auth.signing): for what a host obeys
     # from them only (builds); None for verbs anyone the server lets publish may ask.
     genuine: Callable[[Msg], bool] | None = None
+    # nats-py's pending limits of its subscription, (messages, bytes): past them what comes is
+    # dropped (and said, counted); None: nats-py's own (512Ki messages, 128 MiB).
+    pending: tuple[int, int] | None = None
 
 
 Deliver = Callable[[Endpoint, Msg], Awaitable[None]]
@@ -154,6 +157,10 @@ class Server:
     def active(self) -> bool:
         return bool(self._subs)
 
+    def subscriptions(self) -> list[Subscription]:
+        """The endpoints' subscriptions, as they are now."""
+        return list(self._subs.values())
+
     def serve(self, served: Any, *, tasks: TaskGroup) -> None:
         self._served = served
         self._tasks = tasks
@@ -166,9 +173,14 @@ class Server:
             return
         route = deliver or self.answer
         for endpoint in missing:
+            limits: dict[str, int] = {}
+            if endpoint.pending is not None:
+                limits = {"pending_msgs_limit": endpoint.pending[0],
+                          "pending_bytes_limit": endpoint.pending[1]}  # fmt: skip
             self._subs[endpoint.name] = await self.nc.subscribe(
-                endpoint.subject, queue=endpoint.queue or "", cb=_callback(route, endpoint)
-            )
+                endpoint.subject, queue=endpoint.queue or "", cb=_callback(route, endpoint),
+                **limits,
+            )  # fmt: skip
         await self.nc.flush()
         self.since = time.monotonic()
 
@@ -191,8 +203,23 @@ class Server:
                 tg.start_soon(stop, name, sub)
         return not failed
 
-    async def answer(self, endpoint: Endpoint, msg: Msg) -> None:
-        """Route one request of `endpoint` and answer it (now, or from a bounded verb's task)."""
+    async def answer(
+        self, endpoint: Endpoint, msg: Msg, done: Callable[[], None] | None = None
+    ) -> None:
+        """Route one request of `endpoint` and answer it (now, or from a bounded verb's task);
+        `done()` once it is answered, whatever the answer (a caller counting what is in flight)."""
+        if done is None:
+            await self._answer(endpoint, msg, None)
+            return
+        handed = False
+        try:
+            handed = await self._answer(endpoint, msg, done)
+        finally:
+            if not handed:
+                done()
+
+    async def _answer(self, endpoint: Endpoint, msg: Msg, done: Callable[[], None] | None) -> bool:
+        """`answer`; True when the answer was handed to a task, which calls `done`."""
         started = time.perf_counter_ns()
         name = subjects.last(msg.subject)
         verb = endpoint.verbs.get(name)
@@ -213,14 +240,14 @@ class Server:
         if shed is not None:  # cheaply, before any work: what keeps time must keep it
             self._refused(shed, name)
             self.stats.record(endpoint.name, counted, await self._busy_reply(msg, shed), started)
-            return
+            return False
         hint = verb.too_large if verb is not None else "ask for less"
         if verb is None or verb.bound is None or self._tasks is None:
             # Answered here, no task nor closure more: `status` and the other quick verbs are
             # most of what is asked, and each allocation shows in its rate (bench/verbs.py).
             outcome = await bus.answer(msg, serve, service=self.service, hint=hint)
             self.stats.record(endpoint.name, counted, outcome, started)
-            return
+            return False
 
         async def answer(serve: "Callable[[], Awaitable[Any]]") -> None:
             outcome = await bus.answer(msg, serve, service=self.service, hint=hint)
@@ -247,13 +274,14 @@ class Server:
             why = f"{bound.in_flight} {bound.what} in flight"
             self._refused(why, name)
             self.stats.record(endpoint.name, counted, await self._busy_reply(msg, why), started)
-            return
+            return False
         try:
-            self._tasks.start_soon(self._answer_then_release, limiter, slot, answer, serve)
-            return
+            self._tasks.start_soon(self._answer_then_release, limiter, slot, answer, serve, done)
+            return True
         except RuntimeError:  # stopping: the task group is closed; answer here instead
             limiter.release_on_behalf_of(slot)
         await answer(serve)
+        return False
 
     def _refused(self, why: str, verb: str) -> None:
         """Log a `busy` refusal: the first of a burst, then a count at most every BUSY_LOG_EVERY
@@ -279,11 +307,31 @@ class Server:
         slot: object,
         answer: Callable[[Callable[[], Awaitable[Any]]], Awaitable[None]],
         serve: Callable[[], Awaitable[Any]],
+        done: Callable[[], None] | None,
     ) -> None:
         try:
             await answer(serve)
         finally:
             limiter.release_on_behalf_of(slot)
+            if done is not None:
+                done()
+
+
+class Turns:
+    """One subscription's turns of the event loop. nats-py hands a subscription's messages over
+    one after another without letting the loop turn while more are queued: a storm of ten
+    thousand registrations, each only started, held every other subscription (`status`, the
+    seat's pings) for seconds (bench/scale.py's cold start), and a host's flood of beats did
+    the same. So a callback lets the loop turn every TURN_EVERY seconds."""
+
+    def __init__(self) -> None:
+        self._turned = time.monotonic()  # when this subscription last let the loop turn
+
+    async def take(self) -> None:
+        now = time.monotonic()
+        if now - self._turned > TURN_EVERY:
+            self._turned = now
+            await anyio.lowlevel.checkpoint()
 
 
 def _callback(route: Deliver, endpoint: Endpoint) -> Callable[[Msg], Awaitable[None]]:
@@ -292,18 +340,10 @@ def _callback(route: Deliver, endpoint: Endpoint) -> Callable[[Msg], Awaitable[N
     the endpoint asks for it. Anything else is dropped unanswered, and said."""
 
     match = origin.matcher(endpoint.subject)
-    turned = time.monotonic()  # when this subscription last let the event loop turn
+    turns = Turns()
 
     async def on_message(msg: Msg) -> None:
-        nonlocal turned
-        # nats-py hands a subscription's messages over one after another without letting the
-        # loop turn while more are queued: a storm of ten thousand registrations, each only
-        # started here, held every other subscription (`status`, the seat's pings) for
-        # seconds (bench/scale.py's cold start). So the loop turns every TURN_EVERY seconds.
-        now = time.monotonic()
-        if now - turned > TURN_EVERY:
-            turned = now
-            await anyio.lowlevel.checkpoint()
+        await turns.take()
         if not origin.expected(endpoint.subject, msg, match):
             return
         if not origin.asked(msg):

@@ -1,6 +1,6 @@
 """mesh/ratelimit.py: a token bucket per key, on a clock the test moves."""
 
-from mesh.ratelimit import PerKey
+from mesh.ratelimit import PerKey, Said, more
 
 
 class Clock:
@@ -64,3 +64,29 @@ def test_keys_whose_bucket_is_full_again_are_forgotten() -> None:
     clock.now += 5
     limit.spend("last")  # tidies, at most once an interval
     assert set(limit._buckets) == {"last"}
+
+
+def test_refund_gives_back_work_done_up_to_the_burst() -> None:
+    # Requests in flight (services/controller/noisy.py): one answered frees its place at once.
+    clock = Clock()
+    limit = PerKey[str](burst=2, every=10.0, clock=clock)
+    assert [limit.take("a") for _ in range(3)] == [True, True, False]
+    limit.refund("a")
+    assert limit.take("a") and not limit.take("a")
+    limit.refund("a")
+    limit.refund("a")
+    limit.refund("a")  # never above the burst
+    assert [limit.take("a") for _ in range(3)] == [True, True, False]
+    limit.refund("b")  # a key with its whole burst: nothing to give back
+    assert [limit.take("b") for _ in range(3)] == [True, True, False]
+
+
+def test_a_line_that_could_repeat_per_message_is_said_once_per_window_with_a_count() -> None:
+    clock = Clock()
+    said = Said[str](burst=2, every=10.0, clock=clock)
+    assert [said.unsaid("e") for _ in range(5)] == [0, 0, None, None, None]
+    assert said.unsaid("f") == 0  # each kind its own
+    clock.now += 10
+    assert said.unsaid("e") == 3  # said again, with the three not said
+    assert said.unsaid("e") is None
+    assert more(3) == " (and 3 more not logged since the last said)" and more(0) == ""

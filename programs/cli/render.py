@@ -132,8 +132,10 @@ def nodes(console: Console, r: NodesReply, *, want: int | None = None) -> None:
             procs += f" (drained: wants {n.digest_wanted[7:19]}, keeps what it runs)"
         elif n.digest_wanted and n.digest_applied != n.digest_wanted and n.up:
             procs += f" (stopped at {n.apply_error})" if n.apply_error else " (applying)"
-        state = ("[green]up[/]" if n.up else "[red]down[/]") + (
-            ", [yellow]drained[/]" if n.drained else ""
+        state = (
+            ("[green]up[/]" if n.up else "[red]down[/]")
+            + (", [yellow]drained[/]" if n.drained else "")
+            + (", [yellow]noisy[/]" if n.noisy else "")
         )
         table.add_row(
             n.name, str(n.tier), state, _version(n.version), _ago(n.last_seen), labels, system,

@@ -35,9 +35,17 @@ class BusEpoch(msgspec.Struct):
     # did not come by a handover. Empty from an older controller.
     server: str = ""
     client: int = 0
+    # And its hosts' connection (the hosts' requests, beats and reports: main.py), likewise.
+    hosts_server: str = ""
+    hosts_client: int = 0
 
     def connection(self) -> Where | None:
         return Where(server=self.server, client=self.client) if self.server else None
+
+    def hosts_connection(self) -> Where | None:
+        if not self.hosts_server:
+            return None
+        return Where(server=self.hosts_server, client=self.hosts_client)
 
 
 class Seen(msgspec.Struct):
@@ -62,12 +70,15 @@ async def read(kv: KeyValue) -> Seen:
 
 
 async def claim(
-    kv: KeyValue, *, seen: Seen, epoch: int, holder: str, pid: int, at: Where | None = None
-) -> Seen:
-    """Record `epoch` as the holder's (its connection `at`), if nobody wrote since `seen`; what
-    is recorded now."""
+    kv: KeyValue, *, seen: Seen, epoch: int, holder: str, pid: int, at: Where | None = None,
+    hosts_at: Where | None = None,
+) -> Seen:  # fmt: skip
+    """Record `epoch` as the holder's (its connections `at` and `hosts_at`), if nobody wrote
+    since `seen`; what is recorded now."""
     record = BusEpoch(epoch=epoch, holder=holder, pid=pid, at=datetime.now(UTC),
-                      server=at.server if at else "", client=at.client if at else 0)  # fmt: skip
+                      server=at.server if at else "", client=at.client if at else 0,
+                      hosts_server=hosts_at.server if hosts_at else "",
+                      hosts_client=hosts_at.client if hosts_at else 0)  # fmt: skip
     body = msgspec.json.encode(record)
     try:
         if seen.revision == 0:
@@ -86,14 +97,18 @@ async def claim(
     return Seen(record=record, revision=revision)
 
 
-async def moved(kv: KeyValue, *, mine: Seen, at: Where | None) -> Seen:
-    """The holder's connection is somewhere else now (it reconnected, maybe to another server):
-    record where, if the record is still ours; what is recorded now."""
-    if mine.record is None or at is None or mine.record.connection() == at:
+async def moved(
+    kv: KeyValue, *, mine: Seen, at: Where | None, hosts_at: Where | None = None
+) -> Seen:
+    """The holder's connections are somewhere else now (one reconnected, maybe to another
+    server): record where, if the record is still ours; what is recorded now."""
+    if mine.record is None or at is None:
+        return mine
+    if mine.record.connection() == at and mine.record.hosts_connection() == hosts_at:
         return mine
     try:
         return await claim(kv, seen=mine, epoch=mine.record.epoch, holder=mine.record.holder,
-                           pid=mine.record.pid, at=at)  # fmt: skip
+                           pid=mine.record.pid, at=at, hosts_at=hosts_at)  # fmt: skip
     except EpochTaken:  # a newer holder wrote: `watch` steps us down
         return mine
 

@@ -130,8 +130,10 @@ class Fleet:
         down_after: int = 3,
         open_bus: Callable[[], bool] = lambda: False,
         bus_answered: Callable[[], float] = time.monotonic,
+        noisy: Callable[[str], bool] = lambda _: False,
     ) -> None:
         self._pool = pool
+        self._noisy = noisy  # whether a machine sent more than its budget lately (noisy.py)
         # When NATS last answered the holder's own round trips: a machine is judged down only
         # once the bus has answered since its beat was due, or a holder cut off from NATS
         # would mark the whole fleet down before stepping down.
@@ -659,4 +661,5 @@ class Fleet:
             apply_error=self.apply_errors.get(m.name),
             version=m.version,
             drained=m.drained,
+            noisy=self._noisy(m.name),
         )

@@ -28,6 +28,7 @@ from mesh.auth.signing import Signing
 from mesh.lifetime import first_of
 from mesh.model import SeatAnnounce
 from mesh.serving import Endpoint, Server, Stats
+from services.controller.noisy import Budgets
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +39,11 @@ EARLY_FOR = 15.0  # a standby that subscribed but never got the seat unsubscribe
 
 
 class VerbSubscriptions:
-    """The `mesh-controller` queue-group subscriptions to controller verbs and host requests.
-    Until `serve(...)` is called, a message waits (in its own task) for it."""
+    """The `mesh-controller` queue-group subscriptions to controller verbs and host requests:
+    the operators' verbs on the controller's connection, the hosts' requests on the hosts' own
+    (`hosts_nc`, with their beats and reports: a host's flood never makes nats-server drop the
+    connection the verbs come on), each within its machine's budget (noisy.py) before it is
+    decoded. Until `serve(...)` is called, a message waits (in its own task) for it."""
 
     def __init__(
         self,
@@ -49,11 +53,17 @@ class VerbSubscriptions:
         endpoints: Sequence[Endpoint],
         stats: Stats,
         overloaded: Callable[[], str | None] | None = None,
+        hosts_nc: Client | None = None,
+        host_endpoints: Sequence[Endpoint] = (),
+        budgets: Budgets | None = None,
     ) -> None:
         self._nc = nc
         self._tasks = tasks
         self._server = Server(nc=nc, endpoints=endpoints, service="controller", stats=stats,
                               overloaded=overloaded)  # fmt: skip
+        self._hosts = Server(nc=hosts_nc or nc, endpoints=host_endpoints, service="controller",
+                             stats=stats, overloaded=overloaded)  # fmt: skip
+        self._budgets = budgets
         self._holder: Any = None
         self._fresh: Callable[[], bool] = lambda: True
         self._ready = anyio.Event()
@@ -62,14 +72,18 @@ class VerbSubscriptions:
 
     @property
     def active(self) -> bool:
-        return self._server.active
+        return self._server.active or self._hosts.active
 
     @property
     def since(self) -> float | None:
         return self._server.since
 
     async def subscribe(self) -> None:
-        await self._server.subscribe(self._on_message)
+        await self._server.subscribe(self._on_verb)
+        await self._hosts.subscribe(self._on_host_request)
+        if self._budgets is not None:  # checked as they are parsed (mesh.bus.admit)
+            for sub in self._hosts.subscriptions():
+                bus.admit(sub, self._budgets.admits("requests"))
 
     def serve(
         self, *, holder: Any, tasks: TaskGroup, fresh: Callable[[], bool] = lambda: True
@@ -77,50 +91,84 @@ class VerbSubscriptions:
         """Answer with `holder` from now on, its slow verbs in `tasks`, while `fresh()` says
         the seat is still ours."""
         self._server.serve(holder, tasks=tasks)
+        self._hosts.serve(holder, tasks=tasks)
         self._holder = holder
         self._fresh = fresh
         self._ready.set()
 
-    async def _on_message(self, endpoint: Endpoint, msg: Msg) -> None:
-        if self._holder is not None:
-            if not self._fresh():  # woken from a pause: the seat may have moved on
+    async def _on_verb(self, endpoint: Endpoint, msg: Msg) -> None:
+        await self._route(self._server, endpoint, msg, None)
+
+    async def _on_host_request(self, endpoint: Endpoint, msg: Msg) -> None:
+        budgets = self._budgets
+        if budgets is None:
+            await self._route(self._hosts, endpoint, msg, None)
+            return
+        # Within its machine's requests in flight (admitted as it was parsed): one more may
+        # come once this one is answered.
+        machine = subjects.ctl_host_machine(msg.subject)
+        await self._route(self._hosts, endpoint, msg, lambda: budgets.answered(machine))
+
+    async def _route(
+        self, server: Server, endpoint: Endpoint, msg: Msg, done: Callable[[], None] | None
+    ) -> None:
+        """Answer `msg` (or hold it until the seat is ours, or pass it on); `done()` once it
+        is answered or passed on."""
+        handed = False  # whether what answers it calls `done`
+        try:
+            if self._holder is not None:
+                if not self._fresh():  # woken from a pause: the seat may have moved on
+                    await self._pass_on(msg)
+                    return
+                handed = True
+                await server.answer(endpoint, msg, done)
+                return
+            if self._elsewhere.is_set():
                 await self._pass_on(msg)
                 return
-            await self._server.answer(endpoint, msg)
-            return
-        if self._elsewhere.is_set():
-            await self._pass_on(msg)
-            return
-        try:
-            # The event as it is now: `leave` starts a new one once it is done, and the task
-            # may first run after that.
-            self._tasks.start_soon(self._later, endpoint, msg, self._elsewhere)
-        except RuntimeError:  # stopping: whoever holds the seat answers it
-            await self._pass_on(msg)
-
-    async def _later(self, endpoint: Endpoint, msg: Msg, elsewhere: anyio.Event) -> None:
-        try:
-            with anyio.move_on_after(SEAT_WAIT):
-                await first_of(self._ready, elsewhere)
-        except anyio.get_cancelled_exc_class():
-            # This standby stops without having left the group in time (a second signal,
-            # a leave past its deadline): the request still goes to whoever holds the seat.
-            with anyio.CancelScope(shield=True), anyio.move_on_after(1):
+            try:
+                # The event as it is now: `leave` starts a new one once it is done, and the
+                # task may first run after that.
+                self._tasks.start_soon(self._later, server, endpoint, msg, self._elsewhere, done)
+                handed = True
+            except RuntimeError:  # stopping: whoever holds the seat answers it
                 await self._pass_on(msg)
-            raise
-        if self._holder is None and elsewhere.is_set():
-            await self._pass_on(msg)
-            return
-        if self._holder is None:
+        finally:
+            if not handed and done is not None:
+                done()
 
-            async def unavailable() -> None:
-                raise wire.BadRequest(
-                    "no controller holds the seat yet; try again", code="unavailable"
-                )
+    async def _later(
+        self, server: Server, endpoint: Endpoint, msg: Msg, elsewhere: anyio.Event,
+        done: Callable[[], None] | None,
+    ) -> None:  # fmt: skip
+        handed = False
+        try:
+            try:
+                with anyio.move_on_after(SEAT_WAIT):
+                    await first_of(self._ready, elsewhere)
+            except anyio.get_cancelled_exc_class():
+                # This standby stops without having left the group in time (a second signal,
+                # a leave past its deadline): the request still goes to whoever holds the seat.
+                with anyio.CancelScope(shield=True), anyio.move_on_after(1):
+                    await self._pass_on(msg)
+                raise
+            if self._holder is None and elsewhere.is_set():
+                await self._pass_on(msg)
+                return
+            if self._holder is None:
 
-            await bus.answer(msg, unavailable)
-            return
-        await self._server.answer(endpoint, msg)
+                async def unavailable() -> None:
+                    raise wire.BadRequest(
+                        "no controller holds the seat yet; try again", code="unavailable"
+                    )
+
+                await bus.answer(msg, unavailable)
+                return
+            handed = True
+            await server.answer(endpoint, msg, done)
+        finally:
+            if not handed and done is not None:
+                done()
 
     async def _pass_on(self, msg: Msg) -> None:
         """Send a request we hold on to the group again, with its reply subject: the holder
@@ -138,10 +186,20 @@ class VerbSubscriptions:
         await anyio.lowlevel.checkpoint()  # the held requests woken by `_elsewhere` go first
         return self.passed_on - before
 
-    async def stop(self, *, drain: bool) -> bool:
-        """Drain (answer what is in flight) or, without a connection, just unsubscribe; False
-        if any subscription ran out of time or failed."""
-        return await self._server.stop(drain=drain)
+    async def stop(self, *, drain: bool, hosts_drain: bool | None = None) -> bool:
+        """Drain (answer what is in flight) or, without a connection, just unsubscribe: the
+        verbs as `drain` says, the hosts' requests as `hosts_drain` (as `drain` when None: the
+        hosts' connection answers or not on its own); False if any subscription ran out of
+        time or failed."""
+        stopped: list[bool] = []
+
+        async def stop(server: Server, drain: bool) -> None:
+            stopped.append(await server.stop(drain=drain))
+
+        async with anyio.create_task_group() as tg:  # at once: a cut link costs one deadline
+            tg.start_soon(stop, self._server, drain)
+            tg.start_soon(stop, self._hosts, drain if hosts_drain is None else hosts_drain)
+        return all(stopped)
 
 
 async def announce(nc: Client, me: SeatAnnounce, signing: Signing) -> str | None:

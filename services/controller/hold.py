@@ -2,10 +2,12 @@
 beside the verbs: plan work, and stepping down when NATS is gone.
 
 A holder cut off from NATS for BUS_GRACE steps down (`BusLost`): as nats-py reports it (a
-closed connection), or as its own round trips find it (a silent link). A hold's last steps run
-at once, each on its own deadline, so a store or bus that is gone never keeps the lock.
+closed connection), or as its own round trips find it (a silent link), on either of its
+connections (its own, and the hosts': main.py). A hold's last steps run at once, each on its
+own deadline, so a store or bus that is gone never keeps the lock.
 """
 
+import functools
 import logging
 import time
 from collections.abc import Awaitable
@@ -33,6 +35,7 @@ from services.controller.changes import Changes
 from services.controller.fleet import Fleet, open_bus
 from services.controller.handover import VerbSubscriptions
 from services.controller.kick import Kicker
+from services.controller.noisy import Budgets
 from services.controller.operators import Trust
 from services.controller.planner import Planner
 from services.controller.publishing import Manifests, Publisher
@@ -81,8 +84,12 @@ class BusLost(MeshError):
 class Controller(msgspec.Struct):
     """What this controller keeps across its holds and its turns standing by."""
 
-    nc: Client
+    nc: Client  # verbs, the seat, JetStream, discovery
     link: bus.Link
+    # The hosts' requests, beats and reports: a connection of their own, which nats-server may
+    # drop as a slow consumer under a host's flood without taking the verbs with it.
+    hosts_nc: Client
+    hosts_link: bus.Link
     pool: asyncpg.Pool
     me: SeatAnnounce  # who this controller is, as it announces itself
     standbys: Standbys  # the standbys it hears
@@ -96,6 +103,7 @@ class Controller(msgspec.Struct):
     keys: Keys  # the key of the secrets (secretkeys.py)
     kicker: Kicker  # closes a cut-off holder's connection at a takeover (kick.py)
     buckets: Buckets  # the bus's buckets, opened once (buckets.py)
+    budgets: Budgets  # what each host may send (noisy.py)
 
 
 class Hold:
@@ -109,6 +117,9 @@ class Hold:
         self.nc = c.nc
         self.signing = c.signing
         self.link = c.link
+        self.hosts_nc = c.hosts_nc
+        self.hosts_link = c.hosts_link
+        self.budgets = c.budgets
         self.pool = c.pool
         self.lock = lock
         self.me = c.me
@@ -177,8 +188,9 @@ class Hold:
                                     budget=lambda: paging.budget(self.nc.max_payload)),
                     )  # fmt: skip
                     await self._serve(
-                        holder=holder, reports=HostReports(fleet=fleet, publisher=publisher),
-                        held=held, background=background, taken=taken,
+                        holder=holder, held=held, background=background, taken=taken,
+                        reports=HostReports(fleet=fleet, publisher=publisher,
+                                            budgets=self.budgets),
                     )  # fmt: skip
                     plans = anyio.CancelScope()
                     background.start_soon(_plan_work, publisher, planner, row.epoch, plans)
@@ -220,15 +232,18 @@ class Hold:
                 row, taken = await self._take()
             except _SESSION_ENDED as e:  # the store went (a restart, a dropped database)
                 raise SeatLost(f"the store failed as the seat was taken: {reason(e)}") from e
-            self.link.answered_at = time.monotonic()  # the round trips start with the hold
+            # the round trips start with the hold
+            self.link.answered_at = self.hosts_link.answered_at = time.monotonic()
             # The lock's session pinged, with the server's idle limit on it, from the take on:
             # a holder cut off while it loads loses the lock in IDLE_LIMIT, as one cut while
             # it serves does (the nemesis: cut as it took the seat in a handover, it kept the
             # lock until the cut ended, 7 s with no holder).
             tg.start_soon(self.lock.watch)
+            # Beats come on the hosts' connection: judged up to its last round trip.
             fleet = Fleet(
                 pool=self.pool, epoch=row.epoch, down_after=self.down_after,
-                open_bus=lambda: open_bus(self.nc), bus_answered=lambda: self.link.answered_at,
+                open_bus=lambda: open_bus(self.nc),
+                bus_answered=lambda: self.hosts_link.answered_at, noisy=self.budgets.noisy,
             )  # fmt: skip
             await fleet.load()
             await secretkeys.take_over(self.pool, self.keys, epoch=row.epoch)
@@ -317,7 +332,8 @@ class Hold:
         self.before = on_bus.record
         self.on_bus = await blobs.patiently(
             lambda: epochs.claim(kv, seen=on_bus, epoch=epoch, holder=me.instance,
-                                 pid=me.pid, at=kick.where(self.nc)),
+                                 pid=me.pid, at=kick.where(self.nc),
+                                 hosts_at=kick.where(self.hosts_nc)),
             within=BUS_TAKE_WITHIN,
         )  # fmt: skip
 
@@ -335,24 +351,29 @@ class Hold:
     ) -> None:  # fmt: skip
         """Serve verbs, hear the hosts, say `held`, close the last holder's connection if the
         seat did not come by a handover, and start the holder's background work."""
-        nc = self.nc
+        nc, hosts_nc = self.nc, self.hosts_nc
         await self.verbs.subscribe()
         await self.lock.confirm()
         self.verbs.serve(holder=holder, tasks=holder.tasks, fresh=self.lock.fresh)
-        self.reports = await reports.subscribe(nc)
+        self.reports = await reports.subscribe(hosts_nc)
+        background.start_soon(reports.take_kept, hosts_nc)
         await nc.flush()
-        before = self.before.connection() if self.before else None
-        if before is not None and not taken.planned and before != kick.where(nc):
-            assert self.before is not None
+        await hosts_nc.flush()
+        if self.before is not None and not taken.planned:
             holder_before = self.before.holder
-            background.start_soon(lambda: self.kicker.kick(before, holder=holder_before))
+            ours = (kick.where(nc), kick.where(hosts_nc))
+            for before in (self.before.connection(), self.before.hosts_connection()):
+                if before is not None and before not in ours:
+                    background.start_soon(functools.partial(self.kicker.kick, before,
+                                                            holder=holder_before))  # fmt: skip
         await _say(nc, self.signing, "held", held)
 
         async def record_where() -> None:
             assert self.seat_kv is not None
             if self.on_bus is None:
                 return  # not claimed yet: `_claim_bus` records where we are
-            self.on_bus = await epochs.moved(self.seat_kv, mine=self.on_bus, at=kick.where(nc))
+            self.on_bus = await epochs.moved(self.seat_kv, mine=self.on_bus, at=kick.where(nc),
+                                             hosts_at=kick.where(hosts_nc))  # fmt: skip
 
         def back_on_nats() -> None:
             holder.fleet.forgive()  # beats lost while we were away are not theirs
@@ -362,7 +383,8 @@ class Hold:
             # Maybe on another server now: the next holder must know where to kick.
             background.start_soon(attempt, "record where we are on the bus", record_where())
 
-        self.link.on_up = back_on_nats
+        # Either connection back: the hosts' carries the beats and reports that were lost.
+        self.link.on_up = self.hosts_link.on_up = back_on_nats
         background.start_soon(self.lock.watch)
         assert self.seat_kv is not None
         background.start_soon(lambda: epochs.watch(self.seat_kv, epoch=held.epoch))
@@ -374,7 +396,9 @@ class Hold:
         )
         background.start_soon(holder.publisher.keep_published)
         background.start_soon(metrics.HELD.holding, holder.fleet, self.pool)
+        background.start_soon(self.budgets.keep_saying)
         background.start_soon(_step_down_without_bus, self.link, nc)
+        background.start_soon(_step_down_without_bus, self.hosts_link, hosts_nc)
 
     async def _hand_over(
         self, *, held: SeatAnnounce, plans: anyio.CancelScope, background: TaskGroup
@@ -402,13 +426,15 @@ class Hold:
         log.info("controller %s hands over the seat%s", self.me.instance,
                  f" to {successor}" if successor else " (no standby answered)")  # fmt: skip
         plans.cancel()  # every plan write is a fenced transaction: the next holder goes on
-        await self.verbs.stop(drain=self.link.answers(self.nc))
+        await self.verbs.stop(drain=self.link.answers(self.nc),
+                              hosts_drain=self.hosts_link.answers(self.hosts_nc))  # fmt: skip
         return True
 
     async def _release(self, *, fleet: Fleet, held: SeatAnnounce) -> None:
         nc, lock = self.nc, self.lock
         # Each step on its own deadline: a store or bus that is gone must not keep the lock.
         answers = self.link.answers(self.nc)
+        hosts_answer = self.hosts_link.answers(self.hosts_nc)
         with anyio.CancelScope(shield=True):
             if not answers:
                 await lock.release()  # nobody can hear us: let the standby have the seat now
@@ -422,9 +448,9 @@ class Hold:
                     unfinished.append(True)
 
             async with anyio.create_task_group() as steps:
-                steps.start_soon(on_bus, self.verbs.stop(drain=answers))
+                steps.start_soon(on_bus, self.verbs.stop(drain=answers, hosts_drain=hosts_answer))
                 for sub in self.reports:
-                    stopping = sub.drain() if answers else sub.unsubscribe()
+                    stopping = sub.drain() if hosts_answer else sub.unsubscribe()
                     steps.start_soon(on_bus, attempt(f"stop {sub.subject}", stopping))
                 steps.start_soon(attempt, "flush heartbeats", fleet.flush())
                 steps.start_soon(
@@ -463,8 +489,10 @@ async def _plan_work(
 
 
 async def _step_down_without_bus(link: bus.Link, nc: Client) -> None:
-    """Raise BusLost once NATS has been gone for BUS_GRACE: as nats-py reports it (a closed
-    connection), or as our own round trips find it (a silent link)."""
+    """Raise BusLost once NATS has been gone for BUS_GRACE on this connection: as nats-py
+    reports it (a closed connection), or as our own round trips find it (a silent link). Each
+    of the holder's two connections has its own: a holder that hears verbs but no host (or
+    hosts but no verb) is as cut off as one that hears nothing."""
     async with anyio.create_task_group() as tg:
         tg.start_soon(lambda: link.round_trips(
             nc, every=ROUND_TRIP_EVERY, within=SILENT_AFTER, late=BUS_GRACE,
@@ -472,14 +500,14 @@ async def _step_down_without_bus(link: bus.Link, nc: Client) -> None:
         ))  # fmt: skip
         tg.start_soon(_unanswered, link)
         await link.down_for(BUS_GRACE)
-        raise BusLost(f"lost NATS for more than {BUS_GRACE:g}s: gave up the seat")
+        raise BusLost(f"lost NATS for more than {BUS_GRACE:g}s ({link.name}): gave up the seat")
 
 
 async def _unanswered(link: bus.Link) -> None:
     await link.silent_for()
     raise BusLost(
-        f"lost NATS for more than {SILENT_AFTER:g}s (our round trips had no answer): gave up the "
-        "seat"
+        f"lost NATS for more than {SILENT_AFTER:g}s ({link.name}: our round trips had no "
+        "answer): gave up the seat"
     )
 
 

@@ -11,6 +11,12 @@ with a seat it may have lost.
 The controller's tasks: the signal handler, the readiness writer, the event loop's lag meter,
 the metrics endpoint, and its turns at the seat (`_take_turns`: standing by, then holding),
 one after another until a signal; the hosts' verbs and reports run in a hold's own tasks.
+
+Two NATS connections: the controller's own (verbs, the seat, JetStream, discovery) and the
+hosts' (their requests, beats and reports, each subscription with pending limits and every
+machine within its budget: noisy.py). nats-server drops a client that reads too slowly as a slow
+consumer, a whole connection at once: a host flooding its subjects may cost the hosts' one a
+reconnect, never the operators' verbs theirs (docs/architecture.md, the hosts' traffic).
 """
 
 import gc
@@ -38,11 +44,12 @@ from services.controller.buckets import Buckets
 from services.controller.handover import VerbSubscriptions
 from services.controller.hold import Controller, Hold
 from services.controller.kick import Kicker
+from services.controller.noisy import Budgets
 from services.controller.readiness import Readiness
 from services.controller.seat import SeatLock
 from services.controller.standbys import Releases, SeatEvents, Standbys
 from services.controller.stopping import Stop, Stopping, attempt
-from services.controller.verbs import ENDPOINTS
+from services.controller.verbs import ENDPOINTS, HOST_ENDPOINTS, VERB_ENDPOINTS
 
 log = logging.getLogger("mesh.controller")
 
@@ -94,20 +101,24 @@ async def run(
         await conn.close()
 
     pool = await db.pool(database_url)
-    nc = None
-    link = bus.Link()
+    nc = hosts_nc = None
+    link = bus.Link("the controller's NATS connection")
+    hosts_link = bus.Link("the hosts' NATS connection")
     kicker = Kicker(nats_url, system_creds)
     try:
         nc = await bus.connect(nats_url, name=f"mesh-controller {instance}", creds=creds, link=link)
+        hosts_nc = await bus.connect(nats_url, name=f"mesh-controller {instance} hosts",
+                                     creds=creds, link=hosts_link)  # fmt: skip
         me = SeatAnnounce(
             instance=instance, pid=pid, host=host, since=started, version=version.running()
         )
         c = Controller(
-            nc=nc, link=link, pool=pool, me=me, standbys=Standbys(own_instance=instance),
+            nc=nc, link=link, hosts_nc=hosts_nc, hosts_link=hosts_link, pool=pool, me=me,
+            standbys=Standbys(own_instance=instance),
             released=Releases(), ready=Readiness(readiness.default_file()),
             signing=Signing.controller(creds), events=events, versions=versions,
             stats=Stats(observe=metrics.VERB_ANSWERED), down_after=down_after, keys=keys,
-            kicker=kicker, buckets=Buckets(nc),
+            kicker=kicker, buckets=Buckets(nc), budgets=Budgets(),
         )  # fmt: skip
         await SeatEvents(signing=c.signing, standbys=c.standbys, released=c.released).subscribe(nc)
         # Start-up leaves tens of thousands of objects that live as long as the process; a full
@@ -130,8 +141,12 @@ async def run(
             tg.cancel_scope.cancel()
     finally:
         with anyio.CancelScope(shield=True):
-            if nc is not None:
-                await attempt("close NATS", bus.close(nc, drain=link.answers(nc)))
+            async with anyio.create_task_group() as closing:  # at once: each on its deadline
+                for what, client, its in [("NATS", nc, link), ("the hosts' NATS", hosts_nc,
+                                                               hosts_link)]:  # fmt: skip
+                    if client is not None:
+                        drain = its.answers(client)
+                        closing.start_soon(attempt, f"close {what}", bus.close(client, drain=drain))
             await attempt("close the store pool", pool.close())
 
 
@@ -164,8 +179,11 @@ async def _take_turns(
     lock = SeatLock(database_url)
     try:
         while True:
-            verbs = VerbSubscriptions(nc=c.nc, tasks=tasks, endpoints=ENDPOINTS, stats=c.stats,
-                                      overloaded=_overloaded)  # fmt: skip
+            verbs = VerbSubscriptions(
+                nc=c.nc, tasks=tasks, endpoints=VERB_ENDPOINTS, stats=c.stats,
+                overloaded=_overloaded, hosts_nc=c.hosts_nc, host_endpoints=HOST_ENDPOINTS,
+                budgets=c.budgets,
+            )  # fmt: skip
             stopping.verbs = verbs
             if not await lock.try_acquire():
                 await _stand_by(c, lock=lock, verbs=verbs)

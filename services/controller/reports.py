@@ -1,18 +1,27 @@
 """What the holder hears from hosts without answering: beats, and each host's `applied`,
 `processes` and `tools` reports. A machine speaks only for itself: a report whose subject names
 another machine than its body is ignored, as is a malformed one (noise, not a reason to stop),
-and one that did not arrive as a report's subject (mesh/origin.py)."""
+and one that did not arrive as a report's subject (mesh/origin.py).
+
+On the hosts' own connection (docs/architecture.md, the hosts' traffic), each subscription with
+pending limits (past them nats-py drops what comes, counted in one line a window), and each
+message within its machine's budget (noisy.py), checked as nats-py parses it: a host flooding
+its own subjects costs the holder a check per message, not a message to build, queue and
+decode, nor a place in the queue that another host's beat needed."""
 
 import logging
 
+import anyio
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from mesh import origin, subjects, wire
+from mesh import bus, origin, subjects, wire
 from mesh.model import Applied, Beat, ProcessesEvent, ToolsEvent
 from mesh.ratelimit import PerKey
+from mesh.serving import Turns
 from services.controller.fleet import Fleet
+from services.controller.noisy import Budgets
 from services.controller.publishing import Publisher
 
 log = logging.getLogger("mesh.controller")
@@ -22,27 +31,55 @@ log = logging.getLogger("mesh.controller")
 # were not (`mesh nodes` shows the last one of each machine, whatever was logged).
 FAILURES_SAID = 3
 FAILURES_EVERY = 10.0
+# What may wait in each subscription (nats-py's pending limits; its defaults are 512Ki messages
+# and 128 MiB each): a takeover's fleet of 10,000 beating and reporting again fits many times
+# over, and a flood past it is dropped by nats-py instead of queueing for minutes behind.
+PENDING_MSGS = 50_000
+BEATS_PENDING_BYTES = 16 * 1024 * 1024
+REPORTS_PENDING_BYTES = 64 * 1024 * 1024  # a report may be MAX_REPORT (1 MiB)
+KEPT_EVERY = 0.25  # seconds between looks at the reports kept past their machine's budget
 
 
 class HostReports:
-    def __init__(self, *, fleet: Fleet, publisher: Publisher) -> None:
+    def __init__(self, *, fleet: Fleet, publisher: Publisher, budgets: Budgets) -> None:
         self._fleet = fleet
         self._publisher = publisher
+        self._budgets = budgets
         self._failures = PerKey[str](burst=FAILURES_SAID, every=FAILURES_EVERY)
+        self._beat_turns = Turns()
+        self._event_turns = Turns()
 
     async def subscribe(self, nc: Client) -> list[Subscription]:
         # Not in a queue group: a paused old holder that NATS has not dropped yet
         # must not take every other beat and report (docs/design.md, the seat).
-        beats = await origin.subscribe(nc, subjects.HOST_BEATS, cb=self.on_beat)
+        beats = await origin.subscribe(
+            nc, subjects.HOST_BEATS, cb=self.on_beat,
+            pending_msgs_limit=PENDING_MSGS, pending_bytes_limit=BEATS_PENDING_BYTES,
+        )  # fmt: skip
+        bus.admit(beats, self._budgets.admits("beats"))
         self._fleet.arrivals.sub = beats  # beats are judged by when they came (fleet.py)
-        return [
-            beats,
-            # One subscription for both: a host's `applied` and `processes` reports are
-            # handled in the order it sent them (an older snapshot never wins).
-            await origin.subscribe(nc, subjects.EVENTS, cb=self.on_event),
-        ]
+        # One subscription for both: a host's `applied` and `processes` reports are handled
+        # in the order it sent them (an older snapshot never wins).
+        reports = await origin.subscribe(
+            nc, subjects.EVENTS, cb=self.on_event,
+            pending_msgs_limit=PENDING_MSGS, pending_bytes_limit=REPORTS_PENDING_BYTES,
+        )  # fmt: skip
+        bus.admit(reports, self._budgets.admits("reports"))
+        return [beats, reports]
+
+    async def take_kept(self, nc: Client) -> None:
+        """Until cancelled: the reports kept past their machine's budget (the newest of each
+        kind), taken as their turn comes, as if they had just come."""
+        match = origin.matcher(subjects.EVENTS)
+        while True:
+            await anyio.sleep(KEPT_EVERY)
+            for subject, body in self._budgets.due():
+                msg = Msg(_client=nc, subject=subject, data=body)
+                if origin.expected(subjects.EVENTS, msg, match):
+                    await self.on_event(msg)
 
     async def on_beat(self, msg: Msg) -> None:
+        await self._beat_turns.take()
         try:
             beat = wire.decode(msg.data, Beat)
         except wire.BadRequest as e:  # noise, not a reason to stop
@@ -53,6 +90,7 @@ class HostReports:
         self._fleet.beat(beat)
 
     async def on_event(self, msg: Msg) -> None:
+        await self._event_turns.take()
         kind = subjects.last(msg.subject)
         if kind == "applied":
             self._applied(msg)

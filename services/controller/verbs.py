@@ -386,8 +386,15 @@ HOST_VERBS: dict[str, Verb] = {
     "secret": Verb(SecretRequest, SecretReply, host_secret, bound=HOST_REQUESTS, limit=_SMALL),
 }
 
-# The controller's subscriptions, in the `mesh-controller` queue group (handover.py).
-ENDPOINTS = (
+# What may wait in the host requests' subscription (nats-py's pending limits): a takeover's
+# storm of registrations (REGISTRATIONS_IN_FLIGHT) fits; a flood past it is dropped by nats-py,
+# not queued for minutes (whose answers the server would refuse as too late, each a line).
+HOST_PENDING = (REGISTRATIONS_IN_FLIGHT, 32 * 1024 * 1024)
+
+# The controller's subscriptions, in the `mesh-controller` queue group (handover.py): the
+# operators' verbs on the controller's connection, the hosts' requests on the hosts' own, with
+# their beats and reports (docs/architecture.md, the hosts' traffic).
+VERB_ENDPOINTS = (
     Endpoint(
         "verbs",
         subjects.CTL_VERBS,
@@ -403,6 +410,8 @@ ENDPOINTS = (
         queue=subjects.QUEUE,
         caller=operators.operating,
     ),
+)
+HOST_ENDPOINTS = (
     Endpoint(
         "host-requests",
         subjects.CTL_HOST_VERBS,
@@ -410,5 +419,7 @@ ENDPOINTS = (
         queue=subjects.QUEUE,
         caller=asking,
         what="host verb",
+        pending=HOST_PENDING,
     ),
 )
+ENDPOINTS = (*VERB_ENDPOINTS, *HOST_ENDPOINTS)  # as discovery lists them
