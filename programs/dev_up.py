@@ -45,6 +45,7 @@ from mesh.meshdir import MeshDir
 from mesh.model import NodesReply, NodesRequest, StatusReply
 from mesh.paths import write_private
 from mesh.store import db, secrets
+from programs.addresses import LOOPBACK_ONLY, Served
 from programs.placement import place_new
 from services.host import successor
 
@@ -93,9 +94,11 @@ def say(line: str) -> None:
 class DevMesh:
     def __init__(
         self, *, folder: Path, hosts: int, port: int | None, detached: bool = False,
-        nats: int = 1, store_standby: bool = False,
+        nats: int = 1, store_standby: bool = False, served: Served = LOOPBACK_ONLY,
     ) -> None:  # fmt: skip
         self.detached = detached  # `mesh init`: the servers and the host outlive the command
+        self.served = served  # where the servers listen and what they are named (--address)
+        self._ports: tuple[list[int], list[int]] | None = None  # client, cluster; once chosen
         self.dir = folder.resolve()
         self.mesh = MeshDir(self.dir)
         self.creds: dict[str, Path] = {}  # piece (or "admin", "viewer") -> its credentials
@@ -200,11 +203,27 @@ class DevMesh:
             say(f"port {wanted} is in use; nats-server n{i + 1} takes port {chosen[-1]} instead")
         return chosen
 
+    def choose_nats(self) -> str:
+        """The nats-servers' ports, and so their URL(s), written to DIR/nats/url: credentials
+        issued after this carry it (`mesh init`, so a file copied to another machine leads to
+        the servers). Returns the URL(s)."""
+        client = self._client_ports()
+        cluster = [ports.free_port() for _ in range(self.nats)] if self.nats > 1 else []
+        self._ports = client, cluster
+        host = self.served.url_host
+        self.nats_url = ",".join(f"tls://{host}:{port}" for port in client)
+        self.mesh.url_file.parent.mkdir(parents=True, exist_ok=True)
+        self.mesh.url_file.write_text(self.nats_url + "\n")
+        return self.nats_url
+
     async def start_nats(self) -> None:
         """The nats-servers, TLS with the mesh's CA; with several, one cluster whose servers
         route to each other over TLS too."""
-        client = self._client_ports()
-        cluster = [ports.free_port() for _ in range(self.nats)] if self.nats > 1 else []
+        if self._ports is None:
+            self.choose_nats()
+        assert self._ports is not None
+        client, cluster = self._ports
+        host, urls = self.served.url_host, self.nats_url.split(",")
         if self.nats > 1 and self.mesh.servers() == ["n1"]:
             say(
                 "this folder held one nats-server: its JetStream does not join a cluster, so "
@@ -216,18 +235,20 @@ class DevMesh:
             name = f"n{i + 1}"
             folder = self.mesh.server(name)
             cert, key = self.mesh.server_cert(name), self.mesh.server_key(name)
-            if not key.exists() or not tls.current(cert, self.mesh.ca):  # new, or the CA changed
-                tls.issue_server(self.mesh.tls, cert, key, name=name,
-                                 hosts=["127.0.0.1", "localhost"])  # fmt: skip
+            hosts = self.served.certified
+            # new, the CA changed, or other addresses (a folder of a failed init, made again)
+            if not key.exists() or not tls.current(cert, self.mesh.ca, hosts=hosts):
+                tls.issue_server(self.mesh.tls, cert, key, name=name, hosts=hosts)
+            # Routes dial the others where clients do (the address given, else loopback); the
+            # listeners take both. Its own route left out here: with a wildcard listen,
+            # write_config cannot tell it from the others.
+            routes = [f"{host}:{p}" for p in cluster if p != cluster[i]]
             conf = natsd.write_config(
                 folder, port=client[i], name=name, auth=self.mesh.auth_conf, system=self.system,
-                tls=natsd.Tls(cert=cert, key=key, ca=self.mesh.ca),
-                cluster=natsd.Cluster(port=cluster[i], routes=[f"127.0.0.1:{p}" for p in cluster])
-                if cluster else None,
+                host=self.served.listen, tls=natsd.Tls(cert=cert, key=key, ca=self.mesh.ca),
+                cluster=natsd.Cluster(port=cluster[i], routes=routes) if cluster else None,
             )  # fmt: skip
-            servers.append((name, f"tls://127.0.0.1:{client[i]}", conf, folder))
-        self.nats_url = ",".join(url for _, url, _, _ in servers)
-        self.mesh.url_file.write_text(self.nats_url + "\n")
+            servers.append((name, urls[i], conf, folder))
         started = []
         for name, url, conf, folder in servers:
             started.append((name, url, folder, await self._start(f"nats-{name}", natsd.argv(conf))))
@@ -259,6 +280,8 @@ class DevMesh:
             data, log=self.dir / "logs" / "postgres.log", database=DATABASE,
             passwords=self.passwords, detached=self.detached,
             settings=postgres.PRIMARY if self.store_standby else (), ca_folder=ca_folder,
+            fronts=self.served.fronts, certified=self.served.certified,
+            url_host=self.served.url_host,
         )  # fmt: skip
         self.children += [child, *child.companions]
         where = db.servers(self.database_url)[0]

@@ -8,6 +8,16 @@ starts, `services/controller` is pushed and its plan runs, the host starts the c
 process from its module, and `mesh-init` hands the seat over to it and exits. The servers and
 the host outlive the command; DIR/mesh.json lists them. Never a container.
 
+With `--address HOST` (programs/addresses.py), the servers listen for other machines too, their
+certificates name those addresses and the URLs written (DIR/env, DIR/nats/url, every credentials
+file, the controllers' store URL) name the first: a credentials file copied to another machine
+leads back here.
+
+Another mesh's settings in the environment (a `mesh dev up`'s DIR/env sourced) are dropped first
+and said in one line: this command checks its servers against its own CA and connects with its
+own URLs and credentials, and the pieces it starts (the host, `mesh-init`, their units) are given
+this mesh's settings alone.
+
 Then systemd units for the servers and the host (programs/units.py), in DIR/units: where systemd
 is the service manager and we are root, they are installed, enabled and started in place of the
 processes started here (each stopped, then its unit started with the same argv), so they come
@@ -40,6 +50,7 @@ from mesh.modules.load import load
 from mesh.names import check_name
 from mesh.store import db
 from mesh.store.migrate import migrate
+from programs.addresses import served
 from programs.dev_up import DevError, DevMesh, DirLock, _nats_answers, check_nats, say
 from programs.placement import CONTROL, NotPlaced, place, place_new
 from programs.units import Unit, UnitError, main_pid, of_mesh, shown, systemctl, systemd_runs
@@ -49,6 +60,15 @@ from programs.units import write as write_units
 INIT_INSTANCE = "mesh-init"
 STORE_CA_FILE = "store-ca.pem"  # services/controller/module.toml: the secret mesh-store-ca
 WITHIN = 180.0
+# What names one mesh in particular, which a shell that sourced another's DIR/env (or runs
+# inside a host's process) holds: read where this command connects (mesh/config.py) and carried
+# into the pieces it starts and their units (programs/units.py keeps every MESH_*). Settings of
+# how programs run (MESH_POSTGRES_BIN, MESH_PORTS, MESH_DEBUG, ...) are kept.
+ANOTHER_MESHS = (
+    "MESH_CA", "MESH_NATS_URL", "MESH_CREDS", "MESH_SYSTEM_CREDS", "MESH_DIR",
+    "MESH_DATABASE_URL", "MESH_SECRETS_KEY_FILE", "MESH_FILES", "MESH_MACHINE", "MESH_PROCESS",
+    "MESH_CONSOLE_TOKEN",
+)  # fmt: skip
 
 
 def default_dir() -> Path:
@@ -56,10 +76,13 @@ def default_dir() -> Path:
 
 
 async def init(
-    *, folder: Path, name: str, port: int | None, nats: int = 1, print_units: bool = False
-) -> None:
+    *, folder: Path, name: str, port: int | None, nats: int = 1, print_units: bool = False,
+    addresses: list[str] | None = None,
+) -> None:  # fmt: skip
     check_name(name, field="--name")
     check_nats(nats)
+    where = served(addresses or [])  # before anything is made: a refusal leaves no folder
+    _forget_another_mesh()
     folder.mkdir(parents=True, exist_ok=True)
     lock = DirLock(folder)
     lock.acquire()
@@ -69,7 +92,7 @@ async def init(
             f"{folder} already holds a mesh (see {record}); `source {folder}/env` to use it, "
             "or choose another --dir"
         )
-    mesh = DevMesh(folder=folder, hosts=0, port=port, detached=True, nats=nats)
+    mesh = DevMesh(folder=folder, hosts=0, port=port, detached=True, nats=nats, served=where)
     try:
         status = await _make(mesh, name=name, record=record)
     finally:
@@ -77,11 +100,24 @@ async def init(
     await _record_and_say(mesh, name=name, record=record, status=status, print_units=print_units)
 
 
+def _forget_another_mesh() -> None:
+    """Another mesh's settings dropped from this process's environment, which every connection
+    here reads and every piece started inherits; said in one line."""
+    found = [key for key in ANOTHER_MESHS if key in os.environ]
+    for key in found:
+        del os.environ[key]
+    if found:
+        say(f"mesh init: ignoring {', '.join(found)} from the environment (another mesh's): "
+            "this mesh uses its own")  # fmt: skip
+
+
 async def _make(mesh: DevMesh, *, name: str, record: Path) -> StatusReply:
     """The mesh, up to its controller holding the seat as a process; on any failure, whatever
     was started is stopped and `record` is not left behind."""
     temporary: Child | None = None
     try:
+        # The URL(s) first: every credentials file issued then carries them.
+        mesh.choose_nats()
         mesh.issue_credentials()
         with registry.locked(mesh.mesh) as users:
             host_creds = users.ensure("host", name, builder=True)

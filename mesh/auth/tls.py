@@ -148,14 +148,24 @@ def issued_by(cert: x509.Certificate, ca: x509.Certificate) -> bool:
     return True
 
 
-def current(cert_path: Path, ca_path: Path) -> bool:
-    """The certificate in `cert_path` exists and was signed by the CA in `ca_path`."""
+def current(cert_path: Path, ca_path: Path, *, hosts: list[str] | None = None) -> bool:
+    """The certificate in `cert_path` exists and was signed by the CA in `ca_path` (and, with
+    `hosts`, names each of them: a folder made again with other addresses gets new ones)."""
     try:
         cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
         ca = x509.load_pem_x509_certificate(ca_path.read_bytes())
     except (OSError, ValueError):
         return False
-    return issued_by(cert, ca)
+    return issued_by(cert, ca) and set(hosts or ()) <= set(names(cert))
+
+
+def names(cert: x509.Certificate) -> list[str]:
+    """The IP addresses and DNS names a certificate is valid for (its subjectAltName)."""
+    try:
+        alt = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return []
+    return [str(entry.value) for entry in alt if isinstance(entry, x509.IPAddress | x509.DNSName)]
 
 
 def serial(cert_path: Path) -> int:

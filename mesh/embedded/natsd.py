@@ -84,7 +84,7 @@ def write_config(
     q = json.dumps  # JSON strings are valid NATS-config strings: paths with spaces are safe
     lines = [
         f"server_name: {json.dumps(name)}",
-        f"listen: {host}:{port}",
+        f"listen: {json.dumps(f'{host}:{port}')}",  # quoted: [::] would read as a list
         f"pid_file: {json.dumps(str(folder / 'nats.pid'))}",
         # The server's side of liveness: a client that stops answering pings (a paused or
         # vanished controller) is cut after 20-30 s, its subscriptions with it (the default

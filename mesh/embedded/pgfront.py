@@ -19,6 +19,9 @@ ever taken as sent inside TLS (what CVE-2021-23214 was about in PostgreSQL). The
 is read again when its file changes (`mesh cert rotate`). One line at start; then errors only.
 
     python -m mesh.embedded.pgfront --listen 127.0.0.1:PORT --socket PATH --cert C --key K
+
+`--listen` may be given several times (`mesh init --address`: loopback and each address the
+store is reached at), one port or several.
 """
 
 import argparse
@@ -33,6 +36,7 @@ from pathlib import Path
 import anyio
 from anyio.abc import ByteStream, SocketAttribute, SocketStream
 from anyio.streams.buffered import BufferedByteReceiveStream
+from anyio.streams.stapled import MultiListener
 from anyio.streams.tls import TLSStream
 
 SSL_REQUEST = 80877103
@@ -242,24 +246,30 @@ def reason(e: BaseException) -> str:
 
 def address(text: str) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")  # [IPv6]:PORT
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT")
     return host, int(port)
 
 
-async def serve(*, listen: tuple[str, int], socket: Path, cert: Path, key: Path) -> None:
+async def serve(*, listen: list[tuple[str, int]], socket: Path, cert: Path, key: Path) -> None:
     certificate = Certificate(cert, key)
     certificate.context()  # a certificate that cannot be read is said at start
     front = Front(socket=socket, certificate=certificate)
-    listener = await anyio.create_tcp_listener(local_host=listen[0], local_port=listen[1])
-    say(f"postgres-front: TLS on {listen[0]}:{listen[1]} (certificate {cert}; plaintext "
+    # Each address on its own socket: the narrowest that serves them (never the wildcard).
+    listener = MultiListener([
+        await anyio.create_tcp_listener(local_host=host, local_port=port) for host, port in listen
+    ])  # fmt: skip
+    where = ", ".join(f"{h}:{p}" if ":" not in h else f"[{h}]:{p}" for h, p in listen)
+    say(f"postgres-front: TLS on {where} (certificate {cert}; plaintext "
         f"refused) for PostgreSQL's socket {socket}")  # fmt: skip
     await listener.serve(guarded("postgres-front", front.handle))
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m mesh.embedded.pgfront")
-    parser.add_argument("--listen", type=address, required=True, metavar="HOST:PORT")
+    parser.add_argument("--listen", type=address, required=True, action="append",
+                        metavar="HOST:PORT", help="where it listens (repeatable)")  # fmt: skip
     parser.add_argument("--socket", type=Path, required=True, help="PostgreSQL's Unix socket")
     parser.add_argument("--cert", type=Path, required=True)
     parser.add_argument("--key", type=Path, required=True)

@@ -33,7 +33,7 @@ import subprocess
 import sys
 import tempfile
 import urllib.parse
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -145,12 +145,22 @@ def private_folder(folder: Path) -> None:
         shutil.chown(folder, account, account)
 
 
-def front_argv(data: Path, *, port: int, socket: Path) -> list[str]:
-    """The TLS front on 127.0.0.1:`port` for the server whose socket is in `socket`, with the
-    certificate `install_certificate` put in `data`."""
+LOOPBACK = ("127.0.0.1",)  # where the store's front listens unless told (mesh init --address)
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def front_argv(
+    data: Path, *, port: int, socket: Path, listen: Sequence[str] = LOOPBACK
+) -> list[str]:
+    """The TLS front on `port` of 127.0.0.1 (or of each of `listen`) for the server whose
+    socket is in `socket`, with the certificate `install_certificate` put in `data`."""
     return [
         sys.executable, "-P", "-m", "mesh.embedded.pgfront",
-        "--listen", f"127.0.0.1:{port}", "--socket", str(socket_path(socket, port)),
+        *(a for host in listen for a in ("--listen", f"{_url_host(host)}:{port}")),
+        "--socket", str(socket_path(socket, port)),
         "--cert", str(data / SERVER_CERT), "--key", str(data / SERVER_KEY),
     ]  # fmt: skip
 
@@ -166,14 +176,17 @@ def relay_argv(folder: Path, *, primary_port: int, ca: Path) -> list[str]:
     ]  # fmt: skip
 
 
-async def _front(server: Child, data: Path, *, port: int, socket: Path, detached: bool) -> None:
+async def _front(
+    server: Child, data: Path, *, port: int, socket: Path, detached: bool,
+    listen: Sequence[str] = LOOPBACK,
+) -> None:  # fmt: skip
     """The TLS front of `server` (one of its companions, named after it: `postgres-front`),
     once the server's socket is there (a front started earlier would log every refusal)."""
     await _wait_path(socket_path(socket, port), server, deadline=60)
     name = f"{server.name}-front"
     server.companions.append(await spawn(
-        name, front_argv(data, port=port, socket=socket), log=server.log.with_name(f"{name}.log"),
-        detached=detached,
+        name, front_argv(data, port=port, socket=socket, listen=listen),
+        log=server.log.with_name(f"{name}.log"), detached=detached,
     ))  # fmt: skip
 
 
@@ -187,14 +200,17 @@ async def _wait_path(path: Path, child: Child, *, deadline: float) -> None:
     raise PostgresFailed(f"{child.name} made no socket {path} within {deadline:g}s")
 
 
-def install_certificate(data: Path, *, ca_folder: Path) -> None:
+def install_certificate(
+    data: Path, *, ca_folder: Path, hosts: Sequence[str] = ("127.0.0.1", "localhost")
+) -> None:
     """The server's certificate in `data` (`server.crt`, its key `server.key` 0600), from the
-    mesh's CA in `ca_folder` for 127.0.0.1 and localhost, issued again when missing or signed
-    by another CA; and the CA beside them (`mesh-ca.pem`, which a standby copied from this
-    folder checks its primary against). All the server's account's."""
+    mesh's CA in `ca_folder` for `hosts` (127.0.0.1 and localhost), issued again when missing,
+    signed by another CA or not naming them all; and the CA beside them (`mesh-ca.pem`, which
+    a standby copied from this folder checks its primary against). All the server's
+    account's."""
     cert, key, ca = data / SERVER_CERT, data / SERVER_KEY, data / STORE_CA
-    if not key.exists() or not current(cert, ca_folder / "ca.pem"):
-        issue_server(ca_folder, cert, key, name="postgres", hosts=["127.0.0.1", "localhost"])
+    if not key.exists() or not current(cert, ca_folder / "ca.pem", hosts=list(hosts)):
+        issue_server(ca_folder, cert, key, name="postgres", hosts=list(hosts))
     shutil.copyfile(ca_folder / "ca.pem", ca)
     account = os_account()
     if account:
@@ -332,11 +348,12 @@ def argv(
 
 def url(
     port: int, database: str = "postgres", *, password: str, user: str = PG_USER,
-    ca: Path | None = None,
+    ca: Path | None = None, host: str = "127.0.0.1",
 ) -> str:  # fmt: skip
     """With `ca` (the mesh's CA certificate), TLS checked against it and the server's address
     (`sslmode=verify-full`): libpq's and asyncpg's keywords alike."""
-    return f"postgresql://{_userinfo(user, password)}@127.0.0.1:{port}/{database}" + _tls_query(
+    where = f"{_url_host(host)}:{port}"
+    return f"postgresql://{_userinfo(user, password)}@{where}/{database}" + _tls_query(
         ca, first=True
     )
 
@@ -462,18 +479,25 @@ async def _hand_over(conn: asyncpg.Connection, role: str) -> None:
 async def start(
     data: Path, *, log: Path, database: str, passwords: pgauth.Passwords, detached: bool = False,
     settings: tuple[str, ...] = (), ca_folder: Path | None = None,
+    fronts: Sequence[str] = LOOPBACK, certified: Sequence[str] = ("127.0.0.1", "localhost"),
+    url_host: str = "127.0.0.1",
 ) -> tuple[Child, str]:  # fmt: skip
     """Initialise and lock `data` (`init`), run the server on a free local port, wait until it
     answers and set up `database` for the controllers (`ensure_store`). Returns the running
     child and the controllers' URL (with their role's password).
     With `settings=PRIMARY`, the server is ready to stream to a standby (`start_standby`).
     With `ca_folder` (the mesh's CA), TLS only: its certificate from that CA, `hostssl` lines
-    alone, and every connection, ours and the URL's, `sslmode=verify-full` against the CA."""
+    alone, and every connection, ours and the URL's, `sslmode=verify-full` against the CA.
+    Behind the TLS front (`fronted`), the front listens on each of `fronts`, the certificate
+    names `certified` and the URL `url_host` (`mesh init --address`); a PostgreSQL doing its
+    own TLS stays on 127.0.0.1, which its pg_hba.conf alone admits."""
     tls = ca_folder is not None
     front = fronted(tls)
+    if not front:
+        fronts, url_host = LOOPBACK, "127.0.0.1"
     await anyio.to_thread.run_sync(lambda: init(data, passwords=passwords, tls=tls))
     if ca_folder is not None:
-        install_certificate(data, ca_folder=ca_folder)
+        install_certificate(data, ca_folder=ca_folder, hosts=certified)
     ca = ca_folder / "ca.pem" if ca_folder is not None else None
     port = free_port()
     socket = socket_folder(data) if front else None
@@ -485,7 +509,8 @@ async def start(
     )  # fmt: skip
     try:
         if socket is not None:
-            await _front(child, data, port=port, socket=socket, detached=detached)
+            await _front(child, data, port=port, socket=socket, detached=detached,
+                         listen=fronts)  # fmt: skip
         await wait_ready(port, password=passwords.of(PG_USER), deadline=30,
                          alive=lambda: child.running, ca=ca)  # fmt: skip
         await ensure_store(port, database=database, passwords=passwords,
@@ -494,7 +519,7 @@ async def start(
         await stop_with_companions(child)
         raise PostgresFailed(f"{e}; last lines of {child.log}:\n{child.tail()}") from None
     return child, url(port, database, user=CONTROLLER_USER,
-                      password=passwords.of(CONTROLLER_USER), ca=ca)  # fmt: skip
+                      password=passwords.of(CONTROLLER_USER), ca=ca, host=url_host)  # fmt: skip
 
 
 # --- a synchronous streaming standby ------------------------------------------------------------

@@ -107,6 +107,11 @@ def parser() -> argparse.ArgumentParser:
     new.add_argument("--name", default=None, help="this machine's name (its hostname)")
     new.add_argument("--port", type=int, default=None, help="NATS port (4222, or a free one)")
     new.add_argument(
+        "--address", action="append", default=[], metavar="HOST",
+        help="an IP address or DNS name of this machine that other machines reach the servers "
+        "at (repeatable; the first is the one the URLs name); without it, loopback only",
+    )  # fmt: skip
+    new.add_argument(
         "--nats", type=int, default=1, metavar="N", help="nats-servers in one cluster (1)"
     )
     new.add_argument(
@@ -256,7 +261,7 @@ async def cmd_init(args: argparse.Namespace) -> None:
 
     name = args.name or socket.gethostname().split(".")[0]
     await init(folder=args.dir or default_dir(), name=name, port=args.port, nats=args.nats,
-               print_units=args.print_units)  # fmt: skip
+               print_units=args.print_units, addresses=args.address)  # fmt: skip
 
 
 async def cmd_controller_ready(args: argparse.Namespace) -> None:
