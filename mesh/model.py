@@ -1003,3 +1003,71 @@ class OperatorsRequest(Request):
 
 class OperatorsReply(msgspec.Struct):
     operators: list[OperatorInfo]
+
+
+# --- join tokens (docs/verbs.md: token-*; mesh/tokens.py: the token as text) -----------------
+
+TokenId = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{12}\Z")]  # not a secret: a name
+TOKEN_TTL_MOST = 30 * 86400.0  # seconds: a token that outlives a month is one nobody remembers
+TOKEN_USES_MOST = 1000  # machines per token (each named in its `used_by`)
+
+
+class TokenCreateRequest(Request, omit_defaults=True):
+    """A join token's terms. The secret never reaches the controller: the command line makes
+    it and sends its SHA-256 (mesh.tokens.secret_hash), which is all the store keeps."""
+
+    secret_sha256: Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{64}\Z")]
+    ttl: Annotated[float, msgspec.Meta(ge=1, le=TOKEN_TTL_MOST)] = 3600.0  # seconds
+    uses: Annotated[int, msgspec.Meta(ge=1, le=TOKEN_USES_MOST)] = 1
+    tier: Tier = 2  # as a machine nobody placed registers (mesh machine add without --tier)
+    labels: Labels = {}
+    control: bool = False  # joins the control plane: labelled role=control
+    site: Name | None = None  # kept for a later feature
+
+
+class TokenInfo(msgspec.Struct):
+    """A join token as `token list` shows it: never its secret, nor its hash."""
+
+    id: str
+    created: datetime
+    by: str  # the operator the mesh verified
+    expires: datetime
+    uses_left: int
+    revoked: datetime | None
+    tier: int
+    labels: dict[str, str]  # what a machine joining with it is labelled (role=control included)
+    control: bool
+    site: str | None
+    used_by: list[str]  # the machines that joined with it, in order
+
+
+class TokenListRequest(Request, omit_defaults=True):
+    limit: int = PAGE_LIMIT
+    after: Cursor | None = None
+
+    def __post_init__(self) -> None:
+        check_limit(self.limit)
+
+
+class TokenListReply(msgspec.Struct):
+    tokens: list[TokenInfo]  # newest first
+    next: str | None = None
+
+
+class TokenRevokeRequest(Request):
+    id: TokenId
+
+
+class TokenRevokeReply(msgspec.Struct):
+    id: str
+    revoked: bool
+
+
+class Grant(msgspec.Struct, frozen=True):
+    """What a redeemed join token gives the machine that joins with it
+    (services.controller.tokens.redeem)."""
+
+    tier: int
+    labels: dict[str, str]  # role=control included when `control`
+    control: bool
+    site: str | None = None

@@ -21,6 +21,7 @@ from mesh.model import (
     NodesReply,
     PlanReply,
     PlansReply,
+    TokenListReply,
     ToolsReply,
 )
 
@@ -52,6 +53,7 @@ LISTINGS: dict[type, Listing] = {
     ToolsReply: Listing("tools", key=lambda t: (t.machine, t.server, t.name)),
     HistoryReply: Listing("versions", key=lambda v: v.version),
     AuditReply: Listing("entries", key=lambda e: e.id),
+    TokenListReply: Listing("tokens", key=lambda t: t.id),
 }
 
 

@@ -26,6 +26,7 @@ from programs.cli import (
     machines,
     modules,
     render,
+    tokens,
     tools,
     trust,
     versions,
@@ -207,6 +208,7 @@ def parser() -> argparse.ArgumentParser:
     webconsole.add_parsers(verbs, common)
     tools.add_parsers(verbs, common)
     trust.add_parsers(verbs, common)
+    tokens.add_parsers(verbs, common)
     return top
 
 
@@ -374,6 +376,7 @@ COMMANDS: dict[tuple[str, ...], Callable[[argparse.Namespace], Any]] = {
     **webconsole.COMMANDS,
     **tools.COMMANDS,
     **trust.COMMANDS,
+    **tokens.COMMANDS,
 }
 
 

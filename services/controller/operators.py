@@ -53,8 +53,9 @@ from mesh.store import audit, modules, secrets
 log = logging.getLogger(__name__)
 
 ANONYMOUS = "anonymous"  # who asked, on a bus where nobody is authenticated
-# Verbs that change nothing besides the reads (the dry run of a push): not audited.
-UNAUDITED = frozenset({"diff"})
+# Verbs that change nothing besides the reads (the dry run of a push; listing join tokens, a
+# read kept from viewers): not audited.
+UNAUDITED = frozenset({"diff", "token-list"})
 
 
 @dataclass
@@ -130,7 +131,7 @@ def subject_of(verb: str, req: Any) -> str:
         return _module_of_manifest(req.manifest) or "(a manifest without a module name)"
     if verb.startswith("plan-"):
         return f"plan {req.id}"
-    for field in ("module", "machine", "name"):
+    for field in ("module", "machine", "name", "id"):  # `id`: a join token's
         value = getattr(req, field, None)
         if isinstance(value, str):
             return value

@@ -64,12 +64,18 @@ from mesh.model import (
     SteerRequest,
     TierReply,
     TierRequest,
+    TokenCreateRequest,
+    TokenInfo,
+    TokenListReply,
+    TokenListRequest,
+    TokenRevokeReply,
+    TokenRevokeRequest,
     ToolsReply,
     ToolsRequest,
 )
 from mesh.serving import Bound, Endpoint, Verb
 from mesh.store import modules as catalog
-from services.controller import operators
+from services.controller import operators, tokens
 from services.controller.changes import Changes
 from services.controller.fleet import Fleet
 from services.controller.planner import Planner
@@ -305,6 +311,18 @@ async def secret_rotate_key(h: Holder, req: RotateKeyRequest) -> RotateKeyReply:
     return await h.changes.secret_rotate_key(req)
 
 
+async def token_create(h: Holder, req: TokenCreateRequest) -> TokenInfo:
+    return await tokens.create(h.trust, req)
+
+
+async def token_list(h: Holder, req: TokenListRequest) -> TokenListReply:
+    return await tokens.listing(h.trust, req)
+
+
+async def token_revoke(h: Holder, req: TokenRevokeRequest) -> TokenRevokeReply:
+    return await tokens.revoke(h.trust, req)
+
+
 VERBS: dict[str, Verb] = {
     "status": Verb(StatusRequest, StatusReply, status, limit=_SMALL),
     "nodes": Verb(NodesRequest, NodesReply, nodes, limit=_SMALL, too_large=_PAGED),
@@ -362,6 +380,15 @@ VERBS: dict[str, Verb] = {
     # the key of the secrets (`mesh secret rotate-key`): an admin's, one change at a time
     "secret-rotate-key": Verb(
         RotateKeyRequest, RotateKeyReply, secret_rotate_key, bound=SLOW, limit=_SMALL
+    ),
+    # join tokens (services/controller/tokens.py): admins' alone, listing them too (not in
+    # READ_VERBS: who may join, and how, is not a viewer's to read); up to 64 labels
+    "token-create": Verb(TokenCreateRequest, TokenInfo, token_create, bound=SLOW),
+    "token-list": Verb(
+        TokenListRequest, TokenListReply, token_list, bound=SLOW, limit=_SMALL, too_large=_PAGED
+    ),
+    "token-revoke": Verb(
+        TokenRevokeRequest, TokenRevokeReply, token_revoke, bound=SLOW, limit=_SMALL
     ),
 }
 # As operators ask them: a change checked against who asked, its `by` that operator, audited.
