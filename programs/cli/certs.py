@@ -35,7 +35,8 @@ from programs.cli.client import CliError
 from programs.cli.output import print_json
 
 RELOAD_WITHIN = 5.0  # seconds for a signalled server to present its new certificate
-_LISTEN = re.compile(r"^listen:\s*(\S+):(\d+)\s*$", re.MULTILINE)
+# Quoted or not: mesh quotes it ([::] would read as a list), a config written by hand may not.
+_LISTEN = re.compile(r"^listen:\s*\"?(\S+?):(\d+)\"?\s*$", re.MULTILINE)
 
 
 class CaInfo(msgspec.Struct):
