@@ -10,9 +10,12 @@ one; `mesh init` is meant to make one the same way.
                              replicator), mode 0600
     DIR/keys/secrets.key     the key of the secrets in the store (mesh/auth/secretkeys.py), mode
                              0600 in a 0700 folder: back it up
+    DIR/keys/nats/*.nk       the NATS operator's, accounts' and signing key's seeds
+                             (mesh/auth/trust.py), mode 0600: back them up
     DIR/tls/ca.pem           the mesh's CA certificate, given to every client (MESH_CA)
     DIR/tls/ca.key           its key, mode 0600: it signs the servers' certificates
-    DIR/nats/auth.conf       the authorization block, written from users.json
+    DIR/nats/auth.conf       the operator and accounts' JWTs every server includes, written from
+                             the keys and users.json
     DIR/nats/nK/nats.conf    server nK's configuration (n1, n2, ...); it includes auth.conf
     DIR/nats/nK/server.pem   its certificate (server.key, mode 0600), signed by the CA
     DIR/nats/nK/nats.pid     the running server's pid (written by nats-server), for reloads

@@ -26,7 +26,7 @@ import msgspec
 from nats.aio.client import Client
 
 from mesh import bus, metrics, subjects, wire
-from mesh.auth import registry, secretkeys, system, tls
+from mesh.auth import registry, secretkeys, tls
 from mesh.client.asking import probing
 from mesh.client.pages import every_page
 from mesh.embedded import natsd, pgauth, ports, postgres
@@ -102,7 +102,6 @@ class DevMesh:
         self.dir = folder.resolve()
         self.mesh = MeshDir(self.dir)
         self.creds: dict[str, Path] = {}  # piece (or "admin", "viewer") -> its credentials
-        self.system: str | None = None  # the system account's kicker (public key), once issued
         self.hosts = hosts
         self.port = port
         self.nats = nats  # nats-servers in the cluster
@@ -153,9 +152,10 @@ class DevMesh:
             self.creds["viewer"] = users.ensure("operator", "viewer", role="viewer")
             self.creds["tools"] = users.ensure("operator", "tools", role="tools")
             self.creds["ctl"] = users.ensure("controller", registry.CONTROLLER)
-            # The system account's kicker, the controllers' alone (mesh/auth/system.py).
-            self.creds["system"] = self.mesh.creds / "system.creds"
-            self.system = system.ensure(self.creds["system"], ca=self.mesh.ca.read_text())
+            # The system account's kicker, the controllers' alone (mesh/auth/system.py), and
+            # the folder's pusher of the account's JWT (`mesh machine remove`).
+            self.creds["system"] = users.system_user("system")
+            users.system_user("claims")
             for i in range(1, self.hosts + 1):
                 name = f"node-{i}"
                 self.creds[name] = users.ensure("host", name, builder=i == 1)
@@ -244,7 +244,7 @@ class DevMesh:
             # write_config cannot tell it from the others.
             routes = [f"{host}:{p}" for p in cluster if p != cluster[i]]
             conf = natsd.write_config(
-                folder, port=client[i], name=name, auth=self.mesh.auth_conf, system=self.system,
+                folder, port=client[i], name=name, auth=self.mesh.auth_conf,
                 host=self.served.listen, tls=natsd.Tls(cert=cert, key=key, ca=self.mesh.ca),
                 cluster=natsd.Cluster(port=cluster[i], routes=routes) if cluster else None,
             )  # fmt: skip

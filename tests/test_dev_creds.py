@@ -16,9 +16,10 @@ import yaml
 from helpers import MESH, ok, ok_json, one_line_error, wait_until
 
 from mesh import bus
-from mesh.auth import creds
+from mesh.auth import claims, creds, registry
 from mesh.auth.keys import new_user
 from mesh.embedded import natsd, ports
+from mesh.meshdir import MeshDir
 
 ROOT = Path(__file__).parent.parent
 IDENTITIES = ["admin", "viewer", "tools", "controller", "node-1", "node-2", "node-3"]
@@ -44,8 +45,11 @@ def test_issues_what_dev_up_issues_and_keeps_it(tmp_path: Path) -> None:
     }
     auth = Path(first["auth"]).read_text()
     assert auth == (folder / "nats" / "auth.conf").read_text()
-    for user in users:
-        assert f'nkey: "{user["public"]}"' in auth
+    signer = registry.Registry.load(MeshDir(folder)).trust.signer.public
+    for user in users:  # the servers know no user: each file's JWT is the mesh signer's
+        assert user["public"] not in auth
+        signed = claims.decode(creds.read(Path(first["creds"][user["name"]])).user_jwt or "")
+        assert (signed["sub"], signed["iss"]) == (user["public"], signer)
     seeds = {}
     for name in IDENTITIES:
         held, copy = Path(first["creds"][name]), Path(first["exported"][name])

@@ -8,6 +8,7 @@ see a refusal (a misspelt subject, a silent server) fails instead of passing."""
 import base64
 import json
 import os
+import re
 import shlex
 import stat
 from pathlib import Path
@@ -24,8 +25,8 @@ from nats.js.errors import APIError
 from secured import Secured
 
 from mesh import blobs, bus
+from mesh.auth import claims, registry
 from mesh.auth import creds as credentials
-from mesh.auth import registry
 from mesh.auth.keys import new_user
 from mesh.auth.policy import OPERATOR_WATCH, READ_VERBS
 from mesh.meshdir import MeshDir
@@ -468,27 +469,45 @@ def test_a_credentials_file_is_private_and_reads_back(tmp_path: Path) -> None:
         credentials.read(tmp_path / "absent.creds")
 
 
-def test_the_registry_keeps_credentials_and_never_writes_an_open_server(tmp_path: Path) -> None:
-    from mesh.auth import server
+def _preloaded(conf: str, name: str) -> dict:
+    """The claims of the account `name` the servers' configuration preloads."""
+    found = [
+        claims.decode(jwt)
+        for jwt in re.findall(r'^  A[A-Z2-7]+: "([^"]+)"$', conf, re.MULTILINE)
+        if claims.decode(jwt)["name"] == name
+    ]
+    assert len(found) == 1, conf
+    return found[0]
 
+
+def test_the_registry_keeps_credentials_and_revokes_a_key_issued_anew(tmp_path: Path) -> None:
     folder = MeshDir(tmp_path / "mesh")
     with registry.locked(folder) as users:
         admin = users.ensure("operator", "admin", role="admin")
         host = users.ensure("host", "node-1")
         users.save()
     first = (admin.read_text(), host.read_text())
+    lost = registry.Registry.load(folder).get("host", "node-1").public
     with registry.locked(folder) as users:  # as `mesh dev up` started again
         assert users.ensure("operator", "admin", role="admin") == admin
         host.unlink()  # a lost file is issued anew, with a new key
         users.ensure("host", "node-1")
         users.save()
     assert admin.read_text() == first[0] and host.read_text() != first[1]
+    # The servers know no user: the new file's JWT is signed by the mesh's signer, the lost
+    # key is in the account's revocations, and every user's key is absent from the file.
     conf = folder.auth_conf.read_text()
-    assert registry.Registry.load(folder).get("host", "node-1").public in conf
+    held = registry.Registry.load(folder)
+    new = held.get("host", "node-1").public
+    assert new not in conf and held.get("operator", "admin").public not in conf
+    account = _preloaded(conf, "MESH")
+    assert lost in account["nats"]["revocations"] and new not in account["nats"]["revocations"]
+    assert held.trust.signer.public in account["nats"]["signing_keys"]
+    user = claims.decode(credentials.read(host).user_jwt)
+    assert (user["sub"], user["iss"]) == (new, held.trust.signer.public)
+    assert user["nats"]["issuer_account"] == held.trust.account.public
     with pytest.raises(registry.AuthError):
         registry.Registry.load(folder).issue("operator", registry.CONTROLLER, role="admin")
-    with pytest.raises(ValueError, match="admits anyone"):
-        server.render([])
 
 
 async def test_a_hosts_watch_of_its_own_key_outlives_a_server_restart(secured: Secured):

@@ -4,8 +4,10 @@ inbox prefix its permissions allow. A file can also carry what a machine needs t
 mesh: the NATS servers (`# mesh-nats-url:`) and the mesh's CA certificate, so one file is all a
 new machine is handed (`mesh machine add`).
 
-A file made by another tool is read too: a NATS `.creds` file with a user JWT (operator mode) is
-passed to the client as it is; a bare seed file gets the default inbox prefix.
+The mesh's own files are NATS `.creds` files (a user JWT, then the seed: mesh/auth/trust.py),
+which the `nats` command line reads as they are. A file made by another tool is read too (a
+`.creds` file of another operator; a bare seed file, of a mesh from before JWTs), with the
+default inbox prefix.
 """
 
 import os
@@ -20,6 +22,9 @@ from mesh.errors import MeshError
 DEFAULT_INBOX = "_INBOX"
 _SEED_BEGIN = "-----BEGIN USER NKEY SEED-----"
 _SEED_END = "------END USER NKEY SEED------"
+_JWT_BEGIN = "-----BEGIN NATS USER JWT-----"
+_JWT_END = "------END NATS USER JWT------"
+_JWT_LINE = re.compile(r"-----BEGIN NATS USER JWT-----\s*\n\s*(\S+)\s*\n")
 _INBOX_LINE = re.compile(r"^# mesh-inbox: (\S+)\s*$", re.MULTILINE)
 _SEED_LINE = re.compile(r"^\s*(SU[A-Z2-7]+)\s*$", re.MULTILINE)
 _SERVERS_LINE = re.compile(r"^# mesh-nats-url: (\S+)\s*$", re.MULTILINE)
@@ -36,9 +41,10 @@ class CredsError(MeshError):
 
 class Creds(msgspec.Struct, frozen=True):
     path: str
-    seed: str | None  # None for a JWT .creds file, which the client reads itself
+    seed: str | None
     inbox: str  # the inbox prefix this identity may subscribe to
-    jwt: bool = False
+    jwt: bool = False  # a user JWT precedes the seed: the client reads the file itself
+    user_jwt: str | None = None
     ca: str | None = None  # the mesh's CA certificate (PEM), when the file carries it
     servers: str | None = None  # the NATS URL(s), comma-separated, when the file carries them
     # The controllers' public key: what they sign, a host checks with it (mesh.auth.signing).
@@ -50,7 +56,7 @@ class Creds(msgspec.Struct, frozen=True):
 
 def render(
     *, who: str, seed: str, inbox: str, ca: str | None = None, servers: str | None = None,
-    controller: str | None = None, operator: str | None = None,
+    controller: str | None = None, operator: str | None = None, jwt: str | None = None,
 ) -> str:  # fmt: skip
     lines = [
         f"# mesh credentials: {who}",
@@ -64,6 +70,8 @@ def render(
         lines.append(f"# mesh-controller: {controller}")
     if operator:
         lines.append(f"# mesh-operator: {operator}")
+    if jwt:
+        lines += [_JWT_BEGIN, jwt, _JWT_END, ""]
     lines += [_SEED_BEGIN, seed, _SEED_END]
     if ca:
         lines += [
@@ -77,6 +85,7 @@ def render(
 def write(
     path: Path, *, who: str, seed: str, inbox: str, ca: str | None = None,
     servers: str | None = None, controller: str | None = None, operator: str | None = None,
+    jwt: str | None = None,
 ) -> None:  # fmt: skip
     """Write the file readable by its owner alone (0600), atomically: never a moment when it is
     readable by others or half written."""
@@ -86,7 +95,7 @@ def write(
     try:
         os.fchmod(fd, 0o600)  # whatever the umask
         text = render(who=who, seed=seed, inbox=inbox, ca=ca, servers=servers,
-                      controller=controller, operator=operator)  # fmt: skip
+                      controller=controller, operator=operator, jwt=jwt)  # fmt: skip
         os.write(fd, text.encode())
         os.fsync(fd)
     finally:
@@ -101,8 +110,7 @@ def read(path: str | Path) -> Creds:
         raise CredsError(f"credentials {path}: {e.strerror or e}") from None
     except UnicodeDecodeError:
         raise CredsError(f"credentials {path}: not a text file") from None
-    if "BEGIN NATS USER JWT" in text:
-        return Creds(path=str(path), seed=None, inbox=DEFAULT_INBOX, jwt=True)
+    user_jwt = _JWT_LINE.search(text)
     found = _SEED_LINE.search(text)
     if found is None:
         raise CredsError(f"credentials {path}: no NATS user seed (a line starting SU) in it")
@@ -124,4 +132,6 @@ def read(path: str | Path) -> Creds:
         servers=servers.group(1) if servers else None,
         controller=controller.group(1) if controller else None,
         operator=operator.group(1) if operator else None,
+        jwt=user_jwt is not None,
+        user_jwt=user_jwt.group(1) if user_jwt else None,
     )

@@ -1,18 +1,22 @@
 """A mesh's identities, kept in its folder (`mesh.meshdir`): issuing one writes its credentials
-file (0600) and the server's authorization block; revoking one removes both. Public keys live in
-`creds/users.json`; each seed lives only in its own credentials file."""
+file (0600: its JWT, signed by the mesh's signer, and its seed); revoking one deletes the file
+and puts its key in the account's revocations (`mesh.auth.trust`), which the servers are given
+(`server.write`, and `server.publish_account` to those running). Public keys and revocations live
+in `creds/users.json`; each seed lives only in its own credentials file."""
 
 import fcntl
 import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import msgspec
 
-from mesh.auth import creds, server
+from mesh.auth import claims, creds, server
 from mesh.auth.keys import new_user, public_of
 from mesh.auth.policy import Kind, Role, User, inbox
+from mesh.auth.trust import CLAIMS_INBOX, KICKER_INBOX, Revoked, Trust
 from mesh.errors import MeshError
 from mesh.meshdir import MeshDir
 from mesh.names import check_name
@@ -24,14 +28,24 @@ class AuthError(MeshError):
     """A failure of issuing or revoking credentials; the message says what to do."""
 
 
-class _Users(msgspec.Struct):
+class _Users(msgspec.Struct, omit_defaults=True):
     users: list[User] = []
+    revoked: list[Revoked] = []  # keys the account refuses (removed, or issued anew)
 
 
 class Registry:
     def __init__(self, folder: MeshDir) -> None:
         self.dir = folder
         self.users: dict[tuple[str, str], User] = {}
+        self.revoked: dict[str, Revoked] = {}
+        self._trust: Trust | None = None
+
+    @property
+    def trust(self) -> Trust:
+        """The folder's keys (made on first use: a folder from before JWTs gets them)."""
+        if self._trust is None:
+            self._trust = Trust.of(self.dir.root)
+        return self._trust
 
     @classmethod
     def load(cls, folder: MeshDir) -> "Registry":
@@ -43,10 +57,11 @@ class Registry:
         except OSError as e:
             raise AuthError(f"{folder.users}: {e.strerror or e}") from None
         try:
-            users = msgspec.json.decode(data, type=_Users).users
+            loaded = msgspec.json.decode(data, type=_Users)
         except msgspec.DecodeError as e:
             raise AuthError(f"{folder.users}: {e}") from None
-        registry.users = {(u.kind, u.name): u for u in users}
+        registry.users = {(u.kind, u.name): u for u in loaded.users}
+        registry.revoked = {r.public: r for r in loaded.revoked}
         return registry
 
     def get(self, kind: Kind, name: str) -> User | None:
@@ -67,8 +82,16 @@ class Registry:
                     modules=modules)  # fmt: skip
         path = self.dir.creds_file(kind, name)
         self._write(path, user, key.seed)
+        before = self.users.get((kind, name))
+        if before is not None and before.public != key.public:
+            self._revoke_key(before.public)  # its old file, and its JWT, stop working
         self.users[(kind, name)] = user
         return path
+
+    def _revoke_key(self, public: str) -> None:
+        # JWTs issued at or before this second are refused: a new key is issued, never a new
+        # JWT for a revoked key (it could be issued within the same second).
+        self.revoked[public] = Revoked(public=public, at=int(time.time()))
 
     def _write(self, path: Path, user: User, seed: str) -> None:
         """The credentials file, carrying the mesh's CA and NATS URL(s) where the folder has
@@ -79,9 +102,19 @@ class Registry:
         except FileNotFoundError:
             ca = None
         creds.write(path, who=user.describe(), seed=seed, inbox=inbox(user), ca=ca,
-                    servers=self.dir.nats_url(),
+                    servers=self.dir.nats_url(), jwt=self.trust.user_jwt(user),
                     controller=self._controller_key() if user.kind == "host" else None,
                     operator=user.name if user.kind == "operator" else None)  # fmt: skip
+
+    def _signed_here(self, held: creds.Creds) -> bool:
+        """Whether a file's JWT was signed by this folder's signer (a file from before JWTs,
+        or of keys made anew, is written again with the same seed)."""
+        if held.user_jwt is None:
+            return False
+        try:
+            return claims.decode(held.user_jwt).get("iss") == self.trust.signer.public
+        except claims.ClaimsError:
+            return False
 
     def _controller_key(self) -> str | None:
         controller = self.get("controller", CONTROLLER)
@@ -102,7 +135,11 @@ class Registry:
                 held = creds.read(path)
             except creds.CredsError:
                 continue  # a missing or broken file is issued again by `ensure`, not here
-            if held.seed and held.controller != key and public_of(held.seed) == user.public:
+            if (
+                held.seed
+                and public_of(held.seed) == user.public
+                and (held.controller != key or not self._signed_here(held))
+            ):
                 self._write(path, user, held.seed)
 
     def ensure(
@@ -110,47 +147,75 @@ class Registry:
     ) -> Path:
         """The credentials of `name`, issued only if it has none that still match its file (so a
         mesh started again on the same folder keeps its credentials). A changed role or builder
-        flag keeps the key: only the permissions change."""
+        flag is a new key, the old one revoked: a JWT carries its permissions, so the old one
+        would keep the old ones."""
         path = self.dir.creds_file(kind, name)
         user = self.get(kind, name)
-        if user is not None:
+        if user is not None and (user.role, user.builder) == (role, builder):
             try:
                 held = creds.read(path)
             except creds.CredsError:
                 held = None
             if held is not None and held.seed and public_of(held.seed) == user.public:
-                user = msgspec.structs.replace(user, role=role, builder=builder)
-                self.users[(kind, name)] = user
-                if self.dir.ca.exists() and held.ca != self.dir.ca.read_text():
-                    self._write(path, user, held.seed)  # the same key, now with the mesh's CA
-                elif kind == "operator" and held.operator != name:
-                    self._write(path, user, held.seed)  # the same key, now naming its operator
+                if (
+                    (self.dir.ca.exists() and held.ca != self.dir.ca.read_text())
+                    or (kind == "operator" and held.operator != name)
+                    or not self._signed_here(held)
+                ):  # the same key, with the mesh's CA, its operator's name, a JWT of ours
+                    self._write(path, user, held.seed)
                 return path
         return self.issue(kind, name, role=role, builder=builder)
 
+    def system_user(self, which: str) -> Path:
+        """A user of the system account, its file `creds/<which>.creds` kept with its key:
+        `system`, the seat's kicker (the controllers'), or `claims`, which pushes the account's
+        JWT to the servers (this folder's alone)."""
+        path = self.dir.creds / f"{which}.creds"
+        try:
+            seed = creds.read(path).seed
+        except creds.CredsError:
+            seed = None
+        key = claims.key_of(seed) if seed else claims.new_key("user")
+        if which == "system":
+            jwt, box, who = self.trust.kicker_jwt(key.public), KICKER_INBOX, "the seat's kicker"
+        else:
+            jwt, box, who = self.trust.claims_jwt(key.public), CLAIMS_INBOX, "the claims pusher"
+        try:
+            ca = self.dir.ca.read_text()
+        except FileNotFoundError:
+            ca = None
+        creds.write(path, who=f"{who} (NATS system account)", seed=key.seed, inbox=box, ca=ca,
+                    servers=self.dir.nats_url(), jwt=jwt)  # fmt: skip
+        return path
+
     def revoke(self, kind: Kind, name: str) -> Path:
-        if self.users.pop((kind, name), None) is None:
+        user = self.users.pop((kind, name), None)
+        if user is None:
             raise AuthError(f"no {kind} {name} in {self.dir.users}")
+        self._revoke_key(user.public)
         path = self.dir.creds_file(kind, name)
         path.unlink(missing_ok=True)
         return path
 
     def save(self) -> None:
-        """Write users.json and the server's authorization block (and hosts' files whose
-        controllers' key is not the folder's)."""
+        """Write users.json and what the servers are given (and hosts' files whose controllers'
+        key is not the folder's)."""
         self._refresh_hosts()
         self.dir.creds.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(self.dir.creds, 0o700)
         body = msgspec.json.format(
             msgspec.json.encode(
-                _Users(users=sorted(self.users.values(), key=lambda u: (u.kind, u.name)))
+                _Users(
+                    users=sorted(self.users.values(), key=lambda u: (u.kind, u.name)),
+                    revoked=sorted(self.revoked.values(), key=lambda r: r.public),
+                )
             )
         )
         tmp = self.dir.users.with_name(".users.json.tmp")
         tmp.write_bytes(body + b"\n")
         tmp.replace(self.dir.users)
         self.dir.nats.mkdir(parents=True, exist_ok=True)
-        server.write(self.dir.auth_conf, self.users.values())
+        server.write(self.dir.auth_conf, self.trust, list(self.revoked.values()))
 
 
 @contextmanager

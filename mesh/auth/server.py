@@ -1,55 +1,37 @@
-"""The nats-server side: the `authorization` block every connection is checked against, and
-reloading a running server after it changes (users are reloadable: a revoked user's open
-connections are closed by the server)."""
+"""The nats-server side: what every server's configuration includes (the operator, the accounts'
+JWTs: mesh/auth/trust.py), pushing a new account JWT to the running servers (a revocation: they
+close the revoked users' connections at once), and reloading a server's configuration."""
 
-import json
 import os
 import signal
-from collections.abc import Iterable
 from pathlib import Path
 
-from mesh.auth.policy import User, permissions
+from nats.aio.client import Client
+
+from mesh.auth.trust import Revoked, Trust
+
+PUSH_WITHIN = 5.0  # seconds for the servers to take a new account JWT
 
 
 class ServerNotRunning(Exception):
     pass
 
 
-def render(users: Iterable[User]) -> str:
-    """The `authorization { users = [...] }` block. Strings are JSON-quoted, which nats-server
-    reads literally (no `$variable` expansion inside quotes)."""
-    users = sorted(users, key=lambda u: (u.kind, u.name))
-    if not users:
-        # An empty user list would leave the server open to anyone: never write one.
-        raise ValueError("no users: refusing to write an authorization block that admits anyone")
-    q = json.dumps
-    lines = [
-        "# Written by mesh from the mesh's users (creds/users.json): edits here are overwritten.",
-        "authorization {",
-        "  users = [",
-    ]
-    for user in users:
-        p = permissions(user)
-        lines += [
-            f"    # {user.describe()}",
-            "    {",
-            f"      nkey: {q(user.public)}",
-            "      permissions: {",
-            f"        publish: {{ allow: [{', '.join(q(s) for s in p.publish)}] }}",
-            f"        subscribe: {{ allow: [{', '.join(q(s) for s in p.subscribe)}] }}",
-        ]
-        if p.responses:
-            lines.append("        allow_responses: true")
-        lines += ["      }", "    }"]
-    lines += ["  ]", "}", ""]
-    return "\n".join(lines)
-
-
-def write(path: Path, users: Iterable[User]) -> None:
-    text = render(users)
+def write(path: Path, trust: Trust, revoked: list[Revoked]) -> None:
+    text = trust.server_block(sorted(revoked, key=lambda r: r.public))
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text)
     tmp.replace(path)
+
+
+async def publish_account(nc: Client, trust: Trust, revoked: list[Revoked]) -> None:
+    """Give the running servers the account's JWT (a connection as the folder's claims user):
+    one server takes it and its resolver passes it to the cluster's others. Raises nats-py's
+    errors (a timeout: no server answered) and ValueError (a server refused it, saying why)."""
+    answer = await nc.request("$SYS.REQ.CLAIMS.UPDATE", trust.account_jwt(revoked).encode(),
+                              timeout=PUSH_WITHIN)  # fmt: skip
+    if b'"error"' in answer.data:
+        raise ValueError(answer.data.decode(errors="replace")[:300])
 
 
 def running_pid(pid_file: Path) -> int | None:

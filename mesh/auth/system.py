@@ -7,6 +7,10 @@ that vanish. That request needs a user of the system account, and the system acc
 and do everything on the bus, so this user may publish on the KICK subjects alone (and
 subscribe to its inbox for the answers): it cannot read a message, list connections or change
 the servers. Only the controllers get its credentials file, never a host or an operator.
+
+On a mesh's own servers the kicker is a user JWT of the system account (mesh/auth/trust.py,
+`Registry.system_user`); this module's configuration lines and seed file are for a server
+without the mesh's operator (the test suite's networks of plain servers).
 """
 
 import json

@@ -70,9 +70,11 @@ def write_config(
     sync_interval: str = "always",  # what mesh runs; another only to measure its cost (bench/)
 ) -> Path:
     """Write `folder/nats.conf` for a server on `host`:`port` with JetStream in `folder/js`
-    and its pid in `folder/nats.pid`. With `auth` (a file holding an `authorization` block, see
-    mesh.auth.server), every connection must authenticate as one of its users. `max_payload`
-    (bytes) replaces the server's default of 1 MiB (tests use a small one).
+    and its pid in `folder/nats.pid`. With `auth` (the mesh's operator and accounts, see
+    mesh.auth.trust), every connection must present a user JWT the mesh signed; the accounts'
+    JWTs are kept by the server's own resolver in `folder/jwt`. Without it, `system` (a public
+    key) is the system account's one user, the seat's kicker. `max_payload` (bytes) replaces
+    the server's default of 1 MiB (tests use a small one).
 
     With `tls`, clients must speak TLS (a plaintext client is refused) and the routes of a
     `cluster` are TLS too, each side checking the other's certificate against the CA. Servers in
@@ -105,37 +107,58 @@ def write_config(
             "}",
         ]
     if cluster is not None:
-        own = f"{host}:{cluster.port}"
-        scheme = "tls" if tls is not None else "nats"
-        routes = [f"{scheme}://{r}" for r in cluster.routes if r != own]
-        lines += [
-            "cluster {",
-            f"  name: {q(cluster.name)}",
-            f"  listen: {q(own)}",
-            "  no_advertise: true",
-            f"  routes: [{', '.join(q(r) for r in routes)}]",
-        ]
-        if tls is not None:
-            lines += [
-                "  tls {",
-                f"    cert_file: {q(str(tls.cert))}",
-                f"    key_file: {q(str(tls.key))}",
-                f"    ca_file: {q(str(tls.ca))}",
-                "    verify: true",
-                "    timeout: 2",
-                "  }",
-            ]
-        lines.append("}")
-    if system is not None:
+        lines += _cluster_lines(cluster, host=host, tls=tls)
+    if system is not None and auth is None:  # with `auth`, the system account is a JWT's
         lines += system_account.config_lines(system)
     if max_payload is not None:
         lines.append(f"max_payload: {int(max_payload)}")
     if auth is not None:  # an include is read relative to the including file's folder
         lines.append(f"include {json.dumps(os.path.relpath(auth, folder))}")
+        lines += _resolver_lines(folder / "jwt")
     text = "\n".join([*lines, ""])
     conf = folder / "nats.conf"
     conf.write_text(text)
     return conf
+
+
+def _cluster_lines(cluster: Cluster, *, host: str, tls: Tls | None) -> list[str]:
+    """Routes to the cluster's other servers, TLS both ways with the mesh's CA where `tls`."""
+    q = json.dumps
+    own = f"{host}:{cluster.port}"
+    scheme = "tls" if tls is not None else "nats"
+    routes = [f"{scheme}://{r}" for r in cluster.routes if r != own]
+    lines = [
+        "cluster {",
+        f"  name: {q(cluster.name)}",
+        f"  listen: {q(own)}",
+        "  no_advertise: true",
+        f"  routes: [{', '.join(q(r) for r in routes)}]",
+    ]
+    if tls is not None:
+        lines += [
+            "  tls {",
+            f"    cert_file: {q(str(tls.cert))}",
+            f"    key_file: {q(str(tls.key))}",
+            f"    ca_file: {q(str(tls.ca))}",
+            "    verify: true",
+            "    timeout: 2",
+            "  }",
+        ]
+    return [*lines, "}"]
+
+
+def _resolver_lines(folder: Path) -> list[str]:
+    """The accounts' JWTs, this server's copy in `folder`: a new one pushed to any server of
+    the cluster reaches every other (`full`), and one that was down catches up (`interval`)."""
+    return [
+        "resolver {",
+        "  type: full",
+        f"  dir: {json.dumps(str(folder))}",
+        "  allow_delete: false",
+        '  interval: "2m"',
+        '  timeout: "1.9s"',
+        "}",
+    ]
 
 
 def _sync_line(interval: str) -> str:

@@ -20,6 +20,7 @@ from typing import Any
 
 import anyio
 import msgspec
+import nats.errors
 
 from mesh import bus, config
 from mesh.auth import creds as credentials
@@ -152,27 +153,46 @@ RELOAD_WITHIN = 10.0  # for each server to take a reload (it is asynchronous: a 
 
 
 async def _reload(folder: MeshDir, creds: str | None, *, admitted: bool) -> bool:
-    """Reload every nats-server of the folder that runs; True if any did, once each that answers
-    has taken the change: `creds` (a credentials file's text, if known) connects when
-    `admitted`, or is refused. Without the wait, credentials just issued could be refused by
-    the next command."""
-    reloaded = False
-    for pid_file in folder.pid_files():
-        try:
-            server.reload(pid_file)
-        except server.ServerNotRunning:
-            continue
-        reloaded = True
+    """Have the mesh's running servers take a change of identities; True once one has. A new
+    one needs nothing of them (its JWT is signed by the mesh's signer: mesh/auth/trust.py); a
+    revoked one is in the account's new JWT, pushed to them as the folder's claims user, and
+    they close its connections. Then wait until each takes it: `creds` (a credentials file's
+    text, if known) connects when `admitted`, or is refused. Without the wait, credentials just
+    issued or revoked could be taken otherwise by the next command."""
     url = folder.nats_url()
-    if not reloaded or url is None or not creds:
-        return reloaded
+    if url is None:
+        return False
+    if not admitted and not await _push_account(folder, url):
+        return False
+    if not creds:
+        return True
     with tempfile.TemporaryDirectory(prefix="mesh-reload-") as held:
         probe = Path(held) / "probe.creds"
         probe.write_text(creds)
         probe.chmod(0o600)
         for one in config.servers(url):
             await _taken(one, str(probe), admitted=admitted)
-    return reloaded
+    return True
+
+
+async def _push_account(folder: MeshDir, url: str) -> bool:
+    """The account's JWT (with its revocations) to the servers; False when none answers (they
+    take it from their configuration, written already, at their start)."""
+    users = registry.Registry.load(folder)
+    pusher = users.system_user("claims")
+    try:
+        nc = await bus.connect(url, name="mesh-claims", creds=str(pusher), reconnect=False)
+    except (bus.Unreachable, bus.Unauthorized):
+        return False
+    try:
+        await server.publish_account(nc, users.trust, list(users.revoked.values()))
+    except (ValueError, nats.errors.Error) as e:
+        print(f"mesh: the servers did not take the account's new JWT ({e}); they take it from "
+              "their configuration at their next start", file=sys.stderr)  # fmt: skip
+        return False
+    finally:
+        await bus.close(nc, drain=False)
+    return True
 
 
 async def _taken(url: str, creds: str, *, admitted: bool) -> None:
