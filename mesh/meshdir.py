@@ -55,6 +55,16 @@ class MeshDir:
         return self.root / "keys" / "secrets.key"
 
     @property
+    def nats_keys(self) -> Path:
+        """The NATS operator's, accounts' and signing key's seeds (`mesh.auth.trust`)."""
+        return self.root / "keys" / "nats"
+
+    @property
+    def nats_signer(self) -> Path:
+        """The signing key every identity's JWT is signed by (the controllers' too)."""
+        return self.nats_keys / "signer.nk"
+
+    @property
     def nats(self) -> Path:
         return self.root / "nats"
 

@@ -1041,6 +1041,15 @@ class TokenInfo(msgspec.Struct):
     used_by: list[str]  # the machines that joined with it, in order
 
 
+class TokenCreated(TokenInfo):
+    """`token-create`'s answer: the token, and the credentials a machine joining with it
+    connects with before it has its own (a bearer user JWT, for its token's `join` request
+    alone, expiring with the token: services/controller/admission.py); None where the
+    controllers cannot sign (no signing key)."""
+
+    bearer: str | None = None
+
+
 class TokenListRequest(Request, omit_defaults=True):
     limit: int = PAGE_LIMIT
     after: Cursor | None = None
@@ -1071,3 +1080,43 @@ class Grant(msgspec.Struct, frozen=True):
     labels: dict[str, str]  # role=control included when `control`
     control: bool
     site: str | None = None
+
+
+# --- a machine joining (`mesh join TOKEN`; services/controller/joining.py) ----------------------
+
+NkeyUser = Annotated[str, msgspec.Meta(pattern=r"^U[A-Z2-7]{55}\Z")]  # a user's public nkey
+
+
+class JoinRequest(Request):
+    """What `mesh join` sends, as its token's bearer, on mesh.join.<token id>.join: the token's
+    secret (hashed and compared by the controller), the machine's name and its own public key
+    (its seed never leaves it)."""
+
+    secret: Annotated[str, msgspec.Meta(min_length=43, max_length=43, pattern=r"^[A-Za-z0-9_-]+\Z")]
+    machine: Name
+    public: NkeyUser
+
+
+class JoinReply(msgspec.Struct):
+    """The machine admitted: its credentials' JWT (signed for its key), the controllers' public
+    key (what its host checks their signatures with), and where it was placed."""
+
+    machine: str
+    jwt: str
+    controller: str | None
+    tier: int
+    labels: dict[str, str]
+    control: bool
+    site: str | None = None
+    again: bool = False  # the same machine and key asking again (its answer was lost)
+
+
+class JoinedKeyRequest(Request):
+    machine: Name
+
+
+class JoinedKeyReply(msgspec.Struct):
+    """A joined machine's key, forgotten by the controller (`mesh machine remove` revokes it)."""
+
+    machine: str
+    public: str

@@ -13,6 +13,10 @@ EVENTS = "mesh.event.*.*"  # what hosts report: mesh.event.<name>.<kind>
 SEAT_EVENTS = f"mesh.seat.{SEAT}.*"
 PLANS = "mesh.plan.*"  # the holder's plan progress: mesh.plan.<id>
 MACHINES = "mesh.machine.*"  # the holder's word: a machine drained, undrained, or skipped for it
+# A machine joining with a token: mesh.join.<token id>.<verb>. Only the token's own bearer
+# credentials may publish under its id (the controller signed them: services/controller/
+# admission.py), so the id is the token the server let it use.
+JOIN_VERBS = "mesh.join.*.*"
 
 
 def ctl(verb: str) -> str:
@@ -27,6 +31,20 @@ def op(operator: str, verb: str) -> str:
 def op_operator(subject: str) -> str:
     """The <operator> of mesh.op.<operator>.<verb> (unchecked: the caller checks it)."""
     return subject.split(".")[2]
+
+
+def join(token_id: str, verb: str) -> str:
+    return f"mesh.join.{token_id}.{verb}"
+
+
+def join_token(subject: str) -> str:
+    """The <token id> of mesh.join.<token id>.<verb> (unchecked: the caller checks it)."""
+    return subject.split(".")[2]
+
+
+def join_inbox(token_id: str) -> str:
+    """A joining machine's inbox prefix: its token's own (mesh.auth.policy)."""
+    return f"_INBOX_join_{token_id}"
 
 
 def ctl_host(name: str, verb: str) -> str:

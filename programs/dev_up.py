@@ -123,12 +123,14 @@ class DevMesh:
         env.pop("MESH_CREDS", None)  # each piece is given its own with --creds
         env.pop("MESH_DATABASE_URL", None)
         env.pop("MESH_SECRETS_KEY_FILE", None)
+        env.pop("MESH_NATS_SIGNER_FILE", None)
         env["MESH_NATS_URL"] = self.nats_url
         env["MESH_CA"] = str(self.mesh.ca)
         env["MESH_DIR"] = str(self.dir)
         if store:
             env["MESH_DATABASE_URL"] = self.database_url
             env["MESH_SECRETS_KEY_FILE"] = str(self.mesh.secrets_key)
+            env["MESH_NATS_SIGNER_FILE"] = str(self.mesh.nats_signer)  # admits `mesh join`s
         env["PYTHONUNBUFFERED"] = "1"
         return env
 

@@ -67,7 +67,7 @@ WITHIN = 180.0
 ANOTHER_MESHS = (
     "MESH_CA", "MESH_NATS_URL", "MESH_CREDS", "MESH_SYSTEM_CREDS", "MESH_DIR",
     "MESH_DATABASE_URL", "MESH_SECRETS_KEY_FILE", "MESH_FILES", "MESH_MACHINE", "MESH_PROCESS",
-    "MESH_CONSOLE_TOKEN",
+    "MESH_CONSOLE_TOKEN", "MESH_NATS_SIGNER_FILE",
 )  # fmt: skip
 
 
@@ -82,7 +82,7 @@ async def init(
     check_name(name, field="--name")
     check_nats(nats)
     where = served(addresses or [])  # before anything is made: a refusal leaves no folder
-    _forget_another_mesh()
+    forget_another_mesh()
     folder.mkdir(parents=True, exist_ok=True)
     lock = DirLock(folder)
     lock.acquire()
@@ -100,14 +100,14 @@ async def init(
     await _record_and_say(mesh, name=name, record=record, status=status, print_units=print_units)
 
 
-def _forget_another_mesh() -> None:
+def forget_another_mesh(command: str = "mesh init", tell: Callable[[str], None] = say) -> None:
     """Another mesh's settings dropped from this process's environment, which every connection
-    here reads and every piece started inherits; said in one line."""
+    here reads and every piece started inherits; said in one line (`mesh join` too)."""
     found = [key for key in ANOTHER_MESHS if key in os.environ]
     for key in found:
         del os.environ[key]
     if found:
-        say(f"mesh init: ignoring {', '.join(found)} from the environment (another mesh's): "
+        tell(f"{command}: ignoring {', '.join(found)} from the environment (another mesh's): "
             "this mesh uses its own")  # fmt: skip
 
 
@@ -160,6 +160,7 @@ async def _make(mesh: DevMesh, *, name: str, record: Path) -> StatusReply:
             "mesh-store-ca": mesh.mesh.ca.read_text(),
             "mesh-controller-creds": mesh.creds["ctl"].read_text(),
             "mesh-system-creds": mesh.creds["system"].read_text(),
+            "mesh-nats-signer": mesh.mesh.nats_signer.read_text(),  # admits `mesh join`s
         })  # fmt: skip
 
         temporary.proc.send_signal(signal.SIGTERM)  # hands the seat to the controller process
@@ -466,6 +467,7 @@ async def _install(
         "mesh-controller-creds": controller.read_text(),
         "mesh-store-ca": creds.read(admin).ca or "",
         "mesh-system-creds": "",  # compose's nats-server has no system account: no kicker
+        "mesh-nats-signer": "",  # no machine joins compose's mesh: it has its three
     })  # fmt: skip
     temporary.proc.send_signal(signal.SIGTERM)  # hands the seat to a controller process
     status = await until(

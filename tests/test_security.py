@@ -343,6 +343,7 @@ async def test_the_controllers_secrets_reach_no_machine_outside_the_control_set(
     ok(secured.cli(admin, "secret", "set", "mesh-database-url", stdin="postgresql://db/mesh"))
     ok(secured.cli(admin, "secret", "set", "mesh-store-ca", stdin="the store's CA"))
     ok(secured.cli(admin, "secret", "set", "mesh-system-creds", stdin="the system kicker"))
+    ok(secured.cli(admin, "secret", "set", "mesh-nats-signer", stdin="the signing key"))
     ok(secured.cli(admin, "secret", "set", "hello-token", stdin=SECRET))
     pushed = ok_json(
         secured.cli(admin, "--json", "push", str(CONTROLLER_MODULE), "--timeout", "120")
@@ -357,7 +358,8 @@ async def test_the_controllers_secrets_reach_no_machine_outside_the_control_set(
     try:
         for name, nc in hosts.items():
             for secret in ("mesh-controller-creds", "mesh-database-url", "mesh-store-ca",
-                           "mesh-secrets-key", "mesh-system-creds"):  # fmt: skip
+                           "mesh-secrets-key", "mesh-system-creds",
+                           "mesh-nats-signer"):  # fmt: skip
                 reply = await ask(nc, f"mesh.ctl.host.{name}.secret", {"name": secret})
                 assert reply is not None and reply["error"]["code"] == "forbidden", (name, reply)
 

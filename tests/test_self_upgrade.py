@@ -148,7 +148,8 @@ async def test_the_controller_upgrades_through_a_plan_with_nothing_unanswered(
     await hosts_up(nc, 2, within=60)
     # The store here is the test harness's, without TLS: its URL names no CA file.
     for name, value in (("mesh-database-url", database_url), ("mesh-controller-creds", ""),
-                        ("mesh-store-ca", ""), ("mesh-system-creds", "")):  # fmt: skip
+                        ("mesh-store-ca", ""), ("mesh-system-creds", ""),
+                        ("mesh-nats-signer", "")):  # fmt: skip
         ok(cli("secret", "set", name, stdin=value, timeout=60))
 
     v1 = mesh_copy(tmp_path / "v1", "v1")

@@ -122,7 +122,8 @@ async def test_the_controller_moves_from_a_container_to_a_process(
         assert done.returncode == 0, done.stderr
     # The store here is the test harness's, without TLS: its URL names no CA file.
     for name, value in (("mesh-database-url", database_url), ("mesh-controller-creds", ""),
-                        ("mesh-store-ca", ""), ("mesh-system-creds", "")):  # fmt: skip
+                        ("mesh-store-ca", ""), ("mesh-system-creds", ""),
+                        ("mesh-nats-signer", "")):  # fmt: skip
         done = cli("secret", "set", name, stdin=value, timeout=600)
         assert done.returncode == 0, done.stderr
 

@@ -208,6 +208,7 @@ def _controller(user: User) -> Permissions:
         subscribe=[
             subjects.ctl(">"),
             subjects.OP_VERBS,  # operators' own verb subjects (the name: who asked)
+            subjects.JOIN_VERBS,  # machines joining, each with its token's credentials
             subjects.host("*", "beat"),
             subjects.event("*", ">"),
             subjects.seat(">"),
@@ -278,6 +279,15 @@ def _jetstream_uses() -> list[str]:
         f"{_API}.STREAM.MSG.GET.{KV_STREAM}",
         f"{_API}.DIRECT.GET.{KV_STREAM}.>",
     ]
+
+
+def joiner(token_id: str) -> Permissions:
+    """A machine joining with a token (`mesh join`), before it has credentials of its own: its
+    token's `join` request, its answer; nothing else of the bus."""
+    return Permissions(
+        publish=[subjects.join(token_id, "join")],
+        subscribe=[f"{subjects.join_inbox(token_id)}.>"],
+    )
 
 
 def permissions(user: User) -> Permissions:

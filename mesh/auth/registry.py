@@ -44,7 +44,7 @@ class Registry:
     def trust(self) -> Trust:
         """The folder's keys (made on first use: a folder from before JWTs gets them)."""
         if self._trust is None:
-            self._trust = Trust.of(self.dir.root)
+            self._trust = Trust.of(self.dir.nats_keys)
         return self._trust
 
     @classmethod
@@ -84,13 +84,14 @@ class Registry:
         self._write(path, user, key.seed)
         before = self.users.get((kind, name))
         if before is not None and before.public != key.public:
-            self._revoke_key(before.public)  # its old file, and its JWT, stop working
+            self.revoke_key(before.public)  # its old file, and its JWT, stop working
         self.users[(kind, name)] = user
         return path
 
-    def _revoke_key(self, public: str) -> None:
-        # JWTs issued at or before this second are refused: a new key is issued, never a new
-        # JWT for a revoked key (it could be issued within the same second).
+    def revoke_key(self, public: str) -> None:
+        """Refuse `public` from now on (a removed identity, or a machine that joined with a
+        token, whose key this folder never issued): JWTs issued at or before this second are
+        refused; a new key is issued, never a new JWT for a revoked key (same second)."""
         self.revoked[public] = Revoked(public=public, at=int(time.time()))
 
     def _write(self, path: Path, user: User, seed: str) -> None:
@@ -192,7 +193,7 @@ class Registry:
         user = self.users.pop((kind, name), None)
         if user is None:
             raise AuthError(f"no {kind} {name} in {self.dir.users}")
-        self._revoke_key(user.public)
+        self.revoke_key(user.public)
         path = self.dir.creds_file(kind, name)
         path.unlink(missing_ok=True)
         return path

@@ -38,6 +38,7 @@ CONTROLLER_SECRETS = frozenset({
     "mesh-database-url",  # the store, with its password
     "mesh-controller-creds",  # the controllers' NATS identity: every subject
     "mesh-system-creds",  # the NATS system account's kicker
+    "mesh-nats-signer",  # signs NATS credentials: whoever has it admits anyone
     "mesh-store-ca",  # not secret, but the controller's to be given
 })  # fmt: skip
 

@@ -136,7 +136,10 @@ def issue_server(
         .sign(ca_key, hashes.SHA256())
     )
     write_private(key_path, _key_pem(key))
-    _write_public(cert_path, cert.public_bytes(serialization.Encoding.PEM))
+    # The CA after the server's own: a server presents both, so a machine that has only the CA's
+    # fingerprint (a join token's) can find the CA in the handshake and check it by that.
+    _write_public(cert_path, cert.public_bytes(serialization.Encoding.PEM)
+                  + ca_cert.public_bytes(serialization.Encoding.PEM))  # fmt: skip
 
 
 def issued_by(cert: x509.Certificate, ca: x509.Certificate) -> bool:

@@ -56,9 +56,8 @@ class Trust:
         self.signer = signer
 
     @classmethod
-    def of(cls, folder: Path) -> "Trust":
-        """The folder's keys (`DIR/keys/nats`), each made once if missing."""
-        keys = folder / "keys" / "nats"
+    def of(cls, keys: Path) -> "Trust":
+        """The keys in the folder `keys` (a mesh's `DIR/keys/nats`), each made once if missing."""
         keys.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(keys, 0o700)
         return cls(
@@ -106,12 +105,7 @@ class Trust:
 
     def user_jwt(self, user: User) -> str:
         """The JWT of a mesh identity, its permissions as mesh/auth/policy.py decides them."""
-        p = permissions(user)
-        return claims.user(
-            self.signer, account_public=self.account.public, subject=user.public,
-            name=f"{user.kind}:{user.name}", publish=p.publish, subscribe=p.subscribe,
-            responses=p.responses,
-        )  # fmt: skip
+        return sign_user(self.signer, account=self.account.public, user=user)
 
     def kicker_jwt(self, public: str) -> str:
         """The seat's kicker: KICK alone (mesh/auth/system.py says why)."""
@@ -124,6 +118,16 @@ class Trust:
         return claims.user(self.system, account_public=self.system.public, subject=public,
                            name="claims", publish=CLAIMS,
                            subscribe=[f"{CLAIMS_INBOX}.>"])  # fmt: skip
+
+
+def sign_user(signer: Key, *, account: str, user: User) -> str:
+    """A mesh identity's JWT, signed by the account's signing key (the folder's, or the
+    controllers' when a machine joins: services/controller/admission.py)."""
+    p = permissions(user)
+    return claims.user(
+        signer, account_public=account, subject=user.public, name=f"{user.kind}:{user.name}",
+        publish=p.publish, subscribe=p.subscribe, responses=p.responses,
+    )  # fmt: skip
 
 
 def _key(path: Path, kind: claims.KeyKind) -> Key:

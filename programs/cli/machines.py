@@ -25,9 +25,16 @@ import nats.errors
 from mesh import bus, config
 from mesh.auth import creds as credentials
 from mesh.auth import registry, server
-from mesh.client.asking import connected
+from mesh.client.asking import VerbFailed, connected
 from mesh.meshdir import DEFAULT_DIR, MeshDir
-from mesh.model import DrainReply, DrainRequest, LabelReply, LabelRequest
+from mesh.model import (
+    DrainReply,
+    DrainRequest,
+    JoinedKeyReply,
+    JoinedKeyRequest,
+    LabelReply,
+    LabelRequest,
+)
 from mesh.names import InvalidName, check_name
 from programs.cli import folderaudit, plans
 from programs.cli.args import Parser, label, tier
@@ -53,7 +60,7 @@ class Added(msgspec.Struct):
 
 class Removed(msgspec.Struct):
     name: str
-    revoked: str  # the credentials file that no longer works (deleted)
+    revoked: str  # the credentials file that no longer works (deleted), or the key it joined with
     reloaded: bool
     audited: bool = False
 
@@ -331,22 +338,47 @@ async def cmd_machine_remove(args: argparse.Namespace) -> None:
         issued = folder.creds_file("host", name)
         text = issued.read_text() if issued.exists() else ""
         try:
-            path = users.revoke("host", name)
+            revoked = str(users.revoke("host", name))
         except registry.AuthError:
-            raise CliError(f"machine {name} has no credentials in {folder.root}") from None
-        users.save()
+            revoked = ""
+        else:
+            users.save()
+    if not revoked:  # a machine that joined with a token: its key is the controller's to give
+        revoked = await _revoke_joined(args, folder, name)
     reloaded = await _reload(folder, text or None, admitted=False)
     audited = await folderaudit.record(args, folder, "machine-remove", name, "revoked")
-    removed = Removed(name=name, revoked=str(path), reloaded=reloaded, audited=audited)
+    removed = Removed(name=name, revoked=revoked, reloaded=reloaded, audited=audited)
     if args.json:
         print_json(removed)
         return
-    print(f"machine {name}: credentials revoked ({path} deleted)")
+    print(f"machine {name}: credentials revoked ({revoked}"
+          f"{' deleted' if revoked.startswith('/') else ''})")  # fmt: skip
     print(
-        "the mesh's nats-server reloaded: it has closed the machine's connections"
+        "the mesh's servers took the revocation: they have closed the machine's connections"
         if reloaded
         else f"no nats-server is running for {folder.root}: it will not admit {name}"
     )
+
+
+async def _revoke_joined(args: argparse.Namespace, folder: MeshDir, name: str) -> str:
+    """The key a machine joined with (`mesh join`), forgotten by the controller and revoked
+    here; what was revoked, in words."""
+    try:
+        forgot = await folderaudit.ask_as_admin(
+            args, folder, "joined-forget", JoinedKeyReply, JoinedKeyRequest(machine=name),
+            what="machine remove",
+        )  # fmt: skip
+    except VerbFailed as e:
+        if e.code == "not_found":
+            raise CliError(
+                f"machine {name} has no credentials in {folder.root} and did not join with a token"
+            ) from None
+        raise CliError(f"machine {name} joined with a token, and its key is the controller's "
+                       f"to give: {e}") from None  # fmt: skip
+    with registry.locked(folder) as users:
+        users.revoke_key(forgot.public)
+        users.save()
+    return f"key {forgot.public}, which it joined with"
 
 
 COMMANDS = {

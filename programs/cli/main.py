@@ -23,6 +23,7 @@ from programs.cli import (
     devcreds,
     handover,
     hosts,
+    join,
     machines,
     modules,
     render,
@@ -209,6 +210,7 @@ def parser() -> argparse.ArgumentParser:
     tools.add_parsers(verbs, common)
     trust.add_parsers(verbs, common)
     tokens.add_parsers(verbs, common)
+    join.add_parsers(verbs, common)
     return top
 
 
@@ -326,6 +328,7 @@ async def cmd_controller_run(args: argparse.Namespace) -> None:
         instance=args.instance,
         creds=config.creds(getattr(args, "creds", None)),
         system_creds=config.system_creds(args.system_creds),
+        signer_file=config.nats_signer_file(),
         down_after=args.down_after,
         metrics_on=args.metrics,
         events=events,
@@ -377,6 +380,7 @@ COMMANDS: dict[tuple[str, ...], Callable[[argparse.Namespace], Any]] = {
     **tools.COMMANDS,
     **trust.COMMANDS,
     **tokens.COMMANDS,
+    **join.COMMANDS,
 }
 
 

@@ -10,6 +10,7 @@ CA its credentials file carries), so give it the URLs the new machine reaches.""
 
 import argparse
 import re
+import sys
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from mesh.auth import creds as credentials
 from mesh.model import (
     TOKEN_TTL_MOST,
     TOKEN_USES_MOST,
+    TokenCreated,
     TokenCreateRequest,
     TokenInfo,
     TokenListReply,
@@ -142,11 +144,20 @@ async def cmd_token_create(args: argparse.Namespace) -> None:
     )  # fmt: skip
     if args.tier is not None:
         req = msgspec.structs.replace(req, tier=args.tier)
-    made = await verb(args, "token-create", TokenInfo, req, changes=True)
-    text = tokens.JoinToken(urls=urls, ca_sha256=fingerprint, id=made.id, secret=secret).encode()
+    made = await verb(args, "token-create", TokenCreated, req, changes=True)
+    # The bearer credentials a joining machine connects with before it has its own (None: the
+    # controllers cannot sign: `mesh join` with this token says so).
+    text = tokens.JoinToken(urls=urls, ca_sha256=fingerprint, id=made.id, secret=secret,
+                            extra=made.bearer).encode()  # fmt: skip
     if args.json:
-        print_json({"token": text, **msgspec.structs.asdict(made)})
+        shown = msgspec.structs.asdict(made)
+        shown.pop("bearer")  # in the token already
+        print_json({"token": text, **shown})
         return
+    if made.bearer is None:
+        print("mesh: the controllers have no NATS signing key (the secret mesh-nats-signer): "
+              "no machine can join with this token until an admin sets it",
+              file=sys.stderr)  # fmt: skip
     print(text)
 
 

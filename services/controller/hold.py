@@ -30,6 +30,7 @@ from mesh.model import Handover, SeatAnnounce, SeatInfo
 from mesh.serving import Stats
 from mesh.store import events, replication, seats
 from services.controller import bundles, epochs, handover, kick, metrics, pruning, secretkeys
+from services.controller.admission import Admission
 from services.controller.buckets import Buckets
 from services.controller.changes import Changes
 from services.controller.fleet import Fleet, open_bus
@@ -104,6 +105,7 @@ class Controller(msgspec.Struct):
     kicker: Kicker  # closes a cut-off holder's connection at a takeover (kick.py)
     buckets: Buckets  # the bus's buckets, opened once (buckets.py)
     budgets: Budgets  # what each host may send (noisy.py)
+    admission: Admission | None = None  # admits joining machines (admission.py)
 
 
 class Hold:
@@ -120,6 +122,7 @@ class Hold:
         self.hosts_nc = c.hosts_nc
         self.hosts_link = c.hosts_link
         self.budgets = c.budgets
+        self.admission = c.admission
         self.pool = c.pool
         self.lock = lock
         self.me = c.me
@@ -186,6 +189,7 @@ class Hold:
                         trust=Trust(pool=self.pool, epoch=row.epoch,
                                     secured=self.signing.seed is not None,
                                     budget=lambda: paging.budget(self.nc.max_payload)),
+                        admission=self.admission,
                     )  # fmt: skip
                     await self._serve(
                         holder=holder, held=held, background=background, taken=taken,

@@ -40,6 +40,7 @@ from mesh.serving import Stats
 from mesh.store import db
 from mesh.store.migrate import migrate
 from services.controller import handover, metrics, readiness, secretkeys, standbys
+from services.controller.admission import Admission
 from services.controller.buckets import Buckets
 from services.controller.handover import VerbSubscriptions
 from services.controller.hold import Controller, Hold
@@ -78,6 +79,7 @@ async def run(
     instance: str | None = None,
     creds: str | None = None,
     system_creds: str | None = None,
+    signer_file: str | None = None,
     down_after: int = 3,
     metrics_on: served_metrics.Listen | None = None,
     events: EventsKept | None = None,
@@ -119,6 +121,7 @@ async def run(
             signing=Signing.controller(creds), events=events, versions=versions,
             stats=Stats(observe=metrics.VERB_ANSWERED), down_after=down_after, keys=keys,
             kicker=kicker, buckets=Buckets(nc), budgets=Budgets(),
+            admission=Admission.load(signer_file, creds),
         )  # fmt: skip
         await SeatEvents(signing=c.signing, standbys=c.standbys, released=c.released).subscribe(nc)
         # Start-up leaves tens of thousands of objects that live as long as the process; a full

@@ -38,6 +38,11 @@ _ID = re.compile(r"[0-9a-f]{12}")
 _NAMED = 5  # machines a used-up token's refusal names
 
 
+def is_id(text: str) -> bool:
+    """Whether `text` is a join token's id (12 lowercase hex digits)."""
+    return _ID.fullmatch(text) is not None
+
+
 def _when(at: datetime) -> str:
     return at.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 

@@ -33,6 +33,10 @@ from mesh.model import (
     HandoverRequest,
     HistoryReply,
     HistoryRequest,
+    JoinedKeyReply,
+    JoinedKeyRequest,
+    JoinReply,
+    JoinRequest,
     LabelReply,
     LabelRequest,
     ModulesReply,
@@ -64,8 +68,8 @@ from mesh.model import (
     SteerRequest,
     TierReply,
     TierRequest,
+    TokenCreated,
     TokenCreateRequest,
-    TokenInfo,
     TokenListReply,
     TokenListRequest,
     TokenRevokeReply,
@@ -75,7 +79,8 @@ from mesh.model import (
 )
 from mesh.serving import Bound, Endpoint, Verb
 from mesh.store import modules as catalog
-from services.controller import operators, tokens
+from services.controller import joining, operators, tokens
+from services.controller.admission import Admission
 from services.controller.changes import Changes
 from services.controller.fleet import Fleet
 from services.controller.planner import Planner
@@ -117,6 +122,7 @@ class Holder(msgspec.Struct):
     stop: Callable[[], None]  # start a handover (the `handover` verb)
     steering: Steering  # pause, resume, cancel a plan (approve is a change: `changes`)
     trust: operators.Trust  # who asked, what it may change, the audit log (operators.py)
+    admission: Admission | None = None  # signs a joining machine's credentials (admission.py)
 
 
 class Asking(msgspec.Struct, frozen=True):
@@ -311,8 +317,14 @@ async def secret_rotate_key(h: Holder, req: RotateKeyRequest) -> RotateKeyReply:
     return await h.changes.secret_rotate_key(req)
 
 
-async def token_create(h: Holder, req: TokenCreateRequest) -> TokenInfo:
-    return await tokens.create(h.trust, req)
+async def token_create(h: Holder, req: TokenCreateRequest) -> TokenCreated:
+    made = await tokens.create(h.trust, req)
+    bearer = h.admission.bearer(made.id, expires=made.expires) if h.admission else None
+    return TokenCreated(**msgspec.structs.asdict(made), bearer=bearer)
+
+
+async def joined_forget(h: Holder, req: JoinedKeyRequest) -> JoinedKeyReply:
+    return await joining.joined_forget(h.trust, req)
 
 
 async def token_list(h: Holder, req: TokenListRequest) -> TokenListReply:
@@ -383,7 +395,11 @@ VERBS: dict[str, Verb] = {
     ),
     # join tokens (services/controller/tokens.py): admins' alone, listing them too (not in
     # READ_VERBS: who may join, and how, is not a viewer's to read); up to 64 labels
-    "token-create": Verb(TokenCreateRequest, TokenInfo, token_create, bound=SLOW),
+    "token-create": Verb(TokenCreateRequest, TokenCreated, token_create, bound=SLOW),
+    # a joined machine's key, forgotten for `mesh machine remove` to revoke (joining.py)
+    "joined-forget": Verb(
+        JoinedKeyRequest, JoinedKeyReply, joined_forget, bound=SLOW, limit=_SMALL
+    ),
     "token-list": Verb(
         TokenListRequest, TokenListReply, token_list, bound=SLOW, limit=_SMALL, too_large=_PAGED
     ),
@@ -438,6 +454,10 @@ VERB_ENDPOINTS = (
         caller=operators.operating,
     ),
 )
+# A machine joining with a token: its request, on the hosts' connection with theirs.
+JOIN_VERBS: dict[str, Verb] = {
+    "join": Verb(JoinRequest, JoinReply, joining.join, bound=HOST_REQUESTS, limit=_SMALL),
+}
 HOST_ENDPOINTS = (
     Endpoint(
         "host-requests",
@@ -447,6 +467,14 @@ HOST_ENDPOINTS = (
         caller=asking,
         what="host verb",
         pending=HOST_PENDING,
+    ),
+    Endpoint(
+        "join",
+        subjects.JOIN_VERBS,
+        JOIN_VERBS,
+        queue=subjects.QUEUE,
+        caller=joining.joining,
+        what="join verb",
     ),
 )
 ENDPOINTS = (*VERB_ENDPOINTS, *HOST_ENDPOINTS)  # as discovery lists them
