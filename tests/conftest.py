@@ -27,6 +27,7 @@ import nats
 import pytest
 from faults import servers  # noqa: F401 (a fixture: tests/faults.py)
 from helpers import MESH, Fleet, Procs, fleet_up, mesh_cli, wait_until
+from machines import machines  # noqa: F401 (a fixture: tests/machines.py)
 from netmesh import net, netmesh  # noqa: F401 (fixtures: tests/netmesh.py)
 from secured import as_identity, secured, secured_fleet  # noqa: F401 (fixtures: tests/secured.py)
 from standby import Pair
@@ -324,7 +325,7 @@ def cli(nats_url: str) -> Callable[..., subprocess.CompletedProcess]:
 
 # --- the fast subset ----------------------------------------------------------------------------
 
-REAL_SERVICES = {"procs", "nats_server", "pg_admin_url", "database_url"}
+REAL_SERVICES = {"procs", "nats_server", "pg_admin_url", "database_url", "machines"}
 # Modules that start whole meshes themselves (`mesh dev up`, `mesh init`, namespaces).
 WHOLE_MESHES = {"test_dev_up", "test_init", "test_cluster", "test_network"}
 
@@ -358,8 +359,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.module is not None and item.module.__name__ in WHOLE_MESHES
         ):
             item.add_marker(pytest.mark.slow)
-        if item.get_closest_marker("slow") is not None and (
-            "start_host" in item.fixturenames or _starts_hosts(item.module, sources)
+        # Hosts inside `machines` (tests/machines.py) never see this machine's engine: hiding
+        # it would only make those tests skip.
+        if (
+            item.get_closest_marker("slow") is not None
+            and "machines" not in item.fixturenames
+            and ("start_host" in item.fixturenames or _starts_hosts(item.module, sources))
         ):
             item.add_marker(pytest.mark.hosts)
     # Slow tests first (in their order): in workers, the quick ones then fill the gaps at the
