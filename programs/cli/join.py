@@ -66,6 +66,11 @@ def add_parsers(verbs: Any, common: argparse.ArgumentParser) -> None:
     join.add_argument("token", metavar="TOKEN")
     join.add_argument("--name", help="this machine's name in the mesh (its host name)")
     join.add_argument("--dir", type=Path, help="its folder (/var/lib/mesh as root, else ~/.mesh)")
+    join.add_argument(
+        "--root", type=Path,
+        help="confine its host agent to this folder (as `mesh host run --root`: to try it, or "
+        "for tests; without root it is DIR/host)",
+    )  # fmt: skip
 
 
 def say(line: str) -> None:
@@ -155,7 +160,7 @@ async def cmd_join(args: argparse.Namespace) -> None:
                 jwt=reply.jwt)  # fmt: skip
     joined = Joined(name=name, token=token.id, tier=reply.tier, labels=reply.labels,
                     control=reply.control, creds=str(path), dir=str(folder.root))  # fmt: skip
-    joined = await _start_host(folder, joined)
+    joined = await _start_host(folder, joined, args.root)
     (folder.root / STATE).write_bytes(msgspec.json.format(msgspec.json.encode(joined)) + b"\n")
     if args.json:
         print_json(joined)
@@ -165,10 +170,10 @@ async def cmd_join(args: argparse.Namespace) -> None:
           "shows it")  # fmt: skip
 
 
-async def _start_host(folder: MeshDir, joined: Joined) -> Joined:
+async def _start_host(folder: MeshDir, joined: Joined, root: Path | None) -> Joined:
     argv = command("host", "run", "--name", joined.name, "--creds", joined.creds)
-    if os.geteuid() != 0:  # accounts map to this user: the host keeps to its own folder
-        argv += ["--root", str(folder.root / "host")]
+    if root is not None or os.geteuid() != 0:  # accounts map to this user: its own folder
+        argv += ["--root", str(root or folder.root / "host")]
     env = {k: v for k, v in os.environ.items() if not k.startswith("MESH_")}
     if os.geteuid() == 0 and systemd_runs():
         unit = host_unit(joined.name, argv, env={"PATH": env.get("PATH", "")})
