@@ -344,6 +344,13 @@ def _starts_hosts(module: object, seen: dict[str, bool]) -> bool:
     return seen[path]
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # beside pyproject.toml's markers: it is set here, by the fixture's use
+    config.addinivalue_line(
+        "markers", "machines: runs machines with systemd in containers (tests/machines.py)"
+    )
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """A test that starts real servers or services is `slow` (seconds to minutes each):
     `pytest -m "not slow"` runs the rest (gate, composition, archives, wire, planner logic) in
@@ -360,7 +367,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         ):
             item.add_marker(pytest.mark.slow)
         # Hosts inside `machines` (tests/machines.py) never see this machine's engine: hiding
-        # it would only make those tests skip.
+        # it would only make those tests skip. Nor do they run this process's loop: .ci/run's
+        # uvloop pass leaves out what is marked `machines`, which would only repeat itself.
+        if "machines" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.machines)
         if (
             item.get_closest_marker("slow") is not None
             and "machines" not in item.fixturenames

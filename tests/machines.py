@@ -4,20 +4,23 @@ Each machine is a container of `mesh-machine:local` (images/machine: the mesh's 
 systemd), made by images/build from this checkout, which makes again only what changed. The
 machines of a test share a user-defined bridge network of their own and reach each other by
 name (the name a test gave: `a`, `b`, also their hostnames); tests use only addresses inside it.
-The units a machine enables really start at boot: `reboot` is a `docker restart` (systemd shuts
-down on the image's stop signal, boots again), `stop` a shutdown (or, hard, a power cut).
+The units a machine enables really start at boot: `reboot` is a shutdown (systemd stops every
+unit on the image's stop signal, as on a real reboot) and a boot, `stop` a shutdown (or, hard,
+a power cut), `start` a boot.
 
     def test_join(machines: Machines) -> None:
         machines.add("a", "b")
         machines.run("a", "mesh", "init", "--address", "a")
-        token = machines.run("a", "mesh", "token", "create").stdout.strip()
+        token = machines.mesh("a", "token", "create").stdout.strip()  # with a's DIR/env
         machines.run("b", "mesh", "join", token)
         machines.reboot("b")
+        machines.mesh("a", "nodes")
 
 Names start with `mesh-test-<pid in hex><random>-` (the network is the prefix itself), so a
 leftover is recognisable and its session known; every container and network is labelled with
-the pid of the session that made it, and `remove_stale` removes those of sessions whose process
-is gone. Root and a Docker Engine only: `unavailable()` says why a test must skip.
+the pid (and pid namespace) of the session that made it, and `remove_stale` removes those of
+sessions whose process is gone. Root and a Docker Engine only: `unavailable()` says why a test
+must skip.
 """
 
 import os
@@ -34,6 +37,7 @@ ROOT = Path(__file__).parent.parent
 IMAGE = "mesh-machine:local"
 PREFIX = "mesh-test-"
 PID_LABEL = "mesh-test.pid"  # the session's process: a leftover's, if that process is gone
+NS_LABEL = "mesh-test.pidns"  # ...in this pid namespace: another's pids mean nothing here
 TEST_LABEL = "mesh-test.test"  # the test's node id, to tell whose a container was
 BOOT = 120.0  # seconds for systemd to boot to `running` (under a second on an idle machine)
 # Seconds `docker stop` gives systemd's shutdown before it kills the machine: more than systemd's
@@ -88,18 +92,22 @@ def _alive(pid: str) -> bool:
     return True
 
 
+def _pid_namespace() -> str:
+    return os.readlink("/proc/self/ns/pid")  # pid:[4026531836]
+
+
 def remove_stale() -> None:
     """Containers and networks of sessions whose process is gone (killed before their own
     clean-up); another session's, still running, are left alone."""
     fmt = f'{{{{.ID}}}} {{{{.Label "{PID_LABEL}"}}}}'
-    listed = docker("ps", "-a", "--filter", f"label={PID_LABEL}", "--format", fmt).stdout
-    dead = [line.split()[0] for line in listed.splitlines() if not _alive(line.split()[-1])]
-    if dead:
-        docker("rm", "-f", "-v", *dead, check=False)
-    listed = docker("network", "ls", "--filter", f"label={PID_LABEL}", "--format", fmt).stdout
-    dead = [line.split()[0] for line in listed.splitlines() if not _alive(line.split()[-1])]
-    if dead:
-        docker("network", "rm", *dead, check=False)
+    ours = f"label={NS_LABEL}={_pid_namespace()}"
+    # containers first: a network is removed only once none is attached
+    for listing, removal in ((["ps", "-a"], ["rm", "-f", "-v"]),
+                             (["network", "ls"], ["network", "rm"])):  # fmt: skip
+        listed = docker(*listing, "--filter", ours, "--format", fmt).stdout
+        dead = [line.split()[0] for line in listed.splitlines() if not _alive(line.split()[-1])]
+        if dead:
+            docker(*removal, *dead, check=False)
 
 
 class Machines:
@@ -112,7 +120,9 @@ class Machines:
         folder.mkdir(parents=True, exist_ok=True)
         self.test = test
         self.names: list[str] = []  # every machine asked for, made or not: all are removed
-        self._labels = ("--label", f"{PID_LABEL}={os.getpid()}", "--label", f"{TEST_LABEL}={test}")
+        self._labels = ("--label", f"{PID_LABEL}={os.getpid()}",
+                        "--label", f"{NS_LABEL}={_pid_namespace()}",
+                        "--label", f"{TEST_LABEL}={test}")  # fmt: skip
         self._network_made = False
 
     def container(self, machine: str) -> str:
@@ -251,6 +261,21 @@ class Machines:
             raise AssertionError(f"on {machine}: {list(argv)} exited {done.returncode}:\n"
                                  f"{done.stderr}{done.stdout}")  # fmt: skip
         return done
+
+    def mesh(
+        self,
+        machine: str,
+        *args: str,
+        check: bool = True,
+        folder: str = "/var/lib/mesh",
+        timeout: float = 300,
+    ) -> subprocess.CompletedProcess:
+        """`mesh ARGS` on the machine with the settings `mesh init` wrote there (FOLDER/env:
+        its NATS URL, CA and the admin's credentials), when that file exists."""
+        # A fixed script: the file and the arguments are its argv, never parts of it
+        script = 'if [ -r "$1" ]; then set -a; . "$1"; set +a; fi; shift; exec mesh "$@"'
+        return self.run(machine, "sh", "-c", script, "sh", f"{folder}/env", *args,
+                        check=check, timeout=timeout)  # fmt: skip
 
     def address(self, machine: str) -> str:
         """The machine's IP on the test's network (asked each time: a reboot may change it)."""

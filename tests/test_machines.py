@@ -57,6 +57,7 @@ def test_machines_boot_systemd_keep_enabled_units_across_reboots_and_reach_each_
 
     # The mesh is installed, for `docker exec` and for systemd's PATH alike
     assert "usage" in machines.run("a", "mesh", "--help").stdout.lower()
+    assert "usage" in machines.mesh("b", "--help").stdout.lower()  # no mesh made there: no env
     assert machines.run("a", "ls", "-l", "/usr/local/bin/mesh").returncode == 0
 
     # A unit enabled (not started by hand): it must come from the boot
