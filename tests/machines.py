@@ -39,7 +39,9 @@ PREFIX = "mesh-test-"
 PID_LABEL = "mesh-test.pid"  # the session's process: a leftover's, if that process is gone
 NS_LABEL = "mesh-test.pidns"  # ...in this pid namespace: another's pids mean nothing here
 TEST_LABEL = "mesh-test.test"  # the test's node id, to tell whose a container was
-BOOT = 120.0  # seconds for systemd to boot to `running` (under a second on an idle machine)
+# Seconds for systemd to boot to `running`: about one for a bare machine, about 35 for the only
+# control machine of a mesh (its host's unit is ready once a controller has registered it)
+BOOT = 120.0
 # Seconds `docker stop` gives systemd's shutdown before it kills the machine: more than systemd's
 # own 90 s for a unit that will not stop, so that, as on a real machine, systemd decides.
 STOP = 120
