@@ -315,6 +315,9 @@ class Applier:
                 raise StepFailed("bundle", str(e), name=key) from None
         # A tool server has its folder and files where a process has them (their names differ).
         runs: dict[str, DProcess | DTool] = {**decl.processes, **tools_of(decl)}
+        # Once no controller gave one kept secret, none will give the next within this apply:
+        # the rest are kept at once (a reboot of a lone control machine waited 5 s a secret).
+        nobody = False
         for proc, p in sorted(runs.items()):
             owner = ids[p.account] if p.account else accounts.current()
             folder = files.ensure_folder(self._root / "processes" / proc / "files", owner=owner)
@@ -324,9 +327,12 @@ class Applier:
                     data = (
                         f.text.encode()
                         if f.text is not None
+                        else None
+                        if kept and nobody
                         else await self._secret(f.secret, keep=kept)
                     )
                     if data is None:
+                        nobody = True
                         # After a reboot the controller may be a process of this very machine,
                         # which nobody else starts: the secret written for this declaration
                         # serves until a controller answers.
