@@ -61,10 +61,10 @@ class Trust:
         keys.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(keys, 0o700)
         return cls(
-            operator=_key(keys / "operator.nk", "operator"),
-            system=_key(keys / "system.nk", "account"),
-            account=_key(keys / "mesh.nk", "account"),
-            signer=_key(keys / "signer.nk", "account"),
+            operator=key_file(keys / "operator.nk", "operator"),
+            system=key_file(keys / "system.nk", "account"),
+            account=key_file(keys / "mesh.nk", "account"),
+            signer=key_file(keys / "signer.nk", "account"),
         )
 
     # --- what the servers are given ----------------------------------------------------------
@@ -130,8 +130,8 @@ def sign_user(signer: Key, *, account: str, user: User) -> str:
     )  # fmt: skip
 
 
-def _key(path: Path, kind: claims.KeyKind) -> Key:
-    """The key in `path`, made (mode 0600) if there is none."""
+def key_file(path: Path, kind: claims.KeyKind) -> Key:
+    """The key in `path`, made (mode 0600, its folder 0700) if there is none."""
     try:
         return claims.key_of(path.read_text())
     except FileNotFoundError:
@@ -139,6 +139,7 @@ def _key(path: Path, kind: claims.KeyKind) -> Key:
     except (OSError, ValueError) as e:
         raise TrustError(f"{path}: {getattr(e, 'strerror', None) or e}") from None
     key = claims.new_key(kind)
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:

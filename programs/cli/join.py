@@ -28,8 +28,9 @@ from typing import Any
 import anyio
 import msgspec
 
-from mesh.auth import claims, creds
+from mesh.auth import creds
 from mesh.auth.policy import User, inbox
+from mesh.auth.trust import TrustError, key_file
 from mesh.client.join import JoinError, ask_to_join, mesh_ca
 from mesh.embedded.children import spawn
 from mesh.entry import command
@@ -93,24 +94,6 @@ def _name(given: str | None) -> str:
         ) from None
 
 
-def _key(path: Path) -> claims.Key:
-    """The machine's own key, made once: a second run (its answer lost) asks with the same."""
-    try:
-        return claims.key_of(path.read_text())
-    except FileNotFoundError:
-        pass
-    except ValueError as e:
-        raise CliError(f"{path}: {e}") from None
-    key = claims.new_key("user")
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    try:
-        os.write(fd, (key.seed + "\n").encode())
-    finally:
-        os.close(fd)
-    return key
-
-
 def _refuse_joined(folder: MeshDir) -> None:
     state = folder.root / STATE
     if state.exists():
@@ -144,7 +127,10 @@ async def cmd_join(args: argparse.Namespace) -> None:
     folder.ca.write_text(pem)
     say(f"the servers present the CA the token names (sha256 {token.ca_sha256[:16]}…)")
 
-    key = _key(folder.nats_keys.parent / "machine.nk")
+    try:  # made once: a second run (its answer lost) asks with the same
+        key = key_file(folder.nats_keys.parent / "machine.nk", "user")
+    except TrustError as e:
+        raise CliError(str(e)) from None
     try:
         reply = await ask_to_join(token, ca=folder.ca, machine=name, public=key.public)
     except JoinError as e:
