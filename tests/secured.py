@@ -49,12 +49,14 @@ class Secured:
         """The `mesh` command line on this server as `creds` (None: no credentials)."""
         return mesh_cli(*args, nats_url=self.url, creds=creds, stdin=stdin, timeout=180)
 
-    async def connect(self, creds: str | None, *, denials: list[str] | None = None) -> Client:
+    async def connect(
+        self, creds: str | None, *, denials: list[str] | None = None, reconnect: bool = False
+    ) -> Client:
         return await bus.connect(
             self.url,
             name="test",
             creds=creds,
-            reconnect=False,
+            reconnect=reconnect,
             denied=denials.append if denials is not None else None,
         )
 
@@ -161,7 +163,9 @@ async def secured_fleet(secured: Secured, procs, database_url: str, tmp_path: Pa
          "--creds", secured.creds("controller", registry.CONTROLLER)],
         env={"MESH_NATS_URL": secured.url, "MESH_DATABASE_URL": database_url},
     )  # fmt: skip
-    nc = await secured.connect(secured.admin)
+    # Reconnecting: a test runs commands as subprocesses while its loop waits, and a loaded
+    # machine can keep it from answering the server's pings for longer than it allows.
+    nc = await secured.connect(secured.admin, reconnect=True)
     # Placed by the operator before they first register: a host never chooses its own.
     await place(nc, url=secured.url, machine="node-1", tier=0, labels={"builder": "true"},
                 timeout=40)  # fmt: skip
