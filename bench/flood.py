@@ -21,10 +21,11 @@ Nothing here is asserted (timings are not, anywhere): it prints figures.
 
     .venv/bin/python bench/flood.py [--seconds 20] [--after 5] [--every 0.01] [--machines 10]
                                     [--kinds registrations,beats,events] [--tls]
-                                    [--deadline 600]
+                                    [--deadline 600] [--logs DIR]
 
-Everything lives in a temporary folder; every child runs in its own session and is stopped in
-a `finally`, so nothing is left running when the script ends or fails.
+Everything lives in a temporary folder (`--logs DIR` keeps a copy of its logs: the
+controller's, the flooders'); every child runs in its own session and is stopped in a
+`finally`, so nothing is left running when the script ends or fails.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import shutil
 import signal
 import sys
 import tempfile
@@ -81,11 +83,12 @@ def messages(kind: str, name: str):
     """(subject, body, reply) for ever, as tests/flooding.py makes them with a host's inbox."""
     for n in itertools.count():
         if kind == "registrations":
-            req = Register(name=name, tier=None, labels={}, facts=FACTS, beat_interval=1.0,
+            req = Register(name=name, tier=None, labels={}, facts=FACTS, beat_interval=3600,
                            pid=100_000 + n)  # fmt: skip
             yield subjects.ctl_host(name, "register"), wire.encode(req), f"_INBOX.flood.{n}"
         elif kind == "beats":
-            yield subjects.host(name, "beat"), wire.encode(Beat(name=name, seq=n, interval=1.0)), ""
+            beat = Beat(name=name, seq=n, interval=3600)  # as it registered: up throughout
+            yield subjects.host(name, "beat"), wire.encode(beat), ""
         elif n % 2:
             failed = Applied(name=name, digest="sha256:" + "0" * 64, epoch=1, ok=False,
                              step="prepare", error=f"flood {n}")  # fmt: skip
@@ -135,12 +138,13 @@ class Phase:
     asked: int = 0
     unanswered: list[str] = field(default_factory=list)
     took: list[float] = field(default_factory=list)  # seconds, the answered ones
+    bus: list[float] = field(default_factory=list)  # seconds, a PING's round trip to the server
     fewest_up: int | None = None  # the fewest honest machines `status` counted up
     cpu: float = 0.0  # the controller's cores over the phase
     log_growth: int = 0  # bytes
 
-    def percentile(self, p: float) -> float:
-        took = sorted(self.took)
+    def percentile(self, p: float, of: list[float] | None = None) -> float:
+        took = sorted(self.took if of is None else of)
         return took[min(len(took) - 1, int(p * len(took)))] * 1000 if took else float("nan")
 
 
@@ -155,11 +159,11 @@ async def ask_status(nc: Client, phase: Phase, stop: asyncio.Event, every: float
         except (nats.errors.TimeoutError, nats.errors.NoRespondersError) as e:
             phase.unanswered.append(type(e).__name__)
             return
-        except wire.RemoteError as e:  # busy, unavailable: not an answer to a status
-            phase.unanswered.append(str(e)[:80])
+        except wire.RemoteError as e:  # busy (shedding), unavailable: not a status
+            phase.unanswered.append(e.code)
             return
         phase.took.append(time.monotonic() - sent)
-        up = reply.nodes.up - 1  # flood-1 is registered too, and beats in the beats' flood
+        up = reply.nodes.up - 1  # flood-1 is up too (it beats once an hour)
         phase.fewest_up = up if phase.fewest_up is None else min(phase.fewest_up, up)
 
     tasks: set[asyncio.Task[None]] = set()
@@ -173,6 +177,19 @@ async def ask_status(nc: Client, phase: Phase, stop: asyncio.Event, every: float
         await asyncio.gather(*tasks)
 
 
+async def ping_bus(nc: Client, phase: Phase, stop: asyncio.Event, every: float) -> None:
+    """The bus's own round trip (a PING on a connection of its own, nothing else on it) every
+    `every` seconds: what `status` costs beyond it is the controller's, or the machine's."""
+    while not stop.is_set():
+        sent = time.monotonic()
+        try:
+            await nc.flush(timeout=ANSWER_WITHIN)
+            phase.bus.append(time.monotonic() - sent)
+        except nats.errors.TimeoutError:
+            phase.bus.append(ANSWER_WITHIN)
+        await asyncio.sleep(every)
+
+
 async def beat_honestly(nc: Client, names: list[str]) -> None:
     """The honest fleet: a beat of each machine every second, for ever."""
     for seq in itertools.count():
@@ -182,20 +199,24 @@ async def beat_honestly(nc: Client, names: list[str]) -> None:
         await asyncio.sleep(1.0)
 
 
-async def register(nc: Client, name: str) -> None:
-    req = Register(name=name, tier=None, labels={}, facts=FACTS, beat_interval=1.0, pid=1)
+async def register(nc: Client, name: str, beat_interval: float) -> None:
+    req = Register(name=name, tier=None, labels={}, facts=FACTS, beat_interval=beat_interval,
+                   pid=1)  # fmt: skip
     data = await bus.request(nc, subjects.ctl_host(name, "register"), wire.encode(req),
                              deadline=time.monotonic() + 30)  # fmt: skip
     wire.decode_reply(data, RegisterReply)
 
 
 async def run_phase(
-    kind: str, args: argparse.Namespace, pieces: Pieces, nc: Client, ctl_pid: int, log: Path
-) -> Phase:
+    kind: str, args: argparse.Namespace, pieces: Pieces, ncs: tuple[Client, Client],
+    ctl_pid: int, log: Path,
+) -> Phase:  # fmt: skip
+    nc, probe = ncs
     phase = Phase(kind=kind)
     stop = asyncio.Event()
     log_before, cpu_before, started = log.stat().st_size, cpu_seconds(ctl_pid), time.monotonic()
     asking = asyncio.create_task(ask_status(nc, phase, stop, args.every))
+    pinging = asyncio.create_task(ping_bus(probe, phase, stop, args.every))
     try:
         if kind == "none":
             await asyncio.sleep(args.seconds + args.after)
@@ -218,6 +239,7 @@ async def run_phase(
     finally:
         stop.set()
         await asking
+        await pinging
     phase.cpu = (cpu_seconds(ctl_pid) - cpu_before) / (time.monotonic() - started)
     phase.log_growth = log.stat().st_size - log_before
     return phase
@@ -226,26 +248,34 @@ async def run_phase(
 async def bench(args: argparse.Namespace, pieces: Pieces) -> list[Phase]:
     await pieces.servers_and_store()
     nc = await pieces.connect("bench client", pieces.server_url)
+    probe = await pieces.connect("bench probe", pieces.server_url)
+    # The honest fleet's beats on a connection of their own, as hosts have: publishing to a
+    # subscriber behind a flood, a connection is stalled by nats-server (its producer stall),
+    # and its `status` requests with it.
+    fleet = await pieces.connect("bench fleet", pieces.server_url)
     try:
         say("starting the controller…")
         ctl = await pieces.controller(nc)
         say(f"  controller pid {ctl.pid} holds the seat")
         honest = [f"node-{i + 1}" for i in range(args.machines)]
-        for name in [*honest, FLOODER]:
-            await register(nc, name)
+        for name in honest:
+            await register(nc, name, 1.0)
+        await register(nc, FLOODER, 3600)  # up throughout: `fewest up` counts the honest
         say(f"registered {len(honest)} honest machine(s), beating every second, and {FLOODER}")
-        beating = asyncio.create_task(beat_honestly(nc, honest))
+        beating = asyncio.create_task(beat_honestly(fleet, honest))
         phases = []
         try:
             for kind in ["none", *args.kinds]:
                 what = "no flood" if kind == "none" else f"{FLOODER} flooding {kind}"
                 say(f"phase: {what}, {args.seconds:g}s and {args.after:g}s after…")
-                phases.append(await run_phase(kind, args, pieces, nc, ctl.pid, ctl.log))
+                phases.append(await run_phase(kind, args, pieces, (nc, probe), ctl.pid, ctl.log))
         finally:
             beating.cancel()
         return phases
     finally:
         await nc.close()
+        await probe.close()
+        await fleet.close()
 
 
 def report(phases: list[Phase], args: argparse.Namespace, describe: str) -> None:
@@ -257,13 +287,18 @@ def report(phases: list[Phase], args: argparse.Namespace, describe: str) -> None
     say()
     say(f"{'phase':<14} {'flood msg/s':>11} {'asked':>6} {'unanswered':>10} {'p50 ms':>8} "
         f"{'p95 ms':>8} {'p99 ms':>8} {'max ms':>8} {'ctl cores':>9} {'log +B':>8} "
-        f"{'fewest up':>9}")  # fmt: skip
+        f"{'fewest up':>9} {'bus p50/p95 ms':>14}")  # fmt: skip
     for p in phases:
         rate = f"{p.sent / p.flood_seconds:,.0f}" if p.flood_seconds else "-"
         say(f"{p.kind:<14} {rate:>11} {p.asked:>6} {len(p.unanswered):>10} "
             f"{p.percentile(0.5):>8.1f} {p.percentile(0.95):>8.1f} {p.percentile(0.99):>8.1f} "
             f"{p.percentile(1.0):>8.1f} {p.cpu:>9.2f} {p.log_growth:>8} "
-            f"{p.fewest_up if p.fewest_up is not None else '-':>9}")  # fmt: skip
+            f"{p.fewest_up if p.fewest_up is not None else '-':>9} "
+            f"{p.percentile(0.5, p.bus):>6.1f}/{p.percentile(0.95, p.bus):<7.1f}")  # fmt: skip
+    for p in phases:
+        if p.unanswered:
+            why = {w: p.unanswered.count(w) for w in sorted(set(p.unanswered))}
+            say(f"  {p.kind} unanswered: " + ", ".join(f"{n} {w}" for w, n in why.items()))
 
 
 def parser() -> argparse.ArgumentParser:
@@ -275,6 +310,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--kinds", default=",".join(KINDS), help="the floods, in order")
     p.add_argument("--tls", action="store_true", help="TLS on the nats-server")
     p.add_argument("--deadline", type=float, default=600, help="seconds for the whole run")
+    p.add_argument("--logs", type=Path, help="a folder to copy the run's logs to")
     p.add_argument("--flood", choices=KINDS, help=argparse.SUPPRESS)  # the flooder's mode
     p.add_argument("--url", help=argparse.SUPPRESS)
     p.add_argument("--ca", help=argparse.SUPPRESS)
@@ -310,6 +346,8 @@ async def run(args: argparse.Namespace) -> tuple[list[Phase], str]:
         finally:
             say("stopping…")
             await pieces.stop()
+            if args.logs:
+                shutil.copytree(Path(tmp) / "logs", args.logs, dirs_exist_ok=True)
 
 
 def main() -> None:

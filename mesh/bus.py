@@ -209,6 +209,9 @@ class Link:
         self.on_up: Callable[[], None] | None = None
         self._changed = anyio.Event()
         self.answered_at = time.monotonic()  # the server's last answer to our round trips
+        # When the round trip the server last answered was sent: whatever the server sent us
+        # before that has been read (answered_at is later by the backlog read before the PONG)
+        self.caught_up = self.answered_at
         self.heard_at = self.answered_at  # when anything last came in on the connection
         self.silent = False  # the round trips found no answer for longer than they allow
         self.nc: Client | None = None  # set by connect: its own close is not a lost link
@@ -227,7 +230,7 @@ class Link:
         While `lagging()` (this process's own event loop has run late lately: a PONG may sit
         unread behind it), silence takes `late` + `every` instead. While nats-py says the
         connection is down (it reconnects), nothing here is silence: `down_for` judges that."""
-        self.answered_at = self.heard_at = time.monotonic()
+        self.answered_at = self.heard_at = self.caught_up = time.monotonic()
         self.silent = False
         received = nc.stats["in_msgs"]
         # One PING out at a time, each given long to come back: nats-py fails its read loop on
@@ -239,10 +242,11 @@ class Link:
         async def ping() -> None:
             nonlocal outstanding
             outstanding = True
+            sent = time.monotonic()
             try:
                 with anyio.fail_after(patience + 1):
                     await nc.flush(timeout=patience)
-                self.answered_at = time.monotonic()
+                self.answered_at, self.caught_up = time.monotonic(), sent
             except Exception:  # timeouts, closed or reconnecting: all say "no answer"
                 pass
             finally:
@@ -292,7 +296,8 @@ class Link:
     async def reconnected(self) -> None:
         log.info("%s is back", self.name)
         self.up = True
-        self.answered_at = self.heard_at = time.monotonic()  # the server answered us just now
+        # the server answered us just now (what it sent before is lost: the callers forgive it)
+        self.answered_at = self.heard_at = self.caught_up = time.monotonic()
         if self.on_up:
             self.on_up()
         self._kick()

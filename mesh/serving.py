@@ -325,13 +325,16 @@ class Turns:
     the same. So a callback lets the loop turn every TURN_EVERY seconds."""
 
     def __init__(self) -> None:
-        self._turned = time.monotonic()  # when this subscription last let the loop turn
+        self._turned = time.monotonic()  # when this subscription last had the loop back
 
     async def take(self) -> None:
-        now = time.monotonic()
-        if now - self._turned > TURN_EVERY:
-            self._turned = now
+        if time.monotonic() - self._turned > TURN_EVERY:
             await anyio.lowlevel.checkpoint()
+            # Counted from when the loop came back, not from when it was let go: a turn that
+            # itself took longer than TURN_EVERY (a host's flood read on another connection)
+            # must not make every message after it wait for a whole turn of its own, which
+            # left `status` queued for seconds behind 500 others at a few ms each.
+            self._turned = time.monotonic()
 
 
 def _callback(route: Deliver, endpoint: Endpoint) -> Callable[[Msg], Awaitable[None]]:

@@ -134,9 +134,10 @@ class Fleet:
     ) -> None:
         self._pool = pool
         self._noisy = noisy  # whether a machine sent more than its budget lately (noisy.py)
-        # When NATS last answered the holder's own round trips: a machine is judged down only
-        # once the bus has answered since its beat was due, or a holder cut off from NATS
-        # would mark the whole fleet down before stepping down.
+        # When the holder's last answered NATS round trip was sent (every beat sent before it
+        # had reached us): a machine is judged down only once the bus has answered since its
+        # beat was due, or a holder cut off from NATS (or behind a host's flood, its beats
+        # queued ahead of the answer) would mark the fleet down.
         self._bus_answered = bus_answered
         self._epoch = epoch
         self._down_after = down_after
@@ -563,9 +564,9 @@ class Fleet:
             tick = now
             self._log_unknown()
             self.arrivals.mark(now)
-            # Judged at the last time at which both hold: NATS answered our round trip (so
-            # every beat sent before it had reached us), and we had handled every beat that
-            # had reached us by then. A beat still waiting in our queue is not a missed one.
+            # Judged at the last time at which both hold: NATS answered a round trip we sent
+            # then (so every beat sent before it had reached us), and we had handled every beat
+            # that had reached us by then. A beat still waiting in a queue is not a missed one.
             judged = self.arrivals.handled_until(self._bus_answered())
             at = datetime.now(UTC)
             for m in self.machines.values():

@@ -238,16 +238,18 @@ class Hold:
                 raise SeatLost(f"the store failed as the seat was taken: {reason(e)}") from e
             # the round trips start with the hold
             self.link.answered_at = self.hosts_link.answered_at = time.monotonic()
+            self.hosts_link.caught_up = self.hosts_link.answered_at
             # The lock's session pinged, with the server's idle limit on it, from the take on:
             # a holder cut off while it loads loses the lock in IDLE_LIMIT, as one cut while
             # it serves does (the nemesis: cut as it took the seat in a handover, it kept the
             # lock until the cut ended, 7 s with no holder).
             tg.start_soon(self.lock.watch)
-            # Beats come on the hosts' connection: judged up to its last round trip.
+            # Beats come on the hosts' connection: judged up to when its last answered round
+            # trip was sent (a flood's backlog ahead of the PONG holds beats sent meanwhile).
             fleet = Fleet(
                 pool=self.pool, epoch=row.epoch, down_after=self.down_after,
                 open_bus=lambda: open_bus(self.nc),
-                bus_answered=lambda: self.hosts_link.answered_at, noisy=self.budgets.noisy,
+                bus_answered=lambda: self.hosts_link.caught_up, noisy=self.budgets.noisy,
             )  # fmt: skip
             await fleet.load()
             await secretkeys.take_over(self.pool, self.keys, epoch=row.epoch)
