@@ -312,7 +312,7 @@ async def test_a_stalled_secret_request_does_not_hold_up_a_registration(
 ) -> None:
     ctl = start_controller("ctl-a")
     await _holding(nc)
-    stuck = await _lock_table(database_url, "secrets")
+    stuck = await _lock_table(database_url, "declarations")  # what a secret request reads first
     try:
         inbox = nc.new_inbox()
         secret = await nc.subscribe(inbox)
