@@ -19,6 +19,7 @@ from mesh.model import (
     apply_step,
 )
 from services.controller.fleet import Fleet
+from services.controller.noisy import Budgets
 from services.controller.publishing import Publisher
 from services.controller.reports import HostReports
 
@@ -91,7 +92,7 @@ async def test_an_apply_step_of_a_newer_host_is_a_failure_of_its_machine() -> No
     # Only `fence` says nothing of the machine; a kind of step this controller does not know
     # is a failed apply like any other (the plan's step fails, `mesh nodes` shows why).
     fleet = Fleet(pool=cast(asyncpg.Pool, None), epoch=1)
-    reports = HostReports(fleet=fleet, publisher=cast(Publisher, None))
+    reports = HostReports(fleet=fleet, publisher=cast(Publisher, None), budgets=Budgets())
     applied = Applied(name="node-1", digest="sha256:new", epoch=1, ok=False,
                       step="snapshot db", error="disk full")  # fmt: skip
     subject = subjects.event("node-1", "applied")
