@@ -3,17 +3,23 @@ own credentials, its raw subjects and the JetStream API, against a real nats-ser
 controllers, hosts and PostgreSQL. Each shows the hole closed: the server refuses the action, or
 the piece it was aimed at refuses what arrived (and says so in its log), and nothing moved.
 
-docs/security.md, "Threat model", lists what each compromised piece can and cannot do.
+docs/security.md, "Threat model", lists what each compromised piece can and cannot do. The
+attacks of issue 39 are here too: a scoped operator (a deployer of `web-*`, bob) through what it
+may push and the raw JetStream API; a local account at the console's port; names that are not
+names given to `mesh mcp`; and a host flooding its own subjects.
 """
 
 import base64
 import grp
+import http.client
 import json
+import logging
 import os
 import re
 import resource
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -26,6 +32,7 @@ from pathlib import Path
 import anyio
 import asyncpg
 import msgspec
+import nats
 import pytest
 from helpers import (
     MESH,
@@ -40,22 +47,30 @@ from helpers import (
     ok,
     ok_json,
     one_line_error,
+    wait_until,
 )
+from mcp import ClientSession, StdioServerParameters, stdio_client
 from module_folders import HELLO, built_module
 from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from secured import Secured
 
-from mesh import blobs, wire
+from mesh import blobs, bus, wire
 from mesh.auth import creds as credentials
 from mesh.auth import registry, secretkeys
 from mesh.auth.signing import Signing
+from mesh.client.tools import ToolCallFailed, call_tool
 from mesh.embedded import ports, postgres
 from mesh.model import Applied, Beat, Facts, Register, SeatAnnounce
 from mesh.modules import archive, compose, gate
 from mesh.store import db, secrets
 from mesh.store.migrate import migrate
+from programs.console.server import COOKIE
+from services.controller import noisy
+from services.controller.noisy import Budgets
 from services.host import mcpstdio
 
 ROOT = Path(__file__).parent.parent
@@ -866,7 +881,7 @@ async def _refused(url: str) -> str:
 
 def _as_nobody(*argv: str) -> subprocess.CompletedProcess:
     return subprocess.run(["runuser", "-u", "nobody", "--", *argv], capture_output=True,
-                          text=True, timeout=30, cwd="/")  # fmt: skip
+                          text=True, timeout=60, cwd="/")  # fmt: skip
 
 
 @pytest.mark.slow
@@ -1219,3 +1234,488 @@ async def test_a_deployer_names_only_secrets_its_modules_may_use_and_the_holder_
         ("admin", "operator-remove", "bob", "ok"),
         ("admin", "unassign", "web-ok", "ok"),
     } <= said
+
+
+# --- the console and `mesh mcp`'s names (issue 39, items 6 and 7) -------------------------------
+# Attacks from this machine on `mesh console` and `mesh mcp` (issue 39).
+#
+# The console: `runuser -u nobody -- curl http://127.0.0.1:PORT/api/logs/node-3/steal` read a
+# process's log (root's, 0600 on disk) through `mesh dev up`'s console, which answered anyone who
+# knew its port. Now it asks who you are: a request without its token (or the cookie the token
+# sets), or with a wrong one, gets 401, the page, the API and the events alike, from this account
+# or another; its unix socket (`--socket`) is 0600; `mesh dev up` gives the token to its console
+# where no other account reads it (never its command line or log) and prints it with the URL.
+#
+# `mesh mcp` took a tool's name apart and put its machine in a subject: `*.files.read` called
+# `mesh.host.*.tool`. A machine, server or tool that is not a name is an MCP tool error naming
+# the field and the value, before anything is sent on the bus, and the server goes on serving.
+
+AS_ROOT = os.geteuid() == 0
+NOT_ROOT = "another local account (nobody) is tried only as root (runuser)"
+# The paths an attacker would want: the page, its events, a process's log, a plan, its script.
+PATHS = ("/", "/events", "/api/logs/node-3/steal", "/api/plan/1", "/static/app.js")
+WRONG = "x" * 43  # the length of a real token, not it
+
+
+def _get(port: int, path: str, headers: dict[str, str] | None = None) -> http.client.HTTPResponse:
+    """One GET, no redirect followed, no cookie kept: the status and headers as sent (the
+    events' stream is closed once its headers are in)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("GET", path, headers=headers or {})
+    answer = conn.getresponse()
+    answer.body = b"" if path == "/events" and answer.status == 200 else answer.read()  # type: ignore[attr-defined]
+    conn.close()
+    return answer
+
+
+def _status_as_nobody(url: str, *curl: str) -> str:
+    """What curl, run as nobody, gets from `url` (its HTTP status; 000: no connection)."""
+    done = _as_nobody("curl", "-s", "--noproxy", "*", "-o", "/dev/null", "-w", "%{http_code}",
+                      "--max-time", "10", *curl, url)  # fmt: skip
+    return done.stdout.strip()
+
+
+def _console(
+    procs, nats_url: str, creds: str, *flags: str, name: str = "console"
+) -> tuple[subprocess.Popen, str]:
+    """`mesh console` with `flags` on the test's NATS as `creds` (its log: `name`.log); its
+    process and the line of its log that says where it is, once it says it."""
+    proc = procs.start(name, [*MESH, "console", "--creds", creds, *flags],
+                       env={"MESH_NATS_URL": nats_url})  # fmt: skip
+    log = proc.log_path
+
+    def said() -> str | None:
+        assert proc.poll() is None, log.read_text()
+        return next((line for line in log.read_text().splitlines() if "console on " in line),
+                    None)  # fmt: skip
+
+    return proc, str(wait_until(said, within=60, what="the console to say where it is"))
+
+
+def _listens_on_tcp(pid: int) -> bool:
+    """Whether process `pid` holds a listening TCP socket (its fds against /proc/net/tcp*)."""
+    fds = Path(f"/proc/{pid}/fd")
+    held = {os.readlink(fd) for fd in fds.iterdir()}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for row in Path(table).read_text().splitlines()[1:]:
+            fields = row.split()
+            if fields[3] == "0A" and f"socket:[{fields[9]}]" in held:  # 0A: LISTEN
+                return True
+    return False
+
+
+def _token_url(line: str) -> tuple[int, str]:
+    found = re.search(r"console on http://127\.0\.0\.1:(\d+)/\?token=([\w-]+) ", line)
+    assert found, line
+    return int(found.group(1)), found.group(2)
+
+
+@pytest.mark.slow
+def test_the_console_answers_401_without_its_token(secured, procs) -> None:
+    port = ports.free_port()
+    _console(procs, secured.url, secured.viewer, "--listen", f"127.0.0.1:{port}")
+    for path in PATHS:
+        for headers in ({}, {"Authorization": f"Bearer {WRONG}"},
+                        {"Cookie": f"{COOKIE}-{port}={WRONG}"}):  # fmt: skip
+            answer = _get(port, path, headers)
+            assert answer.status == 401, (path, headers, answer.status)
+            assert answer.getheader("Set-Cookie") is None
+            assert b"asks who you are" in answer.body, answer.body  # type: ignore[attr-defined]
+        wrong = _get(port, f"{path}{'&' if '?' in path else '?'}token={WRONG}")
+        assert wrong.status == 401 and wrong.getheader("Set-Cookie") is None, path
+
+
+@pytest.mark.slow
+def test_the_console_takes_its_token_then_the_cookie_alone(secured, procs) -> None:
+    port = ports.free_port()
+    proc, line = _console(procs, secured.url, secured.viewer, "--listen", f"127.0.0.1:{port}")
+    assert _listens_on_tcp(proc.pid)
+    _, token = _token_url(line)
+    assert len(token) >= 43  # secrets.token_urlsafe(32)
+    first = _get(port, f"/?token={token}")
+    assert first.status == 303 and first.getheader("Location") == "/"  # the token out of sight
+    cookie = first.getheader("Set-Cookie")
+    assert cookie.startswith(f"{COOKIE}-{port}={token};"), cookie
+    assert "HttpOnly" in cookie and "SameSite=Strict" in cookie and "Path=/" in cookie, cookie
+    alone = {"Cookie": f"{COOKIE}-{port}={token}"}
+    page = _get(port, "/", alone)
+    assert page.status == 200 and b"/static/app.js" in page.body  # type: ignore[attr-defined]
+    events = _get(port, "/events", alone)
+    assert events.status == 200 and events.getheader("Content-Type") == "text/event-stream"
+    assert _get(port, "/static/app.js", alone).status == 200
+    bearer = _get(port, "/", {"Authorization": f"Bearer {token}"})
+    assert bearer.status == 200
+    # The Host check stands with the cookie: another site's page by DNS rebinding reads nothing.
+    assert _get(port, "/", {**alone, "Host": f"evil.example:{port}"}).status == 403
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not AS_ROOT, reason=NOT_ROOT)
+def test_the_consoles_socket_is_its_owners_alone(secured, procs, open_dir) -> None:
+    sock = open_dir / "console.sock"  # in a folder every account may enter: only its mode bars
+    proc, line = _console(procs, secured.url, secured.viewer, "--socket", str(sock))
+    assert f"console on unix socket {sock} (mode 0600: no token)" in line, line
+    assert (sock.stat().st_mode & 0o777) == 0o600 and sock.stat().st_uid == os.geteuid()
+    refused = _as_nobody("curl", "-s", "--max-time", "10", "--unix-socket", str(sock),
+                         "http://localhost/")  # fmt: skip
+    assert refused.returncode == 7 and refused.stdout == "", refused  # could not connect
+    # Its owner needs no token there: the socket's mode said who it is.
+    for path in ("/", "/api/plan/x"):  # the page; the API (a plan that is not one: 400)
+        mine = subprocess.run(["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}",
+                               "--max-time", "10", "--unix-socket", str(sock),
+                               f"http://localhost{path}"],
+                              capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert mine.stdout == ("200" if path == "/" else "400"), (path, mine)
+    assert not _listens_on_tcp(proc.pid)  # --socket alone: no port at all
+    # Another console is not let take it over, and says why in one line.
+    taken = mesh_cli("console", "--socket", str(sock), nats_url=secured.url, creds=secured.viewer)
+    assert one_line_error(taken) == f"mesh: error: --socket: {sock} is in use (another console " \
+        "answers there)"  # fmt: skip
+    proc.terminate()
+    assert proc.wait(timeout=30) == 0
+    assert not sock.exists()  # removed as it stops
+    # One left by a console that is gone (killed) is replaced, and made 0600 again.
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as left:
+        left.bind(str(sock))
+    sock.chmod(0o666)
+    _console(procs, secured.url, secured.viewer, "--socket", str(sock), name="console-again")
+    assert (sock.stat().st_mode & 0o777) == 0o600
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not AS_ROOT, reason=NOT_ROOT)
+def test_dev_ups_console_gives_another_local_account_nothing(open_dir: Path) -> None:
+    folder = open_dir / "dev"
+    dev = DevUp(folder, hosts=0)
+    try:
+        found = dev.match(r"console http://127\.0\.0\.1:(\d+)/(\S*) \(read-only: the viewer's "
+                          r"credentials, pid (\d+)\)$", within=180)  # fmt: skip
+        port, pid = int(found.group(1)), int(found.group(3))
+        # What the attack did, and the rest of what the console serves: 401.
+        for path in PATHS:
+            assert _status_as_nobody(f"http://127.0.0.1:{port}{path}") == "401", path
+        assert _status_as_nobody(f"http://127.0.0.1:{port}/?token={WRONG}") == "401"
+        token = found.group(2).removeprefix("?token=")
+        assert re.fullmatch(r"[\w-]{43}", token), found.group(0)
+        # Nor can it learn the token: not from the console's command line, its environment
+        # (where `dev up` put it) or its log (DIR/logs is open to every account here).
+        cmdline = _as_nobody("cat", f"/proc/{pid}/cmdline")
+        assert cmdline.returncode == 0 and token not in cmdline.stdout
+        environ = _as_nobody("cat", f"/proc/{pid}/environ")
+        assert environ.returncode != 0 and token not in environ.stdout
+        assert token not in (folder / "logs" / "console.log").read_text()
+        # Whoever ran `dev up` has its URL: the token, then the cookie.
+        first = _get(port, f"/?token={token}")
+        assert first.status == 303 and f"{COOKIE}-{port}={token};" in first.getheader("Set-Cookie")
+        assert _get(port, "/", {"Cookie": f"{COOKIE}-{port}={token}"}).status == 200
+    finally:
+        dev.kill()
+        dev.drain()
+        print("mesh dev up said:", *dev.seen[-200:], sep="\n")
+
+
+# --- mesh mcp and mesh tool call -------------------------------------------------------------
+
+# (the MCP tool's name, the field its error names, the value)
+NOT_NAMES = [
+    ("*.files.read", "machine", "*"),
+    (">.files.read", "machine", ">"),
+    ("node 1.files.read", "machine", "node 1"),
+    ("node-1.*.read", "server", "*"),
+    ("node-1.>.read", "server", ">"),
+    ("node-1.files.*", "tool", "*"),
+    ("node-1.files.>", "tool", ">"),
+    ("node-1.files.re*d", "tool", "re*d"),
+]
+
+
+@pytest.mark.slow
+async def test_mesh_mcp_refuses_names_that_are_not_names_and_goes_on(
+    start_fleet, nc, nats_url, tmp_path
+) -> None:
+    await start_fleet(hosts=1)
+    sent: list[str] = []  # what anyone sends about tools: the listing and calls
+
+    async def heard(msg: Msg) -> None:
+        if msg.subject.startswith("mesh.ctl.tools") or msg.subject.endswith(".tool"):
+            sent.append(msg.subject)
+
+    await nc.subscribe(">", cb=heard)
+    await nc.flush()
+    params = StdioServerParameters(command=MESH[0], args=[*MESH[1:], "mcp"],
+                                   env={**os.environ, "MESH_NATS_URL": nats_url})  # fmt: skip
+    with open(tmp_path / "mcp.log", "w") as errlog:
+        async with stdio_client(params, errlog=errlog) as (read, write):
+            async with ClientSession(read, write) as session:
+                with anyio.fail_after(60):
+                    await session.initialize()
+                for name, field, value in NOT_NAMES:
+                    with anyio.fail_after(30):
+                        result = await session.call_tool(name, {})
+                    said = result.content[0].text
+                    assert result.is_error, (name, said)
+                    assert f"{field}: {value!r} is not" in said, (name, said)
+                # A machine's name with a dot cannot be told from the server's (the first dot
+                # splits them): `node-1.x` alone is not a tool's name at all.
+                two = await session.call_tool("node-1.x", {})
+                assert two.is_error and "MACHINE.SERVER.TOOL" in two.content[0].text
+                # It goes on serving: a name that is one is asked of the fleet and called on
+                # node-1, whose host says what it lacks.
+                with anyio.fail_after(60):
+                    real = await session.call_tool("node-1.files.read", {"path": "x"})
+                assert real.is_error and "no tool server files" in real.content[0].text, real
+                assert (await session.list_tools()).tools == []
+
+    async def the_real_call_seen() -> bool:
+        return "mesh.host.node-1.tool" in sent
+
+    await await_until(the_real_call_seen, within=30, what="the call on mesh.host.node-1.tool")
+    # One publisher's messages arrive in order: nothing came before the real call's own
+    # listing, so none of the names above reached the bus, not even to ask for the list.
+    assert sent[: sent.index("mesh.host.node-1.tool")] == ["mesh.ctl.tools"], sent
+    assert "Traceback" not in (tmp_path / "mcp.log").read_text()
+
+    # The library's call, as any other client makes it: the same refusal, nothing sent.
+    before = len(sent)
+    for machine in ("*", ">", "node-1.x"):
+        with pytest.raises(ToolCallFailed) as refused:
+            await call_tool(nc, machine=machine, server="files", tool="read", arguments={},
+                            timeout=5)  # fmt: skip
+        assert refused.value.code == "bad_request"
+        assert str(refused.value).startswith(f"machine: {machine!r} is not"), refused.value
+    await nc.flush()
+    assert len(sent) == before
+
+
+def test_mesh_tool_call_refuses_names_that_are_not_names() -> None:
+    # Refused before any connection is made: no NATS is needed to say so.
+    for args, field, value in [
+        (("node-1.x", "files", "read"), "MACHINE", "node-1.x"),
+        (("*", "files", "read"), "MACHINE", "*"),
+        (("node-1", ">", "read"), "SERVER", ">"),
+        (("node-1", "files", "*"), "TOOL", "*"),
+        (("node-1", "files", ">"), "TOOL", ">"),
+    ]:
+        line = one_line_error(mesh_cli("tool", "call", *args, nats_url="nats://127.0.0.1:1"))
+        assert line.startswith(f"mesh: error: {field}: {value!r} is not"), (args, line)
+
+
+# --- a host flooding its own subjects (issue 39, item 5) -----------------------------------------
+# A host flooding its own subjects must not stall the seat's holder (issue 39, item 5).
+#
+# The attack on `mesh dev up`: node-3, with its own real credentials, published registrations
+# (each with another pid), beats and reports as fast as it could. The holder's log grew by 137 MB
+# in 70 s (a line per permissions violation of a reply sent minutes late, a line per message
+# nats-py dropped), `status` asked by an operator went from 1 ms to seconds, then to nothing, and
+# nats-server dropped the holder as a slow consumer 13 times.
+#
+# Here node-2's real credentials flood each kind for FLOOD_FOR seconds from a process of its own
+# (tests/flooding.py) while the admin asks `status` every STATUS_EVERY: every one is answered within
+# ANSWER_WITHIN, the holder's log grows by at most LOG_GROWTH, and `mesh nodes --json` names node-2
+# noisy. docs/security.md's threat table has the row; docs/architecture.md says how (the hosts'
+# own connection, pending limits, budgets per host before decoding).
+
+FLOODER = Path(__file__).parent / "flooding.py"
+FLOOD_FOR = 20.0  # seconds of flood, each kind
+STATUS_EVERY = 0.1  # seconds between the admin's `status` requests
+ANSWER_WITHIN = 3.0  # each `status` is sent once, with this timeout
+LOG_GROWTH = 256 * 1024  # bytes the holder's log may grow by, flood and its aftermath
+AFTER = 5.0  # seconds after the flood in which `status` must still be answered (a backlog)
+
+
+class Asked:
+    """`status` every STATUS_EVERY, each sent once with ANSWER_WITHIN: what was not answered,
+    and how long the answered ones took."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+        self.unanswered: list[str] = []
+        self.took: list[float] = []
+
+    async def run(self, nc: Client, stop: anyio.Event) -> None:
+        async def one() -> None:
+            sent = time.monotonic()
+            try:
+                msg = await nc.request("mesh.ctl.status", b"{}", timeout=ANSWER_WITHIN)
+            except (NoRespondersError, NatsTimeout) as e:
+                self.unanswered.append(f"{type(e).__name__} at +{sent - started:.1f}s")
+                return
+            reply = json.loads(msg.data)
+            if "error" in reply or not reply.get("seat"):
+                self.unanswered.append(f"{reply.get('error')} at +{sent - started:.1f}s")
+                return
+            self.took.append(time.monotonic() - sent)
+
+        started = time.monotonic()
+        async with anyio.create_task_group() as tg:
+            while not stop.is_set():
+                self.sent += 1
+                tg.start_soon(one)
+                await anyio.sleep(STATUS_EVERY)  # ok: the client's sending rate
+
+    def percentile(self, p: float) -> float:
+        took = sorted(self.took)
+        return took[min(len(took) - 1, int(p * len(took)))] * 1000 if took else float("nan")
+
+
+async def _flood(secured: Secured, kind: str) -> dict:
+    """node-2's credentials, flooding `kind` for FLOOD_FOR seconds from a process of its own."""
+    argv = [sys.executable, str(FLOODER), "--url", secured.url, "--name", "node-2",
+            "--creds", secured.creds("host", "node-2"), "--kind", kind,
+            "--seconds", str(FLOOD_FOR)]  # fmt: skip
+    done = await anyio.run_process(argv, check=False)
+    assert done.returncode == 0, done.stderr.decode()
+    return json.loads(done.stdout.decode().splitlines()[-1])
+
+
+@pytest.mark.slow
+@pytest.mark.hosts
+@pytest.mark.parametrize("kind", ["registrations", "beats", "events"])
+async def test_a_host_flooding_its_subjects_stalls_no_verb_and_is_named_noisy(
+    kind: str, secured_fleet: Client, secured: Secured, procs
+) -> None:
+    """node-2's credentials flood `kind` for 20 s (node-2's own host runs on): the admin's
+    `status`, every 100 ms, is answered every time within 3 s, through the flood and 5 s after
+    it; the holder's log grows by at most 256 KiB and names node-2 noisy, never node-1 down;
+    `mesh nodes --json` shows node-2 noisy (and node-1 not); node-2 is up once it is over."""
+    admin = secured_fleet
+    log_path: Path = procs.folder / "ctl-a.log"
+    log_start = log_path.stat().st_size
+    asked = Asked()
+    stop = anyio.Event()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(asked.run, admin, stop)
+        flooded = await _flood(secured, kind)
+        await anyio.sleep(AFTER)  # ok: `status` asked on through the aftermath, not a wait
+        stop.set()
+    grown = log_path.stat().st_size - log_start
+    print(f"{kind}: {flooded['sent']} sent in {FLOOD_FOR:g}s; status {asked.sent} asked, "
+          f"{len(asked.unanswered)} unanswered, p50 {asked.percentile(0.5):.1f} ms, "
+          f"p95 {asked.percentile(0.95):.1f} ms, max {asked.percentile(1.0):.1f} ms; "
+          f"log +{grown} bytes")  # fmt: skip
+    assert not asked.unanswered, f"{len(asked.unanswered)} of {asked.sent}: {asked.unanswered[:10]}"
+    assert grown <= LOG_GROWTH, f"the holder's log grew by {grown} bytes"
+
+    nodes = {n["name"]: n for n in ok_json(secured.cli(secured.admin, "nodes", "--json"))["nodes"]}
+    assert nodes["node-2"]["noisy"] is True, nodes["node-2"]
+    assert nodes["node-1"]["noisy"] is False, nodes["node-1"]
+    said = log_path.read_bytes()[log_start:].decode(errors="replace")
+    assert "machine node-2 is noisy" in said, said[-2000:]
+    # Another host's beats still reached the holder: a flood must not make its neighbours down.
+    assert "machine node-1 is down" not in said, said[-2000:]
+
+    async def beating_again() -> dict | None:
+        reply = await admin.request("mesh.ctl.nodes", b"{}", timeout=ANSWER_WITHIN)
+        node = next(n for n in json.loads(reply.data)["nodes"] if n["name"] == "node-2")
+        return node if node["up"] else None
+
+    await await_until(beating_again, within=30, what="node-2 up after the flood")
+
+
+# --- the pieces: budgets on a clock the test moves, and a check as nats-py parses --------------
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_beats_past_a_machines_budget_are_dropped_and_it_is_noisy_for_a_minute(caplog) -> None:
+    clock = Clock()
+    budgets = Budgets(clock=clock)
+    beats = budgets.admits("beats")
+    taken = [beats("mesh.host.node-2.beat", b"{}") for _ in range(1000)]
+    assert taken.count(True) == noisy.BEAT_BURST
+    assert beats("mesh.host.node-1.beat", b"{}")  # each machine its own
+    assert beats("mesh.nothing", b"{}")  # a stray is the subscription's to refuse (origin.py)
+    clock.now += noisy.BEAT_EVERY * 1.01  # (floats: a hair past the interval)
+    assert beats("mesh.host.node-2.beat", b"{}")  # 25 a second again
+    assert budgets.noisy("node-2") and not budgets.noisy("node-1")
+    with caplog.at_level(logging.WARNING, logger="mesh.controller"):
+        budgets.say()  # not a whole window yet
+        clock.now += noisy.SAY_EVERY
+        budgets.say()
+        budgets.say()
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "machine node-2 is noisy: dropped 950 beats" in lines[0], lines
+    clock.now += noisy.NOISY_FOR
+    assert not budgets.noisy("node-2")
+
+
+def test_requests_are_bounded_in_flight_not_by_rate() -> None:
+    clock = Clock()
+    budgets = Budgets(clock=clock)
+    asks = budgets.admits("requests")
+    subject = "mesh.ctl.host.node-2.register"
+    # A caller that waits for its answers is never held back, however many it asks...
+    for _ in range(10 * noisy.REQUESTS_IN_FLIGHT):
+        assert asks(subject, b"{}")
+        budgets.answered("node-2")
+    # ...one that does not has REQUESTS_IN_FLIGHT, and one more as each is answered.
+    assert [asks(subject, b"{}") for _ in range(100)].count(True) == noisy.REQUESTS_IN_FLIGHT
+    budgets.answered("node-2")
+    assert asks(subject, b"{}") and not asks(subject, b"{}")
+    clock.now += noisy.ASKING_BACK  # one never answered (a stray, dropped) stops counting
+    assert asks(subject, b"{}") and not asks(subject, b"{}")
+
+
+def test_reports_past_the_budget_keep_the_newest_of_each_kind_in_order() -> None:
+    clock = Clock()
+    budgets = Budgets(clock=clock)
+    reports = budgets.admits("reports")
+    taken = [reports(f"mesh.event.node-2.{k}", b"old") for k in ["applied"] * noisy.REPORT_BURST]
+    assert all(taken)
+    assert not reports("mesh.event.node-2.applied", b"a1")
+    assert not reports("mesh.event.node-2.processes", b"p1")
+    assert not reports("mesh.event.node-2.applied", b"a2")  # newer: it goes after p1
+    assert not reports("mesh.event.node-2.whatever", b"?")  # not a report's kind: not kept
+    assert budgets.due() == []  # no turn yet
+    clock.now += noisy.REPORT_EVERY * 1.01  # (floats: a hair past the interval)
+    # One turn: the oldest kept first; while some are kept, what comes joins them.
+    assert budgets.due() == [("mesh.event.node-2.processes", b"p1")]
+    assert not reports("mesh.event.node-2.processes", b"p2")
+    clock.now += 2.01 * noisy.REPORT_EVERY
+    assert budgets.due() == [
+        ("mesh.event.node-2.applied", b"a2"), ("mesh.event.node-2.processes", b"p2"),
+    ]  # fmt: skip
+    clock.now += 1.01 * noisy.REPORT_EVERY
+    assert reports("mesh.event.node-2.applied", b"a3")  # none kept: taken at once again
+
+
+async def test_admit_drops_what_it_refuses_as_nats_py_parses_it(nats_url: str) -> None:
+    """mesh.bus.admit on a real connection: what the check refuses never reaches the
+    subscription (nor its queue), yet counts as received; a check that raises lets it in."""
+    nc = await bus.connect(nats_url, name="admitting", reconnect=False)
+    other = await nats.connect(nats_url)
+    got: list[bytes] = []
+
+    async def cb(msg: Msg) -> None:
+        got.append(msg.data)
+
+    def admits(subject: str, body: bytes) -> bool:
+        if body == b"raise":
+            raise ValueError(body)
+        return subject == "t.in"
+
+    try:
+        sub = await nc.subscribe("t.*", cb=cb)
+        bus.admit(sub, admits)
+        await nc.flush()
+        for subject, body in [("t.out", b"1"), ("t.in", b"2"), ("t.out", b"3"),
+                              ("t.x", b"raise"), ("t.in", b"4")]:  # fmt: skip
+            await other.publish(subject, body)
+        await other.flush()
+
+        async def all_in() -> bool:
+            return nc.stats["in_msgs"] >= 5 and len(got) >= 3
+
+        await await_until(all_in, within=10, what="the messages received")
+        assert got == [b"2", b"raise", b"4"]
+        assert nc.stats["in_msgs"] == 5
+        assert sub.pending_msgs == 0 and sub.delivered == 3
+    finally:
+        await other.close()
+        await nc.close()

@@ -6,7 +6,7 @@ down, and when it was last heard from on a page opened after. A screenshot of ea
 kept in the test's folder (the paths are printed). Around it, what needs no browser: the listen
 address, no bus, a port in use, the token (then the cookie) it asks for, the Host check, the
 headers, bad names and numbers in URLs, and what a viewer may hear on the bus. (Another account
-of the machine, the unix socket and `mesh dev up`'s console: tests/test_attack_console.py.)"""
+of the machine, the unix socket and `mesh dev up`'s console: tests/test_attacks.py.)"""
 
 import os
 import re
