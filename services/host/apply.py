@@ -315,9 +315,7 @@ class Applier:
                 raise StepFailed("bundle", str(e), name=key) from None
         # A tool server has its folder and files where a process has them (their names differ).
         runs: dict[str, DProcess | DTool] = {**decl.processes, **tools_of(decl)}
-        # Once no controller gave one kept secret, none will give the next within this apply:
-        # the rest are kept at once (a reboot of a lone control machine waited 5 s a secret).
-        nobody = False
+        nobody = False  # no controller gave a kept secret: the rest are kept without asking
         for proc, p in sorted(runs.items()):
             owner = ids[p.account] if p.account else accounts.current()
             folder = files.ensure_folder(self._root / "processes" / proc / "files", owner=owner)
@@ -335,7 +333,7 @@ class Applier:
                         nobody = True
                         # After a reboot the controller may be a process of this very machine,
                         # which nobody else starts: the secret written for this declaration
-                        # serves until a controller answers.
+                        # serves until a controller answers (asked once an apply, not 5 s each).
                         log.info("host %s: no controller gave secret %s: %s/%s kept as applied",
                                  self.name, f.secret, proc, rel)  # fmt: skip
                         continue
