@@ -9,6 +9,7 @@ import logging
 import re
 import secrets
 import time
+import urllib.parse
 import weakref
 from asyncio import CancelledError
 from collections.abc import Awaitable, Callable
@@ -323,8 +324,11 @@ async def connect(
     link: Link | None = None,
     denied: Callable[[str], None] | None = None,
     ca: str | None = None,
+    beside: Client | None = None,
 ) -> Client:
-    """Connect to NATS. Services reconnect forever; one-shot clients fail fast.
+    """Connect to NATS. Services reconnect forever; one-shot clients fail fast. `beside`: first
+    to the server that connection is on (a second connection of one service, which is then
+    lost with the first when that server goes, not at another moment).
 
     `url` may list several servers, comma-separated (a cluster): the client is given all of
     them and moves to another when its server goes. TLS is used whenever the mesh's CA is known
@@ -355,6 +359,10 @@ async def connect(
         await _quiet(e)
 
     options = _options(url, name=name, reconnect=reconnect, creds=creds, ca=ca)
+    if beside is not None and beside.connected_url is not None:
+        on = beside.connected_url.netloc
+        options["servers"].sort(key=lambda s: urllib.parse.urlsplit(s).netloc != on)
+        options["dont_randomize"] = True
     options["error_cb"] = on_error
     nc = Client()
     if link:

@@ -9,6 +9,7 @@ would. The controllers have the system account's kicker (mesh/auth/system.py).
 Shared by tests/test_network.py, tests/test_cut_holder.py and bench/cut.py. Root only.
 """
 
+import json
 import os
 import shutil
 import signal
@@ -26,9 +27,11 @@ from netpieces import (
     CLIENT_PORT,
     CONTROLLERS,
     HOSTS,
+    MONITOR_PORT,
     NATS,
     PG_PORT,
     accepts,
+    monitor,
     nats_configs,
     nats_current,
     postgres_argv,
@@ -160,12 +163,18 @@ class NetMesh:
         return proc
 
     def holder_server(self, holder: str) -> str:
-        """The nats-server the controller `holder` is connected to (its namespace's only NATS
-        connection is the controller's)."""
-        addresses = {self.net.address(n): n for n in NATS}
-        found = self.net.peers(holder, CLIENT_PORT) & addresses.keys()
-        assert len(found) == 1, f"{holder} connected to {found}"
-        return addresses[found.pop()]
+        """The nats-server the controller `holder`'s own connection is on (its verbs and the
+        seat; its hosts' connection opens beside it, but may have moved on after a reconnect),
+        as the servers' /connz says by the connection's name."""
+        name = f"mesh-controller {holder}"
+        found = []
+        for server in NATS:
+            url = f"http://{self.net.address(server)}:{MONITOR_PORT}/connz?limit=1000"
+            connz = json.loads(monitor(url) or b"{}")
+            if any(c.get("name") == name for c in connz.get("connections") or []):
+                found.append(server)
+        assert len(found) == 1, f"{holder}'s connection on {found}"
+        return found[0]
 
 
 @pytest.fixture

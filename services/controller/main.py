@@ -110,7 +110,7 @@ async def run(
     try:
         nc = await bus.connect(nats_url, name=f"mesh-controller {instance}", creds=creds, link=link)
         hosts_nc = await bus.connect(nats_url, name=f"mesh-controller {instance} hosts",
-                                     creds=creds, link=hosts_link)  # fmt: skip
+                                     creds=creds, link=hosts_link, beside=nc)  # fmt: skip
         me = SeatAnnounce(
             instance=instance, pid=pid, host=host, since=started, version=version.running()
         )
