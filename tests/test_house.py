@@ -8,7 +8,9 @@ own source (`mesh/`, `services/`, `programs/`) so that they stay true:
   a typo is found here even where no type checker runs;
 - tests and benches share what they share through modules meant for it: no test module
   (tests/test_*.py) imports another (conftest.py's fixtures, helpers.py and the named modules
-  beside them are what tests share), and no bench imports another but bench/common.py.
+  beside them are what tests share), and no bench imports another but bench/common.py;
+- the controller's read side (what the read verbs answer from) imports none of its write side
+  (what changes the catalog and steers plans).
 """
 
 import ast
@@ -20,6 +22,9 @@ LAYERS = ("mesh", "services", "programs")
 MAX_LINES = 80  # a function's lines, from `def` to its end, docstring included
 KEPT_WHOLE = "kept whole"  # what a longer function's docstring says, with why
 COMPARED = ("state", "step_kind")  # attributes that hold a declared word
+CONTROLLER = ROOT / "services" / "controller"
+READ_SIDE = ("views",)  # the read verbs' answers
+WRITE_SIDE = ("changes", "steering", "planner")  # the catalog's changes, a plan's steering and loop
 
 
 def _files() -> Iterator[Path]:
@@ -147,3 +152,28 @@ def test_the_import_check_can_fail(tmp_path: Path) -> None:
     (tmp_path / "test_c.py").write_text("import test_b, helpers\n")
     found = _imports_of_siblings(tmp_path, may={"helpers"})
     assert [f.split(" ", 1)[1] for f in found] == ["imports test_a", "imports test_b"]
+
+
+def _controller_imports(path: Path) -> set[str]:
+    """The controller's own modules `path` imports (`services.controller.X`, or X from it)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            parts = node.module.split(".")
+            if parts[:2] == ["services", "controller"]:
+                found |= {parts[2]} if len(parts) > 2 else {a.name for a in node.names}
+    return found
+
+
+def test_the_controllers_read_side_imports_none_of_its_write_side() -> None:
+    crossing = {
+        name: sorted(_controller_imports(CONTROLLER / f"{name}.py") & set(WRITE_SIDE))
+        for name in READ_SIDE
+    }
+    assert {k: v for k, v in crossing.items() if v} == {}
+
+
+def test_the_read_side_check_can_fail(tmp_path: Path) -> None:
+    bad = tmp_path / "views.py"
+    bad.write_text("from services.controller import changes, rollout\n")
+    assert _controller_imports(bad) & set(WRITE_SIDE) == {"changes"}

@@ -47,7 +47,7 @@ from mesh.modules.compose import Declaration
 from mesh.modules.diff import diff
 from mesh.store import builds, declarations, modules, plans, secrets
 from mesh.store.modules import StoredVersion
-from services.controller import changes, rollout, scoping
+from services.controller import pushing, rollout, scoping
 from services.controller.fleet import Fleet
 from services.controller.publishing import Manifests, Publisher
 from services.controller.secretkeys import Keys
@@ -152,18 +152,18 @@ class Views:
         Each page runs it again (a page is as the store is when it is asked) and spells out
         the changes of its own machines only."""
         at = paging.after(req.after, verb="diff", shape=(str,))
-        manifest, data = await changes.read_source(
+        manifest, data = await pushing.read_source(
             nc=self._nc, manifest_text=req.manifest, source=req.source, upload=req.upload
         )
         name = manifest.module.name
-        bundles, todo = await changes.pack_bundles(
+        bundles, todo = await pushing.pack_bundles(
             pool=self._pool, obs=self._obs, manifest=manifest, data=data, dry=True
         )
         async with self._pool.acquire() as conn:
             tx = conn.transaction()
             await tx.start()
             try:
-                targets = await changes.register(
+                targets = await pushing.register(
                     conn, fleet=self._fleet, manifest=manifest, text=req.manifest,
                     version=req.source, bundles=bundles, by="",
                 )  # fmt: skip
