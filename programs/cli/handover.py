@@ -3,6 +3,7 @@ controller holds it, so the command says what happened, not what was asked: the 
 seat when no standby answers in time (a standby cut off from the bus must not take it)."""
 
 import argparse
+from typing import Any
 
 import anyio
 import msgspec
@@ -63,3 +64,10 @@ async def cmd_handover(args: argparse.Namespace) -> None:
         + (f", gap {gap:g} ms)" if gap is not None else ")"),
     )  # fmt: skip
     print_json(done) if args.json else console().print(done.message)
+
+
+def add_parsers(verbs: Any, common: argparse.ArgumentParser) -> None:
+    verbs.add_parser("handover", parents=[common], help="ask the seat's holder to hand over")
+
+
+COMMANDS = {("handover",): cmd_handover}
