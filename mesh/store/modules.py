@@ -153,6 +153,17 @@ async def assign(conn: asyncpg.Connection, *, module: str, machines: list[str]) 
     )
 
 
+async def reassign(
+    conn: asyncpg.Connection, module: str, machines: list[str], *, undo: bool
+) -> list[str]:
+    """Assign (or, `undo`, unassign) the module on these machines; those it moved."""
+    had = {m for m, mods in (await assignments(conn)).items() if module in mods}
+    moved = sorted(set(machines) & had) if undo else sorted(set(machines) - had)
+    change = unassign if undo else assign
+    await change(conn, module=module, machines=machines)
+    return moved
+
+
 async def unassign(conn: asyncpg.Connection, *, module: str, machines: list[str]) -> None:
     await conn.execute(
         "DELETE FROM assignments WHERE module = $1 AND machine = ANY($2::text[])", module, machines

@@ -31,8 +31,10 @@ from mesh.serving import Stats
 from mesh.store import events, replication, seats
 from services.controller import bundles, epochs, handover, kick, metrics, pruning, secretkeys
 from services.controller.admission import Admission
+from services.controller.approvals import HeldChanges
 from services.controller.buckets import Buckets
 from services.controller.changes import Changes
+from services.controller.draining import Drains
 from services.controller.fleet import Fleet, open_bus
 from services.controller.handover import VerbSubscriptions
 from services.controller.kick import Kicker
@@ -41,8 +43,10 @@ from services.controller.operators import Trust
 from services.controller.planner import Planner
 from services.controller.publishing import Manifests, Publisher
 from services.controller.readiness import Readiness
+from services.controller.recording import Recorder
 from services.controller.reports import HostReports
 from services.controller.seat import SeatLock, SeatLost
+from services.controller.secretchanges import SecretChanges
 from services.controller.secretkeys import Keys
 from services.controller.standbys import Releases, Standbys
 from services.controller.steering import Steering
@@ -144,6 +148,20 @@ class Hold:
         self.buckets = c.buckets
         self.warnings: list[str] = []  # what the takeover found wrong with the store
 
+    def _writers(
+        self, *, epoch: int, fleet: Fleet, obs: ObjectStore, manifests: Manifests,
+        recorder: Recorder,
+    ) -> tuple[HeldChanges, Changes, SecretChanges, Drains]:  # fmt: skip
+        """What changes the catalog, a secret or a drain: each records through `recorder`."""
+        held = HeldChanges(pool=self.pool, epoch=epoch, fleet=fleet, manifests=manifests,
+                           recorder=recorder)  # fmt: skip
+        changes = Changes(pool=self.pool, nc=self.nc, obs=obs, fleet=fleet, epoch=epoch,
+                          signing=self.signing, manifests=manifests, recorder=recorder,
+                          held=held)  # fmt: skip
+        secrets = SecretChanges(pool=self.pool, epoch=epoch, keys=self.keys, recorder=recorder)
+        drains = Drains(nc=self.nc, fleet=fleet, manifests=manifests, recorder=recorder)
+        return held, changes, secrets, drains
+
     async def run(self) -> None:
         loaded = await self._load_or_stop()
         if loaded is None:
@@ -161,11 +179,11 @@ class Hold:
                 manifests = Manifests()
                 publisher = Publisher(pool=self.pool, nc=self.nc, epoch=row.epoch,
                                       manifests=manifests, holder=self.me.instance)  # fmt: skip
-                changes = Changes(
-                    pool=self.pool, nc=self.nc, obs=obs, fleet=fleet, epoch=row.epoch,
-                    signing=self.signing, keys=self.keys,
-                    manifests=manifests, publisher=publisher, wake=lambda: planner.wake(),
-                )  # fmt: skip
+                recorder = Recorder(fleet=fleet, epoch=row.epoch, publisher=publisher,
+                                    wake=lambda: planner.wake())  # fmt: skip
+                held_changes, changes, secret_changes, drains = self._writers(
+                    epoch=row.epoch, fleet=fleet, obs=obs, manifests=manifests, recorder=recorder
+                )
                 views = Views(
                     pool=self.pool, nc=self.nc, obs=obs, fleet=fleet, manifests=manifests,
                     publisher=publisher, keys=self.keys,
@@ -174,7 +192,7 @@ class Hold:
                 planner = Planner(pool=self.pool, publisher=publisher, fleet=fleet, epoch=row.epoch,
                                   nc=self.nc, obs=obs)  # fmt: skip
                 steering = Steering(pool=self.pool, epoch=row.epoch, planner=planner,
-                                    one_change=changes.one_change)  # fmt: skip
+                                    one_change=recorder.one_change)  # fmt: skip
                 # Slow verbs run in `serving`, answered before we go.
                 async with anyio.create_task_group() as serving:
                     assert row.since is not None
@@ -183,6 +201,7 @@ class Hold:
                                       epoch=row.epoch, since=row.since, warnings=self.warnings,
                                       version=self.me.version),
                         fleet=fleet, standbys=self.standbys, changes=changes, views=views,
+                        approvals=held_changes, secrets=secret_changes, drains=drains,
                         publisher=publisher, planner=planner,
                         tasks=serving, handover=taken, stop=self.stop.handover,
                         steering=steering,
@@ -200,7 +219,7 @@ class Hold:
                     background.start_soon(_plan_work, publisher, planner, row.epoch, plans)
                     background.start_soon(lambda: bundles.keep_pruned(
                         self.pool, obs, epoch=row.epoch, kept=self.versions,
-                        lock=changes.one_change,
+                        lock=recorder.one_change,
                     ))  # fmt: skip
 
                     while True:

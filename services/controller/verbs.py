@@ -81,10 +81,13 @@ from mesh.serving import Bound, Endpoint, Verb
 from mesh.store import modules as catalog
 from services.controller import joining, operators, tokens
 from services.controller.admission import Admission
+from services.controller.approvals import HeldChanges
 from services.controller.changes import Changes
+from services.controller.draining import Drains
 from services.controller.fleet import Fleet
 from services.controller.planner import Planner
 from services.controller.publishing import MAX_DECLARATION, Publisher
+from services.controller.secretchanges import SecretChanges
 from services.controller.standbys import Standbys
 from services.controller.steering import Steering
 from services.controller.views import Views
@@ -113,14 +116,17 @@ class Holder(msgspec.Struct):
     seat: SeatInfo  # fixed for as long as this controller holds the seat
     fleet: Fleet
     standbys: Standbys
-    changes: Changes
+    changes: Changes  # the catalog's: push, assign, rollback (changes.py)
+    approvals: HeldChanges  # a held plan approved (approvals.py)
+    secrets: SecretChanges  # a secret set, the key of the secrets rotated (secretchanges.py)
+    drains: Drains  # a machine out of every plan and back (draining.py)
     views: Views
     publisher: Publisher
     planner: Planner
     tasks: TaskGroup  # where verbs that wait on the store or a build run, off the hot path
     handover: Handover  # how this controller came to hold the seat
     stop: Callable[[], None]  # start a handover (the `handover` verb)
-    steering: Steering  # pause, resume, cancel a plan (approve is a change: `changes`)
+    steering: Steering  # pause, resume, cancel a plan (approve is a change: `approvals`)
     trust: operators.Trust  # who asked, what it may change, the audit log (operators.py)
     admission: Admission | None = None  # signs a joining machine's credentials (admission.py)
 
@@ -206,7 +212,7 @@ async def declaration(h: Holder, req: DeclarationRequest) -> DeclarationReply:
 
 
 async def secret_set(h: Holder, req: SecretSetRequest) -> ChangeReply:
-    return await h.changes.secret_set(req)
+    return await h.secrets.secret_set(req)
 
 
 async def diff(h: Holder, req: DiffRequest) -> DiffReply:
@@ -229,7 +235,7 @@ async def plans(h: Holder, req: PlansRequest) -> PlansReply:
 
 
 async def plan_approve(h: Holder, req: SteerRequest) -> SteerReply:
-    reply = await h.changes.approve(req)
+    reply = await h.approvals.approve(req)
     await h.planner.tell(req.id)
     return reply
 
@@ -265,11 +271,11 @@ async def rollback(h: Holder, req: RollbackRequest) -> ChangeReply:
 
 
 async def drain(h: Holder, req: DrainRequest) -> DrainReply:
-    return await h.changes.drain(req)
+    return await h.drains.drain(req)
 
 
 async def undrain(h: Holder, req: DrainRequest) -> DrainReply:
-    return await h.changes.drain(req, undo=True)
+    return await h.drains.drain(req, undo=True)
 
 
 async def audit(h: Holder, req: AuditRequest) -> AuditReply:
@@ -314,7 +320,7 @@ _PAGED = paging.HINT  # what a too_large reply of a verb that pages says (mesh/p
 
 
 async def secret_rotate_key(h: Holder, req: RotateKeyRequest) -> RotateKeyReply:
-    return await h.changes.secret_rotate_key(req)
+    return await h.secrets.secret_rotate_key(req)
 
 
 async def token_create(h: Holder, req: TokenCreateRequest) -> TokenCreated:

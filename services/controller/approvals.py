@@ -1,0 +1,175 @@
+"""Held changes and their approval (docs/operations.md, Steering a change).
+
+A held change is recorded but not made: its plan (`held`) keeps the steps a dry run of the
+change found (what it would change, in a savepoint rolled back) and, in `hold`, the change
+to make (a push's stored version, an assign's machines). So nothing composes it meanwhile:
+no machine gets it, whatever plan rolls before its approval. Approving makes the change in
+the catalog, as the push or assign would have, composes its machines again from the catalog
+as it is then, and puts the plan in the queue (`pending`). A newer change of the same module
+(push, assign, unassign) supersedes the module's held and paused plans: they are cancelled
+(a paused one reverts first), naming the plan that superseded them.
+"""
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+from typing import Any
+
+import asyncpg
+
+from mesh import wire
+from mesh.model import (
+    AssignRequest,
+    PlanBuild,
+    PlanSettings,
+    PlanState,
+    PushRequest,
+    SteerReply,
+    SteerRequest,
+)
+from mesh.modules import gate
+from mesh.modules.manifest import Manifest
+from mesh.store import events, modules, plans, seats
+from services.controller import operators, steering
+from services.controller.fleet import Fleet
+from services.controller.publishing import Manifests
+from services.controller.pushing import register, settings_of
+from services.controller.recording import Recorder
+
+log = logging.getLogger(__name__)
+
+
+class HeldChanges:
+    def __init__(
+        self, *, pool: asyncpg.Pool, epoch: int, fleet: Fleet, manifests: Manifests,
+        recorder: Recorder,
+    ) -> None:  # fmt: skip
+        self._pool = pool
+        self._epoch = epoch
+        self._fleet = fleet
+        self._manifests = manifests
+        self._rec = recorder
+
+    async def hold_push(
+        self,
+        conn: asyncpg.Connection,
+        manifest: Manifest,
+        req: PushRequest,
+        bundles: dict[str, str],
+        *,
+        builds: list[PlanBuild],
+        building: int | None,
+    ) -> tuple[int | None, list[str]]:
+        """A held push: the version stored (not current) and its plan `held`."""
+        name = manifest.module.name
+        async with _tried(conn):
+            targets = await register(
+                conn, fleet=self._fleet, manifest=manifest, text=req.manifest,
+                version=req.source, bundles=bundles, by=req.by,
+            )  # fmt: skip
+            steps = await self._rec.steps(conn, targets)
+        version = await modules.keep_version(
+            conn, module=name, version=req.source, manifest=req.manifest, bundles=bundles,
+            by=req.by,
+        )  # fmt: skip
+        recorded = await self._rec.plan(
+            conn, targets, trigger="push", subject=name, by=req.by,
+            settings=settings_of(manifest), undo={"module": name}, builds=builds,
+            building=building, hold={"module": name, "version": version}, steps=steps,
+        )  # fmt: skip
+        await events.record(conn, "plan.held", epoch=self._epoch, plan=recorded[0], by=req.by)
+        return recorded
+
+    async def hold_assign(
+        self,
+        conn: asyncpg.Connection,
+        req: AssignRequest,
+        machines: list[str],
+        *,
+        trigger: str,
+        settings: PlanSettings,
+    ) -> tuple[int | None, list[str]]:
+        """A held assign or unassign: its plan `held`, the machines kept for its approval."""
+        async with _tried(conn):
+            await modules.reassign(conn, req.module, machines, undo=trigger == "unassign")
+            steps = await self._rec.steps(conn, machines)
+        recorded = await self._rec.plan(
+            conn, machines, trigger=trigger, subject=req.module, by=req.by, settings=settings,
+            undo={"module": req.module}, hold={"module": req.module, "machines": machines},
+            steps=steps,
+        )  # fmt: skip
+        await events.record(conn, "plan.held", epoch=self._epoch, plan=recorded[0], by=req.by)
+        return recorded
+
+    async def approve(self, req: SteerRequest) -> SteerReply:
+        """Make a held plan's change and put it in the queue (`pending`); with no machine to
+        change by now, it ends `done`. A conflict the catalog has come to since refuses the
+        approval (the plan stays held)."""
+        async with self._rec.one_change:
+            async with self._pool.acquire() as conn, conn.transaction():
+                await seats.fence(conn, epoch=self._epoch)
+                p = steering.found(await plans.locked(conn, req.id), req.id)
+                if p.state != "held" or p.hold is None:
+                    raise steering.refused(p, steering.why_not_approved(p))
+                targets, undo, settings = await self._make(conn, p)
+                steps = await self._rec.steps(conn, targets)
+                await plans.replace_steps(conn, p.id, steps)
+                hold = {**p.hold, "approved_by": req.by}
+                await plans.approved(conn, p.id, settings=settings, undo=undo, hold=hold)
+                state: PlanState = "pending"
+                if not steps:
+                    state = "done"
+                    await plans.set_plan(conn, p.id, state=state, finished=datetime.now(UTC))
+                await events.record(conn, "plan.approved", epoch=self._epoch, plan=p.id,
+                                    by=req.by, machines=len(steps))  # fmt: skip
+                await operators.audited(conn, detail=f"plan {p.id} {state}")
+        self._rec.wake()
+        log.info("plan %d approved by %s: %d machine(s)", p.id, req.by or "?", len(steps))
+        what = f"it changes {len(steps)} machine(s)" if steps else "no machine changes now"
+        return SteerReply(plan=p.id, state=state, message=f"plan {p.id} approved: {what}")
+
+    async def _make(
+        self, conn: asyncpg.Connection, p: plans.Plan
+    ) -> tuple[list[str], dict[str, Any], PlanSettings]:
+        """A held plan's change, made in the catalog: its machines, its undo, its settings."""
+        assert p.hold is not None
+        module = p.hold["module"]
+        current = (await modules.current_modules(conn)).get(module)
+        if p.trigger == "push":
+            v = await modules.version_of(conn, p.hold["version"])
+            manifest = gate.parse(v.manifest)
+            targets = await register(
+                conn, fleet=self._fleet, manifest=manifest, text=v.manifest, version=v.version,
+                bundles=v.bundles, by=v.pushed_by,
+            )  # fmt: skip
+            now = (await modules.current_modules(conn))[module]
+            undo = {"module": module, "from": current.id if current else None, "to": now.id}
+            if current is not None and current.id == now.id:
+                undo["to"] = None  # it was current already: nothing to take back
+            return targets, undo, settings_of(manifest)
+        if current is None:
+            raise wire.BadRequest(
+                f"module {module} is no longer registered: plan {p.id} cannot be approved "
+                f"(cancel it: mesh plan cancel {p.id})", code="conflict",
+            )  # fmt: skip
+        machines = [m for m in p.hold["machines"] if m in self._fleet.machines]
+        moved = await modules.reassign(conn, module, machines, undo=p.trigger == "unassign")
+        undo = {"module": module, "machines": moved}
+        return machines, undo, settings_of(self._manifests.of(current))
+
+
+def held_said(plan: int | None, changed: list[str]) -> str:
+    return (f"plan {plan} is held: it would change {len(changed)} machine(s); nothing changes "
+            f"until mesh plan approve {plan}")  # fmt: skip
+
+
+@contextlib.asynccontextmanager
+async def _tried(conn: asyncpg.Connection) -> AsyncIterator[None]:
+    """A savepoint rolled back at the end: the change made inside is tried, never kept."""
+    savepoint = conn.transaction()
+    await savepoint.start()
+    try:
+        yield
+    finally:
+        await savepoint.rollback()

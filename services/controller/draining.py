@@ -1,0 +1,73 @@
+"""Draining a machine out of every plan, and undraining it (`mesh drain`, `mesh undrain`): a drained
+machine keeps what it runs and every plan skips it; undrained, a plan brings it up to date when
+what the catalog composes for it differs from what it has.
+"""
+
+import asyncpg
+from nats.aio.client import Client
+
+from mesh.model import DrainReply, DrainRequest, MachineChanged, PlanSettings
+from mesh.store import modules
+from services.controller import operators
+from services.controller.fleet import Fleet, tell_changed
+from services.controller.publishing import Manifests
+from services.controller.pushing import settings_of
+from services.controller.recording import Recorder
+
+
+class Drains:
+    def __init__(
+        self, *, nc: Client, fleet: Fleet, manifests: Manifests, recorder: Recorder
+    ) -> None:
+        self._nc = nc
+        self._fleet = fleet
+        self._manifests = manifests
+        self._rec = recorder
+
+    async def drain(self, req: DrainRequest, *, undo: bool = False) -> DrainReply:
+        """Drain a machine (every plan skips it; it keeps what it runs), or undrain it: then a
+        plan brings it up to date if what the catalog composes for it differs from what it
+        has (or will have once the plans already recorded finish)."""
+        name = req.machine
+
+        async def up_to_date(conn: asyncpg.Connection) -> int | None:
+            if not undo:
+                await operators.audited(conn, detail="drained")
+                return None
+            plan, _ = await self._rec.plan(
+                conn, [name], trigger="undrain", subject=name, by=req.by,
+                settings=await self._settings_of_machine(conn, name), undo={},
+            )  # fmt: skip
+            return plan
+
+        async with self._rec.one_change:
+            was, plan = await self._fleet.set_drained(
+                name, drained=not undo, by=req.by, then=up_to_date
+            )
+        if undo and plan is None:
+            self._fleet.wants_what_it_is_sent(name)  # nothing left to bring it
+        self._rec.wake()
+        await tell_changed(self._nc, MachineChanged(machine=name, drained=not undo))
+        if undo:
+            message = f"machine {name} undrained" + (
+                f": plan {plan} brings it up to date" if plan is not None else ": it is up to date"
+            )
+        else:
+            message = (f"machine {name} drained: every plan skips it, and it keeps what it runs "
+                       f"until `mesh undrain {name}`")  # fmt: skip
+        if was == (not undo):
+            message += f" (it already was {'drained' if was else 'undrained'})"
+        return DrainReply(machine=name, drained=not undo, was=was, message=message, plan=plan)
+
+    async def _settings_of_machine(self, conn: asyncpg.Connection, machine: str) -> PlanSettings:
+        """An undrain's plan: as patient as the most patient module on the machine, reverting
+        only if every one of them would."""
+        current = await modules.current_modules(conn)
+        mine = sorted((await modules.assignments(conn)).get(machine, ()))
+        manifests = [settings_of(self._manifests.of(current[m])) for m in mine if m in current]
+        if not manifests:
+            return PlanSettings()
+        return PlanSettings(
+            deadline=max(s.deadline for s in manifests),
+            auto_revert=all(s.auto_revert for s in manifests),
+        )
