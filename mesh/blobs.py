@@ -65,7 +65,7 @@ UPLOADS = "mesh-uploads"  # modules' archives operators push, until the controll
 UPLOADS_MAX_BYTES = 1024 * 2**20  # at most: an operator can fill this, and only this
 UPLOADS_MAX_AGE = 3600.0  # seconds: a push or a dry run adopts its archive long before
 DECLARATIONS = "mesh-declarations"
-SEAT = "mesh-seat"  # the seat's epoch as the bus knows it (services/controller/epochs.py)
+SEAT = "mesh-seat"  # the seat's epoch as the bus knows it (services/controller/seat/epochs.py)
 REPLICAS = 3  # at most; fewer where the cluster has fewer servers
 # Consumers a stream may have at once. Every host watches its declaration through a consumer of
 # its own (services/host/watch.py: two for a minute while it makes it again) and fetches bundles

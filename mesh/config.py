@@ -95,9 +95,9 @@ def system_creds(flag: str | None = None) -> str | None:
 
 
 def nats_signer_file(flag: str | None = None) -> str | None:
-    """The mesh's NATS signing key (controller: services/controller/admission.py), which admits
-    machines that join: the flag, MESH_NATS_SIGNER_FILE, or `signer.nk` among the files the host
-    wrote for this process; an empty one means none (joins are then refused, saying why)."""
+    """The mesh's NATS signing key (controller: services/controller/fleet/admission.py), which
+    admits machines that join: the flag, MESH_NATS_SIGNER_FILE, or `signer.nk` among the files the
+    host wrote for this process; an empty one means none (joins are then refused, saying why)."""
     return flag or os.environ.get("MESH_NATS_SIGNER_FILE") or _nonempty_file("signer.nk")
 
 

@@ -292,7 +292,7 @@ class Node(msgspec.Struct):
     # the catalog composes for it, which it gets once undrained.
     drained: bool = False
     # Sent more than a host does within the last minute (beats, reports or requests past its
-    # budget, dropped unread: services/controller/noisy.py).
+    # budget, dropped unread: services/controller/fleet/noisy.py).
     noisy: bool = False
 
 
@@ -601,7 +601,7 @@ class SecretSetRequest(Request, omit_defaults=True):
     modules: ModuleGlob | None = None
 
 
-# --- the key of the secrets (`mesh secret rotate-key`; services/controller/secretkeys.py) ------
+# --- the key of the secrets (`mesh secret rotate-key`; services/controller/catalog/secretkeys.py) -
 
 
 class RotateKeyRequest(Request):
@@ -1044,7 +1044,7 @@ class TokenInfo(msgspec.Struct):
 class TokenCreated(TokenInfo):
     """`token-create`'s answer: the token, and the credentials a machine joining with it
     connects with before it has its own (a bearer user JWT, for its token's `join` request
-    alone, expiring with the token: services/controller/admission.py); None where the
+    alone, expiring with the token: services/controller/fleet/admission.py); None where the
     controllers cannot sign (no signing key)."""
 
     bearer: str | None = None
@@ -1074,7 +1074,7 @@ class TokenRevokeReply(msgspec.Struct):
 
 class Grant(msgspec.Struct, frozen=True):
     """What a redeemed join token gives the machine that joins with it
-    (services.controller.tokens.redeem)."""
+    (services.controller.fleet.tokens.redeem)."""
 
     tier: int
     labels: dict[str, str]  # role=control included when `control`
@@ -1082,7 +1082,7 @@ class Grant(msgspec.Struct, frozen=True):
     site: str | None = None
 
 
-# --- a machine joining (`mesh join TOKEN`; services/controller/joining.py) ----------------------
+# --- a machine joining (`mesh join TOKEN`; services/controller/fleet/joining.py) ------------------
 
 NkeyUser = Annotated[str, msgspec.Meta(pattern=r"^U[A-Z2-7]{55}\Z")]  # a user's public nkey
 

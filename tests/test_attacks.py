@@ -69,8 +69,8 @@ from mesh.modules import archive, compose, gate
 from mesh.store import db, secrets
 from mesh.store.migrate import migrate
 from programs.console.server import COOKIE
-from services.controller import noisy
-from services.controller.noisy import Budgets
+from services.controller.fleet import noisy
+from services.controller.fleet.noisy import Budgets
 from services.host import mcpstdio
 
 ROOT = Path(__file__).parent.parent

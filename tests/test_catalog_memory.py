@@ -3,7 +3,7 @@
 from datetime import UTC, datetime
 
 from mesh.store.modules import StoredVersion
-from services.controller.publishing import PARSED_KEPT, Manifests
+from services.controller.fleet.publishing import PARSED_KEPT, Manifests
 
 
 def _version(i: int) -> StoredVersion:

@@ -13,7 +13,7 @@ from nats.micro.service import ServiceInfo, ServicePing, ServiceStats
 
 from mesh import discovery, subjects, wire
 from mesh.serving import Endpoint, Stats, Verb
-from services.controller.verbs import HOST_VERBS, VERBS
+from services.controller.serving.verbs import HOST_VERBS, VERBS
 from services.host.verbs import VERBS as HOST_OWN_VERBS
 
 

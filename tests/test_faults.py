@@ -307,7 +307,7 @@ async def test_the_mesh_recovers_from_restarts_of_postgres_and_nats_during_a_pla
         assert code == (1,)
         log = old.log_path.read_text()
         # Its own ping finds the session gone, or the bus shows the new holder's higher epoch
-        # first (services/controller/epochs.py): either way it stops.
+        # first (services/controller/seat/epochs.py): either way it stops.
         assert "the seat's store session failed" in log or "above ours" in log, log[-2000:]
         controllers["ctl-2"] = controller("ctl-2")  # what its supervisor would do
         (roots / "node-2" / "ready").write_text("")

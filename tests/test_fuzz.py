@@ -1,12 +1,12 @@
 """Fuzzing (docs/design.md, issue 7): thousands of generated bodies against a real controller and
 a real host (real nats-server, real PostgreSQL), and the manifest and archive loaders in-process.
 
-For every verb in services/controller/verbs.py (VERBS, HOST_VERBS) and services/host/verbs.py:
-random bytes, random JSON, near-valid objects built from the verb's own request Struct with a
-few fields broken, and bodies just over the verb's size limit. Every request must be answered
-within a deadline, with `{"error": {"code", "message"}}` (never `internal`, never a traceback)
-or with a reply that decodes as the verb's reply Struct; afterwards the process is alive and
-`status` answers. In-process, `gate.parse` and `load.check_sources` may raise only
+For every verb in services/controller/serving/verbs.py (VERBS, HOST_VERBS) and
+services/host/verbs.py: random bytes, random JSON, near-valid objects built from the verb's own
+request Struct with a few fields broken, and bodies just over the verb's size limit. Every request
+must be answered within a deadline, with `{"error": {"code", "message"}}` (never `internal`, never
+a traceback) or with a reply that decodes as the verb's reply Struct; afterwards the process is
+alive and `status` answers. In-process, `gate.parse` and `load.check_sources` may raise only
 `gate.Refused`, and the archive functions only `archive.ArchiveRefused`.
 
 Sizes are chosen for CI, about two minutes for the whole file on two cores; MESH_FUZZ_SCALE=10
@@ -48,7 +48,7 @@ from mesh.model import (
 from mesh.modules import archive, compose, gate, load
 from mesh.modules.compose import ModuleVersion
 from mesh.modules.manifest import Manifest
-from services.controller import verbs as ctl_verbs
+from services.controller.serving import verbs as ctl_verbs
 from services.host import verbs as host_verbs
 
 MAX_PAYLOAD = 1024 * 1024  # nats-server's default max_payload: nothing larger can be sent

@@ -9,6 +9,8 @@ own source (`mesh/`, `services/`, `programs/`) so that they stay true:
 - tests and benches share what they share through modules meant for it: no test module
   (tests/test_*.py) imports another (conftest.py's fixtures, helpers.py and the named modules
   beside them are what tests share), and no bench imports another but bench/common.py;
+- the controller's packages stand in floors (FLOORS, docs/architecture.md): a module imports
+  its own package's modules and those of the floors below it, never one above;
 - the controller's read side (what the read verbs answer from) imports none of its write side
   (what changes the catalog and steers plans).
 """
@@ -23,8 +25,22 @@ MAX_LINES = 80  # a function's lines, from `def` to its end, docstring included
 KEPT_WHOLE = "kept whole"  # what a longer function's docstring says, with why
 COMPARED = ("state", "step_kind")  # attributes that hold a declared word
 CONTROLLER = ROOT / "services" / "controller"
-READ_SIDE = ("views",)  # the read verbs' answers
-WRITE_SIDE = ("changes", "steering", "planner")  # the catalog's changes, a plan's steering and loop
+# The controller's parts, top floor first: the process and its hold; the verbs; the changes
+# operators ask; a plan's life; what changes and plans are made of (the catalog's parts, the
+# seat); the fleet as heard; who asked, and the metrics, which everything may use.
+FLOORS = (
+    ("main", "hold"),
+    ("serving",),
+    ("changes",),
+    ("plans",),
+    ("catalog", "seat"),
+    ("fleet",),
+    ("trust", "metrics"),
+)
+READ_SIDE = ("serving.views",)  # the read verbs' answers
+# the changes operators ask (every module of `changes`), a plan's recording, approval, steering
+# and loop
+WRITE_SIDE = ("changes", "plans.recording", "plans.approvals", "plans.steering", "plans.planner")
 
 
 def _files() -> Iterator[Path]:
@@ -155,25 +171,74 @@ def test_the_import_check_can_fail(tmp_path: Path) -> None:
 
 
 def _controller_imports(path: Path) -> set[str]:
-    """The controller's own modules `path` imports (`services.controller.X`, or X from it)."""
+    """The controller's own modules `path` imports, dotted below `services.controller`
+    (`plans.planner`; a package imported whole, or a top module: `metrics`)."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.ImportFrom) and node.module and not node.level:
             parts = node.module.split(".")
-            if parts[:2] == ["services", "controller"]:
-                found |= {parts[2]} if len(parts) > 2 else {a.name for a in node.names}
+            if parts[:2] != ["services", "controller"]:
+                continue
+            if len(parts) > 2:
+                found.add(".".join(parts[2:]))
+            else:
+                found |= {a.name for a in node.names}
+            if len(parts) == 3 and (CONTROLLER / parts[2]).is_dir():
+                found |= {f"{parts[2]}.{a.name}" for a in node.names}
     return found
+
+
+def _floor(name: str) -> int:
+    top = name.split(".")[0]
+    return next(i for i, floor in enumerate(FLOORS) if top in floor)
+
+
+def _upward(path: Path, root: Path = CONTROLLER) -> list[str]:
+    """The imports of `path` (a controller module under `root`) that reach a floor above its
+    own."""
+    me = path.relative_to(root).with_suffix("").parts[0]
+    return sorted(
+        f"{path.relative_to(root)} imports {name}"
+        for name in _controller_imports(path)
+        if name.split(".")[0] != me and _floor(name) < _floor(me)
+    )
+
+
+def test_the_controllers_packages_stand_in_floors() -> None:
+    files = [p for p in CONTROLLER.rglob("*.py") if p.name != "__init__.py"]
+    parts = {p.relative_to(CONTROLLER).with_suffix("").parts[0] for p in files}
+    assert parts <= {name for floor in FLOORS for name in floor}, "a part not in FLOORS"
+    assert [u for p in sorted(files) for u in _upward(p)] == []
+
+
+def _writes(name: str) -> bool:
+    return any(name == w or name.startswith(w + ".") for w in WRITE_SIDE)
 
 
 def test_the_controllers_read_side_imports_none_of_its_write_side() -> None:
     crossing = {
-        name: sorted(_controller_imports(CONTROLLER / f"{name}.py") & set(WRITE_SIDE))
+        name: sorted(n for n in _controller_imports(_path(name)) if _writes(n))
         for name in READ_SIDE
     }
     assert {k: v for k, v in crossing.items() if v} == {}
 
 
-def test_the_read_side_check_can_fail(tmp_path: Path) -> None:
+def _path(name: str) -> Path:
+    return CONTROLLER.joinpath(*name.split(".")).with_suffix(".py")
+
+
+def test_the_controller_checks_can_fail(tmp_path: Path) -> None:
     bad = tmp_path / "views.py"
-    bad.write_text("from services.controller import changes, rollout\n")
-    assert _controller_imports(bad) & set(WRITE_SIDE) == {"changes"}
+    bad.write_text(
+        "from services.controller.changes import modules\n"
+        "from services.controller.plans import rollout\n"
+    )
+    assert sorted(n for n in _controller_imports(bad) if _writes(n)) == [
+        "changes",
+        "changes.modules",
+    ]
+    # a fleet module importing the planner reaches up two floors
+    (tmp_path / "fleet").mkdir()
+    upward = tmp_path / "fleet" / "probe.py"
+    upward.write_text("from services.controller.plans.planner import Planner\n")
+    assert _upward(upward, root=tmp_path) == ["fleet/probe.py imports plans.planner"]

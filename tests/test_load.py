@@ -2,7 +2,7 @@
 registrations (a whole fleet at once, asking again while unanswered, as hosts do after a
 takeover) with a flood of verbs at the holder, a standby waiting beside it; the batching that
 makes the storm cheap (mesh/batching.py); beats judged by when they reached the controller,
-not when it got round to them (services/controller/fleet.py's Arrivals)."""
+not when it got round to them (services/controller/fleet/fleet.py's Arrivals)."""
 
 import json
 import time
@@ -17,7 +17,7 @@ from helpers import ask, await_until
 from mesh import wire
 from mesh.batching import Batches
 from mesh.model import Facts, Register
-from services.controller.fleet import Arrivals
+from services.controller.fleet.fleet import Arrivals
 
 MACHINES = 5000
 ASK_AGAIN = 2.0  # a host's first answer window (services/host/registration.py)

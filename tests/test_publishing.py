@@ -1,4 +1,4 @@
-"""The declarations' puts (services/controller/publishing.py), on a real nats-server.
+"""The declarations' puts (services/controller/fleet/publishing.py), on a real nats-server.
 
 A tier's puts are all sent before any acknowledgement is awaited, at most PUTS_PENDING of them
 awaiting one: past that a put waits for a free slot, and only then with a deadline (nats-py's
@@ -21,8 +21,8 @@ from mesh import blobs, wire
 from mesh.model import DeclarationReply
 from mesh.store import declarations
 from mesh.store.migrate import migrate
-from services.controller import publishing
-from services.controller.publishing import Manifests, Publisher
+from services.controller.fleet import publishing
+from services.controller.fleet.publishing import Manifests, Publisher
 
 MACHINES = publishing.PUTS_PENDING + 20  # past the limit: some puts wait for a slot
 

@@ -67,7 +67,7 @@ def test_keys_whose_bucket_is_full_again_are_forgotten() -> None:
 
 
 def test_refund_gives_back_work_done_up_to_the_burst() -> None:
-    # Requests in flight (services/controller/noisy.py): one answered frees its place at once.
+    # Requests in flight (services/controller/fleet/noisy.py): one answered frees its place at once.
     clock = Clock()
     limit = PerKey[str](burst=2, every=10.0, clock=clock)
     assert [limit.take("a") for _ in range(3)] == [True, True, False]

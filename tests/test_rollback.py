@@ -1,6 +1,6 @@
-"""Which version a rollback takes (services/controller/rollback.py), without a mesh: by number,
-by digest or a prefix of it, and by default the newest version below the current one that ran;
-every refusal in one line naming what was asked and listing the versions there are. End to end
+"""Which version a rollback takes (services/controller/catalog/versions.py), without a mesh: by
+number, by digest or a prefix of it, and by default the newest version below the current one that
+ran; every refusal in one line naming what was asked and listing the versions there are. End to end
 in test_history.py."""
 
 from datetime import UTC, datetime
@@ -10,7 +10,7 @@ import pytest
 from mesh import wire
 from mesh.model import PlanState
 from mesh.store.modules import HistoryRow
-from services.controller import rollback
+from services.controller.catalog import versions as rollback
 
 AT = datetime(2026, 12, 1, tzinfo=UTC)
 

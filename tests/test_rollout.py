@@ -1,5 +1,5 @@
-"""The planner's rules without a mesh (services/controller/rollout.py): batching, skipping down
-machines, deadlines, judging reports, stopping at a failure and reverting, with time as plain
+"""The planner's rules without a mesh (services/controller/plans/rollout.py): batching, skipping
+down machines, deadlines, judging reports, stopping at a failure and reverting, with time as plain
 numbers. The same rules run under whole meshes in test_plans.py and test_faults.py."""
 
 from datetime import UTC, datetime
@@ -10,8 +10,8 @@ import pytest
 from mesh.model import PlanSettings, ProcessState, StepState
 from mesh.modules.compose import encode, merge
 from mesh.store.plans import Step
-from services.controller import rollout
-from services.controller.rollout import Report
+from services.controller.plans import rollout
+from services.controller.plans.rollout import Report
 
 AT = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 HELLO = frozenset({"hello"})

@@ -9,7 +9,7 @@ import asyncpg
 import nats as nats_client
 from helpers import ask, await_until, exited, held_status
 
-from services.controller.seat import SEAT_LOCK
+from services.controller.seat.lock import SEAT_LOCK
 
 
 async def _lock_holders(database_url: str) -> int:

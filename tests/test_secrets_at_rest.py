@@ -1,5 +1,5 @@
-"""Secrets at rest (mesh/auth/secretkeys.py, services/controller/secretkeys.py): the store holds
-ciphertext only, the key is a file the controllers are given, `mesh secret rotate-key` moves
+"""Secrets at rest (mesh/auth/secretkeys.py, services/controller/catalog/secretkeys.py): the store
+holds ciphertext only, the key is a file the controllers are given, `mesh secret rotate-key` moves
 every secret to a new key while hosts go on getting theirs, and a controller without the key
 says so in one line. Real controllers, hosts, NATS, PostgreSQL and its own pg_dump."""
 

@@ -30,7 +30,7 @@ from mesh.auth import creds as credentials
 from mesh.auth.keys import new_user
 from mesh.auth.policy import OPERATOR_WATCH, READ_VERBS
 from mesh.meshdir import MeshDir
-from services.controller.verbs import VERBS
+from services.controller.serving.verbs import VERBS
 from services.host.facts import gather
 
 ROOT = Path(__file__).parent.parent

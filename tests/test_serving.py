@@ -26,8 +26,9 @@ from nats.errors import TimeoutError as NatsTimeout
 from mesh import bus, paging, subjects, wire
 from mesh.client import asking
 from mesh.model import SeatAnnounce
-from services.controller import handover, planner, standbys
-from services.controller.verbs import SLOW_IN_FLIGHT
+from services.controller.plans import planner
+from services.controller.seat import handover, standbys
+from services.controller.serving.verbs import SLOW_IN_FLIGHT
 
 FACTS = {"os": "linux", "arch": "x86_64", "cpus": 1, "memory": 1, "mesh_version": "0"}
 

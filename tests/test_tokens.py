@@ -27,8 +27,8 @@ from mesh.auth.keys import new_user
 from mesh.model import Grant, TokenCreateRequest, TokenRevokeRequest
 from mesh.store.migrate import migrate
 from programs.cli.tokens import _mesh_ca, ttl
-from services.controller import tokens as served
-from services.controller.operators import ASKED, Asked, Trust
+from services.controller.fleet import tokens as served
+from services.controller.trust.operators import ASKED, Asked, Trust
 
 CA_HEX = "ab" * 32
 ID = "0123456789ab"

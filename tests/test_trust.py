@@ -20,7 +20,7 @@ from mesh import bus
 from mesh.auth import creds as credentials
 from mesh.auth import registry, tls
 from mesh.meshdir import MeshDir
-from services.controller.operators import subject_of
+from services.controller.trust.operators import subject_of
 
 
 def _web(folder: Path, name: str) -> Path:

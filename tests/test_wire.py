@@ -18,10 +18,10 @@ from mesh.model import (
     ToolsEvent,
     apply_step,
 )
-from services.controller.fleet import Fleet
-from services.controller.noisy import Budgets
-from services.controller.publishing import Publisher
-from services.controller.reports import HostReports
+from services.controller.fleet.fleet import Fleet
+from services.controller.fleet.noisy import Budgets
+from services.controller.fleet.publishing import Publisher
+from services.controller.fleet.reports import HostReports
 
 FACTS = {"os": "linux", "arch": "x86_64", "cpus": 1, "memory": 1, "mesh_version": "0"}
 

@@ -40,7 +40,7 @@ READ_VERBS = frozenset(
     | {"audit", "operators"}  # who did what, and who may (issue 28)
 )
 # What a deployer may ask on its own subjects: changes of the modules its glob matches (the
-# controller checks the module: services/controller/operators.py), and the dry run of a push.
+# controller checks the module: services/controller/trust/operators.py), and the dry run of a push.
 DEPLOYER_VERBS = (
     "push", "diff", "assign", "unassign", "rollback",
     "plan-approve", "plan-pause", "plan-resume", "plan-cancel",
@@ -193,14 +193,14 @@ def _controller(user: User) -> Permissions:
     return Permissions(
         publish=[
             subjects.seat(">"),
-            subjects.plan("*"),  # plans' progress (services/controller/planner.py)
-            subjects.machine("*"),  # a machine drained or undrained (changes.py)
+            subjects.plan("*"),  # plans' progress (services/controller/plans/planner.py)
+            subjects.machine("*"),  # a machine drained or undrained (changes/machines.py)
             subjects.host("*", "build"),
             # a standby passes on the operators' requests it held (handover.py)
             subjects.OP_VERBS,
             f"{_API}.>",
             f"{KV_SUBJECTS}.>",
-            f"$KV.{SEAT}.>",  # the seat's epoch on the bus (services/controller/epochs.py)
+            f"$KV.{SEAT}.>",  # the seat's epoch on the bus (services/controller/seat/epochs.py)
             f"{OBJ_SUBJECTS}.>",
             f"{BUILDS_SUBJECTS}.>",  # what builders left there, deleted once adopted
             f"{UPLOADS_SUBJECTS}.>",  # what operators pushed, deleted once adopted

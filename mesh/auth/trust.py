@@ -122,7 +122,7 @@ class Trust:
 
 def sign_user(signer: Key, *, account: str, user: User) -> str:
     """A mesh identity's JWT, signed by the account's signing key (the folder's, or the
-    controllers' when a machine joins: services/controller/admission.py)."""
+    controllers' when a machine joins: services/controller/fleet/admission.py)."""
     p = permissions(user)
     return claims.user(
         signer, account_public=account, subject=user.public, name=f"{user.kind}:{user.name}",

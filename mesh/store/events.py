@@ -1,5 +1,5 @@
 """The event log: one row per meaningful thing that happened (seat taken, machine up/down, ...),
-and its pruning by age and count (the holder runs it: services/controller/pruning.py)."""
+and its pruning by age and count (the holder runs it: services/controller/plans/pruning.py)."""
 
 import json
 from typing import Any

@@ -65,7 +65,7 @@ async def register_many(
     conn: asyncpg.Connection, registrations: list[Registration]
 ) -> list[MachineRow]:
     """Insert or refresh machines, in one statement: a takeover's storm of registrations is
-    written in batches (services/controller/fleet.py). Names must be distinct; the rows come
+    written in batches (services/controller/fleet/fleet.py). Names must be distinct; the rows come
     back in no given order."""
     if not registrations:
         return []

@@ -220,7 +220,8 @@ class HistoryRow(msgspec.Struct, frozen=True):
     plan: int | None  # the last push or rollback plan that rolled it out
     state: PlanState | None  # that plan's state
     current: bool
-    pruned: bool  # its bundles were deleted from the bundle store (services/controller/bundles.py)
+    # its bundles were deleted from the bundle store (services/controller/catalog/bundles.py)
+    pruned: bool
 
 
 async def history(
@@ -288,7 +289,7 @@ async def set_current(conn: asyncpg.Connection, *, module: str, version_id: int)
     await conn.execute("UPDATE module_versions SET bundles_pruned = NULL WHERE id = $1", version_id)
 
 
-# --- the bundles kept (services/controller/bundles.py) -----------------------------------------
+# --- the bundles kept (services/controller/catalog/bundles.py) ------------------------------------
 
 
 class OldVersion(msgspec.Struct, frozen=True):

@@ -26,7 +26,7 @@ from mesh.model import (
 
 OPEN: tuple[PlanState, ...] = ("pending", "building", "held", "rolling", "paused")
 # Plans whose change is in the catalog and not yet on every machine (a held plan's change is
-# made in the catalog only when it is approved: services/controller/changes.py).
+# made in the catalog only when it is approved: services/controller/changes/modules.py).
 CHANGING: tuple[PlanState, ...] = ("pending", "building", "rolling", "paused")
 # What the planner takes: a `building` plan has no steps until its push's builds are done, a
 # held one waits for its approval outside the queue, and a paused one keeps its turn (its

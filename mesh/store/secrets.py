@@ -4,7 +4,7 @@ under the mesh's key (mesh/auth/secretkeys.py), which only hosts get, opened.
 The store never holds a value in plaintext, nor the key: a row is the value encrypted under its
 data key and the data key wrapped under the key `key_id` names. Rows an older mesh stored in
 plaintext (no `key_id`) are read as they are until the holder seals them at its takeover
-(services/controller/secretkeys.py).
+(services/controller/catalog/secretkeys.py).
 
 `mesh-secrets-key` (KEY_SECRET) is the key itself as a file the controllers' module is given:
 never a row; its version is the key's generation (`secrets_key`), raised at each rotation.

@@ -15,7 +15,7 @@ from programs.cli.client import CliError, where
 from programs.cli.output import console, print_json
 
 # From the holder's answer to the next epoch: a standby says it is ready within 2 s
-# (services/controller/handover.py) and takes the seat within a second or two after; a loaded
+# (services/controller/seat/handover.py) and takes the seat within a second or two after; a loaded
 # machine takes longer. A holder no standby answered keeps the seat and its epoch.
 FOLLOW_FOR = 15.0
 

@@ -249,7 +249,7 @@ async def cmd_secret_set(args: argparse.Namespace) -> None:
     await plans.wait_for(args, reply)
 
 
-# --- the key of the secrets (services/controller/secretkeys.py) ---------------------------------
+# --- the key of the secrets (services/controller/catalog/secretkeys.py) ---------------------------
 
 # Refusals after which the controller has changed nothing: the key file is put back as it was.
 _NOTHING_DONE = ("bad_request", "conflict", "forbidden", "unknown_verb")

@@ -104,7 +104,7 @@ def _host(verbs: Any, common: argparse.ArgumentParser) -> None:
 
 
 async def cmd_controller_ready(args: argparse.Namespace) -> None:
-    from services.controller import readiness
+    from services.controller.seat import readiness
 
     path = args.file or readiness.default_file()
     if path is None:

@@ -29,30 +29,33 @@ from mesh.errors import MeshError, reason
 from mesh.model import Handover, SeatAnnounce, SeatInfo
 from mesh.serving import Stats
 from mesh.store import events, replication, seats
-from services.controller import bundles, epochs, handover, kick, metrics, pruning, secretkeys
-from services.controller.admission import Admission
-from services.controller.approvals import HeldChanges
-from services.controller.buckets import Buckets
-from services.controller.changes import Changes
-from services.controller.draining import Drains
-from services.controller.fleet import Fleet, open_bus
-from services.controller.handover import VerbSubscriptions
-from services.controller.kick import Kicker
-from services.controller.noisy import Budgets
-from services.controller.operators import Trust
-from services.controller.planner import Planner
-from services.controller.publishing import Manifests, Publisher
-from services.controller.readiness import Readiness
-from services.controller.recording import Recorder
-from services.controller.reports import HostReports
-from services.controller.seat import SeatLock, SeatLost
-from services.controller.secretchanges import SecretChanges
-from services.controller.secretkeys import Keys
-from services.controller.standbys import Releases, Standbys
-from services.controller.steering import Steering
-from services.controller.stopping import Stop, attempt
-from services.controller.verbs import Holder
-from services.controller.views import Views
+from services.controller import metrics
+from services.controller.catalog import bundles, secretkeys
+from services.controller.catalog.secretkeys import Keys
+from services.controller.changes.machines import Drains
+from services.controller.changes.modules import Changes
+from services.controller.changes.secrets import SecretChanges
+from services.controller.fleet.admission import Admission
+from services.controller.fleet.fleet import Fleet, open_bus
+from services.controller.fleet.noisy import Budgets
+from services.controller.fleet.publishing import Manifests, Publisher
+from services.controller.fleet.reports import HostReports
+from services.controller.plans import pruning
+from services.controller.plans.approvals import HeldChanges
+from services.controller.plans.planner import Planner
+from services.controller.plans.recording import Recorder
+from services.controller.plans.steering import Steering
+from services.controller.seat import epochs, handover, kick
+from services.controller.seat.buckets import Buckets
+from services.controller.seat.handover import VerbSubscriptions
+from services.controller.seat.kick import Kicker
+from services.controller.seat.lock import SeatLock, SeatLost
+from services.controller.seat.readiness import Readiness
+from services.controller.seat.standbys import Releases, Standbys
+from services.controller.seat.stopping import Stop, attempt
+from services.controller.serving.verbs import Holder
+from services.controller.serving.views import Views
+from services.controller.trust.operators import Trust
 
 log = logging.getLogger("mesh.controller")
 
@@ -287,7 +290,7 @@ class Hold:
         seat's stream elect a leader (seconds); the takeover does not wait for it."""
         lock, me = self.lock, self.me
         assert lock.conn is not None
-        # Waits on the bus keep the lock's session answering (its idle limit: seat.py).
+        # Waits on the bus keep the lock's session answering (its idle limit: seat/lock.py).
         self.seat_kv = kv = await lock.kept_while(self.buckets.seat)
         before = await seats.read(lock.conn, seat=subjects.SEAT)
         said_epoch = self.released.handing(before.holder) if before else None

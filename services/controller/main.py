@@ -39,18 +39,20 @@ from mesh.model import SeatAnnounce, SeatRole
 from mesh.serving import Stats
 from mesh.store import db
 from mesh.store.migrate import migrate
-from services.controller import handover, metrics, readiness, secretkeys, standbys
-from services.controller.admission import Admission
-from services.controller.buckets import Buckets
-from services.controller.handover import VerbSubscriptions
+from services.controller import metrics
+from services.controller.catalog import secretkeys
+from services.controller.fleet.admission import Admission
+from services.controller.fleet.noisy import Budgets
 from services.controller.hold import Controller, Hold
-from services.controller.kick import Kicker
-from services.controller.noisy import Budgets
-from services.controller.readiness import Readiness
-from services.controller.seat import SeatLock
-from services.controller.standbys import Releases, SeatEvents, Standbys
-from services.controller.stopping import Stop, Stopping, attempt
-from services.controller.verbs import ENDPOINTS, HOST_ENDPOINTS, VERB_ENDPOINTS
+from services.controller.seat import handover, readiness, standbys
+from services.controller.seat.buckets import Buckets
+from services.controller.seat.handover import VerbSubscriptions
+from services.controller.seat.kick import Kicker
+from services.controller.seat.lock import SeatLock
+from services.controller.seat.readiness import Readiness
+from services.controller.seat.standbys import Releases, SeatEvents, Standbys
+from services.controller.seat.stopping import Stop, Stopping, attempt
+from services.controller.serving.verbs import ENDPOINTS, HOST_ENDPOINTS, VERB_ENDPOINTS
 
 log = logging.getLogger("mesh.controller")
 

@@ -8,7 +8,7 @@ and from counts of the store's plans kept fresh by the holder; a standby reports
 
 import logging
 from collections.abc import Iterator
-from typing import get_args
+from typing import Protocol, get_args
 
 import anyio
 import asyncpg
@@ -18,9 +18,8 @@ from prometheus_client.registry import Collector
 
 from mesh import metrics
 from mesh.looplag import LoopLag
-from mesh.model import PlanState
+from mesh.model import NodeCounts, PlanState
 from mesh.store import plans
-from services.controller.fleet import Fleet
 
 log = logging.getLogger(__name__)
 
@@ -73,11 +72,19 @@ BUILDS = Counter(
 )  # fmt: skip
 
 
+class Counted(Protocol):
+    """What the gauges read of the holder's fleet (services/controller/fleet/fleet.py)."""
+
+    def counts(self) -> NodeCounts: ...
+
+    def drained_count(self) -> int: ...
+
+
 class Held(Collector):
     """What only the holder knows, read when scraped: machines by state, plans by state."""
 
     def __init__(self) -> None:
-        self.fleet: Fleet | None = None
+        self.fleet: Counted | None = None
         self.plans: dict[str, int] | None = None
         self.soaking = 0  # plans whose canaries (or a whole tier) are soaking now
 
@@ -106,7 +113,7 @@ class Held(Collector):
             "tier) are soaking now: counted as rolling in mesh_plans too", value=self.soaking,
         )  # fmt: skip
 
-    async def holding(self, fleet: Fleet, pool: asyncpg.Pool) -> None:
+    async def holding(self, fleet: Counted, pool: asyncpg.Pool) -> None:
         """While this controller holds the seat (cancelled when it stops): report `fleet`,
         and count the store's plans every PLANS_EVERY seconds."""
         self.fleet = fleet

@@ -34,8 +34,7 @@ from mesh.model import (
 from mesh.ratelimit import PerKey
 from mesh.store import db, events, machines, seats
 from mesh.store.machines import MachineRow
-from services.controller import operators
-from services.controller.rollout import Report
+from services.controller.trust import operators
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -220,17 +219,6 @@ class Fleet:
     def forget_error(self, name: str) -> None:
         self.apply_errors.pop(name, None)
         self.failed_digest.pop(name, None)
-
-    def report(self, name: str) -> Report:
-        """What this fleet last heard of a machine, as the planner's rules (rollout.py) take it."""
-        return Report(
-            up=name in self._up,
-            applied=self.applied.get(name),
-            failed=self.failed_digest.get(name),
-            error=self.apply_errors.get(name),
-            processes=self.processes.get(name, []),
-            heard=name in self.processes,
-        )
 
     def heard_tools(self, name: str, servers: list[ToolServerReport]) -> None:
         if name in self.machines:  # a machine that registered: not any name a subject carries
@@ -623,7 +611,7 @@ class Fleet:
 
     async def flush(self) -> None:
         """Last-seen times to the store. One that cannot be written now goes with the next
-        flush: a store that is gone is for the seat's lock to notice (seat.py), not this."""
+        flush: a store that is gone is for the seat's lock to notice (seat/lock.py), not this."""
         seen, self._unflushed = self._unflushed, {}
         if not seen:
             return

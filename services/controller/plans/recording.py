@@ -1,8 +1,8 @@
 """Recording a change's plan: what every change of the catalog, a secret or a drain shares
-(changes.py, secretchanges.py, draining.py). One change at a time (`one_change`): each composes
-the machines it touches, finds those whose declaration differs from what they will have once
-the plans before it finish, and records a plan with a step for each (or that none changes),
-audited in the same transaction; a newer change of a module supersedes its held and paused
+(changes/modules.py, changes/secrets.py, changes/machines.py). One change at a time (`one_change`):
+each composes the machines it touches, finds those whose declaration differs from what they will
+have once the plans before it finish, and records a plan with a step for each (or that none
+changes), audited in the same transaction; a newer change of a module supersedes its held and paused
 plans.
 """
 
@@ -16,9 +16,10 @@ import asyncpg
 from mesh import wire
 from mesh.model import CHANGED_LISTED, ChangeReply, PlanBuild, PlanSettings, PlanState
 from mesh.store import events, plans
-from services.controller import operators, steering
-from services.controller.fleet import Fleet
-from services.controller.publishing import Publisher
+from services.controller.fleet.fleet import Fleet
+from services.controller.fleet.publishing import Publisher
+from services.controller.plans import steering
+from services.controller.trust import operators
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +111,7 @@ class Recorder:
         once the plans before it finish; (None, []) when there are none. `building`: the
         push's plan recorded while it built, which gets these steps (or goes, if none). With
         `hold` (the change its approval makes), the plan is `held`, with the `steps` a dry
-        run of the change found, even none (changes.py: held changes)."""
+        run of the change found, even none (approvals.py: held changes)."""
         if steps is None:
             steps = await self.steps(conn, machines)
         kept = hold is not None  # a held change is recorded whatever it changes

@@ -8,11 +8,11 @@ from nats.aio.client import Client
 
 from mesh.model import DrainReply, DrainRequest, MachineChanged, PlanSettings
 from mesh.store import modules
-from services.controller import operators
-from services.controller.fleet import Fleet, tell_changed
-from services.controller.publishing import Manifests
-from services.controller.pushing import settings_of
-from services.controller.recording import Recorder
+from services.controller.catalog.pushing import settings_of
+from services.controller.fleet.fleet import Fleet, tell_changed
+from services.controller.fleet.publishing import Manifests
+from services.controller.plans.recording import Recorder
+from services.controller.trust import operators
 
 
 class Drains:

@@ -29,7 +29,7 @@ from mesh.names import InvalidName, check_name
 from mesh.store import audit, seats
 from mesh.store import tokens as store
 from mesh.tokens import secret_hash
-from services.controller.operators import ANONYMOUS, ASKED, Trust, audited
+from services.controller.trust.operators import ANONYMOUS, ASKED, Trust, audited
 
 CONTROL = {"role": "control"}  # what a control machine is labelled (services/controller's [assign])
 MAX_LABELS = 64  # as a machine carries at most (mesh.model.Labels)

@@ -27,7 +27,7 @@ from mesh.modules import gate
 from mesh.modules.manifest import Bundle
 from mesh.store import builds
 from services.controller import metrics
-from services.controller.fleet import Fleet
+from services.controller.fleet.fleet import Fleet
 
 log = logging.getLogger(__name__)
 

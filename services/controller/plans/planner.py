@@ -42,9 +42,10 @@ from mesh import blobs, subjects, wire
 from mesh.model import MachineChanged, PlanProgress, PlanState, PlanSummary
 from mesh.modules.compose import Declaration, tools_of
 from mesh.store import declarations, events, modules, plans, seats
-from services.controller import metrics, rollout
-from services.controller.fleet import Fleet, tell_changed
-from services.controller.publishing import Publisher
+from services.controller import metrics
+from services.controller.fleet.fleet import Fleet, tell_changed
+from services.controller.fleet.publishing import Publisher
+from services.controller.plans import rollout
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +82,18 @@ class Planner:
         self._plan: plans.Plan | None = None
         self._tier: int | None = None
         self.current: PlanSummary | None = None  # what `status` shows
+
+    def _report(self, name: str) -> rollout.Report:
+        """What the fleet last heard of a machine, as the planner's rules take it."""
+        f = self._fleet
+        return rollout.Report(
+            up=f.up(name),
+            applied=f.applied.get(name),
+            failed=f.failed_digest.get(name),
+            error=f.apply_errors.get(name),
+            processes=f.processes.get(name, []),
+            heard=name in f.processes,
+        )
 
     def wake(self) -> None:
         """A plan was recorded, or an operator steered one (steering.py): look again."""
@@ -299,7 +312,7 @@ class Planner:
                     min(LOOK_EVERY, rollout.soonest(t, now=time.monotonic()))
                 )
             verdict = rollout.look(
-                t, machines=look, report=self._fleet.report, names=self._processes,
+                t, machines=look, report=self._report, names=self._processes,
                 now=time.monotonic(), at=datetime.now(UTC),
             )  # fmt: skip
             look = set()
@@ -341,7 +354,7 @@ class Planner:
             await self._heard(p)
             left = (p.soak_until - datetime.now(UTC)).total_seconds()
             failure = rollout.soak_look(
-                watched, machines=look, report=self._fleet.report, names=self._processes,
+                watched, machines=look, report=self._report, names=self._processes,
                 soak=soak, left=left, at=datetime.now(UTC),
             )  # fmt: skip
             if failure is not None:
@@ -493,14 +506,14 @@ class Planner:
         look = set(waiting)
         while waiting and time.monotonic() < until:
             rollout.settled(
-                waiting, machines=look, report=self._fleet.report, names=self._processes
+                waiting, machines=look, report=self._report, names=self._processes
             )
             look = await self._fleet.changes(min(LOOK_EVERY, max(0.0, until - time.monotonic())))
         unsettled: dict[str, str] = {}
         for machine, s in waiting.items():
             digest, body = rollout.before(s)
             unsettled[machine] = rollout.why(
-                machine=machine, report=self._fleet.report(machine), digest=digest,
+                machine=machine, report=self._report(machine), digest=digest,
                 names=self._processes(digest, body), deadline=p.settings.deadline,
             )  # fmt: skip
         rollout.reverted(steps, unsettled=unsettled)

@@ -1,8 +1,8 @@
 """A push's steps before anything is stored, which the dry run of a push takes too (`views.py`,
-`diff`): the pushed manifest gated and its source archive read and checked against it, its
-bundles packed (or taken from the build cache), the version registered, and a plan's settings
-from its `[rollout]`. The write side (`changes.py`) stores what they give; the read side only
-looks, so neither depends on the other (tests/test_house.py).
+`diff`): the pushed manifest gated and its source archive read and checked against it, its bundles
+packed (or taken from the build cache), the version registered, and a plan's settings from its
+`[rollout]`. The write side (`changes/modules.py`) stores what they give; the read side only looks,
+so neither depends on the other (tests/test_house.py).
 """
 
 import anyio
@@ -17,8 +17,8 @@ from mesh.model import PlanSettings
 from mesh.modules import archive, gate, load, meshsource
 from mesh.modules.manifest import ON_THE_MACHINE, Assign, Bundle, Manifest
 from mesh.store import modules
-from services.controller import build_requests
-from services.controller.fleet import Fleet
+from services.controller.catalog import builds as build_requests
+from services.controller.fleet.fleet import Fleet
 
 UNBUILT = "unbuilt:"  # the stand-in for a bundle not built yet (a dry run, a building plan)
 

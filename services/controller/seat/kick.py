@@ -3,7 +3,7 @@
 A holder whose link went silent keeps its place in the verb queue group until nats-server's
 pings drop it (20-30 s); meanwhile about half of every request's attempts go to it and vanish.
 So each holder records on the bus where its connection is (the server's id and its client id,
-services/controller/epochs.py), and the next holder, when the seat did not come to it by a
+services/controller/seat/epochs.py), and the next holder, when the seat did not come to it by a
 handover, asks that server to close that connection (`$SYS.REQ.SERVER.<id>.KICK`, routed to it
 across a cluster) as soon as its own verbs are subscribed. The request needs the system
 account's kicker (mesh.auth.system), on a connection of its own for that one request; a

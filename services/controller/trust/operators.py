@@ -101,7 +101,7 @@ async def audited(
 class Operating:
     """What an operator's verb is given: the holder, and who asked (None: not verified)."""
 
-    holder: Any  # services.controller.verbs.Holder (which imports this module)
+    holder: Any  # services.controller.serving.verbs.Holder (which imports this module)
     who: str | None
 
 

@@ -42,7 +42,7 @@ async def keep_pruned(pool: asyncpg.Pool, *, epoch: int, kept: EventsKept) -> No
                         conn, older_than=kept.max_age, keep=kept.max_count, most=PRUNE_MOST
                     )
         except (*db.GONE, asyncpg.PostgresError) as e:
-            # A store that is gone is for the seat's lock to notice (seat.py); a fenced run
+            # A store that is gone is for the seat's lock to notice (seat/lock.py); a fenced run
             # (seats.Fenced) is not caught: the seat moved on, and this hold ends.
             log.warning("could not prune events (next try in %gs): %s", kept.every, reason(e))
         else:

@@ -31,11 +31,12 @@ from mesh.model import (
 from mesh.modules import gate
 from mesh.modules.manifest import Manifest
 from mesh.store import events, modules, plans, seats
-from services.controller import operators, steering
-from services.controller.fleet import Fleet
-from services.controller.publishing import Manifests
-from services.controller.pushing import register, settings_of
-from services.controller.recording import Recorder
+from services.controller.catalog.pushing import register, settings_of
+from services.controller.fleet.fleet import Fleet
+from services.controller.fleet.publishing import Manifests
+from services.controller.plans import steering
+from services.controller.plans.recording import Recorder
+from services.controller.trust import operators
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from mesh.modules.compose import Declaration, tools_of
 from mesh.modules.manifest import Manifest
 from mesh.ratelimit import PerKey
 from mesh.store import audit, modules, secrets
-from services.controller.publishing import Manifests
+from services.controller.fleet.publishing import Manifests
 
 log = logging.getLogger(__name__)
 _refusals: PerKey[str] = PerKey(burst=1, every=60.0)  # a host asking again: a line a minute

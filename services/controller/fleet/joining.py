@@ -1,9 +1,9 @@
 """A machine joining the mesh with a token (`mesh join TOKEN`, docs/operations.md): asked on
 mesh.join.<token id>.join with the token's bearer credentials, which only that token's holder
-has (services/controller/admission.py), so the token is the one nats-server let it use.
+has (services/controller/fleet/admission.py), so the token is the one nats-server let it use.
 
 In one fenced transaction: the token redeemed (its secret checked, a use taken, the use
-audited: services/controller/tokens.py), the name checked free, the machine placed (its tier
+audited: services/controller/fleet/tokens.py), the name checked free, the machine placed (its tier
 and labels, before it first registers, as `mesh tier` and `mesh label` place one) and its key
 recorded (`mesh machine remove` revokes it: `joined_forget`). Then its credentials' JWT is
 signed for the key it made. A machine that asks again with the same name, key and token (its
@@ -22,8 +22,9 @@ from mesh.model import Grant, JoinedKeyReply, JoinedKeyRequest, JoinReply, JoinR
 from mesh.store import joined, machines, seats
 from mesh.store import tokens as stored_tokens
 from mesh.tokens import secret_hash
-from services.controller import operators, tokens
-from services.controller.admission import Admission
+from services.controller.fleet import tokens
+from services.controller.fleet.admission import Admission
+from services.controller.trust import operators
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +32,7 @@ log = logging.getLogger(__name__)
 class Joining(msgspec.Struct, frozen=True):
     """A join request: the holder's parts it needs, and the token its subject names."""
 
-    holder: object  # services.controller.verbs.Holder (which imports this module)
+    holder: object  # services.controller.serving.verbs.Holder (which imports this module)
     token_id: str
 
 

@@ -38,19 +38,19 @@ from mesh.model import (
 )
 from mesh.modules.manifest import Manifest
 from mesh.store import events, modules, plans, seats
-from services.controller import build_requests, scoping
-from services.controller import rollback as versions
-from services.controller.approvals import HeldChanges, held_said
-from services.controller.fleet import Fleet
-from services.controller.publishing import Manifests
-from services.controller.pushing import (
+from services.controller.catalog import builds as build_requests
+from services.controller.catalog import scoping, versions
+from services.controller.catalog.pushing import (
     ToBuild,
     pack_bundles,
     read_source,
     register,
     settings_of,
 )
-from services.controller.recording import Recorder, named, replied, stopped_building
+from services.controller.fleet.fleet import Fleet
+from services.controller.fleet.publishing import Manifests
+from services.controller.plans.approvals import HeldChanges, held_said
+from services.controller.plans.recording import Recorder, named, replied, stopped_building
 
 log = logging.getLogger(__name__)
 
@@ -341,7 +341,7 @@ class Changes:
     # --- going back to a version; machines out of the plans and back ---------------------------
 
     async def rollback(self, req: RollbackRequest) -> ChangeReply:
-        """The module back at an earlier version (rollback.py) through an ordinary plan of
+        """The module back at an earlier version (catalog/versions.py) through an ordinary plan of
         its machines: the catalog names that version again, each machine is composed with it,
         and the plan rolls tier by tier (and reverts) as a push's does. Nothing is built: the
         version's bundles must still be stored (bundles.py keeps the newest versions'). A

@@ -47,10 +47,11 @@ from mesh.modules.compose import Declaration
 from mesh.modules.diff import diff
 from mesh.store import builds, declarations, modules, plans, secrets
 from mesh.store.modules import StoredVersion
-from services.controller import pushing, rollout, scoping
-from services.controller.fleet import Fleet
-from services.controller.publishing import Manifests, Publisher
-from services.controller.secretkeys import Keys
+from services.controller.catalog import pushing, scoping
+from services.controller.catalog.secretkeys import Keys
+from services.controller.fleet.fleet import Fleet
+from services.controller.fleet.publishing import Manifests, Publisher
+from services.controller.plans import rollout
 
 # Every page's reads in one snapshot: a plan's tiers and its steps, modules and their machines.
 _SNAPSHOT = {"isolation": "repeatable_read", "readonly": True}

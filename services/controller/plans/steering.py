@@ -1,6 +1,6 @@
 """The operator's hand on a plan: pausing, resuming and cancelling it (the verbs
 `plan-pause`, `plan-resume`, `plan-cancel`; docs/operations.md, Steering a change). Holding a
-change and approving it are catalog changes, in changes.py.
+change and approving it are catalog changes, in changes/modules.py and approvals.py.
 
 Each move is one fenced transaction with the plan's row locked (`plans.locked`); the planner
 takes the same lock where it moves a plan itself (starting it, pausing it after a tier,
@@ -30,8 +30,8 @@ import asyncpg
 from mesh import wire
 from mesh.model import PlanState, SteerReply, SteerRequest
 from mesh.store import events, modules, plans, seats
-from services.controller import operators
-from services.controller.planner import Planner
+from services.controller.plans.planner import Planner
+from services.controller.trust import operators
 
 log = logging.getLogger(__name__)
 

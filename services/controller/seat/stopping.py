@@ -14,7 +14,7 @@ import anyio
 
 from mesh.errors import reason
 from mesh.lifetime import exit_by
-from services.controller.handover import VerbSubscriptions
+from services.controller.seat.handover import VerbSubscriptions
 
 log = logging.getLogger("mesh.controller")
 

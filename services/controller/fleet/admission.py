@@ -1,4 +1,4 @@
-"""What the controllers admit machines with (`mesh join`, services/controller/joining.py): the
+"""What the controllers admit machines with (`mesh join`, services/controller/fleet/joining.py): the
 mesh's NATS signing key (DIR/keys/nats/signer.nk, given to the controllers' module as the secret
 `mesh-nats-signer`), whose signature every nats-server of the mesh trusts (mesh/auth/trust.py).
 

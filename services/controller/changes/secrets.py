@@ -17,9 +17,10 @@ from mesh.model import (
     SecretSetRequest,
 )
 from mesh.store import modules, seats, secrets
-from services.controller import operators, secretkeys
-from services.controller.recording import Recorder, replied
-from services.controller.secretkeys import Keys
+from services.controller.catalog import secretkeys
+from services.controller.catalog.secretkeys import Keys
+from services.controller.plans.recording import Recorder, replied
+from services.controller.trust import operators
 
 log = logging.getLogger(__name__)
 

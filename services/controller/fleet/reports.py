@@ -20,9 +20,9 @@ from mesh import bus, origin, subjects, wire
 from mesh.model import Applied, Beat, ProcessesEvent, ToolsEvent
 from mesh.ratelimit import PerKey
 from mesh.serving import Turns
-from services.controller.fleet import Fleet
-from services.controller.noisy import Budgets
-from services.controller.publishing import Publisher
+from services.controller.fleet.fleet import Fleet
+from services.controller.fleet.noisy import Budgets
+from services.controller.fleet.publishing import Publisher
 
 log = logging.getLogger("mesh.controller")
 

@@ -28,7 +28,7 @@ from mesh.auth.signing import Signing
 from mesh.lifetime import first_of
 from mesh.model import SeatAnnounce
 from mesh.serving import Endpoint, Server, Stats
-from services.controller.noisy import Budgets
+from services.controller.fleet.noisy import Budgets
 
 log = logging.getLogger(__name__)
 

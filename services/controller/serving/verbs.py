@@ -79,18 +79,19 @@ from mesh.model import (
 )
 from mesh.serving import Bound, Endpoint, Verb
 from mesh.store import modules as catalog
-from services.controller import joining, operators, tokens
-from services.controller.admission import Admission
-from services.controller.approvals import HeldChanges
-from services.controller.changes import Changes
-from services.controller.draining import Drains
-from services.controller.fleet import Fleet
-from services.controller.planner import Planner
-from services.controller.publishing import MAX_DECLARATION, Publisher
-from services.controller.secretchanges import SecretChanges
-from services.controller.standbys import Standbys
-from services.controller.steering import Steering
-from services.controller.views import Views
+from services.controller.changes.machines import Drains
+from services.controller.changes.modules import Changes
+from services.controller.changes.secrets import SecretChanges
+from services.controller.fleet import joining, tokens
+from services.controller.fleet.admission import Admission
+from services.controller.fleet.fleet import Fleet
+from services.controller.fleet.publishing import MAX_DECLARATION, Publisher
+from services.controller.plans.approvals import HeldChanges
+from services.controller.plans.planner import Planner
+from services.controller.plans.steering import Steering
+from services.controller.seat.standbys import Standbys
+from services.controller.serving.views import Views
+from services.controller.trust import operators
 
 # Slow verbs served at once. They share a store pool of 4 connections (and builds): more in
 # flight only queue inside the controller, holding memory and their callers' time, so past
@@ -100,7 +101,7 @@ SLOW_IN_FLIGHT = 16
 # stall); past this many the rest wait in the subscription's buffer, in the order they came.
 HOST_IN_FLIGHT = 32
 HOST_SLOT_WAIT = 5.0  # longer than a host's attempt (2 s): it has asked again by then
-# Registrations waiting for their batch (services/controller/fleet.py): a waiting one costs a
+# Registrations waiting for their batch (services/controller/fleet/fleet.py): a waiting one costs a
 # future and its request, so a whole takeover's storm may wait at once.
 REGISTRATIONS_IN_FLIGHT = 20_000
 SLOW = Bound("slow verbs", SLOW_IN_FLIGHT)
@@ -399,7 +400,7 @@ VERBS: dict[str, Verb] = {
     "secret-rotate-key": Verb(
         RotateKeyRequest, RotateKeyReply, secret_rotate_key, bound=SLOW, limit=_SMALL
     ),
-    # join tokens (services/controller/tokens.py): admins' alone, listing them too (not in
+    # join tokens (services/controller/fleet/tokens.py): admins' alone, listing them too (not in
     # READ_VERBS: who may join, and how, is not a viewer's to read); up to 64 labels
     "token-create": Verb(TokenCreateRequest, TokenCreated, token_create, bound=SLOW),
     # a joined machine's key, forgotten for `mesh machine remove` to revoke (joining.py)

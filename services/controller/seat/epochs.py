@@ -19,7 +19,7 @@ from nats.js.kv import KeyValue
 
 from mesh import subjects, wire
 from mesh.errors import MeshError
-from services.controller.kick import Where
+from services.controller.seat.kick import Where
 
 log = logging.getLogger(__name__)
 

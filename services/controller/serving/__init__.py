@@ -1,0 +1,1 @@
+"""The verbs: the table from name to the method that serves it, and the read side."""

@@ -1,0 +1,1 @@
+"""Who asked: operators as the bus verified them, what each may change, the audit log."""
