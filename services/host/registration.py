@@ -4,7 +4,7 @@ After a takeover every host of the fleet registers again, and at ten thousand ma
 storm: the new holder announces a window (`SeatAnnounce.register_within`, seconds, sized by the
 fleet it loaded) and each host waits a random moment within it before it asks, so the
 registrations arrive spread evenly instead of all in the first few milliseconds. The holder
-judges nobody down for the silence of a takeover (services/controller/fleet.py), so waiting
+judges nobody down for the silence of a takeover (services/controller/fleet/fleet.py), so waiting
 costs a machine nothing: its beats keep it up meanwhile.
 
 `follow` is the task that hears every `held` from the agent's start (main.py subscribes before

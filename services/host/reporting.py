@@ -1,5 +1,5 @@
 """What this host tells the holder without being asked (the holder hears it in
-services/controller/reports.py): a beat every interval, from the agent's start; its processes
+services/controller/fleet/reports.py): a beat every interval, from the agent's start; its processes
 (`mesh.event.<name>.processes`) whenever one changes; its tool servers and their tools
 (`mesh.event.<name>.tools`), one report at a time; and all of it again when it may have been
 lost (NATS came back under us, or our holder came back after an outage of its own).
