@@ -26,7 +26,7 @@ import asyncpg
 import nats
 import pytest
 from faults import servers  # noqa: F401 (a fixture: tests/faults.py)
-from helpers import MESH, Fleet, Procs, fleet_up, mesh_cli, wait_until
+from helpers import MESH, Fleet, Procs, fleet_up, mesh_cli, seeds_container, wait_until
 from machines import machines  # noqa: F401 (a fixture: tests/machines.py)
 from netmesh import net, netmesh  # noqa: F401 (fixtures: tests/netmesh.py)
 from secured import as_identity, secured, secured_fleet  # noqa: F401 (fixtures: tests/secured.py)
@@ -349,6 +349,21 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "machines: runs machines with systemd in containers (tests/machines.py)"
     )
+    config.addinivalue_line(
+        "markers",
+        "deploys_controller: its hosts deploy services/controller, which retires a container "
+        "named mesh-controller (helpers.seeds_container)",
+    )
+
+
+@pytest.fixture(autouse=True)
+def _seeds_container_shared(request: pytest.FixtureRequest):
+    """A test whose hosts deploy services/controller waits while the story holds its container."""
+    if request.node.get_closest_marker("deploys_controller") is None:
+        yield
+        return
+    with seeds_container(alone=False):
+        yield
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -5,6 +5,8 @@ another: what two of them share lives here, or in a module of tests/ named by wh
 (module_folders.py, faults.py, standby.py, secured.py, netns.py, fuzzing.py)."""
 
 import asyncio
+import contextlib
+import fcntl
 import itertools
 import json
 import os
@@ -15,6 +17,7 @@ import shlex
 import shutil
 import signal
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -113,6 +116,32 @@ def engine_answers() -> bool:
     if shutil.which("docker") is None:
         return False
     return subprocess.run(["docker", "info"], capture_output=True, timeout=30).returncode == 0
+
+
+# The seed's container is named mesh-controller on this machine's one engine, and a mesh whose
+# hosts deploy services/controller retires a container of that name once its controller process
+# is healthy: `mesh init` of one test would take the story's container away (CI saw it). The story
+# holds this lock alone; meshes that deploy the controller hold it together.
+SEEDS_CONTAINER_LOCK = Path(tempfile.gettempdir()) / "mesh-test-seeds-container.lock"
+
+
+@contextlib.contextmanager
+def seeds_container(*, alone: bool, within: float = 600):
+    with open(SEEDS_CONTAINER_LOCK, "a") as f:
+        mode = (fcntl.LOCK_EX if alone else fcntl.LOCK_SH) | fcntl.LOCK_NB
+
+        def taken() -> bool:
+            try:
+                fcntl.flock(f, mode)
+            except BlockingIOError:
+                return False
+            return True
+
+        wait_until(taken, within=within, what="the turn at the container named mesh-controller")
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def account_of(pid: int) -> str:

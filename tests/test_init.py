@@ -17,6 +17,9 @@ from helpers import MESH, account_of
 
 from mesh.auth import creds, tls
 
+# its hosts deploy services/controller (helpers.seeds_container)
+pytestmark = pytest.mark.deploys_controller
+
 
 def test_init_makes_a_mesh_whose_controller_is_a_process(made) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MESH_")}

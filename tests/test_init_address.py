@@ -12,6 +12,9 @@ from helpers import MESH
 
 from programs.addresses import LOOPBACK_ONLY, AddressError, served
 
+# its hosts deploy services/controller (helpers.seeds_container)
+pytestmark = pytest.mark.deploys_controller
+
 NOT_OURS = "203.0.113.7"  # TEST-NET-3 (RFC 5737): no machine's own address
 
 

@@ -14,7 +14,10 @@ import pytest
 from helpers import MESH, env_file, wait_until
 from netns import Network, network, unavailable
 
-pytestmark = pytest.mark.skipif(bool(unavailable()), reason=unavailable() or "")
+pytestmark = [
+    pytest.mark.skipif(bool(unavailable()), reason=unavailable() or ""),
+    pytest.mark.deploys_controller,  # hosts deploy services/controller (helpers.seeds_container)
+]
 
 
 def _run(net: Network, member: str, argv: list[str], *, env: dict[str, str],

@@ -20,6 +20,9 @@ from helpers import (
 )
 from module_folders import write_module
 
+# its hosts deploy services/controller (helpers.seeds_container)
+pytestmark = pytest.mark.deploys_controller
+
 NODES = ("node-1", "node-2", "node-3")
 UPGRADE = 600  # seconds a command may take while the mesh upgrades itself
 

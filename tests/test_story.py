@@ -29,6 +29,7 @@ from helpers import (
     engine_answers,
     hosts_up,
     mesh_copy,
+    seeds_container,
 )
 
 from mesh.entry import ENTRY
@@ -70,6 +71,11 @@ def _inspect(name: str) -> dict | None:
 @pytest.fixture
 def container_controller(rootfs_image, nats_url, database_url, tmp_path):
     """The controller as the seed found it: a container, as user 65534, on the host network."""
+    with seeds_container(alone=True):
+        yield from _container(rootfs_image, nats_url, database_url, tmp_path)
+
+
+def _container(rootfs_image, nats_url, database_url, tmp_path):
     subprocess.run(["docker", "rm", "-f", CONTAINER], capture_output=True, timeout=60)
     # The key of the secrets (the session's), readable by the container's user alone.
     key = tmp_path / "secrets.key"
@@ -100,8 +106,9 @@ def container_controller(rootfs_image, nats_url, database_url, tmp_path):
 
 # The story builds the mesh's own bundle and moves the seat three times: alone about 80 s, but
 # beside the rest of the suite in CI it took over 180 s (twice its teardown or its last push ran
-# out of the default budget with every step done), so it has a budget of its own.
-@pytest.mark.timeout(480)
+# out of the default budget with every step done), so it has a budget of its own, and up to 600 s
+# more to wait for its turn at the container's name (helpers.seeds_container).
+@pytest.mark.timeout(1080)
 async def test_the_controller_moves_from_a_container_to_a_process(
     container_controller, nc, database_url, start_host, tmp_path, cli
 ) -> None:

@@ -26,6 +26,9 @@ from mesh.entry import command
 from programs import units
 from programs.units import Unit
 
+# its hosts deploy services/controller (helpers.seeds_container)
+pytestmark = pytest.mark.deploys_controller
+
 AWKWARD = [
     "/usr/bin/printf",
     "plain",
