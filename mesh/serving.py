@@ -64,6 +64,25 @@ class Verb(Generic[C, Q, R]):
     too_large: str = "ask for less"
 
 
+P = TypeVar("P")
+
+
+class Parts:
+    """What a service serves its verbs from, one object of each type: a verb table names the
+    method that serves each verb (`Changes.push`), and the part is found here by its class."""
+
+    def __init__(self, *parts: object) -> None:
+        self._by = {type(p): p for p in parts}
+        if len(self._by) != len(parts):
+            raise ValueError("two parts of one type")
+
+    def of(self, kind: type[P]) -> P:
+        part = self._by.get(kind)
+        if part is None:
+            raise LookupError(f"no {kind.__name__} among the parts served")
+        return part  # type: ignore[return-value]
+
+
 def _as_is(served: Any, subject: str) -> Any:
     return served
 

@@ -21,7 +21,6 @@ import re
 import subprocess
 import tarfile
 import tempfile
-import typing
 from pathlib import Path
 from typing import Any
 
@@ -80,10 +79,6 @@ SERVICES = settings(FUZZ, phases=[Phase.explicit, Phase.reuse, Phase.generate])
 def _examples(n: int) -> int:
     """MESH_FUZZ_SCALE=10 runs ten times as many examples (a deeper run than CI's)."""
     return max(1, int(n * float(os.environ.get("MESH_FUZZ_SCALE", "1"))))
-
-
-def _reply_type(handler: Any) -> Any:
-    return typing.get_type_hints(handler).get("return", Any)
 
 
 # NATS subject tokens: no dots, wildcards or whitespace; anything else, unicode included.
@@ -192,7 +187,7 @@ def _operator_cases(name: str, verb: ctl_verbs.Verb) -> st.SearchStrategy[Case]:
         Case,
         subject=st.just(subjects.ctl(name)),
         body=bodies(verb.request, limit=verb.limit, max_payload=MAX_PAYLOAD),
-        reply=st.just(_reply_type(verb.handler)),
+        reply=st.just(verb.reply),
         label=st.just(name),
     )
 
@@ -211,9 +206,7 @@ def _host_side_cases(name: str, verb: ctl_verbs.Verb) -> st.SearchStrategy[Case]
             data = dumps(body)
         else:
             data = draw(bodies(verb.request, limit=verb.limit, max_payload=MAX_PAYLOAD))
-        return Case(
-            subjects.ctl_host(machine, name), data, _reply_type(verb.handler), f"host {name}"
-        )
+        return Case(subjects.ctl_host(machine, name), data, verb.reply, f"host {name}")
 
     return build()
 
@@ -226,8 +219,8 @@ def _pushes(draw: st.DrawFn, hello: str) -> Case:
     body = {"manifest": text, "source": hello}
     if draw(st.booleans()):
         body["by"] = draw(st.text(max_size=30))
-    handler = ctl_verbs.VERBS[verb].handler
-    return Case(subjects.ctl(verb), dumps(body), _reply_type(handler), f"{verb} (stored source)")
+    reply = ctl_verbs.VERBS[verb].reply
+    return Case(subjects.ctl(verb), dumps(body), reply, f"{verb} (stored source)")
 
 
 def _controller_batches(hello: str) -> st.SearchStrategy[list[Case]]:
@@ -385,7 +378,7 @@ async def test_pushes_of_random_archives_get_clear_answers(
     source = data.draw(archives(manifest if data.draw(st.booleans()) else None))
     digest = await _uploaded(nc, source)
     body = dumps({"manifest": manifest, "source": digest})  # diff takes no `by`
-    reply = _reply_type(ctl_verbs.VERBS[verb].handler)
+    reply = ctl_verbs.VERBS[verb].reply
     await _send_all(
         nc, [Case(subjects.ctl(verb), body, reply, f"{verb} (random archive)")], controller
     )
@@ -400,7 +393,7 @@ _HOST_CASES = [
         Case,
         subject=st.just(subjects.host("node-1", name)),
         body=bodies(verb.request, limit=verb.limit, max_payload=MAX_PAYLOAD),
-        reply=st.just(_reply_type(verb.handler)),
+        reply=st.just(verb.reply),
         label=st.just(f"host verb {name}"),
     )
     for name, verb in sorted(host_verbs.VERBS.items())

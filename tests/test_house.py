@@ -38,9 +38,10 @@ FLOORS = (
     ("trust", "metrics"),
 )
 READ_SIDE = ("serving.views",)  # the read verbs' answers
-# the changes operators ask (every module of `changes`), a plan's recording, approval, steering
-# and loop
-WRITE_SIDE = ("changes", "plans.recording", "plans.approvals", "plans.steering", "plans.planner")
+# the changes operators ask (every module of `changes`), a plan's recording, approval, steering,
+# cancel and loop
+WRITE_SIDE = ("changes", "plans.recording", "plans.approvals", "plans.steering", "plans.states",
+              "plans.planner")  # fmt: skip
 
 
 def _files() -> Iterator[Path]:

@@ -28,7 +28,8 @@ from mesh.model import Grant, TokenCreateRequest, TokenRevokeRequest
 from mesh.store.migrate import migrate
 from programs.cli.tokens import _mesh_ca, ttl
 from services.controller.fleet import tokens as served
-from services.controller.trust.operators import ASKED, Asked, Trust
+from services.controller.fleet.tokens import Tokens
+from services.controller.trust.audit import Audit
 
 CA_HEX = "ab" * 32
 ID = "0123456789ab"
@@ -131,7 +132,7 @@ def test_bad_input_is_one_line_naming_the_field_and_value(args: list[str], said:
 async def pool(database_url: str):
     conn = await asyncpg.connect(database_url)
     try:
-        await migrate(conn)  # the seat at epoch 0, which `trust` holds
+        await migrate(conn)  # the seat at epoch 0, which `trust` holds (the tokens' verbs)
     finally:
         await conn.close()
     p = await asyncpg.create_pool(database_url, min_size=1, max_size=4)
@@ -140,20 +141,17 @@ async def pool(database_url: str):
 
 
 @pytest.fixture
-def trust(pool) -> Trust:
-    return Trust(pool=pool, epoch=0, secured=True, budget=lambda: paging.budget(1 << 20))
+def trust(pool) -> Tokens:
+    return Tokens(pool=pool, epoch=0, budget=lambda: paging.budget(1 << 20), admission=None)
 
 
-async def _made(trust: Trust, **terms) -> tuple[str, str]:
+async def _made(trust: Tokens, **terms) -> tuple[str, str]:
     """A token made as the admin asked (its audit entry too): its id and secret."""
     secret = tokens.new_secret()
-    asked = ASKED.set(Asked(who="admin", verb="token-create", subject="", epoch=0))
-    try:
-        made = await served.create(
-            trust, TokenCreateRequest(secret_sha256=tokens.secret_hash(secret), **terms)
-        )
-    finally:
-        ASKED.reset(asked)
+    made = await trust.create(
+        TokenCreateRequest(secret_sha256=tokens.secret_hash(secret), **terms),
+        Audit(who="admin", verb="token-create", subject="", epoch=0),
+    )
     return made.id, secret
 
 
@@ -219,14 +217,11 @@ async def test_expired_and_revoked_tokens_are_refused_saying_when(pool, trust) -
     assert said == f"join token {expiring} expired at {when}"
 
     revoked, secret = await _made(trust, uses=5)
-    asked = ASKED.set(Asked(who="olga", verb="token-revoke", subject=revoked, epoch=0))
-    try:
-        assert (await served.revoke(trust, TokenRevokeRequest(id=revoked))).revoked
-        with pytest.raises(wire.BadRequest, match=r"revoked already, at .* by olga") as again:
-            await served.revoke(trust, TokenRevokeRequest(id=revoked))
-        assert again.value.code == "conflict"
-    finally:
-        ASKED.reset(asked)
+    asked = Audit(who="olga", verb="token-revoke", subject=revoked, epoch=0)
+    assert (await trust.revoke(TokenRevokeRequest(id=revoked), asked)).revoked
+    with pytest.raises(wire.BadRequest, match=r"revoked already, at .* by olga") as again:
+        await trust.revoke(TokenRevokeRequest(id=revoked), asked)
+    assert again.value.code == "conflict"
     said = await _refusal(pool, revoked, secret, "node-1")
     assert said.startswith(f"join token {revoked} was revoked at 2") and said.endswith(" by olga")
     # A wrong secret is told as such whatever the token's state: no state is told without it.

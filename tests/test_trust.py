@@ -19,7 +19,9 @@ from secured import Secured
 from mesh import bus
 from mesh.auth import creds as credentials
 from mesh.auth import registry, tls
+from mesh.auth.policy import DEPLOYER_VERBS, READ_VERBS
 from mesh.meshdir import MeshDir
+from services.controller.serving.verbs import TABLE
 from services.controller.trust.operators import subject_of
 
 
@@ -197,6 +199,18 @@ async def test_a_holder_killed_amid_changes_loses_no_audit_entry(
     assert len(made) > 10 and sent > len(made) // 2, (len(made), sent)
     assert made == audited, (sorted(made - audited), sorted(audited - made))
     assert {e["who"] for e in entries} == {"anonymous"}
+
+
+def test_the_verb_tables_roles_are_the_bus_permissions() -> None:
+    """Who may ask a verb is said twice: the controller's table (what it checks and audits) and
+    the NATS permissions each operator's credentials carry (mesh/auth/policy.py). They agree:
+    a verb the bus lets a viewer ask is a read, a deployer's a deployer's change, and the rest
+    are an admin's."""
+    roles = {name: served.role for name, served in TABLE.items()}
+    assert {n for n, r in roles.items() if r == "reader"} == READ_VERBS
+    assert {n for n, r in roles.items() if r == "deployer"} == set(DEPLOYER_VERBS)
+    # every method is a part's, found by its class when the verb is served
+    assert all(isinstance(served.owner, type) for served in TABLE.values())
 
 
 def test_what_a_change_is_about_comes_from_its_request() -> None:

@@ -5,6 +5,7 @@ import asyncpg
 import msgspec
 
 from mesh.model import AuditEntry
+from mesh.store import db
 
 
 class OperatorRow(msgspec.Struct, frozen=True):
@@ -62,12 +63,12 @@ async def page(
 
 
 async def operator(conn: asyncpg.Connection | asyncpg.Pool, name: str) -> OperatorRow | None:
-    r = await conn.fetchrow(
+    return await db.one(
+        conn, OperatorRow,
         "SELECT name, role, modules, removed IS NOT NULL AS removed, allow FROM operators"
         " WHERE name = $1",
         name,
-    )
-    return OperatorRow(**dict(r)) if r else None
+    )  # fmt: skip
 
 
 async def add_operator(

@@ -4,6 +4,8 @@ last lines and its object name)."""
 import asyncpg
 import msgspec
 
+from mesh.store import db
+
 MAX_LOG_TAIL = 4096  # bytes of a build's last lines kept in its row (a builder sends no more)
 
 
@@ -26,25 +28,22 @@ class BuildRow(msgspec.Struct):
     log_object: str | None
 
 
+_BUILD = "key, module, bundle, state, digest, builder, log_tail, log_object"
+
+
 async def build(conn: asyncpg.Connection | asyncpg.Pool, key: str) -> BuildRow | None:
-    r = await conn.fetchrow(
-        "SELECT key, module, bundle, state, digest, builder, log_tail, log_object"
-        " FROM builds WHERE key = $1",
-        key,
-    )
-    return BuildRow(**dict(r)) if r else None
+    return await db.one(conn, BuildRow, f"SELECT {_BUILD} FROM builds WHERE key = $1", key)
 
 
 async def last_build(
     conn: asyncpg.Connection | asyncpg.Pool, *, module: str, bundle: str | None
 ) -> BuildRow | None:
-    r = await conn.fetchrow(
-        "SELECT key, module, bundle, state, digest, builder, log_tail, log_object FROM builds"
-        " WHERE module = $1 AND ($2::text IS NULL OR bundle = $2) ORDER BY started DESC LIMIT 1",
-        module,
-        bundle,
-    )
-    return BuildRow(**dict(r)) if r else None
+    return await db.one(
+        conn, BuildRow,
+        f"SELECT {_BUILD} FROM builds WHERE module = $1 AND ($2::text IS NULL OR bundle = $2)"
+        " ORDER BY started DESC LIMIT 1",
+        module, bundle,
+    )  # fmt: skip
 
 
 async def start_build(

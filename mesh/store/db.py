@@ -12,11 +12,14 @@ seat's advisory lock belongs to one session.
 import logging
 import socket
 import urllib.parse
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import asyncpg
 
 from mesh.errors import MeshError, reason
+
+T = TypeVar("T")
 
 
 class _OneLine(logging.Filter):
@@ -147,3 +150,12 @@ async def pool(url: str, *, size: int = 4, timeout: float = 5.0) -> asyncpg.Pool
         )  # fmt: skip
     except _NEXT as e:
         raise StoreUnreachable(f"cannot reach PostgreSQL at {_where(url)}: {_why(e)}") from None
+
+
+async def one(
+    conn: asyncpg.Connection | asyncpg.Pool, kind: Callable[..., T], query: str, *args: object
+) -> T | None:
+    """The row `query` finds, as `kind` (its columns by name), or None: every store module's
+    lookup of one row."""
+    r = await conn.fetchrow(query, *args)
+    return kind(**dict(r)) if r else None

@@ -49,6 +49,45 @@ class Step(msgspec.Struct):
     error: str | None = None
 
 
+# What a held plan will do when it is approved, by its trigger (services/controller/plans/
+# approvals.py). Stored in the plan's `hold` without its tag: the plan's trigger is the tag.
+class HeldPush(msgspec.Struct, tag="push", tag_field="trigger", kw_only=True):
+    """A push held: its version is stored, made current when approved."""
+
+    module: str
+    version: int  # the stored version's id
+    approved_by: str | None = None
+
+
+class HeldAssign(msgspec.Struct, tag="assign", tag_field="trigger", kw_only=True):
+    """An assign held: the machines it adds the module to when approved."""
+
+    module: str
+    machines: list[str]
+    approved_by: str | None = None
+
+
+class HeldUnassign(msgspec.Struct, tag="unassign", tag_field="trigger", kw_only=True):
+    """An unassign held: the machines it takes the module from when approved."""
+
+    module: str
+    machines: list[str]
+    approved_by: str | None = None
+
+
+Held = HeldPush | HeldAssign | HeldUnassign
+
+
+def _held_json(hold: Held) -> str:
+    return msgspec.json.encode(hold, order="sorted").decode()
+
+
+def _held(trigger: str, stored: str | None) -> Held | None:
+    if stored is None:
+        return None
+    return msgspec.convert({**json.loads(stored), "trigger": trigger}, Held)
+
+
 class Plan(msgspec.Struct):
     id: int
     state: PlanState
@@ -66,7 +105,7 @@ class Plan(msgspec.Struct):
     undo: dict[str, Any]
     steps: list[Step]
     # Steering (migration 007; docs/operations.md, Steering a change)
-    hold: dict[str, Any] | None = None  # a held plan's catalog change, made when approved
+    hold: Held | None = None  # a held plan's catalog change, made when approved
     cancel: str | None = None  # why it is (being) cancelled
     soak_tier: int | None = None  # the soak in progress (`soak_until` set) or last passed
     soak_until: datetime | None = None
@@ -85,7 +124,7 @@ async def create(
     undo: dict[str, Any],
     steps: list[Step],
     state: PlanState = "pending",
-    hold: dict[str, Any] | None = None,
+    hold: Held | None = None,
 ) -> int:
     plan_id: int = await conn.fetchval(
         "INSERT INTO plans (trigger, subject, state, epoch, requested_by, settings, builds, undo,"
@@ -95,7 +134,7 @@ async def create(
         msgspec.json.encode(settings).decode(),
         msgspec.json.encode(builds).decode(),
         json.dumps(undo, sort_keys=True), state,
-        None if hold is None else json.dumps(hold, sort_keys=True),
+        None if hold is None else _held_json(hold),
     )  # fmt: skip
     await _insert_steps(conn, plan_id, steps)
     return plan_id
@@ -117,7 +156,7 @@ async def built(
     builds: list[PlanBuild],
     undo: dict[str, Any],
     steps: list[Step],
-    hold: dict[str, Any] | None = None,
+    hold: Held | None = None,
 ) -> bool:
     """A `building` plan whose builds are done gets its steps and waits its turn (`pending`),
     or, with `hold`, its approval (`held`); False if it is no longer building (a new holder
@@ -130,7 +169,7 @@ async def built(
         msgspec.json.encode(builds).decode(),
         json.dumps(undo, sort_keys=True),
         "pending" if hold is None else "held",
-        None if hold is None else json.dumps(hold, sort_keys=True),
+        None if hold is None else _held_json(hold),
     )
     if done is None:
         return False
@@ -189,7 +228,7 @@ def _plan(r: asyncpg.Record, steps: list[Step]) -> Plan:
         settings=msgspec.json.decode(r["settings"], type=PlanSettings),
         builds=msgspec.json.decode(r["builds"], type=list[PlanBuild]),
         undo=json.loads(r["undo"]), steps=steps,
-        hold=json.loads(r["hold"]) if r["hold"] is not None else None, cancel=r["cancel"],
+        hold=_held(r["trigger"], r["hold"]), cancel=r["cancel"],
         soak_tier=r["soak_tier"], soak_until=r["soak_until"], paused_after=r["paused_after"],
     )  # fmt: skip
 
@@ -389,7 +428,7 @@ async def approved(
     *,
     settings: PlanSettings,
     undo: dict[str, Any],
-    hold: dict[str, Any],
+    hold: Held,
 ) -> None:
     """A held plan approved: its change made, it waits its turn; `hold` keeps who approved."""
     await conn.execute(
@@ -398,7 +437,7 @@ async def approved(
         plan_id,
         msgspec.json.encode(settings).decode(),
         json.dumps(undo, sort_keys=True),
-        json.dumps(hold, sort_keys=True),
+        _held_json(hold),
     )
 
 

@@ -10,6 +10,7 @@ import asyncpg
 import msgspec
 
 from mesh import wire
+from mesh.store import db
 
 
 class SeatRow(msgspec.Struct):
@@ -44,10 +45,8 @@ async def take(
 
 
 async def read(conn: asyncpg.Connection | asyncpg.Pool, *, seat: str) -> SeatRow | None:
-    r = await conn.fetchrow(
-        "SELECT name, epoch, holder, pid, host, since FROM seats WHERE name = $1", seat
-    )
-    return SeatRow(**dict(r)) if r else None
+    query = "SELECT name, epoch, holder, pid, host, since FROM seats WHERE name = $1"
+    return await db.one(conn, SeatRow, query, seat)
 
 
 class Fenced(wire.BadRequest):

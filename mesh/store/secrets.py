@@ -18,6 +18,7 @@ import msgspec
 
 from mesh.auth.scopes import KEY_SECRET, SecretScope
 from mesh.auth.secretkeys import KeyRing, Sealed
+from mesh.store import db
 
 
 class StoreKey(msgspec.Struct, frozen=True):
@@ -145,8 +146,7 @@ async def forget(conn: asyncpg.Connection, name: str) -> bool:
 
 
 async def store_key(conn: asyncpg.Connection | asyncpg.Pool) -> StoreKey | None:
-    r = await conn.fetchrow("SELECT key_id, version, changed_at FROM secrets_key")
-    return StoreKey(**dict(r)) if r else None
+    return await db.one(conn, StoreKey, "SELECT key_id, version, changed_at FROM secrets_key")
 
 
 async def set_store_key(conn: asyncpg.Connection, key: str) -> StoreKey:

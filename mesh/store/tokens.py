@@ -71,21 +71,21 @@ async def locked(conn: asyncpg.Connection, token_id: str) -> TokenRow | None:
 
 
 async def revoke(conn: asyncpg.Connection, token_id: str, *, by: str) -> TokenRow:
-    r = await conn.fetchrow(
-        f"UPDATE join_tokens SET revoked_at = now(), revoked_by = $2 WHERE id = $1"
-        f" RETURNING {_COLUMNS}",
-        token_id, by,
-    )  # fmt: skip
-    return _row(r)
+    return await _updated(conn, token_id, "revoked_at = now(), revoked_by = $2", by)
 
 
 async def use(conn: asyncpg.Connection, token_id: str, *, machine: str) -> TokenRow:
     """One use of the token (locked by `locked`, with a use left), by `machine`."""
+    return await _updated(
+        conn, token_id, "uses_left = uses_left - 1, used_by = used_by || $2::text", machine
+    )
+
+
+async def _updated(conn: asyncpg.Connection, token_id: str, change: str, value: str) -> TokenRow:
+    """The token's row after `change` (one of the constant SET clauses above; $2 is `value`)."""
     r = await conn.fetchrow(
-        f"UPDATE join_tokens SET uses_left = uses_left - 1, used_by = used_by || $2::text"
-        f" WHERE id = $1 RETURNING {_COLUMNS}",
-        token_id, machine,
-    )  # fmt: skip
+        f"UPDATE join_tokens SET {change} WHERE id = $1 RETURNING {_COLUMNS}", token_id, value
+    )
     return _row(r)
 
 

@@ -27,19 +27,22 @@ from mesh.auth.signing import Signing
 from mesh.config import EventsKept, VersionsKept
 from mesh.errors import MeshError, reason
 from mesh.model import Handover, SeatAnnounce, SeatInfo
-from mesh.serving import Stats
+from mesh.serving import Parts, Stats
 from mesh.store import events, replication, seats
 from services.controller import metrics
 from services.controller.catalog import bundles, secretkeys
 from services.controller.catalog.secretkeys import Keys
-from services.controller.changes.machines import Drains
+from services.controller.changes.machines import Machines
 from services.controller.changes.modules import Changes
+from services.controller.changes.operators import Operators
 from services.controller.changes.secrets import SecretChanges
 from services.controller.fleet.admission import Admission
 from services.controller.fleet.fleet import Fleet, open_bus
+from services.controller.fleet.joining import Joins
 from services.controller.fleet.noisy import Budgets
 from services.controller.fleet.publishing import Manifests, Publisher
 from services.controller.fleet.reports import HostReports
+from services.controller.fleet.tokens import Tokens
 from services.controller.plans import pruning
 from services.controller.plans.approvals import HeldChanges
 from services.controller.plans.planner import Planner
@@ -53,7 +56,7 @@ from services.controller.seat.lock import SeatLock, SeatLost
 from services.controller.seat.readiness import Readiness
 from services.controller.seat.standbys import Releases, Standbys
 from services.controller.seat.stopping import Stop, attempt
-from services.controller.serving.verbs import Holder
+from services.controller.serving.holding import Holding
 from services.controller.serving.views import Views
 from services.controller.trust.operators import Trust
 
@@ -153,17 +156,27 @@ class Hold:
 
     def _writers(
         self, *, epoch: int, fleet: Fleet, obs: ObjectStore, manifests: Manifests,
-        recorder: Recorder,
-    ) -> tuple[HeldChanges, Changes, SecretChanges, Drains]:  # fmt: skip
-        """What changes the catalog, a secret or a drain: each records through `recorder`."""
+        recorder: Recorder, planner: Planner,
+    ) -> tuple[object, ...]:  # fmt: skip
+        """The parts that change something: the catalog, a plan, a secret, a machine, the
+        operators, the join tokens. The catalog's, a secret's and a machine's changes record
+        their plans through `recorder`, one at a time."""
         held = HeldChanges(pool=self.pool, epoch=epoch, fleet=fleet, manifests=manifests,
-                           recorder=recorder)  # fmt: skip
+                           recorder=recorder, planner=planner)  # fmt: skip
         changes = Changes(pool=self.pool, nc=self.nc, obs=obs, fleet=fleet, epoch=epoch,
                           signing=self.signing, manifests=manifests, recorder=recorder,
                           held=held)  # fmt: skip
-        secrets = SecretChanges(pool=self.pool, epoch=epoch, keys=self.keys, recorder=recorder)
-        drains = Drains(nc=self.nc, fleet=fleet, manifests=manifests, recorder=recorder)
-        return held, changes, secrets, drains
+        return (
+            held, changes,
+            SecretChanges(pool=self.pool, epoch=epoch, keys=self.keys, recorder=recorder),
+            Machines(nc=self.nc, fleet=fleet, manifests=manifests, recorder=recorder),
+            Steering(pool=self.pool, epoch=epoch, planner=planner,
+                     one_change=recorder.one_change),
+            Operators(pool=self.pool, changes=changes),
+            Tokens(pool=self.pool, epoch=epoch, admission=self.admission,
+                   budget=lambda: paging.budget(self.nc.max_payload)),
+            Joins(pool=self.pool, epoch=epoch, fleet=fleet, admission=self.admission),
+        )  # fmt: skip
 
     async def run(self) -> None:
         loaded = await self._load_or_stop()
@@ -182,42 +195,38 @@ class Hold:
                 manifests = Manifests()
                 publisher = Publisher(pool=self.pool, nc=self.nc, epoch=row.epoch,
                                       manifests=manifests, holder=self.me.instance)  # fmt: skip
-                recorder = Recorder(fleet=fleet, epoch=row.epoch, publisher=publisher,
-                                    wake=lambda: planner.wake())  # fmt: skip
-                held_changes, changes, secret_changes, drains = self._writers(
-                    epoch=row.epoch, fleet=fleet, obs=obs, manifests=manifests, recorder=recorder
-                )
-                views = Views(
-                    pool=self.pool, nc=self.nc, obs=obs, fleet=fleet, manifests=manifests,
-                    publisher=publisher, keys=self.keys,
-                    budget=lambda: paging.budget(self.nc.max_payload),
-                )  # fmt: skip
                 planner = Planner(pool=self.pool, publisher=publisher, fleet=fleet, epoch=row.epoch,
                                   nc=self.nc, obs=obs)  # fmt: skip
-                steering = Steering(pool=self.pool, epoch=row.epoch, planner=planner,
-                                    one_change=recorder.one_change)  # fmt: skip
+                recorder = Recorder(fleet=fleet, epoch=row.epoch, publisher=publisher,
+                                    wake=planner.wake)  # fmt: skip
+                writers = self._writers(epoch=row.epoch, fleet=fleet, obs=obs,
+                                        manifests=manifests, recorder=recorder,
+                                        planner=planner)  # fmt: skip
+                budget = functools.partial(paging.budget, self.nc.max_payload)
+                views = Views(
+                    pool=self.pool, nc=self.nc, obs=obs, fleet=fleet, manifests=manifests,
+                    publisher=publisher, keys=self.keys, budget=budget,
+                )  # fmt: skip
+                trust = Trust(pool=self.pool, epoch=row.epoch, budget=budget,
+                              secured=self.signing.seed is not None)  # fmt: skip
                 # Slow verbs run in `serving`, answered before we go.
                 async with anyio.create_task_group() as serving:
                     assert row.since is not None
-                    holder = Holder(
+                    holding = Holding(
                         seat=SeatInfo(holder=self.me.instance, pid=self.me.pid, host=self.me.host,
                                       epoch=row.epoch, since=row.since, warnings=self.warnings,
                                       version=self.me.version),
-                        fleet=fleet, standbys=self.standbys, changes=changes, views=views,
-                        approvals=held_changes, secrets=secret_changes, drains=drains,
-                        publisher=publisher, planner=planner,
-                        tasks=serving, handover=taken, stop=self.stop.handover,
-                        steering=steering,
-                        trust=Trust(pool=self.pool, epoch=row.epoch,
-                                    secured=self.signing.seed is not None,
-                                    budget=lambda: paging.budget(self.nc.max_payload)),
-                        admission=self.admission,
+                        handover=taken, standbys=self.standbys, fleet=fleet, planner=planner,
+                        tasks=serving, stop=self.stop.handover,
                     )  # fmt: skip
                     await self._serve(
-                        holder=holder, held=held, background=background, taken=taken,
+                        parts=Parts(holding, views, trust, fleet, *writers), tasks=serving,
+                        held=held, background=background, taken=taken,
                         reports=HostReports(fleet=fleet, publisher=publisher,
                                             budgets=self.budgets),
                     )  # fmt: skip
+                    background.start_soon(fleet.run)
+                    background.start_soon(publisher.keep_published)
                     plans = anyio.CancelScope()
                     background.start_soon(_plan_work, publisher, planner, row.epoch, plans)
                     background.start_soon(lambda: bundles.keep_pruned(
@@ -374,15 +383,15 @@ class Hold:
         self.unclaimed = None
 
     async def _serve(
-        self, *, holder: Holder, reports: HostReports, held: SeatAnnounce, background: TaskGroup,
-        taken: Handover,
+        self, *, parts: Parts, tasks: TaskGroup, reports: HostReports, held: SeatAnnounce,
+        background: TaskGroup, taken: Handover,
     ) -> None:  # fmt: skip
         """Serve verbs, hear the hosts, say `held`, close the last holder's connection if the
         seat did not come by a handover, and start the holder's background work."""
         nc, hosts_nc = self.nc, self.hosts_nc
         await self.verbs.subscribe()
         await self.lock.confirm()
-        self.verbs.serve(holder=holder, tasks=holder.tasks, fresh=self.lock.fresh)
+        self.verbs.serve(holder=parts, tasks=tasks, fresh=self.lock.fresh)
         self.reports = await reports.subscribe(hosts_nc)
         background.start_soon(reports.take_kept, hosts_nc)
         await nc.flush()
@@ -404,7 +413,7 @@ class Hold:
                                              hosts_at=kick.where(hosts_nc))  # fmt: skip
 
         def back_on_nats() -> None:
-            holder.fleet.forgive()  # beats lost while we were away are not theirs
+            parts.of(Fleet).forgive()  # beats lost while we were away are not theirs
             # ...and reports may have been lost too: `held` again asks every host for them.
             background.start_soon(attempt, "announce held again",
                                   _say(nc, self.signing, "held", held))  # fmt: skip
@@ -418,12 +427,10 @@ class Hold:
         background.start_soon(lambda: epochs.watch(self.seat_kv, epoch=held.epoch))
         if self.unclaimed is not None:
             background.start_soon(self._claim_bus, held.epoch)
-        background.start_soon(holder.fleet.run)
         background.start_soon(
             lambda: pruning.keep_pruned(self.pool, epoch=held.epoch, kept=self.events)
         )
-        background.start_soon(holder.publisher.keep_published)
-        background.start_soon(metrics.HELD.holding, holder.fleet, self.pool)
+        background.start_soon(metrics.HELD.holding, parts.of(Fleet), self.pool)
         background.start_soon(self.budgets.keep_saying)
         background.start_soon(_step_down_without_bus, self.link, nc)
         background.start_soon(_step_down_without_bus, self.hosts_link, hosts_nc)

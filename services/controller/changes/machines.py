@@ -1,30 +1,56 @@
-"""Draining a machine out of every plan, and undraining it (`mesh drain`, `mesh undrain`): a drained
-machine keeps what it runs and every plan skips it; undrained, a plan brings it up to date when
-what the catalog composes for it differs from what it has.
+"""An operator's changes of a machine: its tier and labels (`mesh tier`, `mesh label`), and
+draining it out of every plan and back (`mesh drain`, `mesh undrain`): a drained machine keeps
+what it runs and every plan skips it; undrained, a plan brings it up to date when what the
+catalog composes for it differs from what it has.
 """
+
+from dataclasses import dataclass
 
 import asyncpg
 from nats.aio.client import Client
 
-from mesh.model import DrainReply, DrainRequest, MachineChanged, PlanSettings
+from mesh.model import (
+    DrainReply,
+    DrainRequest,
+    LabelReply,
+    LabelRequest,
+    MachineChanged,
+    PlanSettings,
+    TierReply,
+    TierRequest,
+)
 from mesh.store import modules
 from services.controller.catalog.pushing import settings_of
 from services.controller.fleet.fleet import Fleet, tell_changed
 from services.controller.fleet.publishing import Manifests
 from services.controller.plans.recording import Recorder
-from services.controller.trust import operators
+from services.controller.trust.audit import Audit
 
 
-class Drains:
-    def __init__(
-        self, *, nc: Client, fleet: Fleet, manifests: Manifests, recorder: Recorder
-    ) -> None:
-        self._nc = nc
-        self._fleet = fleet
-        self._manifests = manifests
-        self._rec = recorder
+@dataclass
+class Machines:
+    nc: Client
+    fleet: Fleet
+    manifests: Manifests
+    recorder: Recorder
 
-    async def drain(self, req: DrainRequest, *, undo: bool = False) -> DrainReply:
+    async def tier(self, req: TierRequest, audit: Audit) -> TierReply:
+        was, registered = await self.fleet.set_tier(req.machine, req.tier, audit)
+        return TierReply(machine=req.machine, tier=req.tier, was=was, registered=registered)
+
+    async def label(self, req: LabelRequest, audit: Audit) -> LabelReply:
+        labels, was, registered = await self.fleet.set_labels(
+            req.machine, add=req.set, remove=req.remove, audit=audit
+        )
+        return LabelReply(machine=req.machine, labels=labels, was=was, registered=registered)
+
+    async def drain(self, req: DrainRequest, audit: Audit) -> DrainReply:
+        return await self._drain(req, audit, undo=False)
+
+    async def undrain(self, req: DrainRequest, audit: Audit) -> DrainReply:
+        return await self._drain(req, audit, undo=True)
+
+    async def _drain(self, req: DrainRequest, audit: Audit, *, undo: bool) -> DrainReply:
         """Drain a machine (every plan skips it; it keeps what it runs), or undrain it: then a
         plan brings it up to date if what the catalog composes for it differs from what it
         has (or will have once the plans already recorded finish)."""
@@ -32,22 +58,22 @@ class Drains:
 
         async def up_to_date(conn: asyncpg.Connection) -> int | None:
             if not undo:
-                await operators.audited(conn, detail="drained")
+                await audit.write(conn, detail="drained")
                 return None
-            plan, _ = await self._rec.plan(
+            plan, _ = await self.recorder.plan(
                 conn, [name], trigger="undrain", subject=name, by=req.by,
-                settings=await self._settings_of_machine(conn, name), undo={},
+                settings=await self._settings_of_machine(conn, name), undo={}, audit=audit,
             )  # fmt: skip
             return plan
 
-        async with self._rec.one_change:
-            was, plan = await self._fleet.set_drained(
+        async with self.recorder.one_change:
+            was, plan = await self.fleet.set_drained(
                 name, drained=not undo, by=req.by, then=up_to_date
             )
         if undo and plan is None:
-            self._fleet.wants_what_it_is_sent(name)  # nothing left to bring it
-        self._rec.wake()
-        await tell_changed(self._nc, MachineChanged(machine=name, drained=not undo))
+            self.fleet.wants_what_it_is_sent(name)  # nothing left to bring it
+        self.recorder.wake()
+        await tell_changed(self.nc, MachineChanged(machine=name, drained=not undo))
         if undo:
             message = f"machine {name} undrained" + (
                 f": plan {plan} brings it up to date" if plan is not None else ": it is up to date"
@@ -64,7 +90,7 @@ class Drains:
         only if every one of them would."""
         current = await modules.current_modules(conn)
         mine = sorted((await modules.assignments(conn)).get(machine, ()))
-        manifests = [settings_of(self._manifests.of(current[m])) for m in mine if m in current]
+        manifests = [settings_of(self.manifests.of(current[m])) for m in mine if m in current]
         if not manifests:
             return PlanSettings()
         return PlanSettings(

@@ -20,6 +20,7 @@ registering its version) are `pushing.py`'s: the dry run (`views.py`, `diff`) ta
 import contextlib
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
 import anyio
 import anyio.to_thread
@@ -51,6 +52,7 @@ from services.controller.fleet.fleet import Fleet
 from services.controller.fleet.publishing import Manifests
 from services.controller.plans.approvals import HeldChanges, held_said
 from services.controller.plans.recording import Recorder, named, replied, stopped_building
+from services.controller.trust.audit import Audit
 
 log = logging.getLogger(__name__)
 
@@ -79,34 +81,22 @@ class _PushesOf:
                 self._locks[module] = (lock, users - 1)
 
 
+@dataclass
 class Changes:
     """The catalog's changes: a push (built, restored), an assign or unassign, a rollback (held
     ones are approvals.py's); each records its plan through the recorder, one at a time with a
     secret's and a drain's (recording.py)."""
 
-    def __init__(
-        self,
-        *,
-        pool: asyncpg.Pool,
-        nc: Client,
-        obs: ObjectStore,
-        fleet: Fleet,
-        epoch: int,
-        manifests: Manifests,
-        signing: Signing,
-        recorder: Recorder,
-        held: HeldChanges,
-    ) -> None:
-        self._signing = signing  # builds are requested signed (mesh.auth.signing)
-        self._pool = pool
-        self._nc = nc
-        self._obs = obs
-        self._fleet = fleet
-        self._epoch = epoch
-        self._manifests = manifests
-        self._rec = recorder  # records each change's plan, one change at a time
-        self._held = held  # a held push or assign (approvals.py)
-        self._pushes_of = _PushesOf()
+    pool: asyncpg.Pool
+    nc: Client
+    obs: ObjectStore
+    fleet: Fleet
+    epoch: int
+    manifests: Manifests
+    signing: Signing  # builds are requested signed (mesh.auth.signing)
+    recorder: Recorder  # records each change's plan, one change at a time
+    held: HeldChanges  # a held push or assign (approvals.py)
+    pushes_of: _PushesOf = field(default_factory=_PushesOf)
 
     # --- a push ----------------------------------------------------------------------------
 
@@ -115,8 +105,8 @@ class Changes:
         digests: dict[str, str] = {}
         for b in todo:
             digests[b.name] = await build_requests.build(
-                nc=self._nc, signing=self._signing, pool=self._pool, obs=self._obs,
-                fleet=self._fleet, key=b.key,
+                nc=self.nc, signing=self.signing, pool=self.pool, obs=self.obs,
+                fleet=self.fleet, key=b.key,
                 module=module, name=b.name, bundle=b.bundle, source=b.source,
             )  # fmt: skip
         return digests
@@ -127,11 +117,11 @@ class Changes:
         """Record the push's plan as `building` (no steps yet: they are composed once the
         builds are done), so `mesh plan` shows what the push is doing."""
         building = {b.name for b in todo}
-        async with self._pool.acquire() as conn, conn.transaction():
-            await seats.fence(conn, epoch=self._epoch)
+        async with self.pool.acquire() as conn, conn.transaction():
+            await seats.fence(conn, epoch=self.epoch)
             return await plans.create(
                 conn, trigger="push", subject=manifest.module.name, by=req.by,
-                epoch=self._epoch, settings=settings_of(manifest),
+                epoch=self.epoch, settings=settings_of(manifest),
                 builds=[PlanBuild(bundle=b, digest=d, built=b in building)
                         for b, d in sorted(bundles.items())],
                 undo={"module": manifest.module.name}, steps=[], state="building",
@@ -143,8 +133,8 @@ class Changes:
             f"the push stopped while building ({type(e).__name__})"
         )  # fmt: skip
         try:
-            async with self._pool.acquire() as conn, conn.transaction():
-                await seats.fence(conn, epoch=self._epoch)
+            async with self.pool.acquire() as conn, conn.transaction():
+                await seats.fence(conn, epoch=self.epoch)
                 await plans.fail_building(conn, why, plan_id=plan_id)
         except Exception as failed:  # the next holder fails it at takeover
             log.warning("could not record that plan %d failed to build: %s", plan_id, failed)
@@ -157,13 +147,14 @@ class Changes:
         *,
         built: set[str],
         building: int | None,
+        audit: Audit,
     ) -> tuple[int | None, list[str]] | None:
         """Register the version with its bundles' digests and record its plan, under the
         one-change lock; None if the version is already the current one."""
         name = manifest.module.name
-        async with self._rec.one_change:
-            async with self._pool.acquire() as conn, conn.transaction():
-                await seats.fence(conn, epoch=self._epoch)
+        async with self.recorder.one_change:
+            async with self.pool.acquire() as conn, conn.transaction():
+                await seats.fence(conn, epoch=self.epoch)
                 if building is not None and not await _still_building(conn, building):
                     raise await stopped_building(conn, building)  # cancelled, or failed
                 # Read again: a revert may have moved the module while it built. The machines
@@ -173,33 +164,42 @@ class Changes:
                     if building is not None:
                         await plans.drop_building(conn, building)
                     return None
-                old = await self._rec.supersede(conn, name, by=req.by)
+                old = await self.recorder.supersede(conn, name, by=req.by)
                 current = (await modules.current_modules(conn)).get(name)  # a paused one undone
                 builds = [PlanBuild(bundle=b, digest=d, built=b in built)
                           for b, d in sorted(bundles.items())]  # fmt: skip
                 if req.hold:
-                    recorded = await self._held.hold_push(
-                        conn, manifest, req, bundles, builds=builds, building=building
+                    recorded = await self.held.hold_push(
+                        conn,
+                        manifest,
+                        req,
+                        bundles,
+                        builds=builds,
+                        building=building,
+                        audit=audit,
                     )
                 else:
                     targets = await register(
-                        conn, fleet=self._fleet, manifest=manifest, text=req.manifest,
+                        conn, fleet=self.fleet, manifest=manifest, text=req.manifest,
                         version=req.source, bundles=bundles, by=req.by,
                     )  # fmt: skip
                     now = (await modules.current_modules(conn))[name]
-                    recorded = await self._rec.plan(
+                    recorded = await self.recorder.plan(
                         conn, targets, trigger="push", subject=name, by=req.by,
                         settings=settings_of(manifest),
                         undo={"module": name, "from": current.id if current else None,
                               "to": now.id},
-                        builds=builds, building=building,
+                        builds=builds, building=building, audit=audit,
                     )  # fmt: skip
-                await self._rec.superseded(conn, old, plan=recorded[0], what=f"a push of {name}")
+                await self.recorder.superseded(
+                    conn, old, plan=recorded[0], what=f"a push of {name}"
+                )
                 return recorded
 
     async def _restore(
-        self, manifest: Manifest, req: PushRequest, data: bytes, current: modules.StoredVersion
-    ) -> ChangeReply | None:
+        self, manifest: Manifest, req: PushRequest, data: bytes, current: modules.StoredVersion,
+        audit: Audit,
+    ) -> ChangeReply | None:  # fmt: skip
         """The current version pushed again, with bundles of it missing from the bundle store
         (lost with JetStream's data, or purged): stored again from the source, built again
         where they were built. A build that gives other bytes than before changes the
@@ -207,12 +207,12 @@ class Changes:
         name = manifest.module.name
         missing = [
             b for b, d in sorted(current.bundles.items())
-            if d.startswith("sha256:") and not await blobs.has(self._obs, d)
+            if d.startswith("sha256:") and not await blobs.has(self.obs, d)
         ]  # fmt: skip
         if not missing:
             return None
         bundles, todo = await pack_bundles(
-            pool=self._pool, obs=self._obs, manifest=manifest, data=data, dry=False
+            pool=self.pool, obs=self.obs, manifest=manifest, data=data, dry=False
         )
         # What is still stored stays as it is; only what is missing is stored or built again.
         bundles |= {b: d for b, d in current.bundles.items() if b not in missing}
@@ -224,55 +224,61 @@ class Changes:
         if not changed:
             return replied(plan=None, changed=[], message=f"{what}; no machine changes",
                            version=req.source)  # fmt: skip
-        async with self._rec.one_change:
-            async with self._pool.acquire() as conn, conn.transaction():
-                await seats.fence(conn, epoch=self._epoch)
+        async with self.recorder.one_change:
+            async with self.pool.acquire() as conn, conn.transaction():
+                await seats.fence(conn, epoch=self.epoch)
                 await modules.rebundle(conn, version_id=current.id, bundles=bundles)
                 targets = sorted(m for m, mods in (await modules.assignments(conn)).items()
                                  if name in mods)  # fmt: skip
-                plan, machines = await self._rec.plan(
+                plan, machines = await self.recorder.plan(
                     conn, targets, trigger="push", subject=name, by=req.by,
                     settings=settings_of(manifest),
                     undo={"module": name, "from": current.id, "to": current.id},
                     builds=[PlanBuild(bundle=b, digest=d, built=b in changed)
                             for b, d in sorted(bundles.items())],
+                    audit=audit,
                 )  # fmt: skip
-        self._rec.wake()
+        self.recorder.wake()
         return replied(plan=plan, changed=machines, version=req.source,
                        message=f"{what}, built again as other bytes; plan {plan} changes "
                        f"{len(machines)} machine(s)")  # fmt: skip
 
     # --- verbs -----------------------------------------------------------------------------
 
-    async def push(self, req: PushRequest) -> ChangeReply:
+    async def push(self, req: PushRequest, audit: Audit) -> ChangeReply:
         manifest, data = await read_source(
-            nc=self._nc, manifest_text=req.manifest, source=req.source, upload=req.upload
+            nc=self.nc, manifest_text=req.manifest, source=req.source, upload=req.upload
         )
         name = manifest.module.name
-        async with self._pool.acquire() as conn:
-            await scoping.check_push(conn, manifests=self._manifests, manifest=manifest,
+        async with self.pool.acquire() as conn:
+            await scoping.check_push(conn, manifests=self.manifests, manifest=manifest,
                                      by=req.by)  # fmt: skip
         if req.upload is not None:  # the archive kept with its bundles, as a client once put it
-            await blobs.put(self._obs, data)
-            await blobs.unstage(self._nc, req.upload, bucket=blobs.UPLOADS)
+            await blobs.put(self.obs, data)
+            await blobs.unstage(self.nc, req.upload, bucket=blobs.UPLOADS)
         unchanged = replied(plan=None, changed=[], message="no change", version=req.source)
         # Pushes of this module in the order they came (a later one never registers before an
         # earlier one that is still building); other changes do not wait for the builds.
-        async with self._pushes_of(name):
-            async with self._pool.acquire() as conn:
+        async with self.pushes_of(name):
+            async with self.pool.acquire() as conn:
                 current = (await modules.current_modules(conn)).get(name)
             if current is not None and current.version == req.source:
-                return await self._restore(manifest, req, data, current) or unchanged
+                return await self._restore(manifest, req, data, current, audit) or unchanged
             bundles, todo = await pack_bundles(
-                pool=self._pool, obs=self._obs, manifest=manifest, data=data, dry=False
+                pool=self.pool, obs=self.obs, manifest=manifest, data=data, dry=False
             )
             if todo:
-                build_requests.builder(self._fleet)  # none up: refused before any plan is recorded
+                build_requests.builder(self.fleet)  # none up: refused before any plan is recorded
             building = await self._building(manifest, req, bundles, todo) if todo else None
             try:
                 bundles |= await self._build(name, todo)
                 recorded = await self._record_push(
-                    manifest, req, bundles, built={b.name for b in todo}, building=building
+                    manifest,
+                    req,
+                    bundles,
+                    built={b.name for b in todo},
+                    building=building,
+                    audit=audit,
                 )
             except BaseException as e:  # a failed build, a conflict, the push cut off
                 if building is not None:
@@ -282,7 +288,7 @@ class Changes:
         if recorded is None:
             return unchanged
         plan, changed = recorded
-        self._rec.wake()
+        self.recorder.wake()
         log.info("pushed %s %s: plan %s for %d machine(s)%s", name, req.source[:19], plan,
                  len(changed), " (held)" if req.hold else "")  # fmt: skip
         if req.hold:
@@ -296,34 +302,41 @@ class Changes:
         )
         return replied(plan=plan, changed=changed, message=message, version=req.source)
 
-    async def assign(self, req: AssignRequest, *, undo: bool = False) -> ChangeReply:
+    async def assign(self, req: AssignRequest, audit: Audit) -> ChangeReply:
+        return await self._assign(req, audit, undo=False)
+
+    async def unassign(self, req: AssignRequest, audit: Audit) -> ChangeReply:
+        return await self._assign(req, audit, undo=True)
+
+    async def _assign(self, req: AssignRequest, audit: Audit, *, undo: bool) -> ChangeReply:
         trigger = "unassign" if undo else "assign"
-        async with self._rec.one_change:
-            machines = self._rec.select(machines=req.machines, tier=req.tier, labels=req.labels)
+        async with self.recorder.one_change:
+            machines = self.recorder.select(machines=req.machines, tier=req.tier, labels=req.labels)
             if not machines:
                 raise wire.BadRequest("no machine matches", code="not_found")
-            async with self._pool.acquire() as conn, conn.transaction():
-                await seats.fence(conn, epoch=self._epoch)
-                old = await self._rec.supersede(conn, req.module, by=req.by)
+            async with self.pool.acquire() as conn, conn.transaction():
+                await seats.fence(conn, epoch=self.epoch)
+                old = await self.recorder.supersede(conn, req.module, by=req.by)
                 current = (await modules.current_modules(conn)).get(req.module)
                 if current is None:
                     raise wire.BadRequest(
                         f"module {req.module} has not been pushed", code="not_found"
                     )
-                settings = settings_of(self._manifests.of(current))
+                settings = settings_of(self.manifests.of(current))
                 if req.hold:
-                    plan, changed = await self._held.hold_assign(
-                        conn, req, machines, trigger=trigger, settings=settings
+                    plan, changed = await self.held.hold_assign(
+                        conn, req, machines, trigger=trigger, settings=settings, audit=audit
                     )
                 else:
                     moved = await modules.reassign(conn, req.module, machines, undo=undo)
-                    plan, changed = await self._rec.plan(
+                    plan, changed = await self.recorder.plan(
                         conn, machines, trigger=trigger, subject=req.module, by=req.by,
                         settings=settings, undo={"module": req.module, "machines": moved},
+                        audit=audit,
                     )  # fmt: skip
                 what = f"an {trigger} of {req.module}"
-                await self._rec.superseded(conn, old, plan=plan, what=what)
-        self._rec.wake()
+                await self.recorder.superseded(conn, old, plan=plan, what=what)
+        self.recorder.wake()
         verb = "unassigned from" if undo else "assigned to"
         log.info("%s %s %s: plan %s%s", req.module, verb, named(machines), plan,
                  " (held)" if req.hold else "")  # fmt: skip
@@ -340,7 +353,7 @@ class Changes:
 
     # --- going back to a version; machines out of the plans and back ---------------------------
 
-    async def rollback(self, req: RollbackRequest) -> ChangeReply:
+    async def rollback(self, req: RollbackRequest, audit: Audit) -> ChangeReply:
         """The module back at an earlier version (catalog/versions.py) through an ordinary plan of
         its machines: the catalog names that version again, each machine is composed with it,
         and the plan rolls tier by tier (and reverts) as a push's does. Nothing is built: the
@@ -348,29 +361,31 @@ class Changes:
         rollback is a newer change of the module: it supersedes the module's held and paused
         plans (a paused push taken back may already bring the machines to that version)."""
         name = req.module
-        async with self._pushes_of(name):  # after a push of the module still building
-            async with self._pool.acquire() as conn:
+        async with self.pushes_of(name):  # after a push of the module still building
+            async with self.pool.acquire() as conn:
                 rows = await modules.history(conn, name)
             target = versions.pick(rows, module=name, to=req.to)
             current = versions.current(rows, module=name)
             what = f"{name} version {target.number} ({target.digest[:19]})"
-            async with self._rec.one_change:
+            async with self.recorder.one_change:
                 if target.id != current.id:
                     await self._still_stored(name, target)
-                async with self._pool.acquire() as conn, conn.transaction():
-                    await seats.fence(conn, epoch=self._epoch)
+                async with self.pool.acquire() as conn, conn.transaction():
+                    await seats.fence(conn, epoch=self.epoch)
                     now = (await modules.current_modules(conn)).get(name)
                     if now is None or now.id != current.id:  # a revert moved it meanwhile
                         raise wire.BadRequest(
                             f"module {name} changed version meanwhile: ask again", code="conflict"
                         )
-                    old = await self._rec.supersede(conn, name, by=req.by)
-                    plan, changed = await self._roll_back(conn, req, target, current)
-                    await self._rec.superseded(conn, old, plan=plan, what=f"a rollback of {name}")
+                    old = await self.recorder.supersede(conn, name, by=req.by)
+                    plan, changed = await self._roll_back(conn, req, target, current, audit)
+                    await self.recorder.superseded(
+                        conn, old, plan=plan, what=f"a rollback of {name}"
+                    )
         if plan is None and not old:
             return replied(plan=None, changed=[], version=target.digest,
                            message=f"{what} is the current version: no change")  # fmt: skip
-        self._rec.wake()
+        self.recorder.wake()
         log.info("%s: back from version %d: plan %s for %d machine(s)%s", what, current.number,
                  plan, len(changed), f", superseding plan(s) {old}" if old else "")  # fmt: skip
         gone = f"; superseded {_plans(old)}" if old else ""
@@ -390,6 +405,7 @@ class Changes:
         req: RollbackRequest,
         target: modules.HistoryRow,
         was: modules.HistoryRow,
+        audit: Audit,
     ) -> tuple[int | None, list[str]]:
         """The catalog at `target` and the plan of the module's machines (no plan when the
         module is at `target` already, after its held and paused plans were superseded)."""
@@ -407,13 +423,13 @@ class Changes:
         await modules.set_current(conn, module=name, version_id=target.id)
         targets = sorted(m for m, mods in (await modules.assignments(conn)).items()
                          if name in mods)  # fmt: skip
-        plan, changed = await self._rec.plan(
+        plan, changed = await self.recorder.plan(
             conn, targets, trigger="rollback", subject=name, by=req.by,
-            settings=settings_of(self._manifests.of(stored)),
-            undo={"module": name, "from": now.id, "to": target.id},
+            settings=settings_of(self.manifests.of(stored)),
+            undo={"module": name, "from": now.id, "to": target.id}, audit=audit,
         )  # fmt: skip
         await events.record(
-            conn, "module.rollback", epoch=self._epoch, module=name, by=req.by,
+            conn, "module.rollback", epoch=self.epoch, module=name, by=req.by,
             to=target.number, digest=target.digest, was=was.number, plan=plan,
         )  # fmt: skip
         return plan, changed
@@ -421,11 +437,11 @@ class Changes:
     async def _still_stored(self, module: str, v: modules.HistoryRow) -> None:
         """Refuse a rollback to a version whose bundles are gone from the bundle store (pruned,
         or lost with JetStream's data): its machines could not fetch them."""
-        async with self._pool.acquire() as conn:
+        async with self.pool.acquire() as conn:
             stored = await modules.stored_version(conn, v.id)
         assert stored is not None
         for bundle, digest in sorted(stored.bundles.items()):
-            if digest.startswith("sha256:") and not await blobs.has(self._obs, digest):
+            if digest.startswith("sha256:") and not await blobs.has(self.obs, digest):
                 why = "pruned: only the newest versions' are kept" if v.pruned else "gone"
                 raise wire.BadRequest(
                     f"module {module} version {v.number}: bundle {bundle} ({digest[:19]}) is no "

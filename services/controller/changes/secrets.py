@@ -20,7 +20,7 @@ from mesh.store import modules, seats, secrets
 from services.controller.catalog import secretkeys
 from services.controller.catalog.secretkeys import Keys
 from services.controller.plans.recording import Recorder, replied
-from services.controller.trust import operators
+from services.controller.trust.audit import Audit
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ class SecretChanges:
         self._keys = keys  # the key the secrets are sealed under (secretkeys.py)
         self._rec = recorder
 
-    async def secret_set(self, req: SecretSetRequest) -> ChangeReply:
+    async def secret_set(self, req: SecretSetRequest, audit: Audit) -> ChangeReply:
         try:
             value = base64.b64decode(req.value, validate=True)
         except ValueError:  # binascii.Error, or text that is not ASCII
@@ -51,7 +51,7 @@ class SecretChanges:
                 # A secret's old value is not kept, so there is nothing to revert to.
                 plan, changed = await self._rec.plan(
                     conn, await modules.assignments(conn), trigger="secret", subject=req.name,
-                    by=req.by, settings=PlanSettings(auto_revert=False), undo={},
+                    by=req.by, settings=PlanSettings(auto_revert=False), undo={}, audit=audit,
                 )  # fmt: skip
         self._rec.wake()
         log.info("secret %s set (version %d): plan %s", req.name, version, plan)
@@ -66,7 +66,7 @@ class SecretChanges:
             ),
         )
 
-    async def secret_rotate_key(self, req: RotateKeyRequest) -> RotateKeyReply:
+    async def secret_rotate_key(self, req: RotateKeyRequest, audit: Audit) -> RotateKeyReply:
         """One change at a time, like setting a secret: none is sealed under the old key
         while the rotation moves every secret off it (secretkeys.rotate)."""
 
@@ -75,12 +75,12 @@ class SecretChanges:
                 await seats.fence(conn, epoch=self._epoch)
                 # The entry says what changed: the key (a plan's own line would say "no change"
                 # where no machine's declaration names the key's file).
-                await operators.audited(conn, detail=f"the secrets under key {key}")
+                await audit.write(conn, detail=f"the secrets under key {key}")
                 # Its new file for every machine whose declaration names the key.
                 return await self._rec.plan(
                     conn, await modules.assignments(conn), trigger="secret",
                     subject=secrets.KEY_SECRET, by=req.by,
-                    settings=PlanSettings(auto_revert=False), undo={},
+                    settings=PlanSettings(auto_revert=False), undo={}, audit=audit,
                 )  # fmt: skip
 
         async with self._rec.one_change:

@@ -8,10 +8,11 @@ comes and goes in a loop costs a few rows and one log line a window, not one of 
 """
 
 import bisect
+import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime
 from typing import TypeVar
 
@@ -34,7 +35,7 @@ from mesh.model import (
 from mesh.ratelimit import PerKey
 from mesh.store import db, events, machines, seats
 from mesh.store.machines import MachineRow
-from services.controller.trust import operators
+from services.controller.trust.audit import Audit
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -351,15 +352,26 @@ class Fleet:
                 req.name, req.tier, req.labels, row.tier, row.labels,
             )  # fmt: skip
 
-    async def set_tier(self, name: str, tier: int) -> tuple[int, bool]:
+    @contextlib.asynccontextmanager
+    async def _placing(
+        self, name: str
+    ) -> AsyncIterator[tuple[asyncpg.Connection, machines.Placement | None]]:
+        """A fenced transaction changing machine `name`'s tier or labels, with its placement
+        (as stored, or the default) if it has not registered: None if it has (`machines`)."""
+        async with self._pool.acquire() as conn, conn.transaction():
+            await seats.fence(conn, epoch=self._epoch)
+            if name in self.machines:
+                yield conn, None
+            else:
+                yield conn, await machines.placement(conn, name) or machines.Placement()
+
+    async def set_tier(self, name: str, tier: int, audit: Audit) -> tuple[int, bool]:
         """Move a machine to another tier (plans recorded from now on use it), or place one
         that has not registered yet; the old tier, and whether it is registered."""
         async with self._changing:
             m = self.machines.get(name)
-            async with self._pool.acquire() as conn, conn.transaction():
-                await seats.fence(conn, epoch=self._epoch)
-                if m is None:
-                    placed = await machines.placement(conn, name) or machines.Placement()
+            async with self._placing(name) as (conn, placed):
+                if placed is not None:
                     was = placed.tier
                     await machines.place(conn, name=name, tier=tier, labels=placed.labels)
                 else:
@@ -367,7 +379,7 @@ class Fleet:
                     await machines.set_tier(conn, name=name, tier=tier)
                 await events.record(conn, "machine.tier", machine=name, epoch=self._epoch,
                                     tier=tier, was=was, registered=m is not None)  # fmt: skip
-                await operators.audited(conn, detail=f"tier {tier} (was {was})")
+                await audit.write(conn, detail=f"tier {tier} (was {was})")
             if m is not None:
                 self._place(name, was=m.tier, tier=tier)
                 m.tier = tier
@@ -386,7 +398,7 @@ class Fleet:
         bisect.insort(self.order, (tier, name))
 
     async def set_labels(
-        self, name: str, *, add: dict[str, str], remove: list[str]
+        self, name: str, *, add: dict[str, str], remove: list[str], audit: Audit
     ) -> tuple[dict[str, str], dict[str, str], bool]:
         """Set and remove labels of a machine, or of one that has not registered yet (its first
         registration takes them); (labels, the labels it had, whether it is registered)."""
@@ -395,13 +407,8 @@ class Fleet:
             raise wire.BadRequest(f"label {both[0]}: both set and removed")
         async with self._changing:
             m = self.machines.get(name)
-            async with self._pool.acquire() as conn, conn.transaction():
-                await seats.fence(conn, epoch=self._epoch)
-                if m is None:
-                    placed = await machines.placement(conn, name) or machines.Placement()
-                    was = dict(placed.labels)
-                else:
-                    placed, was = None, dict(m.labels)
+            async with self._placing(name) as (conn, placed):
+                was = dict((placed or m).labels)  # type: ignore[union-attr]  # one of the two
                 labels = {k: v for k, v in {**was, **add}.items() if k not in remove}
                 if len(labels) > MAX_LABELS:
                     raise wire.BadRequest(
@@ -414,7 +421,7 @@ class Fleet:
                     await machines.set_labels(conn, name=name, labels=labels)
                 await events.record(conn, "machine.labels", machine=name, epoch=self._epoch,
                                     labels=labels, was=was, registered=m is not None)  # fmt: skip
-                await operators.audited(conn, detail=f"labels {labels} (were {was})"[:200])
+                await audit.write(conn, detail=f"labels {labels} (were {was})"[:200])
             if m is not None:
                 m.labels = labels
         log.info("machine %s labels %s (were %s)%s", name, labels, was,

@@ -11,13 +11,17 @@ and using a token are audited in their own transactions; a token's secret or has
 import hmac
 import re
 import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 
 import asyncpg
+import msgspec
 
 from mesh import paging, wire
 from mesh.model import (
     Grant,
+    TokenCreated,
     TokenCreateRequest,
     TokenInfo,
     TokenListReply,
@@ -29,7 +33,8 @@ from mesh.names import InvalidName, check_name
 from mesh.store import audit, seats
 from mesh.store import tokens as store
 from mesh.tokens import secret_hash
-from services.controller.trust.operators import ANONYMOUS, ASKED, Trust, audited
+from services.controller.fleet.admission import Admission
+from services.controller.trust.audit import Audit
 
 CONTROL = {"role": "control"}  # what a control machine is labelled (services/controller's [assign])
 MAX_LABELS = 64  # as a machine carries at most (mesh.model.Labels)
@@ -71,58 +76,65 @@ def _labels(req: TokenCreateRequest) -> dict[str, str]:
     return labels
 
 
-def _who() -> str:
-    asked = ASKED.get()
-    return asked.who if asked else ANONYMOUS
+@dataclass
+class Tokens:
+    """The admins' verbs on join tokens; `admission` signs a token's bearer credentials (None
+    where the controllers cannot sign)."""
 
+    pool: asyncpg.Pool
+    epoch: int
+    budget: Callable[[], int]  # bytes of a page (mesh/paging.py)
+    admission: Admission | None
 
-async def create(t: Trust, req: TokenCreateRequest) -> TokenInfo:
-    labels = _labels(req)
-    async with t.pool.acquire() as conn, conn.transaction():
-        await seats.fence(conn, epoch=t.epoch)
-        row = None
-        while row is None:  # 48 random bits: taken ids are rare, and the loop ends
-            row = await store.insert(
-                conn, token_id=secrets.token_hex(6), secret_sha256=bytes.fromhex(req.secret_sha256),
-                by=_who(), ttl=req.ttl, uses=req.uses, tier=req.tier, labels=labels,
-                control=req.control, site=req.site,
-            )  # fmt: skip
-        terms = f"tier {row.tier}, labels {row.labels}, {row.uses_left} use(s)"
-        terms += f", site {row.site}" if row.site else ""
-        await audited(conn, subject=row.id, detail=f"{terms}, expires {_when(row.expires_at)}")
-    return info(row)
+    async def create(self, req: TokenCreateRequest, audit: Audit) -> TokenCreated:
+        labels = _labels(req)
+        async with self.pool.acquire() as conn, conn.transaction():
+            await seats.fence(conn, epoch=self.epoch)
+            row = None
+            while row is None:  # 48 random bits: taken ids are rare, and the loop ends
+                row = await store.insert(
+                    conn, token_id=secrets.token_hex(6),
+                    secret_sha256=bytes.fromhex(req.secret_sha256), by=audit.who, ttl=req.ttl,
+                    uses=req.uses, tier=req.tier, labels=labels, control=req.control,
+                    site=req.site,
+                )  # fmt: skip
+            terms = f"tier {row.tier}, labels {row.labels}, {row.uses_left} use(s)"
+            terms += f", site {row.site}" if row.site else ""
+            await audit.write(conn, subject=row.id,
+                              detail=f"{terms}, expires {_when(row.expires_at)}")  # fmt: skip
+        made = info(row)
+        bearer = self.admission.bearer(made.id, expires=made.expires) if self.admission else None
+        return TokenCreated(**msgspec.structs.asdict(made), bearer=bearer)
 
+    async def listing(self, req: TokenListRequest) -> TokenListReply:
+        """The newest first, a page at a time; the cursor is the last token's place in the
+        order they were made in."""
+        at = paging.after(req.after, verb="token-list", shape=(int,))
+        rows = await store.page(self.pool, before=at[0] if at else None, limit=req.limit + 1)
+        page = paging.fill(
+            (((r.seq,), info(r)) for r in rows),
+            verb="token-list", limit=req.limit,
+            room=paging.room(self.budget(), TokenListReply(tokens=[])),
+            what=lambda i: f"join token {i.id}",
+        )  # fmt: skip
+        return TokenListReply(tokens=page.items, next=page.next)
 
-async def listing(t: Trust, req: TokenListRequest) -> TokenListReply:
-    """The newest first, a page at a time; the cursor is the last token's place in the order
-    they were made in."""
-    at = paging.after(req.after, verb="token-list", shape=(int,))
-    rows = await store.page(t.pool, before=at[0] if at else None, limit=req.limit + 1)
-    page = paging.fill(
-        (((r.seq,), info(r)) for r in rows),
-        verb="token-list", limit=req.limit,
-        room=paging.room(t.budget(), TokenListReply(tokens=[])),
-        what=lambda i: f"join token {i.id}",
-    )  # fmt: skip
-    return TokenListReply(tokens=page.items, next=page.next)
-
-
-async def revoke(t: Trust, req: TokenRevokeRequest) -> TokenRevokeReply:
-    async with t.pool.acquire() as conn, conn.transaction():
-        await seats.fence(conn, epoch=t.epoch)
-        row = await store.locked(conn, req.id)
-        if row is None:
-            raise wire.BadRequest(f"no join token {req.id}", code="not_found")
-        if row.revoked_at is not None:
-            raise wire.BadRequest(
-                f"join token {req.id} was revoked already, at {_when(row.revoked_at)} by "
-                f"{row.revoked_by}",
-                code="conflict",
-            )
-        await store.revoke(conn, req.id, by=_who())
-        await audited(conn, subject=req.id, detail=f"{row.uses_left} use(s) left, would "
-                      f"expire {_when(row.expires_at)}")  # fmt: skip
-    return TokenRevokeReply(id=req.id, revoked=True)
+    async def revoke(self, req: TokenRevokeRequest, audit: Audit) -> TokenRevokeReply:
+        async with self.pool.acquire() as conn, conn.transaction():
+            await seats.fence(conn, epoch=self.epoch)
+            row = await store.locked(conn, req.id)
+            if row is None:
+                raise wire.BadRequest(f"no join token {req.id}", code="not_found")
+            if row.revoked_at is not None:
+                raise wire.BadRequest(
+                    f"join token {req.id} was revoked already, at {_when(row.revoked_at)} by "
+                    f"{row.revoked_by}",
+                    code="conflict",
+                )
+            await store.revoke(conn, req.id, by=audit.who)
+            await audit.write(conn, subject=req.id, detail=f"{row.uses_left} use(s) left, "
+                              f"would expire {_when(row.expires_at)}")  # fmt: skip
+        return TokenRevokeReply(id=req.id, revoked=True)
 
 
 def _forbidden(message: str) -> wire.BadRequest:

@@ -17,6 +17,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import asyncpg
+import msgspec
 
 from mesh import wire
 from mesh.model import (
@@ -34,9 +35,10 @@ from mesh.store import events, modules, plans, seats
 from services.controller.catalog.pushing import register, settings_of
 from services.controller.fleet.fleet import Fleet
 from services.controller.fleet.publishing import Manifests
-from services.controller.plans import steering
+from services.controller.plans import states
+from services.controller.plans.planner import Planner
 from services.controller.plans.recording import Recorder
-from services.controller.trust import operators
+from services.controller.trust.audit import Audit
 
 log = logging.getLogger(__name__)
 
@@ -44,13 +46,14 @@ log = logging.getLogger(__name__)
 class HeldChanges:
     def __init__(
         self, *, pool: asyncpg.Pool, epoch: int, fleet: Fleet, manifests: Manifests,
-        recorder: Recorder,
+        recorder: Recorder, planner: Planner,
     ) -> None:  # fmt: skip
         self._pool = pool
         self._epoch = epoch
         self._fleet = fleet
         self._manifests = manifests
         self._rec = recorder
+        self._planner = planner  # told of a plan approved, for its followers
 
     async def hold_push(
         self,
@@ -61,6 +64,7 @@ class HeldChanges:
         *,
         builds: list[PlanBuild],
         building: int | None,
+        audit: Audit,
     ) -> tuple[int | None, list[str]]:
         """A held push: the version stored (not current) and its plan `held`."""
         name = manifest.module.name
@@ -77,7 +81,8 @@ class HeldChanges:
         recorded = await self._rec.plan(
             conn, targets, trigger="push", subject=name, by=req.by,
             settings=settings_of(manifest), undo={"module": name}, builds=builds,
-            building=building, hold={"module": name, "version": version}, steps=steps,
+            building=building, hold=plans.HeldPush(module=name, version=version), steps=steps,
+            audit=audit,
         )  # fmt: skip
         await events.record(conn, "plan.held", epoch=self._epoch, plan=recorded[0], by=req.by)
         return recorded
@@ -90,33 +95,36 @@ class HeldChanges:
         *,
         trigger: str,
         settings: PlanSettings,
+        audit: Audit,
     ) -> tuple[int | None, list[str]]:
         """A held assign or unassign: its plan `held`, the machines kept for its approval."""
+        held = (plans.HeldUnassign if trigger == "unassign" else plans.HeldAssign)(
+            module=req.module, machines=machines
+        )
         async with _tried(conn):
             await modules.reassign(conn, req.module, machines, undo=trigger == "unassign")
             steps = await self._rec.steps(conn, machines)
         recorded = await self._rec.plan(
             conn, machines, trigger=trigger, subject=req.module, by=req.by, settings=settings,
-            undo={"module": req.module}, hold={"module": req.module, "machines": machines},
-            steps=steps,
+            undo={"module": req.module}, hold=held, steps=steps, audit=audit,
         )  # fmt: skip
         await events.record(conn, "plan.held", epoch=self._epoch, plan=recorded[0], by=req.by)
         return recorded
 
-    async def approve(self, req: SteerRequest) -> SteerReply:
+    async def approve(self, req: SteerRequest, audit: Audit) -> SteerReply:
         """Make a held plan's change and put it in the queue (`pending`); with no machine to
         change by now, it ends `done`. A conflict the catalog has come to since refuses the
         approval (the plan stays held)."""
         async with self._rec.one_change:
             async with self._pool.acquire() as conn, conn.transaction():
                 await seats.fence(conn, epoch=self._epoch)
-                p = steering.found(await plans.locked(conn, req.id), req.id)
+                p = states.found(await plans.locked(conn, req.id), req.id)
                 if p.state != "held" or p.hold is None:
-                    raise steering.refused(p, steering.why_not_approved(p))
+                    raise states.refused(p, states.why_not_approved(p))
                 targets, undo, settings = await self._make(conn, p)
                 steps = await self._rec.steps(conn, targets)
                 await plans.replace_steps(conn, p.id, steps)
-                hold = {**p.hold, "approved_by": req.by}
+                hold = msgspec.structs.replace(p.hold, approved_by=req.by)
                 await plans.approved(conn, p.id, settings=settings, undo=undo, hold=hold)
                 state: PlanState = "pending"
                 if not steps:
@@ -124,8 +132,9 @@ class HeldChanges:
                     await plans.set_plan(conn, p.id, state=state, finished=datetime.now(UTC))
                 await events.record(conn, "plan.approved", epoch=self._epoch, plan=p.id,
                                     by=req.by, machines=len(steps))  # fmt: skip
-                await operators.audited(conn, detail=f"plan {p.id} {state}")
+                await audit.write(conn, detail=f"plan {p.id} {state}")
         self._rec.wake()
+        await self._planner.tell(p.id)
         log.info("plan %d approved by %s: %d machine(s)", p.id, req.by or "?", len(steps))
         what = f"it changes {len(steps)} machine(s)" if steps else "no machine changes now"
         return SteerReply(plan=p.id, state=state, message=f"plan {p.id} approved: {what}")
@@ -134,30 +143,36 @@ class HeldChanges:
         self, conn: asyncpg.Connection, p: plans.Plan
     ) -> tuple[list[str], dict[str, Any], PlanSettings]:
         """A held plan's change, made in the catalog: its machines, its undo, its settings."""
-        assert p.hold is not None
-        module = p.hold["module"]
+        module = p.subject
         current = (await modules.current_modules(conn)).get(module)
-        if p.trigger == "push":
-            v = await modules.version_of(conn, p.hold["version"])
-            manifest = gate.parse(v.manifest)
-            targets = await register(
-                conn, fleet=self._fleet, manifest=manifest, text=v.manifest, version=v.version,
-                bundles=v.bundles, by=v.pushed_by,
-            )  # fmt: skip
-            now = (await modules.current_modules(conn))[module]
-            undo = {"module": module, "from": current.id if current else None, "to": now.id}
-            if current is not None and current.id == now.id:
-                undo["to"] = None  # it was current already: nothing to take back
-            return targets, undo, settings_of(manifest)
-        if current is None:
-            raise wire.BadRequest(
-                f"module {module} is no longer registered: plan {p.id} cannot be approved "
-                f"(cancel it: mesh plan cancel {p.id})", code="conflict",
-            )  # fmt: skip
-        machines = [m for m in p.hold["machines"] if m in self._fleet.machines]
-        moved = await modules.reassign(conn, module, machines, undo=p.trigger == "unassign")
-        undo = {"module": module, "machines": moved}
-        return machines, undo, settings_of(self._manifests.of(current))
+        match p.hold:
+            case plans.HeldPush(version=version):
+                v = await modules.version_of(conn, version)
+                manifest = gate.parse(v.manifest)
+                targets = await register(
+                    conn, fleet=self._fleet, manifest=manifest, text=v.manifest,
+                    version=v.version, bundles=v.bundles, by=v.pushed_by,
+                )  # fmt: skip
+                now = (await modules.current_modules(conn))[module]
+                undo = {"module": module, "from": current.id if current else None, "to": now.id}
+                if current is not None and current.id == now.id:
+                    undo["to"] = None  # it was current already: nothing to take back
+                return targets, undo, settings_of(manifest)
+            case plans.HeldAssign(machines=held) | plans.HeldUnassign(machines=held):
+                if current is None:
+                    raise wire.BadRequest(
+                        f"module {module} is no longer registered: plan {p.id} cannot be "
+                        f"approved (cancel it: mesh plan cancel {p.id})", code="conflict",
+                    )  # fmt: skip
+                machines = [m for m in held if m in self._fleet.machines]
+                taken = isinstance(p.hold, plans.HeldUnassign)
+                moved = await modules.reassign(conn, module, machines, undo=taken)
+                return (
+                    machines,
+                    {"module": module, "machines": moved},
+                    settings_of(self._manifests.of(current)),
+                )
+        raise AssertionError(f"plan {p.id}: nothing held")  # approve checked it holds one
 
 
 def held_said(plan: int | None, changed: list[str]) -> str:

@@ -505,9 +505,7 @@ class Planner:
         waiting = {s.machine: s for s in steps if self._fleet.up(s.machine)}
         look = set(waiting)
         while waiting and time.monotonic() < until:
-            rollout.settled(
-                waiting, machines=look, report=self._report, names=self._processes
-            )
+            rollout.settled(waiting, machines=look, report=self._report, names=self._processes)
             look = await self._fleet.changes(min(LOOK_EVERY, max(0.0, until - time.monotonic())))
         unsettled: dict[str, str] = {}
         for machine, s in waiting.items():

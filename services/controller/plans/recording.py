@@ -18,8 +18,8 @@ from mesh.model import CHANGED_LISTED, ChangeReply, PlanBuild, PlanSettings, Pla
 from mesh.store import events, plans
 from services.controller.fleet.fleet import Fleet
 from services.controller.fleet.publishing import Publisher
-from services.controller.plans import steering
-from services.controller.trust import operators
+from services.controller.plans import states
+from services.controller.trust.audit import Audit
 
 log = logging.getLogger(__name__)
 
@@ -79,12 +79,12 @@ class Recorder:
         return self._lock
 
     async def plan(
-        self, conn: asyncpg.Connection, machines: Iterable[str], **how: Any
+        self, conn: asyncpg.Connection, machines: Iterable[str], *, audit: Audit, **how: Any
     ) -> tuple[int | None, list[str]]:
-        """`recorded`, and the change's audit entry in the same transaction (operators.py):
-        every change the catalog makes records its plan here, or that it has none."""
+        """`recorded`, and the change's audit entry in the same transaction: every change an
+        operator asks records its plan here, or that it has none."""
         plan, changed = await self.recorded(conn, machines, **how)
-        await operators.audited(
+        await audit.write(
             conn,
             detail=f"plan {plan}"
             if plan is not None
@@ -104,7 +104,7 @@ class Recorder:
         undo: dict[str, Any],
         builds: list[PlanBuild] | None = None,
         building: int | None = None,
-        hold: dict[str, Any] | None = None,
+        hold: plans.Held | None = None,
         steps: list[plans.Step] | None = None,
     ) -> tuple[int | None, list[str]]:
         """Record a plan for the machines whose composition differs from what they will have
@@ -156,7 +156,7 @@ class Recorder:
         old = await plans.steered_of(conn, module)
         for p in old:
             why = f"superseded by a newer change of module {module}"
-            await steering.cancelled(conn, p, why=why, epoch=self._epoch, by=by)
+            await states.cancelled(conn, p, why=why, epoch=self._epoch, by=by)
             log.info("plan %d (%s %s, %s) superseded", p.id, p.trigger, module, p.state)
         return [p.id for p in old]
 

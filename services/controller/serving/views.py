@@ -10,6 +10,7 @@ snapshot of the store.
 
 import base64
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import asyncpg
 import msgspec
@@ -23,6 +24,7 @@ from mesh.model import (
     BuildLogsReply,
     BuildLogsRequest,
     DeclarationReply,
+    DeclarationRequest,
     DiffReply,
     DiffRequest,
     HistoryReply,
@@ -57,51 +59,41 @@ from services.controller.plans import rollout
 _SNAPSHOT = {"isolation": "repeatable_read", "readonly": True}
 
 
+@dataclass
 class Views:
-    def __init__(
-        self,
-        *,
-        pool: asyncpg.Pool,
-        nc: Client,
-        obs: ObjectStore,
-        fleet: Fleet,
-        manifests: Manifests,
-        publisher: Publisher,
-        keys: Keys,
-        budget: Callable[[], int] = lambda: paging.PAGE_BYTES,
-    ) -> None:
-        self._keys = keys  # opens the secrets hosts ask for (secretkeys.py)
-        self._pool = pool
-        self._nc = nc
-        self._obs = obs
-        self._fleet = fleet  # `nodes`; the dry run assigns a first push as its manifest says
-        self._manifests = manifests
-        self._publisher = publisher  # the dry run composes as a push would
-        self._budget = budget  # bytes of a page, for the NATS server we answer on now
+    pool: asyncpg.Pool
+    nc: Client
+    obs: ObjectStore
+    fleet: Fleet  # `nodes`; the dry run assigns a first push as its manifest says
+    manifests: Manifests
+    publisher: Publisher  # the dry run composes as a push would
+    keys: Keys  # opens the secrets hosts ask for (secretkeys.py)
+    # bytes of a page, for the NATS server we answer on now
+    budget: Callable[[], int] = lambda: paging.PAGE_BYTES
 
-    def nodes(self, req: NodesRequest) -> NodesReply:
+    async def nodes(self, req: NodesRequest) -> NodesReply:
         """From memory, in the fleet's own order: a page costs what it holds, not the fleet."""
         at = paging.after(req.after, verb="nodes", shape=(int, str))
-        fleet, wanted = self._fleet, self._publisher.wanted
+        fleet, wanted = self.fleet, self.publisher.wanted
         order = fleet.order  # sorted (tier, name); nothing changes it before we return
         total = len(order)
         rows = ((order[i], fleet.node(order[i][1], wanted=wanted))
                 for i in range(paging.start(order, at), total))  # fmt: skip
         page = paging.fill(
             rows, verb="nodes", limit=req.limit,
-            room=paging.room(self._budget(), NodesReply(nodes=[], total=total)),
+            room=paging.room(self.budget(), NodesReply(nodes=[], total=total)),
             what=lambda n: f"machine {n.name}",
         )  # fmt: skip
         return NodesReply(nodes=page.items, next=page.next, total=total)
 
     async def modules(self, req: ModulesRequest) -> ModulesReply:
         at = paging.after(req.after, verb="modules", shape=(str, str))
-        room = paging.room(self._budget(), ModulesReply(modules=[], total=0))
+        room = paging.room(self.budget(), ModulesReply(modules=[], total=0))
         # More assignments than a page can hold (an entry holds ASSIGNED_PER_ENTRY, and each
         # machine takes 4 bytes at least: `"a",`): a page ends before the rows read do, and
         # what is past them is only looked at to know that there is more.
         most = min(req.limit * ASSIGNED_PER_ENTRY, room // 4) + 1
-        async with self._pool.acquire() as conn, conn.transaction(**_SNAPSHOT):
+        async with self.pool.acquire() as conn, conn.transaction(**_SNAPSHOT):
             current = await modules.current_modules(conn)
             rows = await modules.assigned_after(conn, after=at, most=most)
         machines: dict[str, list[str]] = {}
@@ -129,7 +121,7 @@ class Views:
             if at is not None and name == at[0] and not mine:
                 continue  # the cursor's module, with none of its machines left after it
             v = current[name]
-            m = self._manifests.of(v)
+            m = self.manifests.of(v)
             for i in range(0, max(len(mine), 1), ASSIGNED_PER_ENTRY):
                 chunk = mine[i : i + ASSIGNED_PER_ENTRY]
                 yield (name, chunk[-1] if chunk else ""), ModuleInfo(
@@ -138,8 +130,9 @@ class Views:
                     tools=sorted(m.tool),
                 )  # fmt: skip
 
-    async def declaration(self, machine: str) -> DeclarationReply:
-        async with self._pool.acquire() as conn:
+    async def declaration(self, req: DeclarationRequest) -> DeclarationReply:
+        machine = req.machine
+        async with self.pool.acquire() as conn:
             stored = (await declarations.declarations(conn, [machine])).get(machine)
         if stored is None:
             raise wire.BadRequest(f"machine {machine} has no declaration yet", code="not_found")
@@ -154,21 +147,21 @@ class Views:
         the changes of its own machines only."""
         at = paging.after(req.after, verb="diff", shape=(str,))
         manifest, data = await pushing.read_source(
-            nc=self._nc, manifest_text=req.manifest, source=req.source, upload=req.upload
+            nc=self.nc, manifest_text=req.manifest, source=req.source, upload=req.upload
         )
         name = manifest.module.name
         bundles, todo = await pushing.pack_bundles(
-            pool=self._pool, obs=self._obs, manifest=manifest, data=data, dry=True
+            pool=self.pool, obs=self.obs, manifest=manifest, data=data, dry=True
         )
-        async with self._pool.acquire() as conn:
+        async with self.pool.acquire() as conn:
             tx = conn.transaction()
             await tx.start()
             try:
                 targets = await pushing.register(
-                    conn, fleet=self._fleet, manifest=manifest, text=req.manifest,
+                    conn, fleet=self.fleet, manifest=manifest, text=req.manifest,
                     version=req.source, bundles=bundles, by="",
                 )  # fmt: skip
-                composed = await self._publisher.compose(conn, targets)
+                composed = await self.publisher.compose(conn, targets)
                 stored = await declarations.declarations(conn, sorted(composed))
             finally:
                 await tx.rollback()
@@ -190,7 +183,7 @@ class Views:
         rows = ((changed[i], spelled(changed[i][0]))
                 for i in range(paging.start(changed, at), len(changed)))  # fmt: skip
         page = paging.fill(
-            rows, verb="diff", limit=req.limit, room=paging.room(self._budget(), reply),
+            rows, verb="diff", limit=req.limit, room=paging.room(self.budget(), reply),
             what=lambda m: f"machine {m.machine}'s changes",
             instead="see its declaration with `mesh declaration` after the push",
         )  # fmt: skip
@@ -199,7 +192,7 @@ class Views:
     async def plan(self, req: PlanRequest) -> PlanReply:
         """The plan, its tiers (of every step) and a page of its steps."""
         at = paging.after(req.after, verb="plan", shape=(int, str))
-        async with self._pool.acquire() as conn, conn.transaction(**_SNAPSHOT):
+        async with self.pool.acquire() as conn, conn.transaction(**_SNAPSHOT):
             p = await plans.head(conn, req.id)
             if p is None:
                 raise wire.BadRequest(f"plan {req.id} does not exist", code="not_found")
@@ -216,19 +209,19 @@ class Views:
         )  # fmt: skip
         page = paging.fill(
             (((s.tier, s.machine), s) for s in steps), verb="plan", limit=req.limit,
-            room=paging.room(self._budget(), reply), what=lambda s: f"step {s.machine}",
+            room=paging.room(self.budget(), reply), what=lambda s: f"step {s.machine}",
         )  # fmt: skip
         return msgspec.structs.replace(reply, steps=page.items, next=page.next)
 
     async def plans(self, req: PlansRequest) -> PlansReply:
         """Newest first: the cursor is the last plan given, the page the ones older."""
         at = paging.after(req.after, verb="plans", shape=(int,))
-        async with self._pool.acquire() as conn, conn.transaction(**_SNAPSHOT):
+        async with self.pool.acquire() as conn, conn.transaction(**_SNAPSHOT):
             found = await plans.recent(conn, req.limit + 1, before=at[0] if at else None)
             total = await plans.count(conn)
         page = paging.fill(
             (((p.id,), p) for p in found), verb="plans", limit=req.limit,
-            room=paging.room(self._budget(), PlansReply(plans=[], total=total)),
+            room=paging.room(self.budget(), PlansReply(plans=[], total=total)),
             what=lambda p: f"plan {p.id}",
         )  # fmt: skip
         return PlansReply(plans=page.items, next=page.next, total=total)
@@ -237,7 +230,7 @@ class Views:
         """A module's versions, newest first (the cursor is the last number given), each with
         the last plan that rolled it out and how that ended."""
         at = paging.after(req.after, verb="history", shape=(int,))
-        async with self._pool.acquire() as conn, conn.transaction(**_SNAPSHOT):
+        async with self.pool.acquire() as conn, conn.transaction(**_SNAPSHOT):
             rows = await modules.history(
                 conn, req.module, below=at[0] if at else None, most=req.limit + 1
             )
@@ -254,16 +247,16 @@ class Views:
         )  # fmt: skip
         reply = HistoryReply(module=req.module, versions=[], total=total)
         page = paging.fill(
-            entries, verb="history", limit=req.limit, room=paging.room(self._budget(), reply),
+            entries, verb="history", limit=req.limit, room=paging.room(self.budget(), reply),
             what=lambda v: f"version {v.version}",
         )  # fmt: skip
         return msgspec.structs.replace(reply, versions=page.items, next=page.next)
 
-    def tools(self, req: ToolsRequest) -> ToolsReply:
+    async def tools(self, req: ToolsRequest) -> ToolsReply:
         """The fleet's tools, as each host last reported them, by machine, server and tool,
         from memory (as `nodes`)."""
         at = paging.after(req.after, verb="tools", shape=(str, str, str))
-        fleet = self._fleet
+        fleet = self.fleet
         machines = [req.machine] if req.machine is not None else sorted(fleet.tools)
 
         def entries() -> Iterator[tuple[paging.Key, ToolEntry]]:
@@ -284,7 +277,7 @@ class Views:
 
         page = paging.fill(
             entries(), verb="tools", limit=req.limit,
-            room=paging.room(self._budget(), ToolsReply(tools=[])),
+            room=paging.room(self.budget(), ToolsReply(tools=[])),
             what=lambda t: f"tool {t.machine}.{t.server}.{t.name}",
         )  # fmt: skip
         return ToolsReply(tools=page.items, next=page.next)
@@ -292,13 +285,13 @@ class Views:
     async def secret_for(self, machine: str, name: str) -> SecretReply:
         """A secret's value, for a host whose declaration names it in a module that may have
         it (scoping.py); nobody else gets it."""
-        async with self._pool.acquire() as conn:
+        async with self.pool.acquire() as conn:
             stored = (await declarations.declarations(conn, [machine])).get(machine)
             if stored is None:
                 raise wire.BadRequest(
                     f"machine {machine} has no declaration: it names no secret", code="forbidden"
                 )
-            known = self._fleet.machines.get(machine)
+            known = self.fleet.machines.get(machine)
             await scoping.check_serve(
                 conn, machine=machine, labels=known.labels if known else {}, secret=name,
                 decl=msgspec.json.decode(stored[1], type=Declaration),
@@ -311,7 +304,7 @@ class Views:
 
     async def _secret(self, conn: asyncpg.Connection, name: str) -> tuple[int, bytes] | None:
         """A secret opened; the key of the secrets is the controllers' key file itself."""
-        ring = self._keys.usable()
+        ring = self.keys.usable()
         if name == secrets.KEY_SECRET:
             return await secrets.key_version(conn), ring.text().encode()
         try:
@@ -322,17 +315,17 @@ class Views:
             ) from None
 
     async def build_logs(self, req: BuildLogsRequest) -> BuildLogsReply:
-        row = await builds.last_build(self._pool, module=req.module, bundle=req.bundle)
+        row = await builds.last_build(self.pool, module=req.module, bundle=req.bundle)
         if row is None:
             raise wire.BadRequest(f"no build of module {req.module} yet", code="not_found")
         text = row.log_tail
         if row.log_object:
             try:
-                text = (await blobs.get_named(self._nc, row.log_object)).decode(errors="replace")
+                text = (await blobs.get_named(self.nc, row.log_object)).decode(errors="replace")
             except blobs.BlobMissing:
                 pass
         reply = BuildLogsReply(key=row.key, module=row.module, bundle=row.bundle,
                                state=row.state, builder=row.builder, log="")  # fmt: skip
         # The builder keeps the log's last 256 KiB (LOG_KEEP), which as JSON may still not fit.
-        log = paging.fitting_tail(text, paging.room(self._budget(), reply))
+        log = paging.fitting_tail(text, paging.room(self.budget(), reply))
         return msgspec.structs.replace(reply, log=log)

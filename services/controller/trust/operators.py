@@ -9,112 +9,131 @@ credentials, and recorded as `anonymous` on a bus without authentication (tests,
 `mesh controller run`), where nobody can be verified.
 
 What an operator may change is the controller's to decide, from the `operators` table
-(migration 010): an admin anything, a deployer the modules its glob matches (push, diff,
+(migration 010) and the role the verb table gives each verb (serving/verbs.py): an admin
+anything, a deployer the verbs of role `deployer` on the modules its glob matches (push, diff,
 assign, unassign, rollback, steering their plans), a viewer or tools operator nothing; a
 removed or unknown operator nothing, even if a message of its reaches us.
 
-The audit log: every change is written with its operator, verb, subject and outcome in the
-change's own transaction (`audited`, called where the change commits), so no change exists
-without its entry; a refusal is written on its own; a change that wrote nothing in a
-transaction of its own (`no change`, a handover) is written once it is answered.
+The guard (`as_operators`) gives the method that serves a change an `Audit` (audit.py): who
+asked and about what, written in the change's own transaction. A refusal is written on its
+own; a change that wrote nothing in a transaction of its own (`no change`, a handover) is
+written once it is answered.
 """
 
 import fnmatch
+import inspect
 import logging
+import sys
 import tomllib
-from collections.abc import Awaitable, Callable, Iterator, Mapping
-from contextlib import contextmanager
-from contextvars import ContextVar
-from dataclasses import dataclass, replace
-from typing import Any
+import typing
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import asyncpg
 import msgspec
 
 from mesh import paging, subjects, wire
-from mesh.auth.policy import DEPLOYER_VERBS, READ_VERBS
-from mesh.model import (
-    AuditReply,
-    AuditRequest,
-    Brought,
-    FolderChangeReply,
-    FolderChangeRequest,
-    OperatorAddRequest,
-    OperatorInfo,
-    OperatorRemoveRequest,
-    OperatorReply,
-    OperatorsReply,
-    OperatorsRequest,
-)
-from mesh.modules import gate
-from mesh.serving import Verb
-from mesh.store import audit, modules, secrets
+from mesh.model import AuditReply, AuditRequest, OperatorInfo, OperatorsReply, OperatorsRequest
+from mesh.serving import Bound, Parts, Verb
+from mesh.store import audit
+from services.controller.trust.audit import ANONYMOUS, Audit
 
 log = logging.getLogger(__name__)
 
-ANONYMOUS = "anonymous"  # who asked, on a bus where nobody is authenticated
-# Verbs that change nothing besides the reads (the dry run of a push; listing join tokens, a
-# read kept from viewers): not audited.
-UNAUDITED = frozenset({"diff", "token-list"})
+# Who may ask a verb: anyone the server lets ask it (`reader`), a deployer for the modules its
+# glob matches, or an admin alone. mesh/auth/policy.py gives the NATS permissions in the same
+# terms (READ_VERBS, DEPLOYER_VERBS; tests/test_trust.py checks that they agree).
+Role = Literal["reader", "deployer", "admin"]
+
+
+@dataclass(frozen=True)
+class Served:
+    """One verb as the table names it: the method that serves it (a part's, found by its
+    class: `Changes.push`), who may ask it, and its bounds. Its request and reply are the
+    method's own annotations: a change's method takes `(request, audit)`, a read's and an
+    unaudited change's `(request)`."""
+
+    method: Callable[..., Awaitable[Any]]
+    role: Role
+    bound: Bound | None = None
+    limit: int = wire.MAX_BODY
+    too_large: str = "ask for less"
+    audited: bool = True  # False: a verb whose answer changes nothing the audit keeps (`diff`)
+
+    @property
+    def owner(self) -> type:
+        """The class whose method serves the verb, from the method's own name."""
+        module = sys.modules[self.method.__module__]
+        owner = getattr(module, self.method.__qualname__.split(".")[0], None)
+        if not isinstance(owner, type):
+            raise TypeError(f"{self.method.__qualname__} is no method of a class")
+        return owner
+
+    @property
+    def request(self) -> type:
+        """The type of the method's request (its parameter after `self`)."""
+        after_self = list(inspect.signature(self.method).parameters)[1]
+        return typing.get_type_hints(self.method)[after_self]
+
+    @property
+    def reply(self) -> type:
+        return typing.get_type_hints(self.method)["return"]
 
 
 @dataclass
 class Trust:
     """What the holder knows to verify and record: its store, its epoch, and whether the bus
     authenticates (the controller has credentials: then every change must come as an
-    operator)."""
+    operator). It answers the reads of the audit log and of the operators."""
 
     pool: asyncpg.Pool
     epoch: int
     secured: bool
     budget: Callable[[], int]  # bytes of a page (mesh/paging.py)
 
+    async def audit_log(self, req: AuditRequest) -> AuditReply:
+        """The newest entries first; the cursor is the last entry's id."""
+        at = paging.after(req.after, verb="audit", shape=(int,))
+        rows = await audit.page(self.pool, before=at[0] if at else None, limit=req.limit + 1,
+                                who=req.who)  # fmt: skip
+        page = paging.fill(
+            (((i,), msgspec.structs.replace(e, id=i)) for i, e in rows),
+            verb="audit", limit=req.limit,
+            room=paging.room(self.budget(), AuditReply(entries=[])),
+            what=lambda e: f"entry {e.id}",
+        )  # fmt: skip
+        return AuditReply(entries=page.items, next=page.next)
 
-@dataclass
-class Asked:
-    """The change being served: who, which verb, about what; `written` once its entry is."""
-
-    who: str
-    verb: str
-    subject: str
-    epoch: int
-    written: bool = False
-
-
-ASKED: ContextVar[Asked | None] = ContextVar("mesh_asked", default=None)
-
-
-async def audited(
-    conn: asyncpg.Connection, *, detail: str = "", subject: str | None = None
-) -> None:
-    """The audit entry of the change being served, in `conn`'s transaction (that of the change
-    itself). Outside a verb (the planner's own work) there is none to write."""
-    asked = ASKED.get()
-    if asked is None or asked.written:
-        return
-    await audit.record(conn, who=asked.who, verb=asked.verb, subject=subject or asked.subject,
-                       outcome="ok", detail=detail, epoch=asked.epoch)  # fmt: skip
-    asked.written = True
+    async def operator_list(self, _: OperatorsRequest) -> OperatorsReply:
+        rows = await audit.operators(self.pool)
+        return OperatorsReply(
+            operators=[
+                OperatorInfo(name=r.name, role=r.role, modules=r.modules, allow=r.allow)
+                for r in rows
+            ]
+        )
 
 
 @dataclass(frozen=True)
 class Operating:
-    """What an operator's verb is given: the holder, and who asked (None: not verified)."""
+    """What an operator's verb is given: the parts served, and who asked (None: not
+    verified)."""
 
-    holder: Any  # services.controller.serving.verbs.Holder (which imports this module)
+    parts: Parts
     who: str | None
 
 
-def operating(h: Any, subject: str) -> Operating:
+def operating(parts: Parts, subject: str) -> Operating:
     """The caller of `mesh.op.<name>.<verb>`: the name is checked, then believed (the server
     let only that operator publish there)."""
     name = wire.subject_name(subjects.op_operator(subject), field="operator")
-    return Operating(holder=h, who=name)
+    return Operating(parts=parts, who=name)
 
 
-def unverified(h: Any, subject: str) -> Operating:
+def unverified(parts: Parts, subject: str) -> Operating:
     """The caller of `mesh.ctl.<verb>`: nobody verified."""
-    return Operating(holder=h, who=None)
+    return Operating(parts=parts, who=None)
 
 
 def _module_of_manifest(text: str) -> str | None:
@@ -160,7 +179,7 @@ async def _module_for_deployer(t: Trust, verb: str, req: Any) -> str:
     return req.module
 
 
-async def _allowed(t: Trust, who: str | None, verb: str, req: Any) -> None:
+async def _allowed(t: Trust, who: str | None, verb: str, role: Role, req: Any) -> None:
     """Refuse (`forbidden`) a change this operator may not ask for."""
     if who is None:
         if t.secured:
@@ -178,7 +197,7 @@ async def _allowed(t: Trust, who: str | None, verb: str, req: Any) -> None:
         )
     if row.role == "admin":
         return
-    if row.role != "deployer" or verb not in DEPLOYER_VERBS:
+    if row.role != "deployer" or role != "deployer":
         raise wire.BadRequest(
             f"forbidden: operator {who} ({row.role}) may not {verb}", code="forbidden"
         )
@@ -200,49 +219,45 @@ def _detail(reply: Any) -> str:
     return message[:200] if isinstance(message, str) else ""
 
 
-def _guarded(
-    verb: str, handler: Callable[[Any, Any], Awaitable[Any]], trust: Callable[[Any], Trust]
-) -> Callable[[Operating, Any], Awaitable[Any]]:
-    """`handler` as an operator's verb: reads as they were; a change checked, its `by` the
-    verified operator, audited (in its transaction, or once answered; a refusal on its own)."""
-    if verb in READ_VERBS:
+def _guarded(name: str, served: Served) -> Callable[[Operating, Any], Awaitable[Any]]:
+    """The verb's method as operators ask it: a read as it is; a change checked, its `by`
+    the verified operator, given its `Audit` (written in its transaction, or once answered;
+    a refusal on its own)."""
+    owner, method = served.owner, served.method
+    if served.role == "reader":
 
         async def read(o: Operating, req: Any) -> Any:
-            return await handler(o.holder, req)
+            return await method(o.parts.of(owner), req)
 
         return read
 
     async def change(o: Operating, req: Any) -> Any:
-        t = trust(o.holder)
+        t = o.parts.of(Trust)
         who = o.who or ANONYMOUS
-        asked = Asked(who=who, verb=verb, subject=subject_of(verb, req), epoch=t.epoch)
+        asked = Audit(who=who, verb=name, subject=subject_of(name, req), epoch=t.epoch)
         try:
-            await _allowed(t, o.who, verb, req)
+            await _allowed(t, o.who, name, served.role, req)
             if hasattr(req, "by"):  # never the client's word
                 req = msgspec.structs.replace(req, by=who)
-            token = ASKED.set(asked) if verb not in UNAUDITED else None
-            try:
-                reply = await handler(o.holder, req)
-            finally:
-                if token is not None:
-                    ASKED.reset(token)
+            part = o.parts.of(owner)
+            reply = await (method(part, req, asked) if served.audited else method(part, req))
         except wire.BadRequest as e:
-            if verb not in UNAUDITED:
+            if served.audited:
                 await _refused(t, asked, e.code, str(e))
             raise
         except Exception as e:  # answered `internal` (mesh.bus.answer): recorded as such
-            if verb not in UNAUDITED:
+            if served.audited:
                 await _refused(t, asked, "internal", type(e).__name__)
             raise
-        if verb not in UNAUDITED and not asked.written:
-            await audit.record(t.pool, who=who, verb=verb, subject=asked.subject, outcome="ok",
+        if served.audited and not asked.written:
+            await audit.record(t.pool, who=who, verb=name, subject=asked.subject, outcome="ok",
                                detail=_detail(reply), epoch=t.epoch)  # fmt: skip
         return reply
 
     return change
 
 
-async def _refused(t: Trust, asked: Asked, code: str, message: str) -> None:
+async def _refused(t: Trust, asked: Audit, code: str, message: str) -> None:
     """A refusal's entry, on its own (the change's transaction, if any, was rolled back)."""
     try:
         await audit.record(t.pool, who=asked.who, verb=asked.verb, subject=asked.subject,
@@ -251,118 +266,12 @@ async def _refused(t: Trust, asked: Asked, code: str, message: str) -> None:
         log.warning("could not record the refusal of %s by %s: %s", asked.verb, asked.who, e)
 
 
-def as_operators(
-    verbs: Mapping[str, Verb[Any, Any, Any]], *, trust: Callable[[Any], Trust]
-) -> dict[str, Verb[Any, Any, Any]]:
-    """The verb table as operators ask it: each handler given an `Operating` (`operating` or
-    `unverified` as the endpoint's caller), changes checked and audited."""
-    return {name: replace(v, handler=_guarded(name, v.handler, trust)) for name, v in verbs.items()}
+def as_operators(table: Mapping[str, Served]) -> dict[str, Verb[Operating, Any, Any]]:
+    """The verb table as operators ask it: each verb's method given an `Operating`
+    (`operating` or `unverified` as the endpoint's caller), changes checked and audited."""
+    return {name: _verb(name, s) for name, s in table.items()}
 
 
-# --- the verbs of this module: the audit log, recording operators and folder changes -----------
-
-
-async def audit_log(t: Trust, req: AuditRequest) -> AuditReply:
-    """The newest entries first; the cursor is the last entry's id."""
-    at = paging.after(req.after, verb="audit", shape=(int,))
-    rows = await audit.page(t.pool, before=at[0] if at else None, limit=req.limit + 1, who=req.who)
-    page = paging.fill(
-        (((i,), msgspec.structs.replace(e, id=i)) for i, e in rows),
-        verb="audit", limit=req.limit,
-        room=paging.room(t.budget(), AuditReply(entries=[])),
-        what=lambda e: f"entry {e.id}",
-    )  # fmt: skip
-    return AuditReply(entries=page.items, next=page.next)
-
-
-async def operator_add(t: Trust, req: OperatorAddRequest) -> OperatorReply:
-    for field, given in (("modules", req.modules), ("allow", " ".join(req.allow))):
-        if given and req.role != "deployer":
-            raise wire.BadRequest(
-                f"{field}: {given!r} is for a deployer, not a {req.role}", code="bad_request"
-            )
-    asked = ASKED.get()
-    async with t.pool.acquire() as conn, conn.transaction():
-        if not await audit.add_operator(conn, name=req.name, role=req.role, modules=req.modules,
-                                        by=asked.who if asked else ANONYMOUS,
-                                        allow=req.allow):  # fmt: skip
-            raise wire.BadRequest(f"operator {req.name} exists already", code="conflict")
-        scope = f", modules {req.modules}" if req.modules else ""
-        scope += f", allowed {' '.join(req.allow)}" if req.allow else ""
-        await audited(conn, subject=req.name, detail=f"{req.role}{scope}")
-    return OperatorReply(name=req.name, role=req.role, modules=req.modules, allow=req.allow,
-                         message=f"operator {req.name} ({req.role}{scope}) recorded")  # fmt: skip
-
-
-async def operator_remove(t: Trust, req: OperatorRemoveRequest) -> OperatorReply:
-    """Removed at once; the reply says what it brought in, which stays until someone takes it
-    back (`--revert`: verbs.py unassigns its modules, each through a plan)."""
-    asked = ASKED.get()
-    async with t.pool.acquire() as conn, conn.transaction():
-        row = await audit.operator(conn, req.name)
-        if row is None or row.removed:
-            raise wire.BadRequest(f"no operator {req.name}", code="not_found")
-        await audit.remove_operator(conn, name=req.name, by=asked.who if asked else ANONYMOUS)
-        what = await brought(conn, req.name)
-        modules = f"; its modules {', '.join(what.modules)}" if what.modules else ""
-        await audited(conn, subject=req.name, detail=row.role + modules)
-    return OperatorReply(name=req.name, role=row.role, modules=row.modules, brought=what,
-                         message=f"operator {req.name} removed")  # fmt: skip
-
-
-async def brought(conn: asyncpg.Connection, name: str) -> Brought:
-    """What `name` brought into the mesh that is still there: its plans not over, the modules
-    whose current version it pushed (their processes and machines), the secrets it set last."""
-    current = [v for v in (await modules.current_modules(conn)).values() if v.pushed_by == name]
-    assigned = await modules.assignments(conn)
-    ours = {v.module for v in current}
-    processes = []
-    for v in sorted(current, key=lambda v: v.module):
-        try:
-            m = gate.parse(v.manifest)
-        except gate.Refused:  # registered by an older gate: named by module alone
-            continue
-        processes += [f"{v.module}.{p}" for p in sorted({*m.process, *m.tool})]
-    return Brought(
-        plans=await audit.open_plans_of(conn, name),
-        modules=sorted(ours),
-        processes=processes,
-        machines=sorted(machine for machine, mods in assigned.items() if mods & ours),
-        secrets=await secrets.set_by(conn, name),
-    )
-
-
-@contextmanager
-def asked_as(verb: str, subject: str) -> Iterator[None]:
-    """A change made on behalf of the one being served (`operator remove --revert`'s
-    unassigns): audited as its own entry, by the same operator."""
-    outer = ASKED.get()
-    token = ASKED.set(Asked(who=outer.who if outer else ANONYMOUS, verb=verb, subject=subject,
-                            epoch=outer.epoch if outer else 0))  # fmt: skip
-    try:
-        yield
-    finally:
-        ASKED.reset(token)
-
-
-async def folder_change(t: Trust, req: FolderChangeRequest) -> FolderChangeReply:
-    """A change made on the mesh's folder (`mesh machine add/remove`, `mesh cert rotate`),
-    recorded under its own verb with the operator that asked on its own subject: the command
-    line asks this once the change is done (the folder is the truth of credentials and
-    certificates; the controller never sees them). Admins only, like the changes themselves."""
-    asked = ASKED.get()
-    who = asked.who if asked else ANONYMOUS
-    await audit.record(t.pool, who=who, verb=req.change, subject=req.subject, outcome="ok",
-                       detail=req.detail, epoch=t.epoch)  # fmt: skip
-    if asked is not None:
-        asked.written = True
-    return FolderChangeReply(message=f"{req.change} {req.subject} recorded as {who}'s")
-
-
-async def operator_list(t: Trust, _: OperatorsRequest) -> OperatorsReply:
-    rows = await audit.operators(t.pool)
-    return OperatorsReply(
-        operators=[
-            OperatorInfo(name=r.name, role=r.role, modules=r.modules, allow=r.allow) for r in rows
-        ]
-    )
+def _verb(name: str, s: Served) -> Verb[Operating, Any, Any]:
+    return Verb(s.request, s.reply, _guarded(name, s), limit=s.limit, bound=s.bound,
+                too_large=s.too_large)  # fmt: skip
