@@ -209,8 +209,12 @@ def test_the_verb_tables_roles_are_the_bus_permissions() -> None:
     roles = {name: served.role for name, served in TABLE.items()}
     assert {n for n, r in roles.items() if r == "reader"} == READ_VERBS
     assert {n for n, r in roles.items() if r == "deployer"} == set(DEPLOYER_VERBS)
-    # every method is a part's, found by its class when the verb is served
+    # every method is a part's, found by its class when the verb is served; a read, or a change
+    # the audit keeps nothing of, is given no Audit to write
     assert all(isinstance(served.owner, type) for served in TABLE.values())
+    given = {n for n, s in TABLE.items() if s.takes_audit}
+    assert not given & {n for n, s in TABLE.items() if s.role == "reader" or not s.audited}
+    assert given >= {"push", "assign", "plan-approve", "drain", "tier", "token-create"}
 
 
 def test_what_a_change_is_about_comes_from_its_request() -> None:

@@ -51,8 +51,8 @@ Role = Literal["reader", "deployer", "admin"]
 class Served:
     """One verb as the table names it: the method that serves it (a part's, found by its
     class: `Changes.push`), who may ask it, and its bounds. Its request and reply are the
-    method's own annotations: a change's method takes `(request, audit)`, a read's and an
-    unaudited change's `(request)`."""
+    method's own annotations: a change's method takes `(request, audit)` when it writes its
+    audit entry itself, in its own transaction; a read's takes `(request)`."""
 
     method: Callable[..., Awaitable[Any]]
     role: Role
@@ -79,6 +79,13 @@ class Served:
     @property
     def reply(self) -> type:
         return typing.get_type_hints(self.method)["return"]
+
+    @property
+    def takes_audit(self) -> bool:
+        """Whether the method writes its own audit entry where its change commits (it takes
+        an `Audit`); one that does not (`handover`, which has no transaction) is written once
+        answered."""
+        return len(inspect.signature(self.method).parameters) == 3
 
 
 @dataclass
@@ -223,7 +230,7 @@ def _guarded(name: str, served: Served) -> Callable[[Operating, Any], Awaitable[
     """The verb's method as operators ask it: a read as it is; a change checked, its `by`
     the verified operator, given its `Audit` (written in its transaction, or once answered;
     a refusal on its own)."""
-    owner, method = served.owner, served.method
+    owner, method, takes_audit = served.owner, served.method, served.takes_audit
     if served.role == "reader":
 
         async def read(o: Operating, req: Any) -> Any:
@@ -240,7 +247,7 @@ def _guarded(name: str, served: Served) -> Callable[[Operating, Any], Awaitable[
             if hasattr(req, "by"):  # never the client's word
                 req = msgspec.structs.replace(req, by=who)
             part = o.parts.of(owner)
-            reply = await (method(part, req, asked) if served.audited else method(part, req))
+            reply = await (method(part, req, asked) if takes_audit else method(part, req))
         except wire.BadRequest as e:
             if served.audited:
                 await _refused(t, asked, e.code, str(e))
