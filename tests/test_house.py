@@ -41,7 +41,7 @@ READ_SIDE = ("serving.views",)  # the read verbs' answers
 # the changes operators ask (every module of `changes`), a plan's recording, approval, steering,
 # cancel and loop
 WRITE_SIDE = ("changes", "plans.recording", "plans.approvals", "plans.steering", "plans.states",
-              "plans.planner")  # fmt: skip
+              "plans.writes", "plans.planner")  # fmt: skip
 
 
 def _files() -> Iterator[Path]:

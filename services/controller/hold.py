@@ -48,6 +48,7 @@ from services.controller.plans.approvals import HeldChanges
 from services.controller.plans.planner import Planner
 from services.controller.plans.recording import Recorder
 from services.controller.plans.steering import Steering
+from services.controller.plans.writes import PlanWrites
 from services.controller.seat import epochs, handover, kick
 from services.controller.seat.buckets import Buckets
 from services.controller.seat.handover import VerbSubscriptions
@@ -170,7 +171,7 @@ class Hold:
             held, changes,
             SecretChanges(pool=self.pool, epoch=epoch, keys=self.keys, recorder=recorder),
             Machines(nc=self.nc, fleet=fleet, manifests=manifests, recorder=recorder),
-            Steering(pool=self.pool, epoch=epoch, planner=planner,
+            Steering(writes=PlanWrites(pool=self.pool, epoch=epoch), planner=planner,
                      one_change=recorder.one_change),
             Operators(pool=self.pool, changes=changes),
             Tokens(pool=self.pool, epoch=epoch, admission=self.admission,

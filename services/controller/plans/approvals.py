@@ -31,13 +31,14 @@ from mesh.model import (
 )
 from mesh.modules import gate
 from mesh.modules.manifest import Manifest
-from mesh.store import events, modules, plans, seats
+from mesh.store import events, modules, plans
 from services.controller.catalog.pushing import register, settings_of
 from services.controller.fleet.fleet import Fleet
 from services.controller.fleet.publishing import Manifests
 from services.controller.plans import states
 from services.controller.plans.planner import Planner
 from services.controller.plans.recording import Recorder
+from services.controller.plans.writes import PlanWrites
 from services.controller.trust.audit import Audit
 
 log = logging.getLogger(__name__)
@@ -116,23 +117,20 @@ class HeldChanges:
         change by now, it ends `done`. A conflict the catalog has come to since refuses the
         approval (the plan stays held)."""
         async with self._rec.one_change:
-            async with self._pool.acquire() as conn, conn.transaction():
-                await seats.fence(conn, epoch=self._epoch)
-                p = states.found(await plans.locked(conn, req.id), req.id)
+            async with PlanWrites(pool=self._pool, epoch=self._epoch).on(req.id) as w:
+                p = states.found(await w.locked(), req.id)
                 if p.state != "held" or p.hold is None:
                     raise states.refused(p, states.why_not_approved(p))
-                targets, undo, settings = await self._make(conn, p)
-                steps = await self._rec.steps(conn, targets)
-                await plans.replace_steps(conn, p.id, steps)
+                targets, undo, settings = await self._make(w.conn, p)
+                steps = await self._rec.steps(w.conn, targets)
                 hold = msgspec.structs.replace(p.hold, approved_by=req.by)
-                await plans.approved(conn, p.id, settings=settings, undo=undo, hold=hold)
+                await w.approved(steps, settings=settings, undo=undo, hold=hold)
                 state: PlanState = "pending"
                 if not steps:
                     state = "done"
-                    await plans.set_plan(conn, p.id, state=state, finished=datetime.now(UTC))
-                await events.record(conn, "plan.approved", epoch=self._epoch, plan=p.id,
-                                    by=req.by, machines=len(steps))  # fmt: skip
-                await audit.write(conn, detail=f"plan {p.id} {state}")
+                    await w.plan(state=state, finished=datetime.now(UTC))
+                await w.event("plan.approved", by=req.by, machines=len(steps))
+                await audit.write(w.conn, detail=f"plan {p.id} {state}")
         self._rec.wake()
         await self._planner.tell(p.id)
         log.info("plan %d approved by %s: %d machine(s)", p.id, req.by or "?", len(steps))

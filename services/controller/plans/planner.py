@@ -41,11 +41,12 @@ from nats.js.object_store import ObjectStore
 from mesh import blobs, subjects, wire
 from mesh.model import MachineChanged, PlanProgress, PlanState, PlanSummary
 from mesh.modules.compose import Declaration, tools_of
-from mesh.store import declarations, events, modules, plans, seats
+from mesh.store import declarations, modules, plans, seats
 from services.controller import metrics
 from services.controller.fleet.fleet import Fleet, tell_changed
 from services.controller.fleet.publishing import Publisher
 from services.controller.plans import rollout
+from services.controller.plans.writes import PlanWrites
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,7 @@ class Planner:
         self._publisher = publisher
         self._fleet = fleet
         self._epoch = epoch
+        self._writes = PlanWrites(pool=pool, epoch=epoch)  # every write of a plan's life
         self._wake = anyio.Event()
         # digest -> the processes it declares, least recently used first (at most NAMES_KEPT)
         self._names: dict[str, frozenset[str]] = {}
@@ -199,18 +201,17 @@ class Planner:
         first (paused or cancelled it before it started)."""
         now = datetime.now(UTC)
         machines = [s.machine for s in p.steps]
-        async with self._pool.acquire() as conn, conn.transaction():
-            await seats.fence(conn, epoch=self._epoch)
-            row = await plans.locked(conn, p.id)
+        async with self._writes.on(p.id) as w:
+            row = await w.locked()
             if row is None or row.state != "pending":
                 return False
-            composed = await self._publisher.compose(conn, machines)
-            stored = await declarations.declarations(conn, machines)
+            composed = await self._publisher.compose(w.conn, machines)
+            stored = await declarations.declarations(w.conn, machines)
             tier_of = {m: self._fleet.machines[m].tier for m in machines}
             rollout.prepare(p.steps, composed=composed, stored=stored, tier_of=tier_of, at=now)
-            await plans.set_steps(conn, p.id, p.steps, epoch=self._epoch)
-            await plans.set_plan(conn, p.id, state="rolling", started=now)
-            await events.record(conn, "plan.started", epoch=self._epoch, plan=p.id)
+            await w.steps(p.steps)
+            await w.plan(state="rolling", started=now)
+            await w.event("plan.started")
         p.state, p.started = "rolling", now
         p.steps.sort(key=lambda s: (s.tier, s.machine))
         tiers = rollout.tiers(p.steps)
@@ -253,9 +254,8 @@ class Planner:
         done or failed: its changed machines get their old declarations back first. A revert
         of a cancelled plan ends `cancelled`."""
         now = datetime.now(UTC)
-        async with self._pool.acquire() as conn, conn.transaction():
-            await seats.fence(conn, epoch=self._epoch)
-            row = await plans.locked(conn, p.id)
+        async with self._writes.on(p.id) as w:
+            row = await w.locked()
             if row is not None and row.state not in plans.OPEN:
                 return True  # ended already (cancelled by a verb before it started)
             if row is not None and row.cancel is not None:
@@ -264,12 +264,9 @@ class Planner:
                     return False
                 state = "cancelled"
             if state == "reverted":  # a cancel took its change back when it was asked
-                taken_back = await modules.undo(conn, p.trigger, p.undo, plan_id=p.id)
-                log.info("plan %d: %s", p.id, taken_back)
-            await plans.set_plan(conn, p.id, state=state, finished=now, error=error,
-                                 soak_until=None)  # fmt: skip
-            await events.record(conn, f"plan.{state}", epoch=self._epoch, plan=p.id, error=error,
-                                cancel=p.cancel)  # fmt: skip
+                log.info("plan %d: %s", p.id, await w.undo(p))
+            await w.plan(state=state, finished=now, error=error, soak_until=None)
+            await w.event(f"plan.{state}", error=error, cancel=p.cancel)
         p.state, p.finished, p.error, p.soak_until = state, now, error, None
         took = (now - p.started).total_seconds() if p.started else 0.0
         if error:
@@ -374,16 +371,14 @@ class Planner:
     async def _pause_self(self, p: plans.Plan, tier: int) -> None:
         """`pause_after`: the plan pauses itself after `tier` (once: the tier is kept) and
         waits until it is resumed."""
-        async with self._pool.acquire() as conn, conn.transaction():
-            await seats.fence(conn, epoch=self._epoch)
-            row = await plans.locked(conn, p.id)
+        async with self._writes.on(p.id) as w:
+            row = await w.locked()
             assert row is not None
             if row.phase == "revert":  # cancelled as the tier ended
                 p.phase, p.cancel = "revert", row.cancel
                 raise _Stopped
-            await plans.set_plan(conn, p.id, state="paused", paused_after=tier)
-            await events.record(conn, "plan.paused", epoch=self._epoch, plan=p.id,
-                                by="pause_after", tier=tier)  # fmt: skip
+            await w.plan(state="paused", paused_after=tier)
+            await w.event("plan.paused", by="pause_after", tier=tier)
         p.state, p.paused_after = "paused", tier
         log.info("plan %d paused itself after tier %d (pause_after): mesh plan resume %d",
                  p.id, tier, p.id)  # fmt: skip
@@ -433,11 +428,9 @@ class Planner:
 
     async def _set(self, p: plans.Plan, event: str, **fields: Any) -> None:
         """The plan's own steering fields, with their event, in one fenced transaction."""
-        async with self._pool.acquire() as conn, conn.transaction():
-            await seats.fence(conn, epoch=self._epoch)
-            await plans.set_plan(conn, p.id, **fields)
-            await events.record(conn, event, epoch=self._epoch, plan=p.id,
-                                **{k: v for k, v in fields.items() if v is not None})  # fmt: skip
+        async with self._writes.on(p.id) as w:
+            await w.plan(**fields)
+            await w.event(event, **{k: v for k, v in fields.items() if v is not None})
         for name, value in fields.items():
             setattr(p, name, value)
         await self._show(p)
@@ -459,10 +452,9 @@ class Planner:
             else:
                 bodies[s.machine] = rollout.before(s)
             self._fleet.forget_error(s.machine)  # an old failure is not this step's
-        async with self._pool.acquire() as conn, conn.transaction():
-            await seats.fence(conn, epoch=self._epoch)
-            await declarations.write_declarations(conn, bodies, epoch=self._epoch)
-            await plans.set_steps(conn, p.id, steps, epoch=self._epoch)
+        async with self._writes.on(p.id) as w:
+            await w.declarations(bodies)
+            await w.steps(steps)
         await self._publisher.publish(bodies)
         for machine in passed:
             await tell_changed(self._nc, MachineChanged(machine=machine, drained=True))
@@ -479,11 +471,10 @@ class Planner:
 
     async def _write(self, p: plans.Plan, steps: list[plans.Step], **plan: Any) -> None:
         """Steps (and, given, the plan's own fields) in one fenced transaction."""
-        async with self._pool.acquire() as conn, conn.transaction():
-            await seats.fence(conn, epoch=self._epoch)
-            await plans.set_steps(conn, p.id, steps, epoch=self._epoch)
+        async with self._writes.on(p.id) as w:
+            await w.steps(steps)
             if plan:
-                await plans.set_plan(conn, p.id, **plan)
+                await w.plan(**plan)
         await self._show(p)
 
     # --- reverting -----------------------------------------------------------------------------

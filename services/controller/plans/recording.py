@@ -15,10 +15,11 @@ import asyncpg
 
 from mesh import wire
 from mesh.model import CHANGED_LISTED, ChangeReply, PlanBuild, PlanSettings, PlanState
-from mesh.store import events, plans
+from mesh.store import plans
 from services.controller.fleet.fleet import Fleet
 from services.controller.fleet.publishing import Publisher
 from services.controller.plans import states
+from services.controller.plans.writes import OnePlan
 from services.controller.trust.audit import Audit
 
 log = logging.getLogger(__name__)
@@ -156,7 +157,8 @@ class Recorder:
         old = await plans.steered_of(conn, module)
         for p in old:
             why = f"superseded by a newer change of module {module}"
-            await states.cancelled(conn, p, why=why, epoch=self._epoch, by=by)
+            w = OnePlan(conn=conn, epoch=self._epoch, plan_id=p.id)  # the change's transaction
+            await states.cancelled(w, p, why=why, by=by)
             log.info("plan %d (%s %s, %s) superseded", p.id, p.trigger, module, p.state)
         return [p.id for p in old]
 
@@ -165,9 +167,9 @@ class Recorder:
     ) -> None:
         for plan_id in old:
             why = f"superseded by {f'plan {plan}' if plan else f'{what}, which changed no machine'}"
-            await plans.set_plan(conn, plan_id, cancel=why)
-            await events.record(conn, "plan.superseded", epoch=self._epoch, plan=plan_id,
-                                by_plan=plan)  # fmt: skip
+            w = OnePlan(conn=conn, epoch=self._epoch, plan_id=plan_id)
+            await w.plan(cancel=why)
+            await w.event("plan.superseded", by_plan=plan)
 
 
 async def stopped_building(conn: asyncpg.Connection, plan_id: int) -> wire.BadRequest:

@@ -5,11 +5,10 @@ caller's fenced transaction with the plan's row locked."""
 import logging
 from datetime import UTC, datetime
 
-import asyncpg
-
 from mesh import wire
 from mesh.model import PlanState
-from mesh.store import events, modules, plans
+from mesh.store import plans
+from services.controller.plans.writes import OnePlan
 
 log = logging.getLogger(__name__)
 
@@ -35,22 +34,19 @@ def refused(p: plans.Plan, why: str) -> wire.BadRequest:
     return wire.BadRequest(f"plan {p.id} is {said(p)}: {why}", code="conflict")
 
 
-async def cancelled(
-    conn: asyncpg.Connection, p: plans.Plan, *, why: str, epoch: int, by: str
-) -> PlanState:
+async def cancelled(w: OnePlan, p: plans.Plan, *, why: str, by: str) -> PlanState:
     """Cancel `p` (its row locked by the caller, in the caller's fenced transaction): at once
     if it has not started, else by asking the planner to revert it. Its catalog change is
     taken back now. Its state now."""
     if p.state in _IN_THE_CATALOG:
-        log.info("plan %d: %s", p.id, await modules.undo(conn, p.trigger, p.undo, plan_id=p.id))
+        log.info("plan %d: %s", p.id, await w.undo(p))
     if p.started is None:
-        now = datetime.now(UTC)
-        await plans.set_plan(conn, p.id, state="cancelled", finished=now, cancel=why)
-        await events.record(conn, "plan.cancelled", epoch=epoch, plan=p.id, by=by, cancel=why)
+        await w.plan(state="cancelled", finished=datetime.now(UTC), cancel=why)
+        await w.event("plan.cancelled", by=by, cancel=why)
         return "cancelled"
     # A soak in progress ends with the cancel: its plan is reverting, not waiting on it.
-    await plans.set_plan(conn, p.id, state="rolling", phase="revert", cancel=why, soak_until=None)
-    await events.record(conn, "plan.cancelling", epoch=epoch, plan=p.id, by=by, cancel=why)
+    await w.plan(state="rolling", phase="revert", cancel=why, soak_until=None)
+    await w.event("plan.cancelling", by=by, cancel=why)
     return "rolling"
 
 

@@ -25,12 +25,12 @@ import logging
 from dataclasses import dataclass
 
 import anyio
-import asyncpg
 
 from mesh.model import SteerReply, SteerRequest
-from mesh.store import events, plans, seats
+from mesh.store import plans
 from services.controller.plans.planner import Planner
 from services.controller.plans.states import cancelled, found, refused, why_not
+from services.controller.plans.writes import PlanWrites
 from services.controller.trust.audit import Audit
 
 log = logging.getLogger(__name__)
@@ -41,22 +41,20 @@ class Steering:
     """The verbs that pause, resume and cancel a plan; `one_change` is the catalog's lock
     (changes.Changes): a cancel takes a change back as a change is made, one at a time."""
 
-    pool: asyncpg.Pool
-    epoch: int
+    writes: PlanWrites  # each move one fenced transaction on the plan, its row locked
     one_change: anyio.Lock
     planner: Planner
 
     async def pause(self, req: SteerRequest, audit: Audit) -> SteerReply:
-        async with self.pool.acquire() as conn, conn.transaction():
-            await seats.fence(conn, epoch=self.epoch)
-            p = found(await plans.locked(conn, req.id), req.id)
+        async with self.writes.on(req.id) as w:
+            p = found(await w.locked(), req.id)
             if p.state == "paused":
                 return await self._told(p, f"plan {p.id} is already paused")
             if p.state not in ("pending", "rolling") or p.phase == "revert":
                 raise refused(p, why_not("pause", p))
-            await plans.set_plan(conn, p.id, state="paused")
-            await events.record(conn, "plan.paused", epoch=self.epoch, plan=p.id, by=req.by)
-            await audit.write(conn, detail="paused")
+            await w.plan(state="paused")
+            await w.event("plan.paused", by=req.by)
+            await audit.write(w.conn, detail="paused")
         p.state = "paused"
         what = "the steps in flight finish, no new machine starts" if p.started else (
             "it will not start"
@@ -64,31 +62,29 @@ class Steering:
         return await self._told(p, f"plan {p.id} paused: {what} until mesh plan resume {p.id}")
 
     async def resume(self, req: SteerRequest, audit: Audit) -> SteerReply:
-        async with self.pool.acquire() as conn, conn.transaction():
-            await seats.fence(conn, epoch=self.epoch)
-            p = found(await plans.locked(conn, req.id), req.id)
+        async with self.writes.on(req.id) as w:
+            p = found(await w.locked(), req.id)
             if p.state in ("pending", "rolling") and p.phase == "forward":
                 return await self._told(p, f"plan {p.id} is not paused: it is {p.state}")
             if p.state != "paused":
                 raise refused(p, why_not("resume", p))
             p.state = "rolling" if p.started else "pending"
-            await plans.set_plan(conn, p.id, state=p.state)
-            await events.record(conn, "plan.resumed", epoch=self.epoch, plan=p.id, by=req.by)
-            await audit.write(conn, detail="resumed")
+            await w.plan(state=p.state)
+            await w.event("plan.resumed", by=req.by)
+            await audit.write(w.conn, detail="resumed")
         return await self._told(p, f"plan {p.id} resumed: it is {p.state}")
 
     async def cancel(self, req: SteerRequest, audit: Audit) -> SteerReply:
         async with self.one_change:
-            async with self.pool.acquire() as conn, conn.transaction():
-                await seats.fence(conn, epoch=self.epoch)
-                p = found(await plans.locked(conn, req.id), req.id)
+            async with self.writes.on(req.id) as w:
+                p = found(await w.locked(), req.id)
                 if p.phase == "revert" and p.cancel is not None and p.state in plans.OPEN:
                     return await self._told(p, f"plan {p.id} is already being cancelled")
                 if p.state not in plans.OPEN or p.phase == "revert":
                     raise refused(p, why_not("cancel", p))
                 why = f"cancelled by {req.by or 'an operator'}"
-                p.state = await cancelled(conn, p, why=why, epoch=self.epoch, by=req.by)
-                await audit.write(conn, detail=f"cancelled ({p.state})")
+                p.state = await cancelled(w, p, why=why, by=req.by)
+                await audit.write(w.conn, detail=f"cancelled ({p.state})")
                 p.phase, p.cancel = ("revert" if p.started else p.phase), why
         if p.state == "cancelled":
             return await self._told(p, f"plan {p.id} cancelled: no machine had changed")
