@@ -76,6 +76,7 @@ CONSUMERS = 100_000
 # resources, replicas > 1 on a lone server. Anything else is raised, not taken for a small cluster.
 _TOO_FEW_SERVERS = {10005, 10023, 10074}
 _MADE_OTHERWISE = 10058  # "stream name already in use with a different configuration"
+MADE_WITHIN = 15.0  # how long a bucket another controller is making may take to be found
 CHUNK = 128 * 1024  # an object's chunk, as nats-py cuts them, on a server that takes that much
 CHUNK_HEADROOM = 1024  # a chunk's message carries headers and a subject besides its bytes
 _NO_BUCKET = "no object store {bucket}: has a controller held the seat yet?"
@@ -215,7 +216,7 @@ async def _most(
         except APIError as e:
             if e.err_code == _MADE_OTHERWISE:
                 log.info("%s was made meanwhile by another; opened it", what)
-                return await existing()
+                return await _made_by_another(existing)
             if replicas == 1 or e.err_code not in _TOO_FEW_SERVERS:
                 raise
             log.debug("%s with %d replicas: %s", what, replicas, e.description)
@@ -223,6 +224,20 @@ async def _most(
         log.info("created %s with %d replica(s)", what, replicas)
         return made
     raise AssertionError("unreachable")
+
+
+async def _made_by_another(existing: Callable[[], Awaitable[T]]) -> T:
+    """The bucket another controller is making: in a cluster its name is taken before every
+    server can say what it is (found missing for a moment: CI saw a controller stop on it), so
+    it is asked for again until MADE_WITHIN."""
+    deadline = time.monotonic() + MADE_WITHIN
+    while True:
+        try:
+            return await existing()
+        except (BucketNotFoundError, NotFoundError):
+            if time.monotonic() > deadline:
+                raise
+            await anyio.sleep(0.2)  # polling a condition with a deadline
 
 
 async def replicas(nc: Client, stream: str) -> int:
