@@ -274,6 +274,14 @@ class ProcessState(msgspec.Struct, omit_defaults=True):
     # Why it last exited, while it is not running: "memory limit 64M reached", "exited with
     # code 1", "killed by signal 9".
     reason: str = ""
+    # How often its host restarted it since it started this version, and how many of those
+    # came in a row with no steady run between (30 s up): a plan fails a step at once when
+    # that reaches its module's `crash_loop`. What its last check said while it runs and is
+    # not healthy ("HTTP status 503"), and since when this instance runs.
+    restarts: int = 0
+    in_a_row: int = 0
+    check: str = ""
+    since: datetime | None = None
 
 
 class Node(msgspec.Struct):
@@ -504,6 +512,8 @@ class PlanSettings(msgspec.Struct):
     canary: int | str | None = None
     soak: float = 0.0
     pause_after: list[int] = []
+    # restarts of a process within its step that fail the step at once, with their cause
+    crash_loop: int = 3
 
 
 class PlanReply(msgspec.Struct):

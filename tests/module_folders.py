@@ -65,11 +65,13 @@ PREPARE = "import os\nopen(os.environ['MESH_FILES'] + '/prepared', 'w').write('y
 
 
 def svc_module(
-    folder: Path, *, version: str, port: int, mode: str = "serve", extra: str = ""
-) -> Path:
+    folder: Path, *, version: str, port: int, mode: str = "serve", extra: str = "",
+    rollout: str = "",
+) -> Path:  # fmt: skip
     """Module `svc` on node-1: SERVER (`version`, listening on `port`; mode "crash" exits 3,
     "deaf" never listens) as account `svc`, healthy once it accepts connections; `extra` ends
-    its process table; src/prepare.py is there for a `prepare` step to run."""
+    its process table, `rollout` its [rollout] table; src/prepare.py is there for a `prepare`
+    step to run."""
     return write_module(
         folder,
         '[module]\nname = "svc"\n'
@@ -81,7 +83,7 @@ def svc_module(
         f"{extra}"
         # The plan waits longer than the host's own health window, so a failure a test reads
         # is the host's verdict, not the plan giving up first and reverting.
-        '[rollout]\ndeadline = "150s"\n'
+        f'[rollout]\ndeadline = "150s"\n{rollout}'
         '[assign]\nmachines = ["node-1"]\n',
         files={"src/server.py": SERVER, "src/prepare.py": PREPARE},
     )

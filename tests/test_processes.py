@@ -62,7 +62,10 @@ async def test_a_killed_process_comes_back(host, nc, tmp_path, cli) -> None:
 
 
 async def test_a_crashing_process_backs_off(host, nc, tmp_path, cli) -> None:
-    folder = svc_module(tmp_path / "m", version="1", port=ports.free_port(), mode="crash")
+    # Its plan would fail the crash loop at its third restart and take it away (test_causes.py):
+    # here the loop is what is watched.
+    folder = svc_module(tmp_path / "m", version="1", port=ports.free_port(), mode="crash",
+                        rollout="crash_loop = 1000\n")  # fmt: skip
     ok(cli("push", str(folder)))
     log = tmp_path / "hosts" / "node-1" / "processes" / "svc" / "logs" / "output.log"
     await await_until(lambda: _starts(log, 3), within=60, what="two restarts")

@@ -132,6 +132,45 @@ def test_a_report_for_an_old_digest_does_not_count() -> None:
     assert rollout.judge(report=healthy("new"), digest="new", names=lambda: HELLO) is True
 
 
+def test_a_crash_loop_fails_a_step_at_once_with_its_cause() -> None:
+    """A process its host restarted `crash_loop` times in a row fails the step as soon as that
+    is heard, saying how it last exited; below that, or once it ran steadily, the step waits."""
+
+    def judged(in_a_row: int, *, healthy: bool = False) -> bool | str | None:
+        ps = ProcessState("hello", "restarting", healthy, None, reason="exited with code 3",
+                          restarts=in_a_row, in_a_row=in_a_row)  # fmt: skip
+        report = Report(applied="d", processes=[ps])
+        return rollout.judge(report=report, digest="d", names=lambda: HELLO, crash_loop=3)
+
+    assert judged(2) is None
+    assert judged(3) == (
+        "process hello is in a crash loop: exited with code 3; restarted 3 time(s) in a row"
+    )
+    assert judged(3, healthy=True) is True  # healthy as it was heard: not a loop now
+    # without a crash_loop (a revert settling), nothing fails for it
+    loop = Report(applied="d", processes=[ProcessState("hello", "restarting", False, None,
+                                                       in_a_row=9)])  # fmt: skip
+    assert rollout.judge(report=loop, digest="d", names=lambda: HELLO) is None
+
+
+def test_a_step_past_its_deadline_names_what_the_host_said() -> None:
+    def why(ps: ProcessState) -> str:
+        report = Report(applied="d", processes=[ps])
+        return rollout.why(machine="node-2", report=report, digest="d", names=HELLO, deadline=60)
+
+    sick = ProcessState("hello", "running", False, 7, check="HTTP status 503", restarts=1)
+    assert why(sick) == (
+        "process hello is running, not healthy, after 60s: its check said: HTTP status 503; "
+        "restarted 1 time(s)"
+    )
+    killed = ProcessState("hello", "restarting", False, None, reason="memory limit 64M reached",
+                          restarts=2, in_a_row=2)  # fmt: skip
+    assert why(killed) == (
+        "process hello is restarting, not healthy, after 60s: memory limit 64M reached; "
+        "restarted 2 time(s) in a row"
+    )
+
+
 def test_reasons_a_step_ran_out_of_time() -> None:
     def why(report: Report) -> str:
         return rollout.why(machine="node-2", report=report, digest="d", names=HELLO, deadline=60)

@@ -4,7 +4,7 @@ Decoding is strict: an unknown field is an error naming it. Checks that msgspec 
 (argv vs shell strings, paths, durations, modes, cross-references) are the gate's (`gate.py`).
 """
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -127,6 +127,9 @@ class Rollout(Strict):
     canary: int | str | None = None
     soak: str | None = None
     pause_after: list[int] = []
+    # A process its host restarted this many times in a step fails the step at once, with why
+    # it exited, rather than when the deadline passes (Kubernetes' CrashLoopBackOff).
+    crash_loop: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 3
 
 
 class Manifest(Strict):

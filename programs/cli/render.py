@@ -54,6 +54,18 @@ def _use(p: ProcessState) -> str:
     return f" {_size(p.memory)} {p.cpu or 0:.2f}cpu"
 
 
+def _life(p: ProcessState) -> str:
+    """How long it has run, how often it was restarted, and what its failing check said."""
+    said = []
+    if p.since is not None and p.pid is not None:
+        said.append(f"started {_ago(p.since)}")
+    if p.restarts:
+        said.append(f"{p.restarts} restart(s)" + (f", {p.in_a_row} in a row" if p.in_a_row else ""))
+    if p.check:
+        said.append(f"check: {p.check}")
+    return escape(f" [{'; '.join(said)}]") if said else ""
+
+
 def _size(n: int) -> str:
     for unit, size in (("G", 2**30), ("M", 2**20), ("K", 2**10)):
         if n >= size:
@@ -123,7 +135,7 @@ def nodes(console: Console, r: NodesReply, *, want: int | None = None) -> None:
             ", ".join(
                 f"{p.name}{' (new version)' if p.trial else ''} {p.state}"
                 f"{' healthy' if p.healthy else ''}{f' pid {p.pid}' if p.pid else ''}{_use(p)}"
-                f"{f' ({escape(p.reason)})' if p.reason else ''}"
+                f"{f' ({escape(p.reason)})' if p.reason else ''}{_life(p)}"
                 for p in n.processes
             )
             or "-"

@@ -15,6 +15,7 @@ import secrets
 import subprocess
 import time
 from collections.abc import Callable
+from datetime import UTC, datetime
 from pathlib import Path
 
 import anyio
@@ -73,6 +74,9 @@ class Supervised:
         self.last_error = ""
         self.reason = ""  # why it last exited (limits.py names a limit's kill)
         self.restarts = 0
+        self.in_a_row = 0  # restarts with no steady run between (STEADY_AFTER): a crash loop
+        self.since: datetime | None = None  # when its running instance started
+        self.check_said = ""  # its last check's failure, until a check passes
         self.oom_kills = 0  # by its memory limit, since this host started it
         self._oom_before = 0  # its cgroup's count when the instance started
         self.meter = limits.Meter()
@@ -86,8 +90,20 @@ class Supervised:
         down = self.state not in ("starting", "running")
         return ProcessState(
             name=self.launch.name, state=self.state, healthy=self.healthy, pid=pid,
-            memory=memory, cpu=cpu, reason=self.reason if down else "",
+            memory=memory, cpu=cpu, reason=self.reason if down else "", restarts=self.restarts,
+            in_a_row=0 if self._steady() else self.in_a_row,
+            check="" if down or self.healthy else self.check_said,
+            since=None if down else self.since,
         )  # fmt: skip
+
+    def _steady(self) -> bool:
+        """Running for STEADY_AFTER: the restarts before no longer count as a loop."""
+        since = self.since
+        return (
+            self.state == "running"
+            and since is not None
+            and ((datetime.now(UTC) - since).total_seconds() > STEADY_AFTER)
+        )
 
     def _set(self, state: ProcessStatus, *, healthy: bool | None = None, error: str = "") -> None:
         changed = state != self.state or (healthy is not None and healthy != self.healthy)
@@ -120,6 +136,7 @@ class Supervised:
                         backoff = min(backoff * 2, BACKOFF_MAX)
                         continue
                     log.info("process %s started, pid %d", self.launch.name, self.instance.pid)
+                self.since, self.check_said = datetime.now(UTC), ""
                 self._changed()
                 up_since = time.monotonic()
                 self._set("running", healthy=self._healthy_at_start())
@@ -143,8 +160,9 @@ class Supervised:
                     log.info("process %s %s; restart = %s", self.launch.name, how, policy)
                     return
                 if time.monotonic() - up_since > STEADY_AFTER:
-                    backoff = 1.0
+                    backoff, self.in_a_row = 1.0, 0
                 self.restarts += 1
+                self.in_a_row += 1
                 metrics.RESTARTS.labels(self.launch.name).inc()
                 log.info("process %s %s; restarting in %gs", self.launch.name, how, backoff)
                 self._set("restarting", healthy=False, error=how)
@@ -216,6 +234,9 @@ class Supervised:
                 session=self.instance.pid if self.instance else None,
             )  # fmt: skip
             passes = passes + 1 if ok else 0
+            said, self.check_said = self.check_said, "" if ok else why
+            if said != self.check_said and not self.healthy:
+                self._changed()  # the plan waiting on it hears why, not only that it waits
             metrics.CHECKS.labels(self.launch.name, "pass" if ok else "fail").inc()
             if ok and passes >= check.passes and not self.healthy:
                 log.info("process %s is healthy (%d passes)", self.launch.name, passes)

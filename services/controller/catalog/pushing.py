@@ -139,4 +139,5 @@ def settings_of(manifest: Manifest | None) -> PlanSettings:
         deadline=gate.duration(r.deadline), max_parallel=r.max_parallel,
         auto_revert=r.auto_revert, skip_down=r.skip_down, canary=r.canary,
         soak=gate.duration(r.soak) if r.soak else 0.0, pause_after=sorted(set(r.pause_after)),
+        crash_loop=r.crash_loop,
     )  # fmt: skip

@@ -47,22 +47,40 @@ class Report(msgspec.Struct, frozen=True):
 # --- one machine ---------------------------------------------------------------------------------
 
 
-def judge(*, report: Report, digest: str, names: Callable[[], frozenset[str]]) -> bool | str | None:
-    """True: `digest` applied and every process it declares healthy; a string: why it failed;
-    None: not yet. A report about another digest (an old one) decides nothing, and a start-first
-    trial's health is not its process's: the old version is still the one serving. `names` (the
-    processes `digest` declares) is asked only once it is applied: decoding a declaration costs,
-    and a tier of thousands is judged at every report."""
+def judge(
+    *, report: Report, digest: str, names: Callable[[], frozenset[str]], crash_loop: int = 0
+) -> bool | str | None:
+    """True: `digest` applied and every process it declares healthy; a string: why it failed
+    (its apply, or a process its host restarted `crash_loop` times in a row); None: not yet. A
+    report about another digest (an old one) decides nothing, and a start-first trial's health
+    is not its process's: the old version is still the one serving. `names` (the processes
+    `digest` declares) is asked only once it is applied: decoding a declaration costs, and a
+    tier of thousands is judged at every report."""
     if report.failed == digest:
         return report.error if report.error is not None else "the apply failed"
     if report.applied != digest:
         return None
     states = {ps.name: ps for ps in report.processes if not ps.trial}
+    waiting = False
     for name in names():
         ps = states.get(name)
-        if ps is None or not ps.healthy:
-            return None
-    return True
+        if ps is not None and not ps.healthy and crash_loop and ps.in_a_row >= crash_loop:
+            return f"process {name} is in a crash loop: {cause(ps)}"  # in_a_row: never empty
+        waiting = waiting or ps is None or not ps.healthy
+    return None if waiting else True
+
+
+def cause(ps: ProcessState) -> str:
+    """What a process's host says of why it is not healthy: how it last exited, what its check
+    said, how often it was restarted; "" when the host says nothing more."""
+    said = [ps.reason] if ps.reason else []
+    said += [f"its check said: {ps.check}"] if ps.check else []
+    said += [ps.error] if ps.error else []  # a tool server's (it does not speak MCP, ...)
+    if ps.in_a_row:
+        said.append(f"restarted {ps.in_a_row} time(s) in a row")
+    elif ps.restarts:
+        said.append(f"restarted {ps.restarts} time(s)")
+    return "; ".join(said)
 
 
 def why(
@@ -86,7 +104,10 @@ def why(
             why = f": {ps.error}" if ps.error else ""
             return f"tool server {name} is {ps.state}, not ready, after {deadline:g}s{why}"
         if not ps.healthy:
-            return f"process {name} is {ps.state}, not healthy, after {deadline:g}s"
+            said = cause(ps)
+            return f"process {name} is {ps.state}, not healthy, after {deadline:g}s" + (
+                f": {said}" if said else ""
+            )
     return f"not healthy after {deadline:g}s"
 
 
@@ -201,6 +222,7 @@ class Tier:
     limit: int
     deadline: float
     queue: list[Step]
+    crash_loop: int = 0  # restarts in a row that fail a step at once (0: none do)
     active: dict[str, tuple[Step, float]] = field(default_factory=dict)
 
     @property
@@ -220,6 +242,7 @@ def rolling(steps: list[Step], *, tier: int, settings: PlanSettings) -> Tier | N
         limit=settings.max_parallel or len(mine),
         deadline=settings.deadline,
         queue=[s for s in mine if s.state == "pending"],
+        crash_loop=settings.crash_loop,
     )
 
 
@@ -316,8 +339,9 @@ def look(
     for machine in machines & t.active.keys():
         s = t.active[machine][0]
         verdict = judge(
-            report=report(machine), digest=s.after, names=partial(names, s.after, s.after_body)
-        )
+            report=report(machine), digest=s.after, names=partial(names, s.after, s.after_body),
+            crash_loop=t.crash_loop,
+        )  # fmt: skip
         if verdict is True:
             done.append(s)
             del t.active[machine]
@@ -453,8 +477,8 @@ def unsoaked(*, report: Report, digest: str, names: Callable[[], frozenset[str]]
         if ps is None:
             return f"process {name} is not running"
         if not ps.healthy:
-            why = f": {ps.error}" if ps.error else ""
-            return f"process {name} is {ps.state}, not healthy{why}"
+            said = cause(ps)
+            return f"process {name} is {ps.state}, not healthy" + (f": {said}" if said else "")
     return None
 
 
