@@ -95,6 +95,23 @@ def test_shell_string_prepare_and_build_are_refused() -> None:
     assert "bundle.hello.build" in refused(built)
 
 
+def test_a_word_not_in_its_list_is_refused_with_the_list() -> None:
+    said = refused("""\
+        [module]
+        name = "x"
+        [process.a]
+        command = ["x"]
+        root = true
+        restart = "on-falure"
+    """)
+    assert said == (
+        "module x: process.a.restart: Invalid enum value 'on-falure': one of 'always', "
+        "'on-failure', 'never'"
+    )
+    said = refused('[module]\nname = "x"\n[rollout]\ndeadline = "1s"\ncrash_loop = 0\n')
+    assert said == "module x: rollout.crash_loop: Expected `int` >= 1"
+
+
 def test_unknown_fields_are_refused_by_name() -> None:
     assert refused(GOOD + 'colour = "red"\n').endswith("process.hello.colour: unknown field")
     assert "module.owner: unknown field" in refused(

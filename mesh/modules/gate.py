@@ -13,8 +13,10 @@ in `privileged_groups`).
 import posixpath
 import re
 import tomllib
+import types
+import typing
 from collections.abc import Sized
-from typing import Any
+from typing import Annotated, Any, Literal, Union
 
 import msgspec
 
@@ -130,9 +132,37 @@ def parse(text: str, *, origin: str = "module.toml") -> Manifest:
         manifest = msgspec.convert(raw, Manifest)
     except msgspec.ValidationError as e:
         field, _, why = _split(_locate(raw) or str(e))
+        if why.startswith("Invalid enum value") and (allowed := _choices(field)):
+            why += f": one of {', '.join(allowed)}"
         raise Refused(module, field, why) from None
     check(manifest)
     return manifest
+
+
+def _choices(field: str) -> list[str]:
+    """The values a field of the manifest takes (`process.web.restart`), if it is one of a
+    list; [] when it is not, or the path names nothing."""
+    kind: Any = Manifest
+    for part in field.split("."):
+        kind = _bare(kind)
+        if typing.get_origin(kind) is dict:
+            kind = typing.get_args(kind)[1]  # `part` is the table's key: its value's type
+        elif isinstance(kind, type) and issubclass(kind, msgspec.Struct):
+            kind = typing.get_type_hints(kind, include_extras=True).get(part)
+        else:
+            return []
+    kind = _bare(kind)
+    return [repr(v) for v in typing.get_args(kind)] if typing.get_origin(kind) is Literal else []
+
+
+def _bare(kind: Any) -> Any:
+    """`kind` without Annotated's metadata and without None (an optional field's type)."""
+    while typing.get_origin(kind) is Annotated:
+        kind = typing.get_args(kind)[0]
+    if typing.get_origin(kind) in (Union, types.UnionType):
+        rest = [k for k in typing.get_args(kind) if k is not type(None)]
+        kind = rest[0] if len(rest) == 1 else kind
+    return kind
 
 
 _SECTIONS = {
