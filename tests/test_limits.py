@@ -3,11 +3,12 @@ found (tests/test_fuzz.py): each refusal is the documented error, naming the fie
 
 import io
 import re
+import subprocess
 import tarfile
 from pathlib import Path
 
 import pytest
-from helpers import ask, await_until, mesh_cli
+from helpers import MESH, ask, await_until, mesh_cli
 
 from mesh import blobs, subjects
 from mesh.modules import archive, gate, load
@@ -192,6 +193,19 @@ def test_a_module_toml_that_is_not_utf8_or_too_large_is_refused(tmp_path: Path) 
     (tmp_path / "module.toml").write_bytes(b"#" * (gate.MAX_MANIFEST + 1))
     with pytest.raises(gate.Refused, match=f"is larger than {gate.MAX_MANIFEST} bytes"):
         load.load(tmp_path)
+
+
+def test_a_push_of_a_folder_that_is_not_there_says_so(tmp_path: Path) -> None:
+    """`mesh push /nope` names the path and what it is not, before asking any controller."""
+    (tmp_path / "file").write_text("")
+    cases = ((tmp_path / "nope", "no such folder"), (tmp_path / "file", "is not a folder"))
+    for path, what in cases:
+        done = subprocess.run([*MESH, "push", str(path)], capture_output=True, text=True,
+                              timeout=60)  # fmt: skip
+        assert done.returncode != 0
+        assert done.stderr.strip() == (
+            f"mesh: error: module ?: {path}: {what}: a module is a folder with a module.toml"
+        ), done.stderr
 
 
 # --- blobs: refused for their size before they are fetched ---------------------------------

@@ -19,6 +19,9 @@ def load(folder: Path) -> LocalModule:
     """Parse, gate and pack the module in `folder`. Raises gate.Refused with one-line reasons."""
     folder = Path(folder)
     toml = folder / "module.toml"
+    if not folder.is_dir():
+        what = "is not a folder" if folder.exists() else "no such folder"
+        raise gate.Refused("?", str(folder), f"{what}: a module is a folder with a module.toml")
     if not toml.is_file():
         raise gate.Refused("?", str(toml), "no module.toml here: a module is a folder with one")
     if toml.stat().st_size > gate.MAX_MANIFEST:  # before reading it whole
