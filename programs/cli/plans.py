@@ -13,6 +13,7 @@ import sys
 from datetime import UTC, datetime
 from typing import Any
 
+import anyio
 import msgspec
 from rich.console import Console
 from rich.markup import escape
@@ -161,10 +162,18 @@ async def follow(args: argparse.Namespace, plan_id: int) -> PlanReply:
     timeout = max(getattr(args, "timeout", 5.0), ASK_WITHIN)
     terminal = not args.json and sys.stdout.isatty()
     shown = _Bars(console(), plan_id) if terminal else _Lines(quiet=args.json)
-    async with connected(url=url, creds=creds, what="plan") as nc:
-        with shown:
-            return await follow_plan(nc, url=url, plan_id=plan_id, show=shown.show,
-                                     timeout=timeout)  # fmt: skip
+    try:
+        async with connected(url=url, creds=creds, what="plan") as nc:
+            with shown:
+                return await follow_plan(nc, url=url, plan_id=plan_id, show=shown.show,
+                                         timeout=timeout)  # fmt: skip
+    except (KeyboardInterrupt, anyio.get_cancelled_exc_class()):
+        # Ctrl-C stops the following, not the plan: the holder goes on with it.
+        sys.stderr.write(
+            f"\nplan {plan_id} goes on without this command: `mesh plan {plan_id} --follow` "
+            f"follows it again, `mesh plan cancel {plan_id}` cancels it\n"
+        )
+        raise
 
 
 class _Took(ProgressColumn):
