@@ -622,6 +622,8 @@ async def up(
             say(f"metrics of every controller and host: {mesh.write_metrics()}")
             say(f"ready {mesh.nats_url}")
             say(f"in another terminal: source {env}; mesh status; mesh nodes")
+            me = os.getpid()
+            say(f"mesh dev up is pid {me}: Ctrl-C here (or kill -INT {me}) stops the whole mesh")
             await mesh.watch()
             tg.cancel_scope.cancel()
     finally:

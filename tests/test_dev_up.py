@@ -33,7 +33,8 @@ def _running_under(folder: Path) -> list[str]:
 
 def _pids(lines: list[str]) -> list[int]:
     """Every piece's pid, from `mesh dev up`'s own lines ("… (pid 123)")."""
-    pids = [int(m) for line in lines for m in re.findall(r"pid (\d+)", line)]
+    pieces = [line for line in lines if not line.startswith("mesh dev up is pid ")]  # itself
+    pids = [int(m) for line in pieces for m in re.findall(r"pid (\d+)", line)]
     # nats, postgres and its TLS front, two controllers, three hosts, the console
     assert len(pids) == 9, lines
     return pids
@@ -65,6 +66,8 @@ def test_dev_up_end_to_end(tmp_path: Path) -> None:
     try:
         url = dev.wait_for("ready ", within=90).split()[1]
         assert url.startswith("tls://127.0.0.1:")  # TLS by default
+        said = dev.wait_for("mesh dev up is pid ", within=30)  # what to stop it with
+        assert said.split()[5].rstrip(":") == str(dev.proc.pid), said
         env = env_file(folder)
         assert env["MESH_NATS_URL"] == url
         assert env["MESH_CA"] == str(folder.resolve() / "tls" / "ca.pem")
