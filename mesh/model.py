@@ -147,6 +147,9 @@ class StatusRequest(Request):
 class NodesRequest(Request, omit_defaults=True):
     after: Cursor | None = None  # the previous page's `next`; None: the first page
     limit: int = PAGE_LIMIT
+    # Only these machines, those the mesh knows (`mesh logs` asks whether one it could not
+    # reach is known, and up); none: every machine, a page at a time.
+    names: Annotated[list[Name], msgspec.Meta(max_length=64)] = []
 
     def __post_init__(self) -> None:
         check_limit(self.limit)

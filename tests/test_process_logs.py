@@ -223,3 +223,12 @@ async def test_mesh_logs_follow_streams_new_lines_in_order_and_asks_nothing_whil
 
 def _read(path: Path) -> str:
     return path.read_text(errors="replace") if path.exists() else ""
+
+
+async def test_mesh_logs_of_a_machine_the_mesh_does_not_know_says_so(host, nats_url) -> None:
+    """A host that does not answer: the controller says whether the machine is known at all."""
+    unknown = mesh_cli("logs", "node-9", "api", nats_url=nats_url, answer=3)
+    assert unknown.returncode == 1
+    assert unknown.stderr.strip() == (
+        "mesh: error: machine node-9 is not known to this mesh (`mesh nodes` lists those it knows)"
+    ), unknown.stderr

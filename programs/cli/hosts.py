@@ -9,8 +9,8 @@ from typing import Any
 import anyio
 
 from mesh import bus, subjects, wire
-from mesh.client.asking import connected
-from mesh.model import LogsReply, LogsRequest
+from mesh.client.asking import VerbFailed, ask, connected
+from mesh.model import LogsReply, LogsRequest, NodesReply, NodesRequest
 from mesh.names import check_name
 from programs.cli.client import CliError, where
 
@@ -34,13 +34,26 @@ async def _read(nc: Any, machine: str, req: LogsRequest, timeout: float) -> Logs
             attempt_timeout=1.0 + req.wait,
         )  # fmt: skip
     except bus.NoAnswer:
-        raise CliError(
-            f"host {machine} did not answer on {subject}; is it up? (`mesh nodes`)"
-        ) from None
+        raise CliError(await _why_silent(nc, machine, subject, timeout)) from None
     try:
         return wire.decode_reply(data, LogsReply)
     except wire.RemoteError as e:
         raise CliError(f"logs: {e}") from None
+
+
+async def _why_silent(nc: Any, machine: str, subject: str, timeout: float) -> str:
+    """Why a host did not answer, as far as the controller knows: no such machine, or down."""
+    said = f"host {machine} did not answer on {subject}"
+    try:
+        known = await ask(nc, url="", verb="nodes", reply=NodesReply, timeout=timeout,
+                          body=wire.encode(NodesRequest(names=[machine])))  # fmt: skip
+    except VerbFailed:  # no controller either: say what is known
+        return f"{said}; is it up? (`mesh nodes`)"
+    if not known.nodes:
+        return f"machine {machine} is not known to this mesh (`mesh nodes` lists those it knows)"
+    if not known.nodes[0].up:
+        return f"{said}: machine {machine} is down (`mesh nodes`)"
+    return f"{said}; it is up: is its host agent running? (`mesh nodes`)"
 
 
 async def cmd_logs(args: argparse.Namespace) -> None:

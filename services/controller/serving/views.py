@@ -75,6 +75,10 @@ class Views:
         """From memory, in the fleet's own order: a page costs what it holds, not the fleet."""
         at = paging.after(req.after, verb="nodes", shape=(int, str))
         fleet, wanted = self.fleet, self.publisher.wanted
+        if req.names:  # a few by name: those known, in the order asked
+            known = [n for n in dict.fromkeys(req.names) if n in fleet.machines]
+            return NodesReply(nodes=[fleet.node(n, wanted=wanted) for n in known],
+                              total=len(fleet.order))  # fmt: skip
         order = fleet.order  # sorted (tier, name); nothing changes it before we return
         total = len(order)
         rows = ((order[i], fleet.node(order[i][1], wanted=wanted))
