@@ -21,6 +21,13 @@ LabelKey = Annotated[
     str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9._/-]*\Z")
 ]
 Labels = Annotated[dict[LabelKey, Word], msgspec.Meta(max_length=64)]
+
+
+def labels_said(labels: dict[str, str], *, none: str = "none") -> str:
+    """Labels as people read them (and the audit keeps them): `role=web, zone=a`, by key."""
+    return ", ".join(f"{k}={v}" for k, v in sorted(labels.items())) or none
+
+
 Interval = Annotated[float, msgspec.Meta(gt=0, le=3600)]
 # Which mesh a process runs (mesh/version.py): `sha256:<hex>` (a mesh bundle) or `installed`;
 # "" from a process that does not say.

@@ -21,6 +21,7 @@ from mesh.model import (
     NodesRequest,
     TierReply,
     TierRequest,
+    labels_said,
 )
 
 CONTROL = {"role": "control"}  # services/controller's [assign]: the machines that run it
@@ -99,6 +100,6 @@ async def place_new(
             )  # fmt: skip
         except VerbFailed as e:
             raise NotPlaced(f"placing {name}: {e}") from None
-        shown = ", ".join(f"{k}={v}" for k, v in labels.items()) or "none"
+        shown = labels_said(labels)
         placed.append(f"machine {name} placed: tier {tier}, labels {shown}")
     return placed

@@ -35,6 +35,7 @@ from mesh.client.join import JoinError, ask_to_join, mesh_ca
 from mesh.embedded.children import spawn
 from mesh.entry import command
 from mesh.meshdir import MeshDir
+from mesh.model import labels_said
 from mesh.names import InvalidName, check_name
 from mesh.tokens import TokenError, decode
 from programs.cli.client import CliError
@@ -135,7 +136,7 @@ async def cmd_join(args: argparse.Namespace) -> None:
         reply = await ask_to_join(token, ca=folder.ca, machine=name, public=key.public)
     except JoinError as e:
         raise CliError(str(e)) from None
-    labels = ", ".join(f"{k}={v}" for k, v in sorted(reply.labels.items())) or "none"
+    labels = labels_said(reply.labels)
     say(f"admitted as {name}: tier {reply.tier}, labels {labels}"
         + (" (again: the answer before was lost)" if reply.again else ""))  # fmt: skip
 

@@ -34,6 +34,7 @@ from mesh.model import (
     JoinedKeyRequest,
     LabelReply,
     LabelRequest,
+    labels_said,
 )
 from mesh.names import InvalidName, check_name
 from programs.cli import folderaudit, plans
@@ -272,7 +273,7 @@ async def cmd_machine_add(args: argparse.Namespace) -> None:
         print(f"that one file carries {' and '.join(carried)}: the host needs nothing else")
     if added.labels is not None:
         tier_text = f"tier {added.tier}" if added.tier is not None else "its tier"
-        print(f"{tier_text}, labels {_labels_text(added.labels)}: held by the controller")
+        print(f"{tier_text}, labels {labels_said(added.labels)}: held by the controller")
     print(
         "the mesh's nats-server admits it now"
         if reloaded
@@ -286,10 +287,6 @@ async def cmd_machine_add(args: argparse.Namespace) -> None:
     )
 
 
-def _labels_text(labels: dict[str, str]) -> str:
-    return ", ".join(f"{k}={v}" for k, v in sorted(labels.items())) or "none"
-
-
 async def cmd_label(args: argparse.Namespace) -> None:
     check_name(args.machine, field="MACHINE")
     if not args.labels and not args.remove:
@@ -299,7 +296,7 @@ async def cmd_label(args: argparse.Namespace) -> None:
     if args.json:
         print_json(reply)
         return
-    after = f"{reply.machine}: labels {_labels_text(reply.labels)} (were {_labels_text(reply.was)})"
+    after = f"{reply.machine}: labels {labels_said(reply.labels)} (were {labels_said(reply.was)})"
     if not reply.registered:
         after += f"; {reply.machine} has not registered yet: it takes them when it does"
     console().print(after)

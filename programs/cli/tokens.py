@@ -31,6 +31,7 @@ from mesh.model import (
     TokenListRequest,
     TokenRevokeReply,
     TokenRevokeRequest,
+    labels_said,
 )
 from mesh.names import InvalidName, check_name
 from programs.cli.args import LIMIT_HELP, Parser, count, label, tier
@@ -182,7 +183,7 @@ async def cmd_token_list(args: argparse.Namespace) -> None:
     for column in COLUMNS:
         table.add_column(column)
     for t in reply.tokens:
-        labels = ", ".join(f"{k}={v}" for k, v in sorted(t.labels.items())) or "-"
+        labels = labels_said(t.labels, none="-")
         table.add_row(
             t.id, _state(t, now), t.expires.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S"),
             str(t.uses_left), str(t.tier), escape(labels), escape(t.site or "-"), escape(t.by),

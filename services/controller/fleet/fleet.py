@@ -31,6 +31,7 @@ from mesh.model import (
     ProcessState,
     Register,
     ToolServerReport,
+    labels_said,
 )
 from mesh.ratelimit import PerKey
 from mesh.store import db, events, machines, seats
@@ -421,7 +422,9 @@ class Fleet:
                     await machines.set_labels(conn, name=name, labels=labels)
                 await events.record(conn, "machine.labels", machine=name, epoch=self._epoch,
                                     labels=labels, was=was, registered=m is not None)  # fmt: skip
-                await audit.write(conn, detail=f"labels {labels} (were {was})"[:200])
+                await audit.write(
+                    conn, detail=f"labels {labels_said(labels)} (were {labels_said(was)})"[:200]
+                )
             if m is not None:
                 m.labels = labels
         log.info("machine %s labels %s (were %s)%s", name, labels, was,

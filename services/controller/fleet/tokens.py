@@ -28,6 +28,7 @@ from mesh.model import (
     TokenListRequest,
     TokenRevokeReply,
     TokenRevokeRequest,
+    labels_said,
 )
 from mesh.names import InvalidName, check_name
 from mesh.store import audit, seats
@@ -98,7 +99,7 @@ class Tokens:
                     uses=req.uses, tier=req.tier, labels=labels, control=req.control,
                     site=req.site,
                 )  # fmt: skip
-            terms = f"tier {row.tier}, labels {row.labels}, {row.uses_left} use(s)"
+            terms = f"tier {row.tier}, labels {labels_said(row.labels)}, {row.uses_left} use(s)"
             terms += f", site {row.site}" if row.site else ""
             await audit.write(conn, subject=row.id,
                               detail=f"{terms}, expires {_when(row.expires_at)}")  # fmt: skip
