@@ -1,14 +1,18 @@
-"""Following a plan (`--wait`), and stopping to follow it (issue 42, small ones): Ctrl-C stops
-the command, not the plan, and the command says so and how to follow or cancel it."""
+"""Following a plan (`--wait`) (issue 42, small ones): Ctrl-C stops the command, not the plan,
+and the command says so and how to follow or cancel it; the line a plan ends with counts the
+machines it changed apart from those it skipped."""
 
 import os
 import signal
 import subprocess
+from datetime import UTC, datetime, timedelta
 
 from helpers import MESH, ask, await_until, ok_json
 from module_folders import svc_module
 
 from mesh.embedded import ports
+from mesh.model import PlanReply, PlanSettings, PlanStep
+from programs.cli.plans import render_end
 
 
 async def test_ctrl_c_during_wait_says_the_plan_goes_on(host, nc, nats_url, cli, tmp_path):
@@ -38,3 +42,21 @@ async def test_ctrl_c_during_wait_says_the_plan_goes_on(host, nc, nats_url, cli,
     still = ok_json(cli("plan", str(plan["id"]), "--json"))
     assert still["state"] == "rolling", still  # the plan went on
     ok_json(cli("plan", "cancel", str(plan["id"]), "--json"))
+
+
+def test_a_plans_end_counts_the_machines_it_changed_apart_from_those_it_skipped(capsys) -> None:
+    at = datetime(2026, 12, 7, 12, 0, tzinfo=UTC)
+    steps = [
+        PlanStep(machine=m, tier=t, state=state, started=at, finished=at, error=None,
+                 before=None, after="sha256:x")
+        for m, t, state in (("node-1", 0, "skipped"), ("node-2", 1, "done"), ("node-3", 2, "done"))
+    ]  # fmt: skip
+    plan = PlanReply(
+        id=5, state="done", trigger="push", subject="hello", by="admin", epoch=1, created=at,
+        started=at, finished=at + timedelta(seconds=24), phase="forward", failure=None,
+        settings=PlanSettings(), builds=[], tiers=[], steps=steps,
+    )  # fmt: skip
+    render_end(plan)
+    assert capsys.readouterr().out.strip() == (
+        "plan 5 done: 2 machine(s) in 24.0s, 1 skipped (node-1)"
+    )

@@ -307,7 +307,8 @@ def render_end(p: PlanReply) -> None:
         # Skipped (drained, or down): not changed by this plan, and said so.
         skipped = [s.machine for s in p.steps if s.state == "skipped"]
         but = f", {len(skipped)} skipped ({', '.join(skipped[:5])})" if skipped else ""
-        console().print(f"plan {p.id} done: {len(p.steps)} machine(s) in {took}{but}")
+        changed = len(p.steps) - len(skipped)  # the skipped are not among those it changed
+        console().print(f"plan {p.id} done: {changed} machine(s) in {took}{but}")
     elif p.state == "cancelled":
         back = sum(s.reverted for s in p.steps)
         console().print(f"plan {p.id} cancelled: {back} machine(s) got their previous "
