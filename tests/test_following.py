@@ -1,7 +1,8 @@
 """Following a plan (`--wait`) (issue 42, small ones): Ctrl-C stops the command, not the plan,
 and the command says so and how to follow or cancel it; the line a plan ends with counts the
-machines it changed apart from those it skipped."""
+machines it changed apart from those it skipped; a step an ended plan never reached says so."""
 
+import io
 import os
 import signal
 import subprocess
@@ -9,10 +10,11 @@ from datetime import UTC, datetime, timedelta
 
 from helpers import MESH, ask, await_until, ok_json
 from module_folders import svc_module
+from rich.console import Console
 
 from mesh.embedded import ports
 from mesh.model import PlanReply, PlanSettings, PlanStep
-from programs.cli.plans import render_end
+from programs.cli.plans import render, render_end
 
 
 async def test_ctrl_c_during_wait_says_the_plan_goes_on(host, nc, nats_url, cli, tmp_path):
@@ -44,19 +46,32 @@ async def test_ctrl_c_during_wait_says_the_plan_goes_on(host, nc, nats_url, cli,
     ok_json(cli("plan", "cancel", str(plan["id"]), "--json"))
 
 
-def test_a_plans_end_counts_the_machines_it_changed_apart_from_those_it_skipped(capsys) -> None:
-    at = datetime(2026, 12, 7, 12, 0, tzinfo=UTC)
-    steps = [
-        PlanStep(machine=m, tier=t, state=state, started=at, finished=at, error=None,
-                 before=None, after="sha256:x")
-        for m, t, state in (("node-1", 0, "skipped"), ("node-2", 1, "done"), ("node-3", 2, "done"))
-    ]  # fmt: skip
-    plan = PlanReply(
-        id=5, state="done", trigger="push", subject="hello", by="admin", epoch=1, created=at,
-        started=at, finished=at + timedelta(seconds=24), phase="forward", failure=None,
-        settings=PlanSettings(), builds=[], tiers=[], steps=steps,
+AT = datetime(2026, 12, 7, 12, 0, tzinfo=UTC)
+
+
+def _plan(state: str, steps: tuple[tuple[str, int, str], ...]) -> PlanReply:
+    return PlanReply(
+        id=5, state=state, trigger="push", subject="hello", by="admin", epoch=1, created=AT,
+        started=AT, finished=AT + timedelta(seconds=24), phase="forward", failure=None,
+        settings=PlanSettings(), builds=[], tiers=[],
+        steps=[PlanStep(machine=m, tier=t, state=s, started=None if s == "pending" else AT,
+                        finished=None if s == "pending" else AT, error=None, before=None,
+                        after="sha256:x") for m, t, s in steps],
     )  # fmt: skip
-    render_end(plan)
+
+
+def test_a_plans_end_counts_the_machines_it_changed_apart_from_those_it_skipped(capsys) -> None:
+    render_end(_plan("done", (("node-1", 0, "skipped"), ("node-2", 1, "done"),
+                              ("node-3", 2, "done"))))  # fmt: skip
     assert capsys.readouterr().out.strip() == (
         "plan 5 done: 2 machine(s) in 24.0s, 1 skipped (node-1)"
     )
+
+
+def test_a_step_an_ended_plan_never_reached_is_said_so() -> None:
+    out = io.StringIO()
+    plan = _plan("reverted", (("node-1", 0, "reverted"), ("node-2", 1, "failed"),
+                              ("node-3", 2, "pending")))  # fmt: skip
+    render(Console(file=out, width=200, color_system=None), plan)
+    row = next(line for line in out.getvalue().splitlines() if "node-3" in line)
+    assert row.split()[:4] == ["2", "node-3", "not", "reached"], row

@@ -87,6 +87,12 @@ def ended(p: PlanReply) -> str:
     return f"plan {p.id} {p.state}: {why or p.failure or 'no reason recorded'}"
 
 
+def _step_state(p: PlanReply, s: PlanStep) -> str:
+    """A step's state in words: one an ended plan never reached is `not reached` (its machine
+    kept what it had), not `pending`."""
+    return "not reached" if s.state == "pending" and p.state in FINAL else s.state
+
+
 def _rollout(s: PlanSettings) -> str:
     """The plan's canary, soak and pauses, when it has any."""
     said = [f"canary {s.canary}"] if s.canary is not None else []
@@ -111,7 +117,7 @@ def render(out: Console, p: PlanReply, *, want: int | None = None) -> None:
     for column in ("TIER", "MACHINE", "STATE", "TOOK", "BEFORE", "AFTER", "ERROR"):
         table.add_column(column)
     for s in p.steps:
-        state = s.state + (" (reverted)" if s.reverted and s.state != "reverted" else "")
+        state = _step_state(p, s) + (" (reverted)" if s.reverted and s.state != "reverted" else "")
         table.add_row(
             str(s.tier), s.machine, state, _elapsed(s.started, s.finished) if s.started else "-",
             (s.before or "(none)")[7:19], s.after[7:19], s.error or "",
@@ -264,7 +270,9 @@ class _Lines:
                     lines.append(text)
         else:
             for s in p.steps:
-                state = s.state + (" reverted" if s.reverted and s.state != "reverted" else "")
+                state = _step_state(p, s) + (
+                    " reverted" if s.reverted and s.state != "reverted" else ""
+                )
                 if self._new(f"machine {s.machine}", state):
                     ended = s.finished and s.started
                     took = f" in {_elapsed(s.started, s.finished)}" if ended else ""
