@@ -8,6 +8,7 @@ deadline, so a user sees a slow answer rather than an error.
 import logging
 import re
 import secrets
+import ssl
 import time
 import urllib.parse
 import weakref
@@ -92,6 +93,10 @@ TcpTransport.connect_tls = _connect_tls  # type: ignore[method-assign]
 
 class Unreachable(MeshError):
     """The NATS server at the URL did not accept a connection."""
+
+
+class Untrusted(Unreachable):
+    """A server answered over TLS with a certificate of a CA this client was not given."""
 
 
 class NoAnswer(Exception):
@@ -371,6 +376,14 @@ async def connect(
         options["reconnected_cb"] = link.reconnected
     try:
         await nc.connect(**options)
+    except ssl.SSLCertVerificationError as e:
+        # A mesh's server answered, over TLS, with a certificate of a CA this command was not
+        # given: most often a shell without the mesh's settings.
+        raise Untrusted(
+            f"NATS at {url} answers over TLS with a certificate this command cannot check "
+            f"({e.verify_message}): it needs the mesh's CA (MESH_CA or --ca) and credentials "
+            "(MESH_CREDS)"
+        ) from None
     except (NoServersError, OSError, NatsTimeout) as e:
         raise Unreachable(f"cannot reach NATS at {url}: {reason(e)}") from None
     except Unauthorized:

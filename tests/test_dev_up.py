@@ -85,7 +85,15 @@ def test_dev_up_end_to_end(tmp_path: Path) -> None:
         refused = mesh_cli("--ca", env["MESH_CA"], "status", nats_url=url)
         assert refused.returncode == 1
         assert "refused a connection without credentials" in refused.stderr
-        for answer in (unknown, refused):
+        # A shell without the mesh's settings, on its port: told what is missing, not to start one.
+        untrusted = mesh_cli("status", nats_url=url.replace("tls://", "nats://"))
+        assert untrusted.returncode == 1
+        assert untrusted.stderr.strip().endswith(
+            "cannot check (self-signed certificate in certificate chain): it needs the mesh's CA "
+            "(MESH_CA or --ca) and credentials (MESH_CREDS); with `mesh dev up`, `source "
+            "DIR/env` sets both (default DIR: .mesh/dev)"
+        ), untrusted.stderr
+        for answer in (unknown, refused, untrusted):
             assert "Traceback" not in answer.stderr and len(answer.stderr.splitlines()) == 1
 
         # Its console asks who you are: the token its line prints, nothing without it.

@@ -50,10 +50,10 @@ async def connected(*, url: str, creds: str | None, what: str) -> AsyncIterator[
             nc = await bus.connect(
                 url, name=f"mesh {what}", creds=creds, reconnect=False, denied=denied
             )
+        except (bus.Untrusted, bus.Unauthorized) as e:  # a mesh is there: settings missing
+            raise VerbFailed(f"{e}; {CREDS_HINT}") from None
         except bus.Unreachable as e:
             raise VerbFailed(f"{e}; {HINT}") from None
-        except bus.Unauthorized as e:
-            raise VerbFailed(f"{e}; {CREDS_HINT}") from None
         except CredsError as e:
             raise VerbFailed(str(e)) from None
         try:
