@@ -314,7 +314,12 @@ def _single_user(data: Path, sql: str) -> None:
         if re.search(r"\b(ERROR|FATAL|PANIC):", line)
     ]  # fmt: skip
     if done.returncode != 0 or failed:
-        said = "; ".join(failed) or f"exit code {done.returncode}"
+        # Without an ERROR line, its last words (never the STATEMENT: it is not an error line
+        # unless one came before it, and then `failed` is said instead).
+        last = [line for line in done.stderr.splitlines() if line.strip()][-1:]
+        said = "; ".join(failed) or f"exit code {done.returncode}" + (
+            f": {last[0][:300]}" if last and "STATEMENT" not in last[0] else ""
+        )
         raise PostgresFailed(f"setting the superuser's password in {data} failed: {said}")
 
 
