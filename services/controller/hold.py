@@ -203,7 +203,10 @@ class Hold:
                 writers = self._writers(epoch=row.epoch, fleet=fleet, obs=obs,
                                         manifests=manifests, recorder=recorder,
                                         planner=planner)  # fmt: skip
-                budget = functools.partial(paging.budget, self.nc.max_payload)
+
+                def budget() -> int:  # the server we answer on now (a reconnect may move us)
+                    return paging.budget(self.nc.max_payload)
+
                 views = Views(
                     pool=self.pool, nc=self.nc, obs=obs, fleet=fleet, manifests=manifests,
                     publisher=publisher, keys=self.keys, budget=budget,
