@@ -53,6 +53,7 @@ async def test_a_crash_loop_fails_its_step_at_once_saying_how_it_exited(
 
 
 async def test_a_failing_check_is_named_in_the_plan(host, cli, tmp_path) -> None:
+    """...and the host's log does not say each check it made (a line per request, before)."""
     port = ports.free_port()
     folder = write_module(
         tmp_path / "sick",
@@ -73,6 +74,8 @@ async def test_a_failing_check_is_named_in_the_plan(host, cli, tmp_path) -> None
         "failure"
     ]
     assert plan["failure"].endswith("its check said: HTTP status 503"), plan["failure"]
+    said = host.log_path.read_text()
+    assert "process sick" in said and "HTTP Request:" not in said
 
 
 def test_nodes_shows_each_process_restarts_and_what_its_check_said() -> None:

@@ -118,6 +118,9 @@ def main(argv: list[str] | None = None) -> None:
         datefmt="%H:%M:%S",
     )
     logging.getLogger("nats").setLevel(logging.CRITICAL)  # reconnect chatter; we report outcomes
+    # A line per http check of every process (552 of a host's 681 lines): a check's result is
+    # said when it changes (services/host/supervisor.py), not each time it is asked.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     if getattr(args, "ca", None):
         # Read where every connection is made (mesh.config.ca), and inherited by what the
         # command starts (a host's processes, dev up's pieces).
