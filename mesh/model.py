@@ -465,6 +465,7 @@ class PlanRequest(Request, omit_defaults=True):
     id: Annotated[int, msgspec.Meta(ge=1, le=2**63 - 1)]  # a PostgreSQL bigint
     after: Cursor | None = None  # a page of its steps: the previous page's `next`
     limit: int = PAGE_LIMIT  # steps per page
+    changes: bool = False  # each step with what it changes (a held plan, read by its id)
 
     def __post_init__(self) -> None:
         check_limit(self.limit)
@@ -488,6 +489,10 @@ class PlanStep(msgspec.Struct):
     before: str | None  # declaration digests
     after: str
     reverted: bool = False  # the machine got its `before` declaration back
+    # Asked for (`plan` with `changes`): what the step changes in the machine's declaration,
+    # from what it had (or has, for a plan not started) to `after` (mesh.modules.diff.Change
+    # as builtins); None when not asked.
+    changes: list[Any] | None = None
 
 
 class PlanTier(msgspec.Struct):

@@ -282,6 +282,23 @@ async def step_views(
     return [PlanStep(**dict(r)) for r in rows]
 
 
+async def step_bodies(
+    conn: asyncpg.Connection, plan_id: int, machines: list[str]
+) -> dict[str, tuple[bytes | None, bytes]]:
+    """The declarations these steps go from (None: not recorded yet, until the plan starts)
+    and to, by machine."""
+    rows = await conn.fetch(
+        "SELECT machine, before_body, after_body FROM plan_steps"
+        " WHERE plan_id = $1 AND machine = ANY($2::text[])",
+        plan_id, machines,
+    )  # fmt: skip
+    return {
+        r["machine"]: (bytes(r["before_body"]) if r["before_body"] else None,
+                       bytes(r["after_body"]))
+        for r in rows
+    }  # fmt: skip
+
+
 async def oldest_open(conn: asyncpg.Connection | asyncpg.Pool) -> int | None:
     """The plan the planner takes next: the one started (rolling, or paused: a new holder
     continues it), else the oldest pending (or paused before it started: the queue waits for

@@ -53,6 +53,11 @@ def add_parsers(verbs: Any, common: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     plan.add_argument("what", nargs="*", metavar="ID | diff DIR | approve|pause|resume|cancel ID")
     plan.add_argument("--follow", action="store_true", help="show progress until the plan ends")
+    plan.add_argument(
+        "--changes", action="store_true",
+        help="`plan ID`: what each step changes in its machine's declaration (a held plan's "
+        "review needs nothing but its id)",
+    )  # fmt: skip
     steering.wait_flag(plan)
     plan.add_argument(
         "--limit", type=count, default=None, metavar="N",

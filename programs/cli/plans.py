@@ -54,7 +54,8 @@ PLANS_LISTED = 20  # `mesh plan` without --limit: the newest 20
 async def _plan(args: argparse.Namespace, plan_id: int, *, want: int | None = None) -> PlanReply:
     """The plan with its steps (every page of them; the first `want`)."""
     args.timeout = max(getattr(args, "timeout", 5.0), ASK_WITHIN)
-    return await listed(args, "plan", PlanReply, PlanRequest(id=plan_id), want=want)
+    asked = PlanRequest(id=plan_id, changes=getattr(args, "changes", False))
+    return await listed(args, "plan", PlanReply, asked, want=want)
 
 
 def _elapsed(since: datetime | None, until: datetime | None = None) -> str:
@@ -123,6 +124,13 @@ def render(out: Console, p: PlanReply, *, want: int | None = None) -> None:
             (s.before or "(none)")[7:19], s.after[7:19], s.error or "",
         )  # fmt: skip
     out.print(table)
+    for s in p.steps:
+        if s.changes is not None:  # asked for (`--changes`): what each machine gets
+            tables.declaration_changes(
+                out, s.machine, before=s.before, after=s.after, changes=s.changes
+            )
+    if p.state == "held" and not any(s.changes is not None for s in p.steps):
+        out.print(f"  what it changes on each machine: mesh plan {p.id} --changes")
     more(out, shown=len(p.steps), total=p.total, want=want, what="step")
 
 

@@ -2,6 +2,7 @@
 
 import json
 from datetime import UTC, datetime
+from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
@@ -180,14 +181,20 @@ def diff(console: Console, r: DiffReply, *, want: int | None = None) -> None:
     for name in r.builds:
         console.print(f"  would build bundle {name} first")
     for m in r.machines:
-        console.print(
-            f"[bold]{m.machine}[/] {m.before[:19] if m.before else '(none)'} -> {m.after[:19]}"
-        )
-        for c in m.changes:
-            console.print(f"  {c['op']} {c['kind']} {c['name']}", markup=False)
-            for field, (old, new) in sorted(c.get("fields", {}).items()):
-                console.print(f"      {field}: {_short(old)} -> {_short(new)}", markup=False)
+        declaration_changes(console, m.machine, before=m.before, after=m.after, changes=m.changes)
     more(console, shown=len(r.machines), total=r.total, want=want, what="machine")
+
+
+def declaration_changes(
+    console: Console, machine: str, *, before: str | None, after: str, changes: list[Any]
+) -> None:
+    """What a machine's declaration changes, from digest `before` to `after`: each process,
+    file, account... added, removed or changed, and the fields that change."""
+    console.print(f"[bold]{machine}[/] {before[:19] if before else '(none)'} -> {after[:19]}")
+    for c in changes:
+        console.print(f"  {c['op']} {c['kind']} {c['name']}", markup=False)
+        for field, (old, new) in sorted(c.get("fields", {}).items()):
+            console.print(f"      {field}: {_short(old)} -> {_short(new)}", markup=False)
 
 
 ASSIGNED_SHOWN = 10  # machines a module's row names; the rest are counted (`--json` has all)

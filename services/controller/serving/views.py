@@ -11,6 +11,7 @@ snapshot of the store.
 import base64
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import asyncpg
 import msgspec
@@ -39,6 +40,7 @@ from mesh.model import (
     PlanRequest,
     PlansReply,
     PlansRequest,
+    PlanStep,
     SecretReply,
     ToolEntry,
     ToolsReply,
@@ -202,6 +204,8 @@ class Views:
                 raise wire.BadRequest(f"plan {req.id} does not exist", code="not_found")
             counted = await plans.tiers(conn, req.id)
             steps = await plans.step_views(conn, req.id, after=at, most=req.limit + 1)
+            if req.changes:
+                steps = await _with_changes(conn, p, steps)
         soaking = p.soak_tier if p.soak_until is not None else None
         tiers = [rollout.tier_shown(t, soaking=t.tier == soaking) for t in counted]
         reply = PlanReply(
@@ -333,3 +337,23 @@ class Views:
         # The builder keeps the log's last 256 KiB (LOG_KEEP), which as JSON may still not fit.
         log = paging.fitting_tail(text, paging.room(self.budget(), reply))
         return msgspec.structs.replace(reply, log=log)
+
+
+async def _with_changes(
+    conn: asyncpg.Connection, p: plans.Plan, steps: list[PlanStep]
+) -> list[PlanStep]:
+    """Each step with what it changes in its machine's declaration: from what the machine had
+    when the plan started (before then: what it has now) to the step's own."""
+    machines = [s.machine for s in steps]
+    bodies = await plans.step_bodies(conn, p.id, machines)
+    now = {} if p.started else await declarations.declarations(conn, machines)
+
+    def spelled(s: PlanStep) -> list[Any]:
+        before, after = bodies[s.machine]
+        if p.started is None:
+            before = now[s.machine][1] if s.machine in now else None
+        old = msgspec.json.decode(before, type=Declaration) if before else None
+        new = msgspec.json.decode(after, type=Declaration)
+        return [msgspec.to_builtins(ch) for ch in diff(old, new)]
+
+    return [msgspec.structs.replace(s, changes=spelled(s)) for s in steps]
