@@ -379,10 +379,14 @@ async def connect(
     except ssl.SSLCertVerificationError as e:
         # A mesh's server answered, over TLS, with a certificate of a CA this command was not
         # given: most often a shell without the mesh's settings.
+        needs = (
+            "the CA it was given did not sign it: is that this mesh's CA? (MESH_CA or --ca)"
+            if "tls" in options  # a CA was given, or came with the credentials
+            else "it needs the mesh's CA (MESH_CA or --ca) and credentials (MESH_CREDS)"
+        )
         raise Untrusted(
             f"NATS at {url} answers over TLS with a certificate this command cannot check "
-            f"({e.verify_message}): it needs the mesh's CA (MESH_CA or --ca) and credentials "
-            "(MESH_CREDS)"
+            f"(certificate verify failed: {e.verify_message}): {needs}"
         ) from None
     except (NoServersError, OSError, NatsTimeout) as e:
         raise Unreachable(f"cannot reach NATS at {url}: {reason(e)}") from None

@@ -89,7 +89,8 @@ def test_dev_up_end_to_end(tmp_path: Path) -> None:
         untrusted = mesh_cli("status", nats_url=url.replace("tls://", "nats://"))
         assert untrusted.returncode == 1
         assert untrusted.stderr.strip().endswith(
-            "cannot check (self-signed certificate in certificate chain): it needs the mesh's CA "
+            "cannot check (certificate verify failed: self-signed certificate in certificate "
+            "chain): it needs the mesh's CA "
             "(MESH_CA or --ca) and credentials (MESH_CREDS); with `mesh dev up`, `source "
             "DIR/env` sets both (default DIR: .mesh/dev)"
         ), untrusted.stderr

@@ -121,14 +121,26 @@ def version_2(tmp_path: Path, *, marker: str = "go", extra: str = "", **kw: str)
 async def plan_state(nc, plan_id: int, state: str, **when_steps: str) -> dict:
     """The plan once it is in `state` with these steps' states (machine=state)."""
 
+    seen: list[dict] = []
+
     async def there():
         p = await plan_of(nc, plan_id)
+        seen[:] = [p] if p is not None else []
         if p is None or p["state"] != state:
             return None
         return p if all(steps(p)[m.replace("_", "-")] == s for m, s in when_steps.items()) else None
 
     # three tiers of python3 checks on a machine the suite loads: a minute was once too short
-    return await await_until(there, within=120, what=f"plan {plan_id} {state} {when_steps}")
+    try:
+        return await await_until(there, within=120, what=f"plan {plan_id} {state} {when_steps}")
+    except BaseException:
+        last = seen[0] if seen else None  # what it was instead, for whoever reads the failure
+        print(
+            "last seen:",
+            last and {k: last[k] for k in ("state", "phase", "failure")},
+            last and [(s["machine"], s["state"], s["error"]) for s in last["steps"]],
+        )
+        raise
 
 
 async def beats(nc, machine: str, count: int) -> None:
