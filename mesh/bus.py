@@ -377,17 +377,7 @@ async def connect(
     try:
         await nc.connect(**options)
     except ssl.SSLCertVerificationError as e:
-        # A mesh's server answered, over TLS, with a certificate of a CA this command was not
-        # given: most often a shell without the mesh's settings.
-        needs = (
-            "the CA it was given did not sign it: is that this mesh's CA? (MESH_CA or --ca)"
-            if "tls" in options  # a CA was given, or came with the credentials
-            else "it needs the mesh's CA (MESH_CA or --ca) and credentials (MESH_CREDS)"
-        )
-        raise Untrusted(
-            f"NATS at {url} answers over TLS with a certificate this command cannot check "
-            f"(certificate verify failed: {e.verify_message}): {needs}"
-        ) from None
+        raise _untrusted(url, e, given_ca="tls" in options) from None
     except (NoServersError, OSError, NatsTimeout) as e:
         raise Unreachable(f"cannot reach NATS at {url}: {reason(e)}") from None
     except Unauthorized:
@@ -447,6 +437,21 @@ def _options(
         options["inbox_prefix"] = held.inbox
     options.update(_tls(url, ca, held))
     return options
+
+
+def _untrusted(url: str, e: ssl.SSLCertVerificationError, *, given_ca: bool) -> Untrusted:
+    """A mesh's server answered, over TLS, with a certificate of a CA this command was not
+    given: most often a shell without the mesh's settings (`given_ca`: one was given, or came
+    with the credentials, and it is another mesh's)."""
+    needs = (
+        "the CA it was given did not sign it: is that this mesh's CA? (MESH_CA or --ca)"
+        if given_ca
+        else "it needs the mesh's CA (MESH_CA or --ca) and credentials (MESH_CREDS)"
+    )
+    return Untrusted(
+        f"NATS at {url} answers over TLS with a certificate this command cannot check "
+        f"(certificate verify failed: {e.verify_message}): {needs}"
+    )
 
 
 def _tls(url: str, ca: str | None, held: credentials.Creds | None) -> dict[str, Any]:
