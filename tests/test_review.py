@@ -25,6 +25,8 @@ async def test_a_held_plan_shows_what_it_changes_by_its_id(host, cli, tmp_path) 
     assert shown["state"] == "held"
     [step] = shown["steps"]
     assert step["machine"] == "node-1"
+    # not started: it goes from what node-1 has now (the first version's declaration)
+    assert step["before"] is not None and step["before"] != step["after"]
     assert step["changes"] == [
         {"op": "~", "kind": "process", "name": "kept",
          "fields": {"command": [["sleep", "3600"], ["sleep", "7200"]]}},

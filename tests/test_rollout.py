@@ -163,6 +163,12 @@ def test_a_step_past_its_deadline_names_what_the_host_said() -> None:
         "process hello is running, not healthy, after 60s: its check said: HTTP status 503; "
         "restarted 1 time(s)"
     )
+    trial = ProcessState("hello", "running", False, 8, trial=True, check="connection refused")
+    assert rollout.why(machine="node-2", report=Report(applied="old", processes=[trial]),
+                       digest="d", names=HELLO, deadline=60) == (
+        "process hello (new version) is running, not healthy, after 60s: its check said: "
+        "connection refused"
+    )  # fmt: skip
     killed = ProcessState("hello", "restarting", False, None, reason="memory limit 64M reached",
                           restarts=2, in_a_row=2)  # fmt: skip
     assert why(killed) == (

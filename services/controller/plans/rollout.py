@@ -92,8 +92,9 @@ def why(
     if report.applied != digest:
         trials = [ps for ps in report.processes if ps.trial and not ps.healthy]
         if trials:  # a start-first trial still waiting for its checks
+            said = cause(trials[0])
             return (f"process {trials[0].name} (new version) is {trials[0].state}, not healthy, "
-                    f"after {deadline:g}s")  # fmt: skip
+                    f"after {deadline:g}s" + (f": {said}" if said else ""))  # fmt: skip
         return f"did not apply its new declaration within {deadline:g}s"
     states = {ps.name: ps for ps in report.processes if not ps.trial}
     for name in sorted(names):

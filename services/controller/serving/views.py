@@ -356,4 +356,7 @@ async def _with_changes(
         new = msgspec.json.decode(after, type=Declaration)
         return [msgspec.to_builtins(ch) for ch in diff(old, new)]
 
-    return [msgspec.structs.replace(s, changes=spelled(s)) for s in steps]
+    def before(s: PlanStep) -> str | None:  # not started: what the machine has now
+        return s.before if p.started else (now[s.machine][0] if s.machine in now else None)
+
+    return [msgspec.structs.replace(s, changes=spelled(s), before=before(s)) for s in steps]
