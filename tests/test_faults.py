@@ -147,7 +147,8 @@ async def test_a_paused_holder_loses_the_seat_and_its_late_writes_are_refused(
     paused (its lock's session is ended by the server's idle_session_timeout) and finishes the
     plan. SIGCONT: the old holder steps down without writing under its old epoch, and a host
     ignores a declaration published under that epoch."""
-    controllers = (await start_fleet(hosts=2, controllers=CONTROLLERS)).controllers
+    fleet = await start_fleet(hosts=2, controllers=CONTROLLERS)
+    controllers = fleet.controllers
     roots = tmp_path / "hosts"
     old = controllers["ctl-0"]
     await install_audit(database_url)
@@ -183,11 +184,20 @@ async def test_a_paused_holder_loses_the_seat_and_its_late_writes_are_refused(
             # The plan goes on under the new holder while the old one sleeps.
             (roots / "node-2" / "ready").write_text("")
 
+            seen: list[dict] = []
+
             async def done():
                 p = await plan_of(nc, plan_id)
+                seen[:] = [p] if p else seen
                 return p if p and p["state"] == "done" else None
 
-            await await_until(done, within=30, what="the plan to finish under ctl-1")
+            try:
+                await await_until(done, within=30, what="the plan to finish under ctl-1")
+            except pytest.fail.Exception:
+                new, host = controllers["ctl-1"].log_path, fleet.hosts["node-2"].log_path
+                print("the plan seen last:", seen, "\nctl-1:", new.read_text()[-4000:])
+                print("node-2:", host.read_text()[-4000:])
+                raise
         finally:
             os.kill(old.pid, signal.SIGCONT)
         woke = time.monotonic()

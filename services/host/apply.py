@@ -234,9 +234,15 @@ class Applier:
             await self._report(env, failed=StepFailed("fence", why))
             return True
         if env.digest == self.digest and not self._first:
+            newer = env.epoch > self.epoch
             self.epoch, self.holder = env.epoch, env.holder or self.holder
             self._save()
             metrics.applied(self.digest, self.epoch)
+            if newer:
+                # A new holder's republication: it learns at once what this machine runs,
+                # on the reports' subject, not only once a registration reaches it (a paused
+                # old holder, still in the queue group, may take those for a while).
+                await self._report(env)
             return True
         started = time.monotonic()
         self._applying = env.digest
