@@ -386,6 +386,9 @@ Text = Annotated[str, msgspec.Meta(max_length=256 * 1024)]
 
 
 By = Annotated[str, msgspec.Meta(max_length=200, pattern=r"^[^\x00]*\Z")]  # as the client says
+# A change's note (`push --note`): one line a person wrote, no control characters.
+NOTE_MOST = 500
+Note = Annotated[str, msgspec.Meta(max_length=NOTE_MOST, pattern=r"^[^\x00-\x1f\x7f]*\Z")]
 # A deployer's modules: a glob (fnmatch: `*`, `?`, `[...]`) over module names.
 ModuleGlob = Annotated[
     str, msgspec.Meta(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9_*?\[\]!-]+\Z")
@@ -404,6 +407,7 @@ class PushRequest(Request, omit_defaults=True):
     by: By = ""
     hold: bool = False  # record the plan `held`: no machine changes until `plan-approve`
     upload: Upload | None = None
+    note: Note = ""  # why, in the pusher's words: kept with the version and its plan
 
 
 CHANGED_LISTED = 1000  # machines a change's reply names at most: its plan lists every one
@@ -551,6 +555,7 @@ class PlanReply(msgspec.Struct):
     total: int = 0  # steps in the whole plan
     soak: Soak | None = None  # as PlanSummary
     cancelled: str | None = None
+    note: str = ""  # its push's `--note`
 
 
 # --- steering a plan (docs/verbs.md: plan-approve, plan-pause, plan-resume, plan-cancel) ------
@@ -598,6 +603,7 @@ class ModuleInfo(msgspec.Struct):
     processes: list[str]
     containers: list[str]
     tools: list[str] = []  # its tool servers
+    number: int = 0  # the version's number in `mesh history` (0: a controller from before)
 
 
 class ModulesReply(msgspec.Struct):
@@ -624,6 +630,45 @@ class SecretSetRequest(Request, omit_defaults=True):
     by: By = ""
     # The modules that may name it (a glob, mesh/auth/scopes.py); None keeps the one it had.
     modules: ModuleGlob | None = None
+
+
+class SecretsRequest(Request):
+    """`mesh secret list`: a page of the secrets that are set, by name."""
+
+    after: Cursor | None = None  # the previous page's `next`
+    limit: int = PAGE_LIMIT
+
+    def __post_init__(self) -> None:
+        check_limit(self.limit)
+
+
+class SecretInfo(msgspec.Struct):
+    """A secret as `secret list` shows it: never its value."""
+
+    name: str
+    version: int
+    by: str  # who set it last ("" for the mesh itself: `init`, the key of the secrets)
+    at: datetime  # when
+    modules: list[str]  # the modules whose current version names it
+    # The glob of modules that may name it besides admins' (`secret set --modules`); the
+    # controller's secrets: its module alone.
+    allowed: str | None = None
+
+
+class SecretsReply(msgspec.Struct):
+    secrets: list[SecretInfo]
+    next: str | None = None
+    total: int = 0
+
+
+class SecretDeleteRequest(Request):
+    name: Name
+    by: By = ""
+
+
+class SecretDeleteReply(msgspec.Struct):
+    name: str
+    message: str
 
 
 # --- the key of the secrets (`mesh secret rotate-key`; services/controller/catalog/secretkeys.py) -
@@ -709,10 +754,11 @@ class VersionEntry(msgspec.Struct):
     digest: str  # its source archive's sha256 (`modules`' `version`)
     pushed: datetime  # when it was first pushed
     by: str  # who pushed it, as the client said
-    plan: int | None  # the last plan that rolled it out (a push or a rollback); None: none did
+    plan: int | None  # the last plan that rolled it out (a push, a rollback or an assign)
     state: PlanState | None  # how that plan ended (or where it is)
     current: bool = False  # the module's version now
     kept: bool = True  # its bundles are still stored: a rollback to it needs no push
+    note: str = ""  # its push's `--note`
 
 
 class HistoryReply(msgspec.Struct):
@@ -720,6 +766,30 @@ class HistoryReply(msgspec.Struct):
     versions: list[VersionEntry]  # a page of them, newest first
     next: str | None = None
     total: int = 0  # versions in all
+
+
+class VersionDiffRequest(Request):
+    """`mesh history MODULE --diff A B`: what changed from version `a` to version `b`."""
+
+    module: Name
+    a: VersionWord
+    b: VersionWord
+
+
+class BundleChange(msgspec.Struct):
+    bundle: str
+    before: str | None  # its digest in version a (None: a has no such bundle)
+    after: str | None  # in version b
+
+
+class VersionDiffReply(msgspec.Struct):
+    module: str
+    a: int  # the versions' numbers
+    b: int
+    a_digest: str
+    b_digest: str
+    manifest: list[str]  # module.toml, a unified diff from a to b (empty: the same)
+    bundles: list[BundleChange]  # those whose digest differs, by name
 
 
 class RollbackRequest(Request):
@@ -811,6 +881,10 @@ class Applied(Peer):
 # --- host verbs (mesh.host.<name>.<verb>) --------------------------------------------------------
 
 
+# A time as a log line's stamp spells it (UTC, to the millisecond).
+LogTime = Annotated[str, msgspec.Meta(pattern=r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z\Z")]
+
+
 class LogsRequest(Request, omit_defaults=True):
     # omit_defaults: a plain read stays what a host of an older version understands
     process: Name
@@ -819,6 +893,11 @@ class LogsRequest(Request, omit_defaults=True):
     # Seconds the host may hold the request while there is nothing new (`mesh logs -f`): it
     # answers the moment output comes, so a follower asks once per chunk, not per interval.
     wait: Annotated[float, msgspec.Meta(ge=0, le=60)] = 0.0
+    # Without an offset: from where the last `tail` lines start, or the first line stamped
+    # `since` or later (services/host/logwriter.py), instead of the last `max` bytes.
+    tail: Annotated[int, msgspec.Meta(ge=1, le=100_000)] | None = None
+    since: LogTime | None = None
+    prepare: bool = False  # the output of its last preparation step, not the process's
 
 
 class LogsReply(msgspec.Struct):

@@ -262,6 +262,10 @@ def test_the_console_in_a_browser(tmp_path: Path) -> None:
                     shot(f"plan-tier-{t}-done")
                 expect(page.locator("#plan-summary")).to_contain_text("assign gated")
                 expect(page.locator("#plan-summary .done")).to_have_text("done")
+                # What each step changed in its machine's declaration, with nothing but the id.
+                expect(page.locator('#plan-changes li[data-machine="node-2"]')).to_contain_text(
+                    "+ process gated"
+                )
                 expect(page.locator('#modules tr[data-module="gated"] .assigned')).to_have_text(
                     "node-1, node-2, node-3", timeout=SEEN_WITHIN
                 )
@@ -279,12 +283,18 @@ def test_the_console_in_a_browser(tmp_path: Path) -> None:
                 expect(page.locator('#processes tr[data-process="gated"] .health')).to_have_text(
                     "healthy", timeout=SEEN_WITHIN
                 )
+                expect(page.locator('#processes tr[data-process="gated"] .restarts')).to_have_text(
+                    "0"
+                )
                 page.locator('button[data-log="gated"]').click()
                 expect(page.locator("#log-text")).to_contain_text(
                     "gated says hello", timeout=SEEN_WITHIN
                 )
                 (folder / "hosts" / "node-1" / "more").touch()  # it says more: the page follows
-                expect(page.locator("#log-text")).to_contain_text("gated says hello\nand more")
+                # each line with its time in front (services/host/logwriter.py)
+                expect(page.locator("#log-text")).to_contain_text(
+                    re.compile(r"gated says hello\n\S+Z and more")
+                )
                 expect(page.locator('[data-field="labels"]')).to_contain_text(f"note={TRAP}")
                 assert page.evaluate("window.owned") is None
                 shot("machine-node-1")

@@ -307,3 +307,56 @@ def test_a_bad_setting_stops_the_controller_in_one_line(tmp_path) -> None:
     assert one_line_error(done) == (
         "mesh: error: --versions-kept: 'ten' is not a number of versions (1 to 1000000, or off)"
     )
+
+
+async def test_a_note_an_assign_and_what_changed_between_two_versions(
+    start_fleet, nc, cli, tmp_path
+) -> None:
+    """`push --note` is kept with the version and its plan; a version that went live through
+    an assign shows that plan; `history --diff A B` says what changed; `modules` numbers the
+    version as `history` does."""
+    await start_fleet(hosts=2)
+    first = versioned_module(tmp_path / "1", version="v1", tiers="[]")  # assigned nowhere
+    v1 = ok_json(cli("push", str(first), "--json"))
+    assert v1["plan"] is None, v1
+    went = ok_json(cli("assign", "versioned", "node-1", "node-2", "--wait", "--json"))
+    assert went["outcome"]["state"] == "done"
+    v2 = ok_json(cli("push", str(versioned_module(tmp_path / "2", version="v2", tiers="[]")),
+                     "--note", "v2: the greeting fixed (#12)", "--wait", "--json"))  # fmt: skip
+    assert (
+        v2["outcome"]["state"] == "done" and v2["outcome"]["note"] == "v2: the greeting fixed (#12)"
+    )
+    await all_run(nc, "v2", 2)
+
+    h = ok_json(cli("history", "versioned", "--json"))["versions"]
+    assert [(v["version"], v["plan"], v["state"], v["note"]) for v in h] == [
+        (2, v2["plan"], "done", "v2: the greeting fixed (#12)"),
+        (1, went["plan"], "done", ""),  # it went live through the assign
+    ]
+    assert "v2: the greeting fixed (#12)" in ok(cli("history", "versioned"))
+    assert "note: v2: the greeting fixed (#12)" in ok(cli("plan", str(v2["plan"])))
+    modules = ok_json(cli("modules", "--json"))["modules"]
+    assert [(m["name"], m["number"]) for m in modules] == [("versioned", 2)]
+    assert f"2 ({v2['version'][:19]})" in ok(cli("modules"))
+
+    diff = ok_json(cli("history", "versioned", "--diff", "1", v2["version"][:19], "--json"))
+    assert (diff["a"], diff["b"], diff["a_digest"], diff["b_digest"]) == (
+        1, 2, v1["version"], v2["version"]
+    )  # fmt: skip
+    assert '-env = { MODULE_VERSION = "v1" }' in diff["manifest"], diff["manifest"]
+    assert '+env = { MODULE_VERSION = "v2" }' in diff["manifest"], diff["manifest"]
+    assert [b["bundle"] for b in diff["bundles"]] == ["code"]  # src/VERSION changed
+    said = ok(cli("history", "versioned", "--diff", "1", "2"))
+    assert "version 1" in said and "version 2" in said and 'MODULE_VERSION = "v2"' in said
+    same = ok(cli("history", "versioned", "--diff", "2", "2"))
+    assert "the same module.toml and bundles" in same
+    line = one_line_error(cli("history", "versioned", "--diff", "1", "7"))
+    assert "module versioned has no version 7; its versions: 2 (" in line, line
+
+    # A note is one line, as long as a line may be: refused before anything is sent.
+    folder = str(versioned_module(tmp_path / "3", version="v3", tiers="[]"))
+    for bad, why in (("two\nlines", "control character"), ("x" * 501, "at most 500")):
+        usage = cli("push", folder, "--note", bad)
+        assert usage.returncode == 2 and "--note: " in usage.stderr and why in usage.stderr
+    refused = await ask(nc, "mesh.ctl.version-diff", {"module": "versioned", "a": "1", "b": "1;"})
+    assert refused["error"]["code"] == "bad_request" and "`$.b`" in refused["error"]["message"]

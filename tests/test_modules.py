@@ -99,6 +99,20 @@ async def test_a_conflicting_module_is_refused_naming_both(start_fleet, nc, tmp_
     modules = ok_json(cli("--json", "modules"))["modules"]
     assert [m["name"] for m in modules] == ["hello"]
 
+    # A first push whose [assign] names a machine that never registered: refused, naming it,
+    # rather than placed on the others only.
+    (clash / "module.toml").write_text(
+        (clash / "module.toml").read_text()
+        .replace('name = "hello-clash"', 'name = "typo"').replace("process.hello", "process.typo")
+        .replace('machines = ["node-2"]', 'machines = ["node-2", "nod-3", "node-9"]')
+    )  # fmt: skip
+    line = one_line_error(cli("push", str(clash)))
+    assert line == (
+        "mesh: error: push: assign.machines: nod-3, node-9: no such machine has registered "
+        "(mesh nodes lists those that have; assign one later with mesh assign)"
+    ), line
+    assert [m["name"] for m in ok_json(cli("--json", "modules"))["modules"]] == ["hello"]
+
 
 @pytest.mark.parametrize(
     ("toml", "field"),

@@ -3,6 +3,7 @@ files, each at most LIMIT bytes, cut after whole lines; `mesh logs` shows the la
 `mesh logs -f` reads on across rotations, losing and repeating nothing, and streams: its request
 waits at the host until there is new output, so it asks once per chunk, not once per interval."""
 
+import json
 import os
 import re
 import signal
@@ -19,6 +20,9 @@ from services.host import logwriter
 
 LIMIT = 4096
 KEEP = 3
+STAMP_TEXT = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z "  # in front of each line
+STAMP = re.compile(rb"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z ", re.M)
+STAMPED = re.compile(rb"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z line \d{5} z*")
 
 CHATTY = """\
 import os, sys, time
@@ -62,18 +66,43 @@ def test_the_log_writer_rotates_at_whole_lines_and_reads_across_files(tmp_path: 
     assert all(size <= LIMIT for size in sizes.values())
     oldest_first = ["output.log.3", "output.log.2", "output.log.1", "output.log"]
     kept = b"".join((tmp_path / name).read_bytes() for name in oldest_first)
+    # Each line with the time it was read in front of it, whole lines, in order.
+    assert all(STAMPED.fullmatch(line) for line in kept.splitlines()), kept[:200]
     everything = b"".join(lines)
-    assert everything.endswith(kept) and kept.startswith(b"line ")  # whole lines, in order
+    assert everything.endswith(STAMP.sub(b"", kept)) and STAMPED.match(kept)
 
     # offsets count the whole output: the end is its length, and reading on is seamless
     end, last = logwriter.read(log, None, 100)
-    assert end == len(everything) and last == everything[-100:]
-    start = len(everything) - len(kept)
+    assert end == logwriter.end(log) and last == kept[-100:]
+    start = end - len(kept)
+    assert start == logwriter.read(log, 0, 0)[0]  # the oldest byte kept
     offset, data = logwriter.read(log, start, 1000)
     assert data == kept[:1000] and offset == start + 1000
     offset, more = logwriter.read(log, offset, len(kept))
-    assert data + more == kept and offset == len(everything)
+    assert data + more == kept and offset == end
     assert logwriter.read(log, 0, 10) == (start + 10, kept[:10])  # rotated away: oldest kept
+
+    # The last N lines, across the files; the first line stamped at a time or later.
+    assert logwriter.read(log, logwriter.tail_offset(log, 3), LIMIT)[1] == b"".join(
+        kept.splitlines(keepends=True)[-3:]
+    )
+    assert logwriter.tail_offset(log, 10**6) == start  # fewer kept: from the oldest
+    stamps = [line[: logwriter.STAMP_BYTES - 1] for line in kept.splitlines()]
+    middle = stamps[len(stamps) // 2]
+    at = logwriter.since(log, middle.decode())
+    assert logwriter.read(log, at, logwriter.STAMP_BYTES - 1)[1] == middle
+    assert stamps.index(middle) == len(kept[: at - start].splitlines())  # the first such line
+    assert logwriter.since(log, "9999-01-01T00:00:00.000Z") == end
+    assert logwriter.since(log, "2000-01-01T00:00:00.000Z") == start
+
+
+def test_lines_are_stamped_where_they_start_whatever_the_chunks() -> None:
+    now = b"T "
+    out, at_start = logwriter.stamped(b"a\nb", at_start=True, now=now)
+    assert (out, at_start) == (b"T a\nT b", False)
+    out, at_start = logwriter.stamped(b"c\n\nd\n", at_start=at_start, now=now)
+    assert (out, at_start) == (b"c\nT \nT d\n", True)
+    assert logwriter.stamped(b"e", at_start=True, now=now) == (b"T e", False)
 
 
 @pytest.fixture
@@ -143,7 +172,7 @@ async def test_a_running_process_log_rotates_and_mesh_logs_follows(
         os.killpg(follow.pid, 9)
         follow.wait(timeout=10)
     shown = _read(tmp_path / "follow.out")
-    slow = re.findall(r"^slow (\d{4}) y+$", shown, flags=re.M)
+    slow = re.findall(rf"^{STAMP_TEXT}slow (\d{{4}}) y+$", shown, flags=re.M)
     assert slow == [f"{i:04d}" for i in range(150)]  # across rotations: no gap, no repeat
     assert shown.count("fast done") == 1
     sizes = _files(folder / "logs")
@@ -198,7 +227,7 @@ async def test_mesh_logs_follow_streams_new_lines_in_order_and_asks_nothing_whil
             lambda: already("ticks done" in _read(out)), within=60, what="-f to show every tick"
         )
         shown = _read(out)
-        ticks = re.findall(r"^tick (\d{4}) t+$", shown, flags=re.M)
+        ticks = re.findall(rf"^{STAMP_TEXT}tick (\d{{4}}) t+$", shown, flags=re.M)
         assert ticks == [f"{i:04d}" for i in range(120)]  # in order, across rotations, once each
         assert shown.count("waiting") == 1 and shown.count("ticks done") == 1
         assert len(_files(folder / "logs")) > 1  # it did rotate under the follower
@@ -232,3 +261,73 @@ async def test_mesh_logs_of_a_machine_the_mesh_does_not_know_says_so(host, nats_
     assert unknown.stderr.strip() == (
         "mesh: error: machine node-9 is not known to this mesh (`mesh nodes` lists those it knows)"
     ), unknown.stderr
+
+
+TALKER = """\
+import os, sys
+print("hello from {version}", flush=True)
+crashed = os.path.join(os.environ["MESH_FILES"], "crashed-once")
+if not os.path.exists(crashed):
+    open(crashed, "w").close()
+    print("about to crash", flush=True)
+    sys.exit(3)
+print("second run", flush=True)
+import time
+time.sleep(3600)  # ok: it keeps running
+"""
+PREP = 'print("preparing 1")\nprint("preparing 2", end="")\n'
+
+
+def _talker(folder: Path, version: str) -> Path:
+    return write_module(
+        folder,
+        '[module]\nname = "talker"\n[bundle.talker]\nkind = "files"\nsource = "src"\n'
+        '[process.talker]\nbundle = "talker"\nroot = true\ncommand = ["python3", "talker.py"]\n'
+        'prepare = ["python3", "prep.py"]\nrestart = "always"\n'
+        '[assign]\nmachines = ["node-1"]\n',
+        files={"src/talker.py": TALKER.format(version=version), "src/prep.py": PREP},
+    )
+
+
+async def test_mesh_logs_gives_times_markers_tail_since_json_and_the_preparation(
+    host, nats_url, tmp_path, cli
+) -> None:
+    def logs(*args: str) -> str:
+        return ok(mesh_cli("logs", "node-1", "talker", *args, nats_url=nats_url, timeout=30))
+
+    ok(cli("push", str(_talker(tmp_path / "v1", "v1"))))
+    await await_until(lambda: already("second run" in logs()), within=60, what="the second run")
+    shown = logs().splitlines()
+    assert all(re.match(STAMP_TEXT, line) for line in shown), shown  # each line, its time
+    said = [line.split(" ", 1)[1] for line in shown]
+    assert said[0].startswith("[mesh] talker started, spec sha256:"), said
+    assert "a new version" not in said[0]  # its first start
+    assert said[1:3] == ["hello from v1", "about to crash"], said
+    assert said[3] == "[mesh] talker restarted (exited with code 3; restart 1, 1 in a row)", said
+    assert said[4:] == ["hello from v1", "second run"], said
+
+    assert logs("--tail", "2").splitlines() == shown[-2:]
+    assert logs("--tail", "100").splitlines() == shown
+    restart_at = shown[3].split(" ", 1)[0]  # a second (the backoff) after the first run's lines
+    assert logs("--since", restart_at).splitlines() == shown[3:]
+    assert logs("--since", "1h").splitlines() == shown
+    as_json = json.loads(logs("--json", "--tail", "2"))
+    assert (as_json["machine"], as_json["process"]) == ("node-1", "talker")
+    assert [(line["at"], line["text"]) for line in as_json["lines"]] == [
+        tuple(line.split(" ", 1)) for line in shown[-2:]
+    ]
+    for bad, why in ((("--since", "yesterday"), "--since: 'yesterday' is neither"),
+                     (("--tail", "0"), "--tail: 0 is not a count")):  # fmt: skip
+        usage = mesh_cli("logs", "node-1", "talker", *bad, nats_url=nats_url)
+        assert usage.returncode == 2 and why in usage.stderr, usage.stderr
+    both = mesh_cli("logs", "node-1", "talker", "--tail", "1", "--since", "1h", nats_url=nats_url)
+    assert both.returncode == 1 and "--tail and --since: one or the other" in both.stderr
+
+    prepared = [line.split(" ", 1)[1] for line in logs("--prepare").splitlines()]
+    assert prepared[0].startswith("[mesh] prepare ['python3', 'prep.py'] of talker, spec ")
+    assert prepared[1:] == ["preparing 1", "preparing 2", "[mesh] prepare ended: exit code 0"]
+
+    ok(cli("push", str(_talker(tmp_path / "v2", "v2")), "--wait"))
+    await await_until(lambda: already("hello from v2" in logs()), within=60, what="v2's output")
+    started = [line for line in logs().splitlines() if "[mesh] talker started" in line]
+    assert len(started) == 2 and "a new version (was sha256:" in started[1], started

@@ -7,6 +7,7 @@ shows who did what, refusals too."""
 import os
 import re
 import signal
+import subprocess
 from pathlib import Path
 
 import anyio
@@ -69,7 +70,7 @@ async def test_a_deployer_changes_only_its_modules_as_itself(
     # may not ask, and the old unverified subject are refused by the server itself.
     raw = await as_identity(dora)
     for subject in ("mesh.op.admin.push", "mesh.op.admin.assign", "mesh.op.dora.tier",
-                    "mesh.op.dora.secret-set", "mesh.op.dora.operator-add", "mesh.ctl.push",
+                    "mesh.op.dora.secret-rotate-key", "mesh.op.dora.operator-add", "mesh.ctl.push",
                     "mesh.ctl.assign"):  # fmt: skip
         assert await raw.publish_refused(subject), subject
     assert not await raw.publish_refused("mesh.op.dora.assign")  # the same kind, allowed
@@ -93,6 +94,54 @@ async def test_a_deployer_changes_only_its_modules_as_itself(
     }
     table = ok(secured.cli(secured.viewer, "audit", "--who", "dora"))
     assert "forbidden" in table and "web-a" in table
+
+
+async def test_a_deployer_sets_and_deletes_only_its_own_modules_secrets(
+    secured_fleet, secured: Secured, tmp_path: Path
+):
+    dora = _add(secured, "dora", "--role", "deployer", "--modules", "web-*")["creds"]
+    admin = secured.admin
+
+    def secret(creds: str, *args: str, value: str = "v") -> subprocess.CompletedProcess:
+        return secured.cli(creds, "secret", *args, "--timeout", "60", stdin=value)
+
+    # A new one: for its own modules, unless it names fewer.
+    ok(secret(dora, "set", "web-token"))
+    ok(secret(dora, "set", "web-a-key", "--modules", "web-a"))
+    listed = {s["name"]: s for s in ok_json(secured.cli(secured.viewer, "secret", "list",
+                                                        "--json"))["secrets"]}  # fmt: skip
+    assert (listed["web-token"]["by"], listed["web-token"]["allowed"]) == ("dora", "web-*")
+    assert listed["web-a-key"]["allowed"] == "web-a"
+    pushed = write_module(
+        tmp_path / "web-b",
+        '[module]\nname = "web-b"\n[bundle.site]\nkind = "files"\nsource = "src"\n'
+        '[account.web-b]\n[process.web-b]\nbundle = "site"\ncommand = ["sleep", "3600"]\n'
+        'account = "web-b"\nfiles = { "t" = { secret = "web-token" } }\n',
+        files={"src/x": "x"},
+    )
+    ok(secured.cli(dora, "push", str(pushed), "--timeout", "60"))
+
+    # Beyond its modules: refused by the controller, naming why; nothing changed.
+    for args, why in (
+        (("set", "web-token", "--modules", "*"), "modules: '*' reaches beyond operator dora's"),
+        (("set", "web-x", "--modules", "hello"), "modules: 'hello' reaches beyond"),
+        (("set", "mesh-database-url"), "secret mesh-database-url is the controller's"),
+    ):  # fmt: skip
+        line = one_line_error(secret(dora, *args))
+        assert "forbidden" in line and why in line, line
+    ok(secret(admin, "set", "admins-token"))
+    for args in (("set", "admins-token"), ("delete", "admins-token")):
+        line = one_line_error(secret(dora, *args))
+        assert "forbidden: secret admins-token is admin's" in line, line
+    line = one_line_error(secret(dora, "delete", "web-token"))  # web-b names it
+    assert "secret web-token is named by module(s) web-b" in line, line
+    ok(secret(dora, "delete", "web-a-key"))
+    # A viewer may list them, never set one: the server refuses its publish.
+    refused = secret(secured.viewer, "set", "web-token")
+    assert refused.returncode == 1 and "forbidden" in refused.stderr, refused.stderr
+    said = {(e["verb"], e["subject"], e["outcome"]) for e in _audit(secured, "--who", "dora")}
+    assert {("secret-set", "web-token", "ok"), ("secret-delete", "web-a-key", "ok"),
+            ("secret-set", "admins-token", "forbidden")} <= said, said  # fmt: skip
 
 
 async def test_a_removed_operator_is_cut_off_at_once(secured_fleet, secured: Secured, tmp_path):

@@ -36,7 +36,8 @@ ROLES: tuple[Role, ...] = ("admin", "deployer", "viewer", "tools")
 # listed here, is for admins only: a new verb fails closed.
 READ_VERBS = frozenset(
     {"status", "nodes", "plan", "plans", "modules", "declaration", "build-logs", "tools"}
-    | {"history"}  # a module's versions (issue 27)
+    | {"history", "version-diff"}  # a module's versions (issue 27), and what changed
+    | {"secrets"}  # the secrets that are set, never a value
     | {"audit", "operators"}  # who did what, and who may (issue 28)
 )
 # What a deployer may ask on its own subjects: changes of the modules its glob matches (the
@@ -44,6 +45,7 @@ READ_VERBS = frozenset(
 DEPLOYER_VERBS = (
     "push", "diff", "assign", "unassign", "rollback",
     "plan-approve", "plan-pause", "plan-resume", "plan-cancel",
+    "secret-set", "secret-delete",  # its own modules' secrets
 )  # fmt: skip
 HOST_READ_VERBS = ("status", "logs")  # mesh.host.<name>.<verb> an operator may ask
 HOST_ADMIN_VERBS = ("restart",)

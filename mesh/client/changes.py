@@ -32,12 +32,12 @@ async def upload(nc: Client, module: LocalModule) -> str | None:
 
 
 def push_request(
-    module: LocalModule, *, hold: bool = False, upload: str | None = None
+    module: LocalModule, *, hold: bool = False, upload: str | None = None, note: str = ""
 ) -> PushRequest:
     # `by` is the local name; a mesh with operators records the operator it verified instead.
     return PushRequest(
         manifest=module.manifest_text, source=module.version, by=getpass.getuser(), hold=hold,
-        upload=upload,
+        upload=upload, note=note,
     )  # fmt: skip
 
 

@@ -21,6 +21,7 @@ from mesh.model import (
     NodesReply,
     PlanReply,
     PlansReply,
+    SecretsReply,
     TokenListReply,
     ToolsReply,
 )
@@ -54,6 +55,7 @@ LISTINGS: dict[type, Listing] = {
     HistoryReply: Listing("versions", key=lambda v: v.version),
     AuditReply: Listing("entries", key=lambda e: e.id),
     TokenListReply: Listing("tokens", key=lambda t: t.id),
+    SecretsReply: Listing("secrets", key=lambda s: s.name),
 }
 
 

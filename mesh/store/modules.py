@@ -61,12 +61,13 @@ async def record_version(
     manifest: str,
     bundles: dict[str, str],
     by: str,
+    note: str = "",
 ) -> bool:
     """Make `version` the module's current one (history kept). False if it already was. A
     version pushed again keeps its row (and its number); its bundles are stored again by the
     push, so they count as kept."""
     vid = await keep_version(
-        conn, module=module, version=version, manifest=manifest, bundles=bundles, by=by
+        conn, module=module, version=version, manifest=manifest, bundles=bundles, by=by, note=note
     )
     current = await conn.fetchval("SELECT version_id FROM modules WHERE name = $1", module)
     if current == vid:
@@ -90,15 +91,17 @@ async def keep_version(
     manifest: str,
     bundles: dict[str, str],
     by: str,
+    note: str = "",
 ) -> int:
     """Store a version (once) without making it current, as a held push does; its id. A
     version stored again keeps its row (and its number) and counts as kept: its push stored
-    its bundles again."""
+    its bundles again. A note given replaces the version's; none keeps it."""
     return await conn.fetchval(
         """
-        INSERT INTO module_versions (module, version, manifest, bundles, pushed_by)
-        VALUES ($1, $2, $3, $4::jsonb, $5)
-        ON CONFLICT (module, version) DO UPDATE SET bundles_pruned = NULL
+        INSERT INTO module_versions (module, version, manifest, bundles, pushed_by, note)
+        VALUES ($1, $2, $3, $4::jsonb, $5, $6)
+        ON CONFLICT (module, version) DO UPDATE SET bundles_pruned = NULL,
+            note = CASE WHEN $6 = '' THEN module_versions.note ELSE $6 END
         RETURNING id
         """,
         module,
@@ -106,6 +109,7 @@ async def keep_version(
         manifest,
         json.dumps(bundles, sort_keys=True),
         by,
+        note,
     )
 
 
@@ -217,11 +221,12 @@ class HistoryRow(msgspec.Struct, frozen=True):
     digest: str  # its source archive's sha256 (module_versions.version)
     pushed_at: datetime
     pushed_by: str
-    plan: int | None  # the last push or rollback plan that rolled it out
+    plan: int | None  # the last push, rollback or assign plan that rolled it out
     state: PlanState | None  # that plan's state
     current: bool
     # its bundles were deleted from the bundle store (services/controller/catalog/bundles.py)
     pruned: bool
+    note: str = ""  # its push's --note
 
 
 async def history(
@@ -233,20 +238,22 @@ async def history(
     rows = await conn.fetch(
         """
         WITH v AS (
-            SELECT id, version, pushed_at, pushed_by, bundles_pruned IS NOT NULL AS pruned,
+            SELECT id, version, pushed_at, pushed_by, note, bundles_pruned IS NOT NULL AS pruned,
                    row_number() OVER (ORDER BY id) AS number
             FROM module_versions WHERE module = $1
         ), rolled AS (
             -- A plan names the version it rolls out in `undo.to` once it is in the catalog; a
-            -- held push's (or one cancelled while held) names it in `hold.version` alone.
+            -- held push's (or one cancelled while held) names it in `hold.version` alone; an
+            -- assign's, the module's version when it was recorded, in `undo.version`.
             SELECT DISTINCT ON (vid) vid, id, state FROM (
                 SELECT CASE WHEN jsonb_typeof(undo -> 'to') = 'number' THEN undo -> 'to'
+                            WHEN trigger = 'assign' THEN undo -> 'version'
                             ELSE hold -> 'version' END AS vid, id, state
-                FROM plans WHERE subject = $1 AND trigger IN ('push', 'rollback')
+                FROM plans WHERE subject = $1 AND trigger IN ('push', 'rollback', 'assign')
             ) p WHERE vid IS NOT NULL
             ORDER BY vid, id DESC
         )
-        SELECT v.id, v.number, v.version, v.pushed_at, v.pushed_by, v.pruned,
+        SELECT v.id, v.number, v.version, v.pushed_at, v.pushed_by, v.pruned, v.note,
                coalesce(m.version_id = v.id, false) AS current, r.id AS plan, r.state
         FROM v
         LEFT JOIN modules m ON m.name = $1
@@ -265,8 +272,17 @@ def _history_row(r: asyncpg.Record) -> HistoryRow:
     return HistoryRow(
         id=r["id"], number=r["number"], digest=r["version"], pushed_at=r["pushed_at"],
         pushed_by=r["pushed_by"], plan=r["plan"], state=r["state"], current=r["current"],
-        pruned=r["pruned"],
+        pruned=r["pruned"], note=r["note"],
     )  # fmt: skip
+
+
+async def current_numbers(conn: asyncpg.Connection) -> dict[str, int]:
+    """Each module's current version's number in its history (as `history` numbers them)."""
+    rows = await conn.fetch(
+        "SELECT m.name, (SELECT count(*) FROM module_versions o"
+        " WHERE o.module = m.name AND o.id <= m.version_id) AS number FROM modules m"
+    )
+    return {r["name"]: r["number"] for r in rows}
 
 
 async def version_count(conn: asyncpg.Connection, module: str) -> int:

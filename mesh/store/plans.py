@@ -110,6 +110,12 @@ class Plan(msgspec.Struct):
     soak_tier: int | None = None  # the soak in progress (`soak_until` set) or last passed
     soak_until: datetime | None = None
     paused_after: int | None = None  # the last tier after which it paused itself
+    note: str = ""  # its push's --note (migration 014)
+
+
+async def noted(conn: asyncpg.Connection, plan_id: int, note: str) -> None:
+    """The change's note on its plan (`push --note`)."""
+    await conn.execute("UPDATE plans SET note = $2 WHERE id = $1", plan_id, note)
 
 
 async def create(
@@ -199,7 +205,7 @@ async def fail_building(
 
 _PLAN = (
     "id, state, trigger, subject, requested_by, epoch, created, started, finished, phase, error,"
-    " settings, builds, undo, hold, cancel, soak_tier, soak_until, paused_after"
+    " settings, builds, undo, hold, cancel, soak_tier, soak_until, paused_after, note"
 )
 
 
@@ -230,6 +236,7 @@ def _plan(r: asyncpg.Record, steps: list[Step]) -> Plan:
         undo=json.loads(r["undo"]), steps=steps,
         hold=_held(r["trigger"], r["hold"]), cancel=r["cancel"],
         soak_tier=r["soak_tier"], soak_until=r["soak_until"], paused_after=r["paused_after"],
+        note=r["note"],
     )  # fmt: skip
 
 

@@ -50,22 +50,52 @@ async def set_secret(
     by: str = "",
     modules: str | None = None,
 ) -> int:
-    """Store a new version of `name`, sealed under the ring's active key; its version. `by`
-    (the operator) and `modules` (a glob; None keeps the one it had) say who may use it
-    (mesh/auth/scopes.py)."""
-    current = await conn.fetchval("SELECT version FROM secrets WHERE name = $1 FOR UPDATE", name)
-    version = (current or 0) + 1
+    """Store a new version of `name`, sealed under the ring's active key, the one it had kept
+    as its previous (migration 015); its version. `by` (the operator) and `modules` (a glob;
+    None keeps the one it had) say who may use it (mesh/auth/scopes.py)."""
+    # Past the previous one too: after a revert that is the version taken back, and a number
+    # names one value only (a host's declaration digest changes with it).
+    highest = await conn.fetchval(
+        "SELECT greatest(version, prev_version) FROM secrets WHERE name = $1 FOR UPDATE", name
+    )
+    version = (highest or 0) + 1
     sealed = ring.seal(name=name, version=version, value=value)
+    # In DO UPDATE, `secrets.x` is the row as it was: the current version becomes the previous.
     await conn.execute(
         """
         INSERT INTO secrets (name, value, data_key, key_id, version, set_by, modules)
         VALUES ($1, $2, $3, $4, $5, $6, $7)
         ON CONFLICT (name) DO UPDATE SET value = $2, data_key = $3, key_id = $4, version = $5,
-            set_by = $6, modules = coalesce($7, secrets.modules), updated_at = now()
+            set_by = $6, modules = coalesce($7, secrets.modules), updated_at = now(),
+            prev_version = secrets.version, prev_value = secrets.value,
+            prev_data_key = secrets.data_key, prev_key_id = secrets.key_id
         """,
         name, sealed.value, sealed.data_key, sealed.key_id, version, by, modules,
     )  # fmt: skip
     return version
+
+
+async def undo(conn: asyncpg.Connection, change: dict) -> str:
+    """Take back a reverted plan's `secret set`: the previous version current again (the one
+    taken back kept as the previous, so its number is never given again), unless the secret was
+    set again since (that newer version stands); in words."""
+    name, was, to = change.get("secret"), change.get("from"), change.get("to")
+    if name is None:  # a rotation of the key: nothing of the catalog to take back
+        return "nothing to take back"
+    if was is None:
+        return f"secret {name} had no version before {to}: it stays at {to}"
+    back = await conn.fetchval(
+        """
+        UPDATE secrets SET version = prev_version, value = prev_value, data_key = prev_data_key,
+            key_id = prev_key_id, updated_at = now(), prev_version = version,
+            prev_value = value, prev_data_key = data_key, prev_key_id = key_id
+        WHERE name = $1 AND version = $2 AND prev_version = $3 RETURNING true
+        """,
+        name, to, was,
+    )  # fmt: skip
+    if not back:
+        return f"secret {name} was set again since (or deleted): as it is now, it stands"
+    return f"secret {name} is back at version {was}"
 
 
 async def scopes(
@@ -86,25 +116,33 @@ async def set_by(conn: asyncpg.Connection | asyncpg.Pool, operator: str) -> list
 
 
 async def secret(
-    conn: asyncpg.Connection | asyncpg.Pool, name: str, *, ring: KeyRing
+    conn: asyncpg.Connection | asyncpg.Pool, name: str, *, ring: KeyRing, version: int | None = None
 ) -> tuple[int, bytes] | None:
-    """The version and value of `name`, opened with `ring` (secretkeys.KeyMissing if it lacks
-    the key); None if it was never set."""
+    """The version and value of `name` (its `version` while that is the previous one kept,
+    else the current), opened with `ring` (secretkeys.KeyMissing if it lacks the key); None if
+    it was never set."""
     r = await conn.fetchrow(
-        "SELECT version, value, data_key, key_id FROM secrets WHERE name = $1", name
+        "SELECT version, value, data_key, key_id, prev_version, prev_value, prev_data_key,"
+        " prev_key_id FROM secrets WHERE name = $1",
+        name,
     )
     if r is None:
         return None
-    if r["key_id"] is None:  # an older mesh's plaintext, until the takeover seals it
-        return r["version"], bytes(r["value"])
-    sealed = Sealed(value=bytes(r["value"]), data_key=bytes(r["data_key"]), key_id=r["key_id"])
-    return r["version"], ring.open(name=name, version=r["version"], sealed=sealed)
+    prev = version is not None and version != r["version"] and version == r["prev_version"]
+    at = "prev_" if prev else ""
+    if r[f"{at}key_id"] is None:  # an older mesh's plaintext, until the takeover seals it
+        return r[f"{at}version"], bytes(r[f"{at}value"])
+    sealed = Sealed(value=bytes(r[f"{at}value"]), data_key=bytes(r[f"{at}data_key"]),
+                    key_id=r[f"{at}key_id"])  # fmt: skip
+    return r[f"{at}version"], ring.open(name=name, version=r[f"{at}version"], sealed=sealed)
 
 
 async def not_under(conn: asyncpg.Connection, key: str) -> list[str]:
     """The secrets not wrapped under `key` (plaintext, or under another key), by name."""
     rows = await conn.fetch(
-        "SELECT name FROM secrets WHERE key_id IS DISTINCT FROM $1 ORDER BY name", key
+        "SELECT name FROM secrets WHERE key_id IS DISTINCT FROM $1"
+        " OR (prev_version IS NOT NULL AND prev_key_id IS DISTINCT FROM $1) ORDER BY name",
+        key,
     )
     return [r["name"] for r in rows]
 
@@ -122,23 +160,53 @@ async def reseal(conn: asyncpg.Connection, name: str, *, ring: KeyRing) -> Resea
     """Bring `name` under the ring's active key: 'sealed' (it was plaintext), 'rewrapped' (its
     data key was under another key), or None (already under it, or gone)."""
     r = await conn.fetchrow(
-        "SELECT version, value, data_key, key_id FROM secrets WHERE name = $1 FOR UPDATE", name
+        "SELECT version, value, data_key, key_id, prev_version, prev_value, prev_data_key,"
+        " prev_key_id FROM secrets WHERE name = $1 FOR UPDATE",
+        name,
     )
-    if r is None or r["key_id"] == ring.active:
+    if r is None:
         return None
-    done: Resealed
-    if r["key_id"] is None:
-        sealed = ring.seal(name=name, version=r["version"], value=bytes(r["value"]))
-        done = "sealed"
-    else:
-        old = Sealed(value=bytes(r["value"]), data_key=bytes(r["data_key"]), key_id=r["key_id"])
-        sealed = ring.rewrap(name=name, sealed=old)
-        done = "rewrapped"
-    await conn.execute(
-        "UPDATE secrets SET value = $2, data_key = $3, key_id = $4 WHERE name = $1",
-        name, sealed.value, sealed.data_key, sealed.key_id,
-    )  # fmt: skip
+    done: Resealed | None = None
+    for at in ("", "prev_"):  # the current version, and the previous one kept
+        if r[f"{at}version"] is None or r[f"{at}key_id"] == ring.active:
+            continue
+        if r[f"{at}key_id"] is None:
+            sealed = ring.seal(name=name, version=r[f"{at}version"], value=bytes(r[f"{at}value"]))
+            done = done or "sealed"
+        else:
+            old = Sealed(value=bytes(r[f"{at}value"]), data_key=bytes(r[f"{at}data_key"]),
+                         key_id=r[f"{at}key_id"])  # fmt: skip
+            sealed = ring.rewrap(name=name, sealed=old)
+            done = done or "rewrapped"
+        await conn.execute(
+            f"UPDATE secrets SET {at}value = $2, {at}data_key = $3, {at}key_id = $4"
+            " WHERE name = $1",
+            name, sealed.value, sealed.data_key, sealed.key_id,
+        )  # fmt: skip
     return done
+
+
+class SetSecret(msgspec.Struct, frozen=True):
+    """A secret that is set, as `secret list` shows it (never its value)."""
+
+    name: str
+    version: int
+    set_by: str
+    updated_at: datetime
+    modules: str | None  # the glob of modules that may name it
+
+
+async def listed(conn: asyncpg.Connection) -> list[SetSecret]:
+    """Every secret that is set, by name, with the key of the secrets as one of them."""
+    rows = [
+        SetSecret(**dict(r))
+        for r in await conn.fetch("SELECT name, version, set_by, updated_at, modules FROM secrets")
+    ]
+    key = await store_key(conn)
+    if key is not None:
+        rows.append(SetSecret(name=KEY_SECRET, version=key.version, set_by="",
+                              updated_at=key.changed_at, modules=None))  # fmt: skip
+    return sorted(rows, key=lambda r: r.name)
 
 
 async def forget(conn: asyncpg.Connection, name: str) -> bool:

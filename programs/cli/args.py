@@ -7,7 +7,7 @@ from typing import Any
 import msgspec
 
 from mesh import metrics
-from mesh.model import ModuleGlob
+from mesh.model import NOTE_MOST, ModuleGlob
 from mesh.names import InvalidName, check_name
 
 
@@ -45,6 +45,15 @@ def count(text: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"{n} is not a count (1 or more)")
     return n
+
+
+def note(text: str) -> str:
+    """`--note`: one line of at most NOTE_MOST characters, as the controller takes it."""
+    if len(text) > NOTE_MOST:
+        raise argparse.ArgumentTypeError(f"{len(text)} characters; at most {NOTE_MOST}")
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in text):
+        raise argparse.ArgumentTypeError(f"{text!r} has a control character (one line, please)")
+    return text
 
 
 def module_glob(text: str) -> str:

@@ -1,9 +1,13 @@
-"""`mesh logs MACHINE PROCESS [-f]`: a process's output, asked of its host."""
+"""`mesh logs MACHINE PROCESS [-f] [--tail N] [--since D] [--prepare] [--json]`: a process's
+output, asked of its host, each line with the time its host read it."""
 
 import argparse
+import json
+import re
 import signal
 import sys
 import time
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import anyio
@@ -12,6 +16,7 @@ from mesh import bus, subjects, wire
 from mesh.client.asking import VerbFailed, ask, connected
 from mesh.model import LogsReply, LogsRequest, NodesReply, NodesRequest
 from mesh.names import check_name
+from programs.cli.args import count
 from programs.cli.client import CliError, where
 
 # How long a follower's request may wait at the host for new output: the host answers the
@@ -24,6 +29,44 @@ def add_parsers(verbs: Any, common: argparse.ArgumentParser) -> None:
     logs.add_argument("machine")
     logs.add_argument("process")
     logs.add_argument("-f", "--follow", action="store_true", help="keep printing new output")
+    logs.add_argument("--tail", type=count, metavar="N", help="the last N lines")
+    logs.add_argument(
+        "--since", type=since, metavar="D",
+        help="the lines since D ago (90s, 15m, 2h, 7d) or since a time (2026-12-07T19:40:00Z)",
+    )  # fmt: skip
+    logs.add_argument(
+        "--prepare", action="store_true",
+        help="the output of its last preparation step (`prepare`), kept by its host",
+    )  # fmt: skip
+
+
+_AGO = re.compile(r"(\d+(?:\.\d+)?)(s|m|h|d)")
+_AT = re.compile(r"(\d{4}-\d\d-\d\dT\d\d:\d\d(?::\d\d(?:\.\d+)?)?)(Z|[+-]\d\d:\d\d)")
+_STAMP = re.compile(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z) (.*)", re.S)
+
+
+def since(text: str) -> str:
+    """`--since`: a time as the host's stamps spell it, from a while ago or a time."""
+    if m := _AGO.fullmatch(text):
+        seconds = float(m.group(1)) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
+        at = datetime.now(UTC) - timedelta(seconds=min(seconds, 10 * 365 * 86400))
+    elif _AT.fullmatch(text):
+        at = datetime.fromisoformat(text.replace("Z", "+00:00")).astimezone(UTC)
+    else:
+        raise argparse.ArgumentTypeError(
+            f"{text[:40]!r} is neither a while (90s, 15m, 2h, 7d) nor a time (2026-12-07T19:40:00Z)"
+        )
+    return at.strftime("%Y-%m-%dT%H:%M:%S.") + f"{at.microsecond // 1000:03d}Z"
+
+
+def _lines(data: str) -> list[dict[str, str | None]]:
+    """Output as `--json` gives it: each line's time (null: a line written without one) and
+    text."""
+    found = []
+    for line in data.splitlines():
+        m = _STAMP.fullmatch(line)
+        found.append({"at": m.group(1), "text": m.group(2)} if m else {"at": None, "text": line})
+    return found
 
 
 async def _read(nc: Any, machine: str, req: LogsRequest, timeout: float) -> LogsReply:
@@ -56,16 +99,45 @@ async def _why_silent(nc: Any, machine: str, subject: str, timeout: float) -> st
     return f"{said}; it is up: is its host agent running? (`mesh nodes`)"
 
 
+def _show(args: argparse.Namespace, data: str, rest: str = "") -> str:
+    """Print `data`; `-f --json`: a line of JSON per whole line of output, as it comes (`rest`,
+    a line not yet ended, is held back for the next read: returned)."""
+    if args.json and args.follow:
+        whole, _, rest = (rest + data).rpartition("\n")
+        for line in _lines(whole) if whole else []:
+            sys.stdout.write(json.dumps(line) + "\n")
+    elif not args.json:
+        sys.stdout.write(data)
+    sys.stdout.flush()
+    return rest
+
+
 async def cmd_logs(args: argparse.Namespace) -> None:
     check_name(args.machine, field="MACHINE")
     check_name(args.process, field="PROCESS")
+    if args.tail is not None and args.since is not None:
+        raise CliError("--tail and --since: one or the other")
     url, creds = where(args)
     timeout = getattr(args, "timeout", 5.0)
     interrupted = False
+    first = LogsRequest(process=args.process, tail=args.tail, since=args.since,
+                        prepare=args.prepare)  # fmt: skip
     async with connected(url=url, creds=creds, what="logs") as nc:
-        reply = await _read(nc, args.machine, LogsRequest(process=args.process), timeout)
-        sys.stdout.write(reply.data)
-        sys.stdout.flush()
+        reply = await _read(nc, args.machine, first, timeout)
+        data = reply.data
+        while args.since is not None and reply.data and not args.follow:  # to the end
+            reply = await _read(
+                nc,
+                args.machine,
+                LogsRequest(process=args.process, offset=reply.offset, prepare=args.prepare),
+                timeout,
+            )
+            data += reply.data
+        if args.json and not args.follow:
+            print(json.dumps({"machine": args.machine, "process": args.process,
+                              "offset": reply.offset, "lines": _lines(data)}))  # fmt: skip
+            return
+        rest = _show(args, data)
         if not args.follow:
             return
         async with anyio.create_task_group() as tg:
@@ -84,11 +156,11 @@ async def cmd_logs(args: argparse.Namespace) -> None:
             while True:  # from the offset the last reply ended at: nothing lost or repeated
                 reply = await _read(
                     nc, args.machine,
-                    LogsRequest(process=args.process, offset=reply.offset, wait=FOLLOW_WAIT),
+                    LogsRequest(process=args.process, offset=reply.offset, wait=FOLLOW_WAIT,
+                                prepare=args.prepare),
                     timeout,
                 )  # fmt: skip
-                sys.stdout.write(reply.data)
-                sys.stdout.flush()
+                rest = _show(args, reply.data, rest)
     if interrupted:
         sys.exit(130)
 

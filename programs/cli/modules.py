@@ -30,12 +30,17 @@ from mesh.model import (
     PushRequest,
     RotateKeyReply,
     RotateKeyRequest,
+    SecretDeleteReply,
+    SecretDeleteRequest,
+    SecretsReply,
+    SecretsRequest,
 )
 from mesh.modules import gate
 from mesh.modules.load import load
+from mesh.names import check_name
 from mesh.wire import encode
 from programs.cli import plans, render, steering
-from programs.cli.args import LIMIT_HELP, Parser, count, label, module_glob, tier
+from programs.cli.args import LIMIT_HELP, Parser, count, label, module_glob, note, tier
 from programs.cli.client import CHANGE_TIMEOUT, CliError, listed, verb, where
 from programs.cli.output import console, print_json, whole
 
@@ -45,6 +50,10 @@ def add_parsers(verbs: Any, common: argparse.ArgumentParser) -> None:
     push.add_argument("dir", type=Path, metavar="DIR", help="the module's folder")
     _wait_flag(push)
     steering.hold_flag(push)
+    push.add_argument(
+        "--note", type=note, default="", metavar="TEXT",
+        help="why, in a line: shown in `mesh history`, `mesh plan` and the console",
+    )  # fmt: skip
 
     plan = verbs.add_parser(
         "plan", parents=[common],
@@ -86,6 +95,17 @@ def add_parsers(verbs: Any, common: argparse.ArgumentParser) -> None:
     decl = verbs.add_parser("declaration", parents=[common], help="a machine's declaration")
     decl.add_argument("machine")
 
+    _secret_parsers(verbs, common)
+
+    build = verbs.add_parser("build", parents=[common], help="builds")
+    build_verbs = build.add_subparsers(dest="build_command", metavar="COMMAND", parser_class=Parser)
+    build_verbs.required = True
+    logs = build_verbs.add_parser("logs", parents=[common], help="the last build's whole log")
+    logs.add_argument("module")
+    logs.add_argument("bundle", nargs="?")
+
+
+def _secret_parsers(verbs: Any, common: argparse.ArgumentParser) -> None:
     secret = verbs.add_parser("secret", parents=[common], help="secrets")
     secret_verbs = secret.add_subparsers(
         dest="secret_command", metavar="COMMAND", parser_class=Parser
@@ -100,6 +120,14 @@ def add_parsers(verbs: Any, common: argparse.ArgumentParser) -> None:
         "modules do (it keeps the one it had without)",
     )  # fmt: skip
     _wait_flag(secret_set)
+    secret_list = secret_verbs.add_parser(
+        "list", parents=[common], help="the secrets that are set (never a value)"
+    )
+    secret_list.add_argument("--limit", type=count, metavar="N", help=LIMIT_HELP)
+    secret_delete = secret_verbs.add_parser(
+        "delete", parents=[common], help="delete a secret no module names"
+    )
+    secret_delete.add_argument("name")
     rotate = secret_verbs.add_parser(
         "rotate-key", parents=[common],
         help="re-encrypt every secret under a new key (run where the mesh's key file is)",
@@ -110,13 +138,6 @@ def add_parsers(verbs: Any, common: argparse.ArgumentParser) -> None:
         "MESH_DIR or .mesh/dev)",
     )  # fmt: skip
     _wait_flag(rotate)
-
-    build = verbs.add_parser("build", parents=[common], help="builds")
-    build_verbs = build.add_subparsers(dest="build_command", metavar="COMMAND", parser_class=Parser)
-    build_verbs.required = True
-    logs = build_verbs.add_parser("logs", parents=[common], help="the last build's whole log")
-    logs.add_argument("module")
-    logs.add_argument("bundle", nargs="?")
 
 
 def _wait_flag(p: argparse.ArgumentParser) -> None:
@@ -161,7 +182,7 @@ async def _upload_and_ask(
 
 async def cmd_push(args: argparse.Namespace) -> None:
     def body(m: Any, upload: str | None) -> PushRequest:
-        return changes.push_request(m, hold=args.hold, upload=upload)
+        return changes.push_request(m, hold=args.hold, upload=upload, note=args.note)
 
     reply: ChangeReply = await _upload_and_ask(args, "push", body, ChangeReply)
     await plans.wait_for(args, reply)
@@ -254,6 +275,24 @@ async def cmd_secret_set(args: argparse.Namespace) -> None:
     await plans.wait_for(args, reply)
 
 
+async def cmd_secret_list(args: argparse.Namespace) -> None:
+    reply = await listed(args, "secrets", SecretsReply, SecretsRequest(), want=args.limit)
+    if args.json:
+        print_json(whole(reply))
+    else:
+        render.secrets(console(), reply, want=args.limit)
+
+
+async def cmd_secret_delete(args: argparse.Namespace) -> None:
+    check_name(args.name, field="NAME")
+    body = SecretDeleteRequest(name=args.name, by=getpass.getuser())
+    reply = await verb(args, "secret-delete", SecretDeleteReply, body, changes=True)
+    if args.json:
+        print_json(reply)
+    else:
+        console().print(reply.message)
+
+
 # --- the key of the secrets (services/controller/catalog/secretkeys.py) ---------------------------
 
 # Refusals after which the controller has changed nothing: the key file is put back as it was.
@@ -315,6 +354,8 @@ COMMANDS = {
     ("modules",): cmd_modules,
     ("declaration",): cmd_declaration,
     ("secret", "set"): cmd_secret_set,
+    ("secret", "list"): cmd_secret_list,
+    ("secret", "delete"): cmd_secret_delete,
     ("secret", "rotate-key"): cmd_secret_rotate_key,
     ("build", "logs"): cmd_build_logs,
 }

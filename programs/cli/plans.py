@@ -106,6 +106,8 @@ def render(out: Console, p: PlanReply, *, want: int | None = None) -> None:
     head = f"[bold]plan {p.id}[/] {p.trigger} {p.subject}: {escape(doing(p))}"
     head += f", by {p.by or '?'}, {_elapsed(p.started or p.created, p.finished)}"
     out.print(head)
+    if p.note:
+        out.print(f"  note: {escape(p.note)}")
     if p.cancelled:
         out.print(f"  {escape(p.cancelled)}")
     if p.failure:

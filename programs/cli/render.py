@@ -17,6 +17,7 @@ from mesh.model import (
     NodesReply,
     PlanSummary,
     ProcessState,
+    SecretsReply,
     StatusReply,
     ToolEntry,
 )
@@ -226,12 +227,29 @@ def modules(console: Console, r: ModulesReply, *, want: int | None = None) -> No
         table.add_column(column)
     for m in r.modules:
         table.add_row(
-            m.name, m.version[7:19], _ago(m.pushed_at), m.pushed_by or "-",
+            m.name, f"{m.number} ({m.version[:19]})" if m.number else m.version[7:19],
+            _ago(m.pushed_at), m.pushed_by or "-",
             _assigned(m.assigned), ", ".join(m.processes) or "-", ", ".join(m.tools) or "-",
             ", ".join(m.containers) or "-",
         )  # fmt: skip
     console.print(table)
     more(console, shown=len(r.modules), total=r.total, want=want, what="module")
+
+
+def secrets(console: Console, r: SecretsReply, *, want: int | None = None) -> None:
+    if not r.secrets:
+        console.print("no secrets are set (mesh secret set NAME)")
+        return
+    table = Table(box=None, header_style="bold")
+    for column in ("SECRET", "VERSION", "SET", "BY", "NAMED BY", "MAY NAME IT"):
+        table.add_column(column)
+    for e in r.secrets:
+        table.add_row(
+            escape(e.name), str(e.version), _ago(e.at), escape(e.by or "-"),
+            escape(", ".join(e.modules) or "-"), escape(e.allowed or "admins' modules"),
+        )  # fmt: skip
+    console.print(table)
+    more(console, shown=len(r.secrets), total=r.total, want=want, what="secret")
 
 
 def tools(console: Console, found: list[ToolEntry], *, machine: str | None = None) -> None:

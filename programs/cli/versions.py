@@ -11,7 +11,14 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from mesh.model import ChangeReply, HistoryReply, HistoryRequest, RollbackRequest
+from mesh.model import (
+    ChangeReply,
+    HistoryReply,
+    HistoryRequest,
+    RollbackRequest,
+    VersionDiffReply,
+    VersionDiffRequest,
+)
 from mesh.names import check_name
 from programs.cli import plans
 from programs.cli.args import LIMIT_HELP, count
@@ -29,6 +36,10 @@ def add_parsers(verbs: Any, common: argparse.ArgumentParser) -> None:
     )
     history.add_argument("module", metavar="MODULE")
     history.add_argument("--limit", type=count, metavar="N", help=LIMIT_HELP)
+    history.add_argument(
+        "--diff", nargs=2, type=version_word, metavar=("A", "B"),
+        help="what changed from version A to version B (numbers, or digests)",
+    )  # fmt: skip
 
     back = verbs.add_parser(
         "rollback", parents=[common], help="take a module back to an earlier version"
@@ -57,6 +68,15 @@ def version_word(text: str) -> str:
 
 async def cmd_history(args: argparse.Namespace) -> None:
     check_name(args.module, field="MODULE")
+    if args.diff:
+        a, b = args.diff
+        request = VersionDiffRequest(module=args.module, a=a, b=b)
+        diffed = await verb(args, "version-diff", VersionDiffReply, request)
+        if args.json:
+            print_json(diffed)
+        else:
+            render_diff(console(), diffed)
+        return
     reply = await listed(
         args, "history", HistoryReply, HistoryRequest(module=args.module), want=args.limit
     )
@@ -68,18 +88,36 @@ async def cmd_history(args: argparse.Namespace) -> None:
 
 def render(out: Console, r: HistoryReply, *, want: int | None = None) -> None:
     table = Table(box=None, header_style="bold")
-    for column in ("VERSION", "DIGEST", "PUSHED", "BY", "PLAN", "STATE", "BUNDLES"):
+    for column in ("VERSION", "DIGEST", "PUSHED", "BY", "PLAN", "STATE", "BUNDLES", "NOTE"):
         table.add_column(column)
     for v in r.versions:
         table.add_row(
             f"{v.version}{' (current)' if v.current else ''}", v.digest[:19],
             v.pushed.strftime("%Y-%m-%d %H:%M:%S"), escape(v.by or "-"),
             str(v.plan) if v.plan is not None else "-", v.state or "-",
-            "kept" if v.kept else "pruned",
+            "kept" if v.kept else "pruned", escape(v.note),
         )  # fmt: skip
     out.print(f"[bold]{escape(r.module)}[/]: {r.total} version(s), newest first")
     out.print(table)
     more(out, shown=len(r.versions), total=r.total, want=want, what="version")
+
+
+def render_diff(out: Console, r: VersionDiffReply) -> None:
+    """module.toml's lines added in green and removed in red; the bundles whose bytes differ."""
+    out.print(
+        f"[bold]{escape(r.module)}[/]: version {r.a} ({r.a_digest[:19]}) -> version {r.b} "
+        f"({r.b_digest[:19]})"
+    )
+    if not r.manifest and not r.bundles:
+        out.print("  the same module.toml and bundles")
+        return
+    for line in r.manifest:
+        style = {"+": "green", "-": "red", "@": "cyan"}.get(line[:1]) if line[:3] not in (
+            "+++", "---") else "bold"  # fmt: skip
+        out.print(escape(line), style=style, highlight=False)
+    for b in r.bundles:
+        out.print(f"bundle {escape(b.bundle)}: {(b.before or '(none)')[:19]} -> "
+                  f"{(b.after or '(none)')[:19]}", highlight=False)  # fmt: skip
 
 
 async def cmd_rollback(args: argparse.Namespace) -> None:

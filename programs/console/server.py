@@ -428,7 +428,8 @@ class Console:
         if not text.isdigit() or not 1 <= int(text) < 2**63:
             return _error(400, f"plan id: {text[:40]!r} is not a plan number")
         try:
-            plan = await self.listed("plan", PlanReply, PlanRequest(id=int(text)))
+            # With what each step changes: the page shows it (a held plan's review)
+            plan = await self.listed("plan", PlanReply, PlanRequest(id=int(text), changes=True))
         except VerbFailed as e:
             return _error(404 if e.code == "not_found" else 502, str(e))
         return _json(plan)

@@ -169,7 +169,8 @@ class Hold:
                           held=held)  # fmt: skip
         return (
             held, changes,
-            SecretChanges(pool=self.pool, epoch=epoch, keys=self.keys, recorder=recorder),
+            SecretChanges(pool=self.pool, epoch=epoch, keys=self.keys, recorder=recorder,
+                          manifests=manifests),
             Machines(nc=self.nc, fleet=fleet, manifests=manifests, recorder=recorder),
             Steering(writes=PlanWrites(pool=self.pool, epoch=epoch), planner=planner,
                      one_change=recorder.one_change),

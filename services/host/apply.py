@@ -39,6 +39,7 @@ from services.host import (
     containers,
     files,
     limits,
+    logwriter,
     metrics,
     successor,
     watch,
@@ -60,6 +61,7 @@ class Envelope(msgspec.Struct):
 
 
 RETRY_FIRST = 5.0
+PREPARE_KEPT = 256 * 1024  # bytes of a preparation's output kept (the last), for `logs --prepare`
 RETRY_MAX = 60.0
 BUS_PATIENCE = 30.0  # how long a step waits out a bus or JetStream that does not answer
 KEEP_PATIENCE = 5.0  # a secret already on disk for the declaration applied: asked this long
@@ -504,12 +506,18 @@ class Applier:
             )  # fmt: skip
         except (OSError, ValueError) as e:
             raise StepFailed("prepare", str(e), name=launch.name) from None
-        output = b""
+        output, at_start = b"", True
+        said = f"[mesh] prepare {launch.decl.prepare} of {launch.name}, spec {launch.spec[:19]}\n"
+        kept = logwriter.stamp(time.time()) + said.encode()
         try:
             with anyio.fail_after(limit):
                 assert process.stdout is not None
                 async for chunk in process.stdout:
                     output = (output + chunk)[-8192:]
+                    chunk, at_start = logwriter.stamped(
+                        chunk, at_start=at_start, now=logwriter.stamp(time.time())
+                    )
+                    kept = (kept + chunk)[-PREPARE_KEPT:]
                 await process.wait()
         except TimeoutError:
             raise StepFailed("prepare", f"timed out after {limit:g}s", name=launch.name) from None
@@ -517,6 +525,9 @@ class Applier:
             kill_group(process.pid)  # nothing it started outlives it
             with anyio.CancelScope(shield=True):
                 await process.wait()
+                ended = f"[mesh] prepare ended: exit code {process.returncode}\n".encode()
+                last = (b"" if at_start else b"\n") + logwriter.stamp(time.time()) + ended
+                _keep(launch.log_file.with_name("prepare.log"), kept + last)
         if process.returncode != 0:
             tail = output.decode(errors="replace").strip().splitlines()[-3:]
             raise StepFailed(
@@ -544,6 +555,20 @@ class Applier:
             raise
         reply = wire.decode_reply(data, SecretReply)
         return base64.b64decode(reply.value)
+
+
+def _keep(path: Path, output: bytes) -> None:
+    """A preparation's output, for `mesh logs --prepare` (the host's alone: it may carry
+    secrets); lost, if it cannot be written, without failing the step."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.parent.chmod(0o700)
+        temporary = path.with_name(path.name + ".tmp")
+        temporary.write_bytes(output)
+        temporary.chmod(0o600)
+        temporary.replace(path)
+    except OSError as e:
+        log.warning("prepare output not kept in %s: %s", path, e)
 
 
 def _count_failure(step: ApplyStepKind, started: float) -> None:

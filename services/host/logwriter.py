@@ -11,15 +11,44 @@ exits when the last writer of the pipe is gone (the process and whatever it star
 Offsets are counted over the whole output, not per file: `FILE.base` holds how many bytes came
 before FILE's first byte, so `mesh logs -f` reads on across rotations (`read`).
 
+Each line is written with the time it was read from the pipe in front of it, in UTC to the
+millisecond (`2026-12-07T19:40:01.123Z `: STAMP_BYTES), so `mesh logs` shows when, `--since`
+finds where a time starts (`since`), and the host's markers (a start, a restart and why) fall
+in order among the lines.
+
 Only the standard library: it runs isolated (`-I -S`), importing nothing of the mesh's.
 """
 
 import fcntl
 import os
 import sys
+import time
 from pathlib import Path
 
 CHUNK = 64 * 1024
+STAMP_BYTES = len("2026-12-07T19:40:01.123Z ")
+BACK = 64 * 1024  # bytes read at a time when looking back for lines
+
+
+def stamp(at: float) -> bytes:
+    """The time in front of a line."""
+    whole = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(at))
+    return f"{whole}.{int(at * 1000) % 1000:03d}Z ".encode()
+
+
+def stamped(chunk: bytes, *, at_start: bool, now: bytes) -> tuple[bytes, bool]:
+    """`chunk` with `now` in front of each line that starts in it (the first too if the last
+    chunk ended a line); and whether it ends one."""
+    parts = chunk.split(b"\n")
+    out = []
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        if last and not part:
+            break  # the chunk ended with its line
+        if i > 0 or at_start:
+            out.append(now)
+        out.append(part if last else part + b"\n")
+    return b"".join(out), chunk.endswith(b"\n")
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -98,6 +127,64 @@ def read(log_file: Path, offset: int | None, most: int) -> tuple[int, bytes]:
     return start + len(data), data
 
 
+def end(log_file: Path) -> int:
+    """The offset after the last byte of output."""
+    segments = _segments(log_file)
+    return segments[-1][0] + segments[-1][2]
+
+
+def tail_offset(log_file: Path, lines: int) -> int:
+    """Where the last `lines` lines start (the oldest byte kept, if there are fewer)."""
+    last = end(log_file)
+    first = _segments(log_file)[0][0]
+    at, found = last, 0
+    while at > first:
+        start = max(first, at - BACK)
+        _, data = read(log_file, start, at - start)
+        # A final line without its newline yet counts as a line too.
+        newlines = [i for i, b in enumerate(data) if b == 10 and start + i + 1 < last]
+        for i in reversed(newlines):
+            found += 1
+            if found == lines:
+                return start + i + 1
+        at = start
+    return first
+
+
+def since(log_file: Path, at: str) -> int:
+    """Where the first line stamped `at` (as `stamp` writes it) or later starts; the end if
+    none is. Lines are in time order, so the search halves the output each look."""
+    segments = _segments(log_file)
+    low, high = segments[0][0], end(log_file)
+    key = at.encode()
+    while low < high:  # the first line start at or after `mid` whose stamp is before `at`?
+        mid = (low + high) // 2
+        start, stamp_ = _line_at(log_file, mid, high)
+        if start is None or stamp_ >= key:
+            high = mid
+        else:
+            low = start + 1
+    start, _ = _line_at(log_file, low, end(log_file))
+    return start if start is not None else end(log_file)
+
+
+def _line_at(log_file: Path, offset: int, end: int) -> tuple[int | None, bytes]:
+    """The first line that starts at or after `offset` (before `end`), and its stamp."""
+    got, data = read(log_file, max(offset - 1, 0), BACK)
+    began = got - len(data)
+    if began >= offset:  # from the oldest byte kept: a file starts with a whole line
+        start = began
+    else:
+        skip = data.find(b"\n")
+        if skip < 0:
+            return None, b""
+        start = began + skip + 1
+    if start >= end:
+        return None, b""
+    _, head = read(log_file, start, STAMP_BYTES)
+    return start, head
+
+
 class Writer:
     """Appends to `log_file`, rotating it at `limit` bytes, keeping `keep` older files."""
 
@@ -170,10 +257,12 @@ class Writer:
 def main(argv: list[str]) -> int:
     log_file, limit, keep = Path(argv[1]), int(argv[2]), int(argv[3])
     writer = Writer(log_file, limit=limit, keep=keep)
+    at_start = True
     while True:
         chunk = os.read(0, CHUNK)
         if not chunk:
             return 0
+        chunk, at_start = stamped(chunk, at_start=at_start, now=stamp(time.time()))
         try:
             writer.write(chunk)
         except OSError:

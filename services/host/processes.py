@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 # LOG_MAX_BYTES. The environment of the host may set both (tests use small ones).
 LOG_MAX_BYTES = int(os.environ.get("MESH_PROCESS_LOG_BYTES", 10 * 2**20))
 LOG_KEEP = int(os.environ.get("MESH_PROCESS_LOG_KEEP", 3))
+PIPE_BUF = 4096  # a write of at most this many bytes to a pipe is never split (POSIX: >= 512)
 LOG_WRITER = Path(logwriter.__file__)
 
 
@@ -112,13 +113,15 @@ def spawn(
     piped: bool = False,
     cgroups: Mapping[str, str] | None = None,
     files_max: int | None = None,
+    marker: bytes = b"",
 ) -> tuple[Instance, Pipes | None]:
     """Start `argv`, its output (stdout and stderr) to its log; raises OSError (e.g. no such
     file) for the caller to report. `piped`: its stdin and stdout are pipes to the host
     instead (a tool server: MCP over stdio), whose ends are returned, and only its stderr goes
     to its log; those pipes end with this host process, so no next one can adopt it.
     `cgroups`, `files_max`: the child joins that cgroup and takes that open-files limit before
-    it drops to its account and execs (services/host/limits.py)."""
+    it drops to its account and execs (services/host/limits.py). `marker`: a line the log
+    gets first (the host's: a start, a restart and why)."""
     cgroups = dict(cgroups or {})
     if cgroups or files_max is not None:
         who: dict = {"preexec_fn": limits.entering(cgroups, files=files_max, uid=uid, gid=gid,
@@ -131,6 +134,8 @@ def spawn(
     out = _log_writer(log_file)
     ours: list[int] = []  # the host's ends of the pipes, closed if the start fails
     try:
+        if marker:
+            os.write(out, marker[:PIPE_BUF])  # one write, whole: nothing else writes yet
         if piped:
             child_in, host_in = os.pipe()
             ours.append(host_in)

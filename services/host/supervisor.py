@@ -59,6 +59,21 @@ class Launch(msgspec.Struct):
     group: str = ""
 
 
+def _last_spec(log_file: Path, spec: str) -> str | None:
+    """The spec its log's last start was of (None: none recorded), recording `spec` instead."""
+    record = log_file.with_name("spec")
+    try:
+        was: str | None = record.read_text().strip()
+    except OSError:
+        was = None
+    try:
+        record.parent.mkdir(parents=True, exist_ok=True)
+        record.write_text(spec)
+    except OSError:
+        pass  # a marker without the version before: nothing else depends on it
+    return was
+
+
 class Supervised:
     piped = False  # stdin and stdout as pipes to the host (a tool server's MCP over stdio)
 
@@ -81,6 +96,7 @@ class Supervised:
         self._oom_before = 0  # its cgroup's count when the instance started
         self.meter = limits.Meter()
         self._stopping = False
+        self._spawned = False  # a start after the first is a restart (its log's marker says)
         self.scope = anyio.CancelScope()
 
     def report(self) -> ProcessState:
@@ -202,11 +218,26 @@ class Supervised:
                 launch.decl.command, cwd=launch.cwd, env=launch.env, log_file=launch.log_file,
                 spec=launch.spec, uid=launch.uid, gid=launch.gid, groups=launch.groups,
                 piped=self.piped, cgroups=cgroups, files_max=lim.files if lim else None,
+                marker=self._marker(),
             )  # fmt: skip
         except BaseException:
             limits.discard(cgroups)
             raise
+        self._spawned = True
         return instance
+
+    def _marker(self) -> bytes:
+        """The line its log gets before its output: a start (and a new version), or a restart
+        and why, so `mesh logs` shows where one run ends and the next begins."""
+        name, spec = self.launch.name, self.launch.spec
+        if self._spawned:
+            said = (f"restarted ({self.reason}; restart {self.restarts}, {self.in_a_row} in a "
+                    "row)")  # fmt: skip
+        else:
+            was = _last_spec(self.launch.log_file, spec)
+            new = f": a new version (was {was[:19]})" if was and was != spec else ""
+            said = f"started, spec {spec[:19]}{new}"
+        return f"[mesh] {name} {said}\n".encode()
 
     def _why_exited(self, code: int | None) -> str:
         """How the instance ended, in words; a kill at its memory limit names the limit."""

@@ -67,8 +67,20 @@ class Host(msgspec.Struct):
 LOOK_EVERY = 0.1  # seconds between looks at a followed log, on this machine
 
 
-def _log_file(h: Host, process: str) -> Path:
-    return h.root / "processes" / process / "logs" / "output.log"
+def _log_file(h: Host, process: str, *, prepare: bool = False) -> Path:
+    return h.root / "processes" / process / "logs" / ("prepare.log" if prepare else "output.log")
+
+
+def _start(path: Path, req: LogsRequest) -> int | None:
+    """Where a read starts: the offset asked, where the last `tail` lines or the lines since a
+    time start, or None (the last `max` bytes)."""
+    if req.offset is not None:
+        return req.offset
+    if req.tail is not None:  # at most the last `max` bytes of them
+        return max(logwriter.tail_offset(path, req.tail), logwriter.end(path) - req.max)
+    if req.since is not None:
+        return logwriter.since(path, req.since)
+    return None
 
 
 async def status(h: Host, _: StatusRequest) -> HostStatus:
@@ -76,12 +88,13 @@ async def status(h: Host, _: StatusRequest) -> HostStatus:
 
 
 async def logs(h: Host, req: LogsRequest) -> LogsReply:
-    path = _log_file(h, req.process)
+    path = _log_file(h, req.process, prepare=req.prepare)
     known = req.process in h.supervisor.running or req.process in h.tools.servers
-    if not known and not path.exists():
+    if not known and not _log_file(h, req.process).exists():
         raise wire.BadRequest(f"no process {req.process} on {h.name}", code="not_found")
     # Offsets count the whole output, across the rotated files (logwriter.py).
-    offset, data = logwriter.read(path, req.offset, req.max)
+    start = await anyio.to_thread.run_sync(_start, path, req)  # a look back reads files
+    offset, data = logwriter.read(path, start, req.max)
     # A follower's request waits here for new output: the file is this machine's, so looking
     # at it often costs nothing on the bus; the reply goes the moment there is something.
     deadline = time.monotonic() + req.wait
@@ -99,7 +112,7 @@ def _fitting(req: LogsRequest, offset: int, data: bytes, *, room: int) -> LogsRe
     text = data.decode(errors="replace")
     if paging.encoded_size(text) <= room:
         return LogsReply(process=req.process, offset=offset, data=text)
-    tail = req.offset is None
+    tail = req.offset is None and req.since is None  # the last bytes, not the first
 
     def part(n: int) -> bytes:
         return data[len(data) - n :] if tail else data[:n]

@@ -6,6 +6,7 @@
 const state = {
   status: null, nodes: null, modules: null, plans: null, audit: null,
   plans_by_id: new Map(), // id -> the `plan` verb's answer
+  changes_by_id: new Map(), // id -> machine -> what its step changes in its declaration
   problems: new Map(), // section -> message
   beats: new Map(), // machine -> when its last beat arrived (ms)
   last_seen: new Map(), // machine -> when the controller last heard it (ms), as `nodes` said
@@ -129,6 +130,7 @@ function processes_of(node) {
       el("strong", {}, p.name + (p.trial ? " (new version)" : "")), " ",
       word(p.state), " ", word(p.healthy ? "healthy" : "unhealthy"),
       p.pid ? el("span", { class: "quiet" }, ` pid ${p.pid}${use_of(p)}`) : null,
+      p.restarts ? el("span", { class: "restarts" }, ` ${p.restarts} restart(s)${p.in_a_row ? `, ${p.in_a_row} in a row` : ""}`) : null,
       p.reason ? el("span", { class: "reason" }, ` (${p.reason})`) : null));
 }
 
@@ -255,10 +257,25 @@ function plan_card(id) {
       el("strong", {}, `${p.trigger} ${p.subject}`), ` by ${p.by || "?"}: `, word(p.state),
       steering(p),
       p.failure ? [" — ", word(p.failure, "error")] : ""),
+    p.note ? el("p", { id: "plan-note" }, "note: ", p.note) : "",
     el("h3", {}, "Tiers"),
     p.tiers.length ? table("plan-tiers", ["tier", "state", "done"], tiers) : el("p", { class: "quiet" }, "no steps yet"),
     el("h3", {}, "Steps"),
-    p.steps.length ? table("plan-steps", ["machine", "tier", "state", "declaration", "started", "finished", "error"], steps) : "");
+    p.steps.length ? table("plan-steps", ["machine", "tier", "state", "declaration", "started", "finished", "error"], steps) : "",
+    plan_changes(p.id));
+}
+
+// What each step changes in its machine's declaration (secrets are never in one): what an
+// approver of a held plan reads, with nothing but its id.
+function plan_changes(id) {
+  const changes = state.changes_by_id.get(id);
+  if (!changes) return "";
+  const said = (c) => `${c.op} ${c.kind} ${c.name}` +
+    (c.op === "~" ? ` (${Object.entries(c.fields).map(([k, [a, b]]) => `${k}: ${JSON.stringify(a)} → ${JSON.stringify(b)}`).join("; ")})` : "");
+  const items = [...changes].filter(([, list]) => list.length).map(([machine, list]) =>
+    el("li", { "data-machine": machine }, el("strong", {}, machine), ": ", list.map(said).join(", ")));
+  return [el("h3", {}, "Changes"),
+    items.length ? el("ul", { id: "plan-changes" }, items) : el("p", { class: "quiet" }, "no declaration changes")];
 }
 
 function shown_plan() {
@@ -303,11 +320,13 @@ function machine_view(name) {
       el("td", {}, p.pid || "–"),
       el("td", { class: "memory" }, p.pid && p.memory !== undefined && p.memory !== null ? bytes(p.memory) : "–"),
       el("td", { class: "cpu" }, p.pid && p.cpu !== undefined && p.cpu !== null ? p.cpu.toFixed(2) : "–"),
-      el("td", { class: "reason" }, p.reason || ""),
+      el("td", { class: "restarts" }, `${p.restarts || 0}` + (p.in_a_row ? ` (${p.in_a_row} in a row)` : "")),
+      el("td", { class: "since" }, p.since ? when(p.since) : "–"),
+      el("td", { class: "reason" }, [p.reason || "", p.check ? ` check: ${p.check}` : ""]),
       el("td", {}, el("button", { type: "button", "data-log": p.name, onclick: () => open_log(name, p.name) }, "log"))));
   return [back, card("machine", `Machine ${node.name}`, el("dl", {}, rows)),
     card("machine-processes", "Processes",
-      procs.length ? table("processes", ["process", "state", "health", "pid", "memory", "cpu", "why", ""], procs) : el("p", { class: "quiet" }, "none"))];
+      procs.length ? table("processes", ["process", "state", "health", "pid", "memory", "cpu", "restarts", "running since", "why", ""], procs) : el("p", { class: "quiet" }, "none"))];
 }
 
 function plan_view(id) {
@@ -355,10 +374,11 @@ async function fetch_json(path) {
 const asked_plans = new Set(); // asked once; then its `plan` events keep it current
 
 async function fetch_plan(id) {
-  if (state.plans_by_id.has(id) || asked_plans.has(id)) return;
+  if (asked_plans.has(id)) return; // asked even when its events came first: for its changes
   asked_plans.add(id);
   try {
     const plan = await fetch_json(`/api/plan/${id}`);
+    state.changes_by_id.set(id, new Map(plan.steps.map((s) => [s.machine, s.changes || []])));
     // A `plan` event that came while this was asked is as new or newer: an answer that was
     // slower to arrive must not put an older state back (nothing may come after it to fix it).
     if (!state.plans_by_id.has(id)) state.plans_by_id.set(id, plan);

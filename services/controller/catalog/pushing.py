@@ -106,13 +106,22 @@ async def register(
     version: str,
     bundles: dict[str, str],
     by: str,
+    note: str = "",
 ) -> list[str]:
     """Record the version (and, at the first push, the default assignment); return the
     machines the module is assigned to."""
     name = manifest.module.name
     first = name not in await modules.current_modules(conn)
+    named = manifest.assign.machines if first and manifest.assign else []
+    unknown = [m for m in named if m not in fleet.machines]
+    if unknown:  # placed nowhere, silently, it would be
+        raise wire.BadRequest(
+            f"assign.machines: {', '.join(unknown)}: no such machine has registered "
+            "(mesh nodes lists those that have; assign one later with mesh assign)",
+            code="not_found",
+        )
     await modules.record_version(
-        conn, module=name, version=version, manifest=text, bundles=bundles, by=by
+        conn, module=name, version=version, manifest=text, bundles=bundles, by=by, note=note
     )
     if first and manifest.assign:
         await modules.assign(conn, module=name, machines=_default(fleet, manifest.assign))

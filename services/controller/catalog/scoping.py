@@ -38,6 +38,25 @@ def _named_secrets(m: Manifest) -> list[str]:
     return sorted({f.secret for r in runs for f in r.files.values() if f.secret is not None})
 
 
+def _naming(m: Manifest, secret: str) -> str:
+    """The first field of `m` that names `secret`, as a refusal names it."""
+    for kind, runs in (("process", m.process), ("tool", m.tool)):
+        for name, r in sorted(runs.items()):
+            for path, f in sorted(r.files.items()):
+                if f.secret == secret:
+                    return f"{kind}.{name}.files.{path}.secret"
+    return "secret"
+
+
+async def in_use(conn: asyncpg.Connection, manifests: Manifests) -> dict[str, list[str]]:
+    """Each secret some module's current version names: those modules, by name."""
+    using: dict[str, list[str]] = {}
+    for name, v in sorted((await modules.current_modules(conn)).items()):
+        for secret in _named_secrets(manifests.of(v)):
+            using.setdefault(secret, []).append(name)
+    return using
+
+
 async def check_push(
     conn: asyncpg.Connection, *, manifests: Manifests, manifest: Manifest, by: str
 ) -> None:
@@ -50,11 +69,18 @@ async def check_push(
             if v.module != manifest.module.name:
                 for account in manifests.of(v).account:
                     others.setdefault(account, v.module)  # the first to declare it
+    named = _named_secrets(manifest)
+    set_ = await secrets.scopes(conn, named)
+    unset = [s for s in named if s not in set_ and s != scopes.KEY_SECRET]
+    if unset:  # refused now, not found missing by each host at the rollout's deadline
+        raise wire.BadRequest(
+            f"{_naming(manifest, unset[0])}: secret {unset[0]} is not set: set it first "
+            f"(mesh secret set {unset[0]}; mesh secret list shows those set)"
+            + (f"; nor are {', '.join(unset[1:])}" if unset[1:] else ""),
+            code="not_found",
+        )
     try:
-        scopes.check_push(
-            manifest, pusher=who, secrets=await secrets.scopes(conn, _named_secrets(manifest)),
-            accounts_of_others=others,
-        )  # fmt: skip
+        scopes.check_push(manifest, pusher=who, secrets=set_, accounts_of_others=others)
     except scopes.Beyond as e:
         raise wire.BadRequest(str(e), code="forbidden") from None
 

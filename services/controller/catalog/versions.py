@@ -7,8 +7,11 @@ before the current one: the newest numbered below it that ran, that is whose las
 not end failed, reverted or cancelled (a version that never ran is no version to go back to).
 """
 
+import difflib
+
 from mesh import wire
-from mesh.store.modules import HistoryRow
+from mesh.model import BundleChange
+from mesh.store.modules import HistoryRow, StoredVersion
 
 LISTED = 20  # versions a refusal names, newest first; `mesh history` shows them all
 SHORT = 19  # `sha256:` and 12 hex digits: how a digest is shown in a line
@@ -80,3 +83,22 @@ def _before_current(rows: list[HistoryRow], *, module: str) -> HistoryRow:
         f"name one with --to: {known(rows)}",
         code="not_found",
     )
+
+
+def compared(a: StoredVersion, b: StoredVersion, *, numbers: tuple[int, int]) -> tuple[
+    list[str], list[BundleChange]
+]:  # fmt: skip
+    """What changed from `a` to `b`: their module.toml as a unified diff, and the bundles whose
+    digest differs (a changed file of the module's source shows as its bundle's new digest)."""
+    was, now = (f"version {n}/module.toml" for n in numbers)
+    lines = list(
+        difflib.unified_diff(
+            a.manifest.splitlines(), b.manifest.splitlines(), was, now, lineterm=""
+        )
+    )
+    bundles = [
+        BundleChange(bundle=name, before=a.bundles.get(name), after=b.bundles.get(name))
+        for name in sorted(a.bundles.keys() | b.bundles.keys())
+        if a.bundles.get(name) != b.bundles.get(name)
+    ]
+    return lines, bundles

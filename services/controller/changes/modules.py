@@ -119,13 +119,16 @@ class Changes:
         building = {b.name for b in todo}
         async with self.pool.acquire() as conn, conn.transaction():
             await seats.fence(conn, epoch=self.epoch)
-            return await plans.create(
+            plan_id = await plans.create(
                 conn, trigger="push", subject=manifest.module.name, by=req.by,
                 epoch=self.epoch, settings=settings_of(manifest),
                 builds=[PlanBuild(bundle=b, digest=d, built=b in building)
                         for b, d in sorted(bundles.items())],
                 undo={"module": manifest.module.name}, steps=[], state="building",
             )  # fmt: skip
+            if req.note:
+                await plans.noted(conn, plan_id, req.note)
+            return plan_id
 
     async def _not_built(self, plan_id: int, e: BaseException) -> None:
         """A building plan whose builds failed (or whose push was cut off) ends `failed`."""
@@ -181,7 +184,7 @@ class Changes:
                 else:
                     targets = await register(
                         conn, fleet=self.fleet, manifest=manifest, text=req.manifest,
-                        version=req.source, bundles=bundles, by=req.by,
+                        version=req.source, bundles=bundles, by=req.by, note=req.note,
                     )  # fmt: skip
                     now = (await modules.current_modules(conn))[name]
                     recorded = await self.recorder.plan(
@@ -194,6 +197,8 @@ class Changes:
                 await self.recorder.superseded(
                     conn, old, plan=recorded[0], what=f"a push of {name}"
                 )
+                if recorded[0] is not None and req.note:
+                    await plans.noted(conn, recorded[0], req.note)
                 return recorded
 
     async def _restore(
@@ -331,8 +336,9 @@ class Changes:
                     moved = await modules.reassign(conn, req.module, machines, undo=undo)
                     plan, changed = await self.recorder.plan(
                         conn, machines, trigger=trigger, subject=req.module, by=req.by,
-                        settings=settings, undo={"module": req.module, "machines": moved},
-                        audit=audit,
+                        settings=settings, audit=audit,
+                        # `version`: what it rolls out, as `mesh history` shows (an assign's)
+                        undo={"module": req.module, "machines": moved, "version": current.id},
                     )  # fmt: skip
                 what = f"an {trigger} of {req.module}"
                 await self.recorder.superseded(conn, old, plan=plan, what=what)

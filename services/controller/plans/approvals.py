@@ -77,7 +77,7 @@ class HeldChanges:
             steps = await self._rec.steps(conn, targets)
         version = await modules.keep_version(
             conn, module=name, version=req.source, manifest=req.manifest, bundles=bundles,
-            by=req.by,
+            by=req.by, note=req.note,
         )  # fmt: skip
         recorded = await self._rec.plan(
             conn, targets, trigger="push", subject=name, by=req.by,

@@ -15,7 +15,7 @@ from typing import Any
 import asyncpg
 
 from mesh.model import PlanSettings
-from mesh.store import declarations, events, modules, plans, seats
+from mesh.store import declarations, events, modules, plans, seats, secrets
 
 
 @dataclass
@@ -56,7 +56,10 @@ class OnePlan:
         await plans.approved(self.conn, self.plan_id, settings=settings, undo=undo, hold=hold)
 
     async def undo(self, p: plans.Plan) -> str:
-        """Its catalog change taken back (a later change of the module stands); in words."""
+        """Its catalog change taken back (a later change of the module or secret stands); in
+        words."""
+        if p.trigger == "secret":
+            return await secrets.undo(self.conn, p.undo)
         return await modules.undo(self.conn, p.trigger, p.undo, plan_id=p.id)
 
 

@@ -83,7 +83,10 @@ TABLE: dict[str, Served] = {
         too_large=f"a declaration may be {MAX_DECLARATION} bytes: the NATS server's "
         "max_payload must be larger than that",
     ),
-    "secret-set": Served(SecretChanges.secret_set, "admin", SLOW, _SECRET_BODY),
+    # a deployer's for its own modules' secrets (trust/operators.py)
+    "secret-set": Served(SecretChanges.secret_set, "deployer", SLOW, _SECRET_BODY),
+    "secret-delete": Served(SecretChanges.secret_delete, "deployer", SLOW, _SMALL),
+    "secrets": Served(Views.secrets, "reader", SLOW, _SMALL, _PAGED),
     "build-logs": Served(Views.build_logs, "reader", SLOW, _SMALL),
     "plan": Served(Views.plan, "reader", SLOW, _SMALL, _PAGED),
     "plans": Served(Views.plans, "reader", SLOW, _SMALL, _PAGED),
@@ -97,6 +100,7 @@ TABLE: dict[str, Served] = {
     "plan-cancel": Served(Steering.cancel, "deployer", SLOW, _SMALL),
     # going back, and machines out of the plans (docs/operations.md, Steering a change)
     "history": Served(Views.history, "reader", SLOW, _SMALL, _PAGED),
+    "version-diff": Served(Views.version_diff, "reader", SLOW, _SMALL),
     "rollback": Served(Changes.rollback, "deployer", SLOW, _SMALL),
     "drain": Served(Machines.drain, "admin", SLOW, _SMALL),
     "undrain": Served(Machines.undrain, "admin", SLOW, _SMALL),

@@ -19,6 +19,7 @@ from nats.aio.client import Client
 from nats.js.object_store import ObjectStore
 
 from mesh import blobs, paging, wire
+from mesh.auth.scopes import CONTROLLER_MODULE, CONTROLLER_SECRETS
 from mesh.auth.secretkeys import SecretsKeyError
 from mesh.model import (
     ASSIGNED_PER_ENTRY,
@@ -41,17 +42,22 @@ from mesh.model import (
     PlansReply,
     PlansRequest,
     PlanStep,
+    SecretInfo,
     SecretReply,
+    SecretsReply,
+    SecretsRequest,
     ToolEntry,
     ToolsReply,
     ToolsRequest,
+    VersionDiffReply,
+    VersionDiffRequest,
     VersionEntry,
 )
 from mesh.modules.compose import Declaration
 from mesh.modules.diff import diff
 from mesh.store import builds, declarations, modules, plans, secrets
 from mesh.store.modules import StoredVersion
-from services.controller.catalog import pushing, scoping
+from services.controller.catalog import pushing, scoping, versions
 from services.controller.catalog.secretkeys import Keys
 from services.controller.fleet.fleet import Fleet
 from services.controller.fleet.publishing import Manifests, Publisher
@@ -101,12 +107,14 @@ class Views:
         most = min(req.limit * ASSIGNED_PER_ENTRY, room // 4) + 1
         async with self.pool.acquire() as conn, conn.transaction(**_SNAPSHOT):
             current = await modules.current_modules(conn)
+            numbers = await modules.current_numbers(conn)
             rows = await modules.assigned_after(conn, after=at, most=most)
         machines: dict[str, list[str]] = {}
         for module, machine in rows:
             machines.setdefault(module, []).append(machine)
         page = paging.fill(
-            self._module_entries(current, machines, at), verb="modules", limit=req.limit,
+            self._module_entries(current, numbers, machines, at), verb="modules",
+            limit=req.limit,
             room=room, what=lambda m: f"module {m.name}'s entry",
         )  # fmt: skip
         return ModulesReply(modules=page.items, next=page.next, total=len(current))
@@ -114,6 +122,7 @@ class Views:
     def _module_entries(
         self,
         current: dict[str, StoredVersion],
+        numbers: dict[str, int],
         machines: dict[str, list[str]],
         at: paging.Key | None,
     ) -> Iterator[tuple[paging.Key, ModuleInfo]]:
@@ -133,7 +142,7 @@ class Views:
                 yield (name, chunk[-1] if chunk else ""), ModuleInfo(
                     name=name, version=v.version, pushed_at=v.pushed_at, pushed_by=v.pushed_by,
                     assigned=chunk, processes=sorted(m.process), containers=sorted(m.container),
-                    tools=sorted(m.tool),
+                    tools=sorted(m.tool), number=numbers.get(name, 0),
                 )  # fmt: skip
 
     async def declaration(self, req: DeclarationRequest) -> DeclarationReply:
@@ -213,7 +222,7 @@ class Views:
             epoch=p.epoch, created=p.created, started=p.started, finished=p.finished,
             phase=p.phase, failure=p.error, settings=p.settings, builds=p.builds, tiers=tiers,
             steps=[], total=sum(t.total for t in counted),
-            soak=plans.soak_shown(p.soak_tier, p.soak_until), cancelled=p.cancel,
+            soak=plans.soak_shown(p.soak_tier, p.soak_until), cancelled=p.cancel, note=p.note,
         )  # fmt: skip
         page = paging.fill(
             (((s.tier, s.machine), s) for s in steps), verb="plan", limit=req.limit,
@@ -249,7 +258,7 @@ class Views:
             ((r.number,), VersionEntry(
                 version=r.number, digest=r.digest, pushed=r.pushed_at, by=r.pushed_by,
                 plan=r.plan, state=r.state, current=r.current,
-                kept=not r.pruned,
+                kept=not r.pruned, note=r.note,
             ))
             for r in rows
         )  # fmt: skip
@@ -259,6 +268,27 @@ class Views:
             what=lambda v: f"version {v.version}",
         )  # fmt: skip
         return msgspec.structs.replace(reply, versions=page.items, next=page.next)
+
+    async def version_diff(self, req: VersionDiffRequest) -> VersionDiffReply:
+        """What changed between two versions of a module, each named as `rollback --to` names
+        one (its number, or its digest)."""
+        async with self.pool.acquire() as conn, conn.transaction(**_SNAPSHOT):
+            rows = await modules.history(conn, req.module)
+            a, b = (versions.pick(rows, module=req.module, to=to) for to in (req.a, req.b))
+            old, new = await modules.version_of(conn, a.id), await modules.version_of(conn, b.id)
+        lines, bundles = versions.compared(old, new, numbers=(a.number, b.number))
+        reply = VersionDiffReply(
+            module=req.module, a=a.number, b=b.number, a_digest=a.digest, b_digest=b.digest,
+            manifest=[], bundles=bundles,
+        )  # fmt: skip
+        room, kept = paging.room(self.budget(), reply) - 64, []  # 64: the line saying a cut
+        for line in lines:  # two manifests of 256 KiB each may not fit
+            room -= paging.encoded_size(line) + 1
+            if room < 0:
+                kept.append(f"[… {len(lines) - len(kept)} more line(s) cut to fit a reply …]")
+                break
+            kept.append(line)
+        return msgspec.structs.replace(reply, manifest=kept)
 
     async def tools(self, req: ToolsRequest) -> ToolsReply:
         """The fleet's tools, as each host last reported them, by machine, server and tool,
@@ -290,6 +320,27 @@ class Views:
         )  # fmt: skip
         return ToolsReply(tools=page.items, next=page.next)
 
+    async def secrets(self, req: SecretsRequest) -> SecretsReply:
+        """The secrets that are set, by name, each with the modules that name it: never a
+        value."""
+        at = paging.after(req.after, verb="secrets", shape=(str,))
+        async with self.pool.acquire() as conn, conn.transaction(**_SNAPSHOT):
+            found = await secrets.listed(conn)
+            using = await scoping.in_use(conn, self.manifests)
+        entries = (
+            ((r.name,), SecretInfo(name=r.name, version=r.version, by=r.set_by,
+                                   at=r.updated_at, modules=using.get(r.name, []),
+                                   allowed=_allowed(r)))
+            for r in found
+            if at is None or r.name > at[0]
+        )  # fmt: skip
+        page = paging.fill(
+            entries, verb="secrets", limit=req.limit,
+            room=paging.room(self.budget(), SecretsReply(secrets=[], total=len(found))),
+            what=lambda e: f"secret {e.name}",
+        )  # fmt: skip
+        return SecretsReply(secrets=page.items, next=page.next, total=len(found))
+
     async def secret_for(self, machine: str, name: str) -> SecretReply:
         """A secret's value, for a host whose declaration names it in a module that may have
         it (scoping.py); nobody else gets it."""
@@ -300,23 +351,28 @@ class Views:
                     f"machine {machine} has no declaration: it names no secret", code="forbidden"
                 )
             known = self.fleet.machines.get(machine)
+            decl = msgspec.json.decode(stored[1], type=Declaration)
             await scoping.check_serve(
                 conn, machine=machine, labels=known.labels if known else {}, secret=name,
-                decl=msgspec.json.decode(stored[1], type=Declaration),
+                decl=decl,
             )  # fmt: skip
-            value = await self._secret(conn, name)
+            # The version its declaration names: a machine a plan of the secret's change has
+            # not reached yet (or has reverted) keeps the version before.
+            value = await self._secret(conn, name, version=_named_version(decl, name))
         if value is None:
             raise wire.BadRequest(f"secret {name} has not been set", code="not_found")
         version, data = value
         return SecretReply(name=name, version=version, value=base64.b64encode(data).decode())
 
-    async def _secret(self, conn: asyncpg.Connection, name: str) -> tuple[int, bytes] | None:
+    async def _secret(
+        self, conn: asyncpg.Connection, name: str, *, version: int | None
+    ) -> tuple[int, bytes] | None:
         """A secret opened; the key of the secrets is the controllers' key file itself."""
         ring = self.keys.usable()
         if name == secrets.KEY_SECRET:
             return await secrets.key_version(conn), ring.text().encode()
         try:
-            return await secrets.secret(conn, name, ring=ring)
+            return await secrets.secret(conn, name, ring=ring, version=version)
         except SecretsKeyError as e:
             raise wire.BadRequest(
                 f"this controller cannot read it: {e}", code="unavailable"
@@ -337,6 +393,19 @@ class Views:
         # The builder keeps the log's last 256 KiB (LOG_KEEP), which as JSON may still not fit.
         log = paging.fitting_tail(text, paging.room(self.budget(), reply))
         return msgspec.structs.replace(reply, log=log)
+
+
+def _named_version(decl: Declaration, name: str) -> int | None:
+    """The version of secret `name` a declaration's files name (None: none of them does)."""
+    runs = [*decl.processes.values(), *(decl.tools or {}).values()]
+    return next(
+        (f.secret_version for r in runs for f in r.files.values() if f.secret == name), None
+    )
+
+
+def _allowed(r: secrets.SetSecret) -> str | None:
+    """The modules that may name a secret, as a glob: the controller's secrets are its alone."""
+    return CONTROLLER_MODULE if r.name in CONTROLLER_SECRETS else r.modules
 
 
 async def _with_changes(

@@ -34,9 +34,10 @@ import asyncpg
 import msgspec
 
 from mesh import paging, subjects, wire
+from mesh.auth.scopes import CONTROLLER_SECRETS
 from mesh.model import AuditReply, AuditRequest, OperatorInfo, OperatorsReply, OperatorsRequest
 from mesh.serving import Bound, Parts, Verb
-from mesh.store import audit
+from mesh.store import audit, secrets
 from services.controller.trust.audit import ANONYMOUS, Audit
 
 log = logging.getLogger(__name__)
@@ -186,8 +187,9 @@ async def _module_for_deployer(t: Trust, verb: str, req: Any) -> str:
     return req.module
 
 
-async def _allowed(t: Trust, who: str | None, verb: str, role: Role, req: Any) -> None:
-    """Refuse (`forbidden`) a change this operator may not ask for."""
+async def _allowed(t: Trust, who: str | None, verb: str, role: Role, req: Any) -> Any:
+    """Refuse (`forbidden`) a change this operator may not ask for; the request as it is
+    served (a deployer's new secret is for its own modules)."""
     if who is None:
         if t.secured:
             raise wire.BadRequest(
@@ -195,7 +197,7 @@ async def _allowed(t: Trust, who: str | None, verb: str, role: Role, req: Any) -
                 f"({subjects.op('<operator>', verb)}), with an operator's credentials",
                 code="forbidden",
             )
-        return
+        return req
     row = await audit.operator(t.pool, who)
     if row is None or row.removed:
         raise wire.BadRequest(
@@ -203,19 +205,63 @@ async def _allowed(t: Trust, who: str | None, verb: str, role: Role, req: Any) -
             code="forbidden",
         )
     if row.role == "admin":
-        return
+        return req
     if row.role != "deployer" or role != "deployer":
         raise wire.BadRequest(
             f"forbidden: operator {who} ({row.role}) may not {verb}", code="forbidden"
         )
-    module = await _module_for_deployer(t, verb, req)
     glob = row.modules or "*"
+    if verb in SECRET_VERBS:
+        return await _deployer_secret(t, who, glob, req)
+    module = await _module_for_deployer(t, verb, req)
     if not fnmatch.fnmatchcase(module, glob):
         raise wire.BadRequest(
             f"forbidden: operator {who} may {verb} only modules matching {glob!r}, "
             f"not module {module}",
             code="forbidden",
         )
+    return req
+
+
+SECRET_VERBS = ("secret-set", "secret-delete")  # a deployer's for its own modules' secrets
+
+
+def _within(modules: str | None, glob: str) -> bool:
+    """`modules` (a secret's scope) names only modules `glob` matches: the glob itself, or
+    one module's name it matches."""
+    if modules is None:
+        return False
+    literal = not any(c in modules for c in "*?[")
+    return modules == glob or (literal and fnmatch.fnmatchcase(modules, glob))
+
+
+async def _deployer_secret(t: Trust, who: str, glob: str, req: Any) -> Any:
+    """A deployer sets or deletes only its own modules' secrets: one not set yet, one it set
+    last, or one for modules its glob matches; and gives one to no module beyond its glob. A
+    new one, without --modules, is for its glob's modules."""
+    name = req.name
+    if name in CONTROLLER_SECRETS:
+        raise wire.BadRequest(
+            f"forbidden: secret {name} is the controller's: an admin's to set", code="forbidden"
+        )
+    scope = (await secrets.scopes(t.pool, [name])).get(name)
+    if scope is not None and scope.set_by != who and not _within(scope.modules, glob):
+        whose = (
+            f"for modules {scope.modules!r}" if scope.modules else f"{scope.set_by or 'an admin'}'s"
+        )
+        raise wire.BadRequest(
+            f"forbidden: secret {name} is {whose}: operator {who} may change only secrets of "
+            f"modules matching {glob!r}", code="forbidden",
+        )  # fmt: skip
+    given = getattr(req, "modules", None)
+    if given is not None and not _within(given, glob):
+        raise wire.BadRequest(
+            f"forbidden: modules: {given!r} reaches beyond operator {who}'s modules ({glob!r}): "
+            f"give {glob!r} or one module's name", code="forbidden",
+        )  # fmt: skip
+    if hasattr(req, "modules") and given is None and (scope is None or scope.modules is None):
+        return msgspec.structs.replace(req, modules=glob)
+    return req
 
 
 def _detail(reply: Any) -> str:
@@ -243,7 +289,7 @@ def _guarded(name: str, served: Served) -> Callable[[Operating, Any], Awaitable[
         who = o.who or ANONYMOUS
         asked = Audit(who=who, verb=name, subject=subject_of(name, req), epoch=t.epoch)
         try:
-            await _allowed(t, o.who, name, served.role, req)
+            req = await _allowed(t, o.who, name, served.role, req)
             if hasattr(req, "by"):  # never the client's word
                 req = msgspec.structs.replace(req, by=who)
             part = o.parts.of(owner)
