@@ -141,3 +141,63 @@ import socket, sys, time
 s = socket.socket(); s.bind(("127.0.0.1", int(sys.argv[1]))); s.listen()
 print("listening", flush=True); time.sleep(60)  # ok: the listener under test stays up
 """
+
+
+# An HTTP server answering every GET with the status given, on a port it shares with SO_REUSEPORT.
+SERVE = """
+import http.server, socket, sys
+class Answer(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(int(sys.argv[2])); self.send_header("Content-Length", "0")
+        self.end_headers()
+    def log_message(self, *args): pass
+class Server(http.server.HTTPServer):
+    def server_bind(self):
+        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        super().server_bind()
+server = Server(("127.0.0.1", int(sys.argv[1])), Answer)
+print("listening", flush=True); server.serve_forever()
+"""
+
+
+async def test_http_counts_only_when_the_process_alone_holds_the_port(nc) -> None:
+    """Two processes share a port (SO_REUSEPORT, as `mesh dev up`'s hosts on one machine may):
+    which one answered cannot be told, so the check fails saying so, whatever the status. Alone
+    on it, the process's own answer counts; a process not on the port is not answered for."""
+    port = ports.free_port()
+    sick, well = (
+        subprocess.Popen(
+            [sys.executable, "-c", SERVE, str(port), status],
+            start_new_session=True,
+            stdout=subprocess.PIPE,
+        )
+        for status in ("503", "200")
+    )
+    other = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    check = Check(http=f"http://127.0.0.1:{port}/health", timeout=ANSWERED)
+
+    async def as_session(pid: int) -> tuple[bool, str]:
+        return await checks.once(
+            proc(check), nc=nc, cwd=Path("/"), uid=None, gid=None, env={}, session=pid
+        )
+
+    try:
+        for p in (sick, well):
+            assert p.stdout is not None and p.stdout.readline() == b"listening\n"
+        for _ in range(5):  # whichever the kernel hands each connection to
+            passed, why = await as_session(sick.pid)
+            assert not passed and f"port {port} is listened on by another process too" in why
+        # The other is its own other version (start-first): the URL tells them apart, and
+        # whichever answered counts (docs/modules.md, `update`).
+        kin = await checks.once(proc(check), nc=nc, cwd=Path("/"), uid=None, gid=None, env={},
+                                session=sick.pid, kin=[well.pid])  # fmt: skip
+        assert kin in ((True, "HTTP status 200"), (False, "HTTP status 503")), kin
+        well.kill()
+        well.wait()
+        assert await as_session(sick.pid) == (False, "HTTP status 503")  # its own answer
+        passed, why = await as_session(other.pid)
+        assert not passed and "answers, but not from this process" in why
+    finally:
+        for p in (sick, well, other):
+            p.kill()
+            p.wait()

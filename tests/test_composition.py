@@ -65,6 +65,33 @@ def test_same_account_with_different_settings_conflicts() -> None:
         )
 
 
+@pytest.mark.parametrize(
+    ("mine", "theirs"),
+    [
+        ("ports = [9000, 8080]\n", "ports = [8080]\n"),  # both declared
+        ("ports = [8080]\n", "check = { tcp = 8080 }\n"),  # declared, and checked
+        ('check = { http = "http://127.0.0.1:8080/health" }\n', "ports = [8080]\n"),
+        ('check = { http = "http://localhost/health" }\n', "ports = [80]\n"),  # its default
+    ],
+)
+def test_a_port_two_modules_use_on_one_machine_is_refused_naming_both(
+    mine: str, theirs: str
+) -> None:
+    a = module_version("a", ACCOUNT + process("x", extra=mine))
+    b = module_version("b", ACCOUNT + process("y", extra=theirs))
+    with pytest.raises(Conflict, match=r"port (8080|80) is used by process x of module a "
+                       r"and process y of module b \(on node-1\)"):  # fmt: skip
+        compose("node-1", [a, b])
+    # Another machine's address is not this machine's port; ports are no part of the bytes.
+    far = module_version(
+        "a", ACCOUNT + process("x", extra='check = { http = "http://db:8080/" }\n')
+    )
+    compose("node-1", [far, b])
+    plain = module_version("c", ACCOUNT + process("z"))
+    declared = module_version("c", ACCOUNT + process("z", extra="ports = [7000]\n"))
+    assert digest(compose("node-1", [plain])) == digest(compose("node-1", [declared]))
+
+
 def test_two_checks_on_one_port_conflict() -> None:
     a = module_version("a", ACCOUNT + process("x", port=8080))
     b = module_version("b", ACCOUNT + process("y", port=8080))

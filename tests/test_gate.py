@@ -156,6 +156,15 @@ def test_two_checks_on_one_port_in_one_module_are_refused() -> None:
     assert "process.other.check.tcp" in line and "8080" in line
 
 
+def test_declared_ports_are_ports_and_each_one_processs() -> None:
+    second = '[process.other]\nbundle = "hello"\ncommand = ["x"]\naccount = "hello"\n'
+    assert "is used by process hello too" in refused(GOOD + second + "ports = [8080]\n")
+    line = refused(GOOD + second + "ports = [0]\n")
+    assert "process.other.ports: 0 is not a port (1-65535)" in line, line
+    assert "process.other.ports" in refused(GOOD + second + 'ports = ["http"]\n')
+    parse(GOOD.replace("passes = 2 }", "passes = 2 }\nports = [8080, 9090]"))  # its own
+
+
 def test_wrong_types_name_the_field() -> None:
     assert "process.hello.check.passes" in refused(GOOD.replace("passes = 2", 'passes = "two"'))
 

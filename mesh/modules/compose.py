@@ -8,13 +8,14 @@ bytes and the same sha256, whatever the order of modules or of fields (docs/desi
 """
 
 import hashlib
+import re
 from typing import Any
 
 import msgspec
 from msgspec import UNSET, UnsetType
 
 from mesh.modules.gate import memory
-from mesh.modules.manifest import Check, File, Manifest, Runs
+from mesh.modules.manifest import Check, File, Manifest, Process, Runs
 
 
 class Conflict(ValueError):
@@ -164,13 +165,29 @@ class Prepared(msgspec.Struct):
     bundles: dict[str, Piece]
     processes: dict[str, Piece]
     containers: dict[str, Piece]
-    ports: dict[int, str]  # tcp check port -> process
+    ports: dict[int, str]  # a port it declares or checks on this machine -> its process
     tools: dict[str, Piece] = {}
 
 
 def _piece(value: Any) -> Piece:
     raw = _encoder.encode(value)
     return Piece(value=value, raw=msgspec.Raw(raw), per_machine=MACHINE_WORD in raw)
+
+
+LOCAL = ("127.0.0.1", "localhost", "[::1]")  # an http check's address on the machine itself
+
+
+def _ports_of(p: Process) -> list[int]:
+    """The ports a process uses on its machine: those it declares, its tcp check's, and its
+    http check's when that asks the machine itself."""
+    found = list(p.ports)
+    if p.check is not None and p.check.tcp is not None:
+        found.append(p.check.tcp)
+    if p.check is not None and p.check.http is not None:
+        m = re.match(r"https?://([^/:]+|\[[^]]+\])(?::(\d+))?", p.check.http)
+        if m and m.group(1) in LOCAL:
+            found.append(int(m.group(2) or (443 if p.check.http.startswith("https") else 80)))
+    return found
 
 
 def prepare(mv: ModuleVersion, secrets: dict[str, int] | None = None) -> Prepared:
@@ -189,8 +206,8 @@ def prepare(mv: ModuleVersion, secrets: dict[str, int] | None = None) -> Prepare
         )  # fmt: skip
     for name, p in m.process.items():
         key = _bundle(out, mv, p.bundle)
-        if p.check is not None and p.check.tcp is not None:
-            out.ports[p.check.tcp] = name
+        for port in _ports_of(p):
+            out.ports[port] = name
         files = _files(p.files, secrets)
         out.processes[name] = _piece(
             DProcess(
@@ -309,7 +326,7 @@ def merge(machine: str, prepared: list[Prepared]) -> Merged:
             other = port_from.setdefault(port, (mod.name, process))
             if other[0] != mod.name:
                 raise Conflict(
-                    f"port {port} is checked by process {other[1]} of module {other[0]} "
+                    f"port {port} is used by process {other[1]} of module {other[0]} "
                     f"and process {process} of module {mod.name} (on {machine})"
                 )
     return out

@@ -509,6 +509,7 @@ def _process(mod: str, name: str, p: Process, m: Manifest, ports: dict[int, str]
             )
     if p.check is not None:
         _check(mod, f"{f}.check", p.check, name, ports)
+    _ports(mod, f, p, name, ports)
 
 
 def _runs(mod: str, f: str, p: Runs, m: Manifest, *, what: str) -> None:
@@ -570,6 +571,20 @@ def _tool(mod: str, name: str, t: Tool, m: Manifest) -> None:
     _duration(mod, f"{f}.stop_timeout", t.stop_timeout)
 
 
+MAX_PORTS = 64  # ports one process declares
+
+
+def _ports(mod: str, f: str, p: Process, process: str, ports: dict[int, str]) -> None:
+    """`ports`: each a TCP port, none another process of the module uses (declares or checks)."""
+    _count(mod, f"{f}.ports", p.ports, MAX_PORTS, "ports")
+    for port in p.ports:
+        if not 1 <= port <= 65535:
+            raise Refused(mod, f"{f}.ports", f"{port} is not a port (1-65535)")
+        if ports.get(port, process) != process:
+            raise Refused(mod, f"{f}.ports", f"port {port} is used by process {ports[port]} too")
+        ports[port] = process
+
+
 def _check(mod: str, f: str, c: Check, process: str, ports: dict[int, str]) -> None:
     kinds = [k for k in ("tcp", "http", "exec", "nats") if getattr(c, k) is not None]
     if len(kinds) != 1:
@@ -577,8 +592,8 @@ def _check(mod: str, f: str, c: Check, process: str, ports: dict[int, str]) -> N
     if c.tcp is not None:
         if not 1 <= c.tcp <= 65535:
             raise Refused(mod, f"{f}.tcp", f"{c.tcp} is not a port (1-65535)")
-        if c.tcp in ports:
-            raise Refused(mod, f"{f}.tcp", f"port {c.tcp} is checked by process {ports[c.tcp]} too")
+        if ports.get(c.tcp, process) != process:
+            raise Refused(mod, f"{f}.tcp", f"port {c.tcp} is used by process {ports[c.tcp]} too")
         ports[c.tcp] = process
     if c.exec is not None:
         _count(mod, f"{f}.exec", c.exec, MAX_ARGV, "words")

@@ -87,6 +87,9 @@ class Process(Runs):
     update: Update = "stop-first"
     replaces: str | None = None
     stop_timeout: str = "10s"
+    # The TCP ports it listens on: two processes of a machine's modules may not share one
+    # (refused when composed, naming both). A composition check only: not in a declaration.
+    ports: list[int] = []
 
 
 class Tool(Runs):

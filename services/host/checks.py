@@ -28,11 +28,13 @@ async def once(
     env: dict[str, str],
     groups: Sequence[int] = (),
     session: int | None = None,
+    kin: Sequence[int] = (),
 ) -> tuple[bool, str]:
     """Run the process's check once: (passed, why not). An exec check runs as the process
     does: its account, with the account's supplementary `groups`. With `session` (the
     instance's pid, as it leads its own session), a tcp check passes only if that session
-    holds the port."""
+    holds the port, and an http check on this machine only if nothing but it (and `kin`, the
+    sessions of its own other version) does."""
     c = p.check
     assert c is not None
     limit = duration(c.timeout)
@@ -45,7 +47,7 @@ async def once(
                     return False, f"port {c.tcp} answers, but not from this process"
                 return True, ""
             if c.http is not None:
-                return await _http(c.http, timeout=limit)
+                return await _http(c.http, timeout=limit, session=session, kin=kin)
             if c.exec is not None:
                 return await _exec(c.exec, cwd=cwd, env=env, uid=uid, gid=gid, groups=groups)
             if c.nats is not None:
@@ -89,10 +91,17 @@ def _tls() -> ssl.SSLContext:
     return ssl.create_default_context()
 
 
-async def _http(url: str, *, timeout: float) -> tuple[bool, str]:
+LOOPBACK = ("127.0.0.1", "localhost", "::1")  # this machine: its sockets are in its /proc
+
+
+async def _http(
+    url: str, *, timeout: float, session: int | None = None, kin: Sequence[int] = ()
+) -> tuple[bool, str]:
     """2xx passes; anything else fails with its status. A redirect is not followed (the check
     asks this process, not wherever it points), no proxy from the host's environment is used,
-    and the body is never read."""
+    and the body is never read. With `session`, an address on this machine counts only if the
+    process listens on it and nothing else does but its own other version (who answered cannot
+    be told otherwise; a start-first pair tells them apart by the URL, docs/modules.md)."""
     async with (
         httpx.AsyncClient(
             timeout=timeout, follow_redirects=False, trust_env=False, verify=_tls()
@@ -100,4 +109,13 @@ async def _http(url: str, *, timeout: float) -> tuple[bool, str]:
         client.stream("GET", url) as response,
     ):
         code = response.status_code
+    target = httpx.URL(url)
+    if session is not None and target.host in LOOPBACK:
+        port = target.port or (443 if target.scheme == "https" else 80)
+        mine, others = sockets.listeners(port, session, kin=kin)
+        if not mine:
+            return False, f"port {port} answers, but not from this process"
+        if others:
+            return False, (f"port {port} is listened on by another process too: its answer "
+                           "cannot be told from this process's")  # fmt: skip
     return 200 <= code < 300, f"HTTP status {code}"

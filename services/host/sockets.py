@@ -1,8 +1,10 @@
-"""Which process holds a listening TCP port, read from /proc: a tcp check must be answered by the
-process it checks, not by an old version or the container it replaces listening on the same port
-(that would remove the container while nothing of ours serves)."""
+"""Which process holds a listening TCP port, read from /proc: a tcp or http check must be answered
+by the process it checks, not by an old version or the container it replaces listening on the
+same port (that would remove the container while nothing of ours serves), nor by another machine's
+process sharing the port (`mesh dev up`'s hosts are one machine)."""
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 
@@ -39,8 +41,24 @@ def held_by_session(port: int, sid: int) -> bool:
     """Whether a process of session `sid` (a supervised process and what it started) listens
     on `port`."""
     wanted = _listening_inodes(port)
-    if not wanted:
-        return False
+    return bool(wanted and _held(wanted, sid))
+
+
+def listeners(port: int, sid: int, *, kin: Sequence[int] = ()) -> tuple[bool, bool]:
+    """Whether session `sid` listens on `port`, and whether anything but it and the sessions
+    `kin` does too (a socket shared with SO_REUSEPORT, or the port on another address): a
+    connection may reach either."""
+    wanted = _listening_inodes(port)
+    mine = _held(wanted, sid) if wanted else set()
+    known = set(mine)
+    for other in kin:
+        known |= _held(wanted - known, other) if wanted - known else set()
+    return bool(mine), bool(wanted - known)
+
+
+def _held(inodes: set[str], sid: int) -> set[str]:
+    """Those of `inodes` a process of session `sid` holds."""
+    found: set[str] = set()
     for pid in _session_pids(sid):
         try:
             fds = os.listdir(f"/proc/{pid}/fd")
@@ -51,6 +69,6 @@ def held_by_session(port: int, sid: int) -> bool:
                 target = os.readlink(f"/proc/{pid}/fd/{fd}")
             except OSError:
                 continue
-            if target.startswith("socket:[") and target[8:-1] in wanted:
-                return True
-    return False
+            if target.startswith("socket:[") and target[8:-1] in inodes:
+                found.add(target[8:-1])
+    return found

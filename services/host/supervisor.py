@@ -97,6 +97,9 @@ class Supervised:
         self.meter = limits.Meter()
         self._stopping = False
         self._spawned = False  # a start after the first is a restart (its log's marker says)
+        # The sessions of this process's other instances (its old version beside a start-first
+        # new one): their listening sockets on its check's port are not another process's.
+        self.kin: Callable[[], list[int]] = list
         self.scope = anyio.CancelScope()
 
     def report(self) -> ProcessState:
@@ -262,7 +265,7 @@ class Supervised:
             ok, why = await checks.once(
                 self.launch.decl, nc=self._nc, cwd=self.launch.cwd, uid=self.launch.uid,
                 gid=self.launch.gid, env=self.launch.env, groups=self.launch.groups,
-                session=self.instance.pid if self.instance else None,
+                session=self.instance.pid if self.instance else None, kin=self.kin(),
             )  # fmt: skip
             passes = passes + 1 if ok else 0
             said, self.check_said = self.check_said, "" if ok else why
@@ -363,8 +366,18 @@ class Supervisor:
     def _start(self, launch: Launch, *, adopt: Instance | None = None) -> Supervised:
         assert self._tg is not None, "the supervisor is not running"
         s = Supervised(launch, nc=self._nc, changed=self._on_change)
+        s.kin = lambda: self._kin(s)
         self._tg.start_soon(lambda: s.run(adopt=adopt))
         return s
+
+    def _kin(self, s: Supervised) -> list[int]:
+        """The sessions of the other instances of `s`'s process (its old or new version)."""
+        name = s.launch.name
+        return [
+            other.instance.pid
+            for other in (self.running.get(name), self._candidates.get(name))
+            if other is not None and other is not s and other.instance is not None
+        ]
 
     async def reconcile(
         self, launches: dict[str, Launch], *, interrupt: anyio.Event | None = None
