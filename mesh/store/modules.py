@@ -150,6 +150,12 @@ async def assigned_after(
     return [(r["module"], r["machine"]) for r in rows]
 
 
+async def assigned_to(conn: asyncpg.Connection, machine: str) -> set[str]:
+    """The modules assigned to one machine."""
+    rows = await conn.fetch("SELECT module FROM assignments WHERE machine = $1", machine)
+    return {r["module"] for r in rows}
+
+
 async def assign(conn: asyncpg.Connection, *, module: str, machines: list[str]) -> None:
     await conn.executemany(
         "INSERT INTO assignments (module, machine) VALUES ($1, $2) ON CONFLICT DO NOTHING",

@@ -32,6 +32,7 @@ from mesh.store import events, replication, seats
 from services.controller import metrics
 from services.controller.catalog import bundles, secretkeys
 from services.controller.catalog.secretkeys import Keys
+from services.controller.changes.following import FollowLabels
 from services.controller.changes.machines import Machines
 from services.controller.changes.modules import Changes
 from services.controller.changes.operators import Operators
@@ -204,6 +205,8 @@ class Hold:
                 writers = self._writers(epoch=row.epoch, fleet=fleet, obs=obs,
                                         manifests=manifests, recorder=recorder,
                                         planner=planner)  # fmt: skip
+                follow = FollowLabels(changes=Parts(*writers).of(Changes), epoch=row.epoch)
+                fleet.relabelled = follow.heard
 
                 def budget() -> int:  # the server we answer on now (a reconnect may move us)
                     return paging.budget(self.nc.max_payload)
@@ -231,6 +234,7 @@ class Hold:
                                             budgets=self.budgets),
                     )  # fmt: skip
                     background.start_soon(fleet.run)
+                    background.start_soon(follow.run)
                     background.start_soon(publisher.keep_published)
                     plans = anyio.CancelScope()
                     background.start_soon(_plan_work, publisher, planner, row.epoch, plans)

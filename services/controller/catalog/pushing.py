@@ -16,7 +16,7 @@ from mesh import blobs, wire
 from mesh.model import PlanSettings
 from mesh.modules import archive, gate, load, meshsource
 from mesh.modules.manifest import ON_THE_MACHINE, Assign, Bundle, Manifest
-from mesh.store import modules
+from mesh.store import modules, selectors
 from services.controller.catalog import builds as build_requests
 from services.controller.fleet.fleet import Fleet
 
@@ -125,6 +125,8 @@ async def register(
     )
     if first and manifest.assign:
         await modules.assign(conn, module=name, machines=_default(fleet, manifest.assign))
+        if manifest.assign.labels:  # a standing selector (changes/following.py)
+            await selectors.record(conn, module=name, labels=manifest.assign.labels, by=by)
     return sorted(m for m, mods in (await modules.assignments(conn)).items() if name in mods)
 
 

@@ -38,7 +38,7 @@ from mesh.model import (
     RollbackRequest,
 )
 from mesh.modules.manifest import Manifest
-from mesh.store import events, modules, plans, seats
+from mesh.store import events, modules, plans, seats, selectors
 from services.controller.catalog import builds as build_requests
 from services.controller.catalog import scoping, versions
 from services.controller.catalog.pushing import (
@@ -307,20 +307,35 @@ class Changes:
         )
         return replied(plan=plan, changed=changed, message=message, version=req.source)
 
-    async def assign(self, req: AssignRequest, audit: Audit) -> ChangeReply:
-        return await self._assign(req, audit, undo=False)
+    async def assign(
+        self, req: AssignRequest, audit: Audit, *, standing: bool = True
+    ) -> ChangeReply:
+        return await self._assign(req, audit, undo=False, standing=standing)
 
-    async def unassign(self, req: AssignRequest, audit: Audit) -> ChangeReply:
-        return await self._assign(req, audit, undo=True)
+    async def unassign(
+        self, req: AssignRequest, audit: Audit, *, standing: bool = True
+    ) -> ChangeReply:
+        return await self._assign(req, audit, undo=True, standing=standing)
 
-    async def _assign(self, req: AssignRequest, audit: Audit, *, undo: bool) -> ChangeReply:
+    async def _assign(
+        self, req: AssignRequest, audit: Audit, *, undo: bool, standing: bool
+    ) -> ChangeReply:
+        """An assign or unassign. By labels alone (`standing`, not held), it is a standing
+        selector too: kept or dropped, and followed as machines come and are labelled
+        (following.py); then matching no machine now is no refusal."""
         trigger = "unassign" if undo else "assign"
+        selector = standing and bool(req.labels) and not req.machines and req.tier is None
+        selector = selector and not req.hold
         async with self.recorder.one_change:
             machines = self.recorder.select(machines=req.machines, tier=req.tier, labels=req.labels)
+            if not machines and selector:
+                return await self._selector_alone(req, audit, undo=undo)
             if not machines:
                 raise wire.BadRequest("no machine matches", code="not_found")
             async with self.pool.acquire() as conn, conn.transaction():
                 await seats.fence(conn, epoch=self.epoch)
+                if selector:
+                    await self._keep_selector(conn, req, undo=undo)
                 old = await self.recorder.supersede(conn, req.module, by=req.by)
                 current = (await modules.current_modules(conn)).get(req.module)
                 if current is None:
@@ -350,12 +365,43 @@ class Changes:
             return replied(plan=plan, changed=changed, state="held",
                            message=f"{req.module} to be {verb} {named(machines)}: "
                            + held_said(plan, changed))  # fmt: skip
+        follows = ""
+        if selector:
+            follows = "; it no longer follows those labels" if undo else (
+                "; machines labelled so later get it too")  # fmt: skip
         return replied(
             plan=plan,
             changed=changed,
             message=f"{req.module} {verb} {named(machines)}; "
-            + (f"plan {plan} changes {len(changed)} machine(s)" if changed else "no change"),
+            + (f"plan {plan} changes {len(changed)} machine(s)" if changed else "no change")
+            + follows,
         )
+
+    async def _keep_selector(
+        self, conn: asyncpg.Connection, req: AssignRequest, *, undo: bool
+    ) -> bool:
+        """The module's standing selector `req.labels` kept (assign) or dropped (unassign)."""
+        if (await modules.current_modules(conn)).get(req.module) is None:
+            raise wire.BadRequest(f"module {req.module} has not been pushed", code="not_found")
+        if undo:
+            return await selectors.forget(conn, module=req.module, labels=req.labels)
+        return await selectors.record(conn, module=req.module, labels=req.labels, by=req.by)
+
+    async def _selector_alone(self, req: AssignRequest, audit: Audit, *, undo: bool) -> ChangeReply:
+        """A selector that matches no machine now: kept or dropped, no plan."""
+        said = ",".join(f"{k}={v}" for k, v in sorted(req.labels.items()))
+        async with self.pool.acquire() as conn, conn.transaction():
+            await seats.fence(conn, epoch=self.epoch)
+            changed = await self._keep_selector(conn, req, undo=undo)
+            await audit.write(conn, detail=f"labels {said}: no machine matches now")
+        if undo:
+            message = (f"{req.module} is no longer placed by labels {said}" if changed
+                       else f"{req.module} had no placement by labels {said}")  # fmt: skip
+        else:
+            message = (f"no machine matches {said} now: {req.module} goes to each machine "
+                       "labelled so, as it comes")  # fmt: skip
+        log.info("%s: labels %s %s", req.module, said, "dropped" if undo else "kept")
+        return replied(plan=None, changed=[], message=message)
 
     # --- going back to a version; machines out of the plans and back ---------------------------
 

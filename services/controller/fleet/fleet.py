@@ -143,6 +143,11 @@ class Fleet:
         self._epoch = epoch
         self._down_after = down_after
         self._open_bus = open_bus  # asked at each registration: a server reload may add auth
+        # Told of a machine registered for the first time (its labels before: None) or labelled
+        # (changes/following.py places it by its labels).
+        self.relabelled: Callable[[str, dict[str, str] | None, dict[str, str]], None] = lambda *_: (
+            None
+        )
         self.machines: dict[str, MachineRow] = {}
         # The names of up machines, kept beside `machines` so `status` costs the same for a
         # fleet of any size (bench/verbs.py: walking 1000 machines per call halved its rate).
@@ -324,6 +329,8 @@ class Fleet:
             self._beat_at[req.name] = now
             self._unknown_logged.discard(req.name)
             self._registered[req.name] = req
+            if before is None:
+                self.relabelled(req.name, None, row.labels)
             if req.name in self._late:
                 self._late.discard(req.name)  # said in its window's count (`_say_held_back`)
             elif before is not None and before.up and before.tier == row.tier:
@@ -427,6 +434,7 @@ class Fleet:
                 )
             if m is not None:
                 m.labels = labels
+                self.relabelled(name, was, labels)
         log.info("machine %s labels %s (were %s)%s", name, labels, was,
                  "" if m is not None else " for its first registration")  # fmt: skip
         return labels, was, m is not None

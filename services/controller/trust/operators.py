@@ -86,7 +86,11 @@ class Served:
         """Whether the method writes its own audit entry where its change commits (it takes
         an `Audit`); one that does not (`handover`, which has no transaction) is written once
         answered."""
-        return len(inspect.signature(self.method).parameters) == 3
+        positional = [
+            p for p in inspect.signature(self.method).parameters.values()
+            if p.kind is p.POSITIONAL_OR_KEYWORD
+        ]  # fmt: skip
+        return len(positional) == 3  # self, the request, the Audit (keywords of its own aside)
 
 
 @dataclass
