@@ -99,8 +99,8 @@ async def _applied(admin: Client, machine: str) -> dict | None:
 
 async def _hello_on(secured: Secured, admin: Client, machine: str) -> None:
     """node-1 with a declaration in the bucket: what its own watch consumer can deliver."""
-    ok(secured.cli(secured.admin, "push", str(HELLO), "--timeout", "120"))
     ok(secured.cli(secured.admin, "secret", "set", "hello-token", stdin=SECRET))
+    ok(secured.cli(secured.admin, "push", str(HELLO), "--timeout", "120"))
     ok(secured.cli(secured.admin, "assign", "hello", machine, "--timeout", "120"))
     await await_until(lambda: _applied(admin, machine), within=60, what=f"{machine} to apply")
 

@@ -110,8 +110,8 @@ async def test_roles_and_a_host_applying_its_declaration_under_credentials(
 
     # An admin changes the fleet; the host, under its own credentials, watches its own key,
     # fetches the bundle, asks for its secret and applies.
-    ok(secured.cli(secured.admin, "push", str(HELLO), "--timeout", "120"))
     ok(secured.cli(secured.admin, "secret", "set", "hello-token", stdin=SECRET))
+    ok(secured.cli(secured.admin, "push", str(HELLO), "--timeout", "120"))
     ok(secured.cli(secured.admin, "assign", "hello", "node-2", "--timeout", "120"))
 
     async def applied():
@@ -176,8 +176,8 @@ async def test_viewers_list_tools_a_tools_operator_and_an_admin_call_them(
 
 
 async def test_a_host_can_touch_only_what_is_its_own(secured_fleet, secured, as_identity):
-    ok(secured.cli(secured.admin, "push", str(HELLO), "--timeout", "120"))
     ok(secured.cli(secured.admin, "secret", "set", "hello-token", stdin=SECRET))
+    ok(secured.cli(secured.admin, "push", str(HELLO), "--timeout", "120"))
     ok(secured.cli(secured.admin, "assign", "hello", "node-2", "--timeout", "120"))
     a = await as_identity(secured.creds("host", "node-1"))  # host A; B is node-2
 

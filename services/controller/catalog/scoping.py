@@ -71,6 +71,10 @@ async def check_push(
                     others.setdefault(account, v.module)  # the first to declare it
     named = _named_secrets(manifest)
     set_ = await secrets.scopes(conn, named)
+    try:  # first: what the pusher may not name is refused as such, set or not
+        scopes.check_push(manifest, pusher=who, secrets=set_, accounts_of_others=others)
+    except scopes.Beyond as e:
+        raise wire.BadRequest(str(e), code="forbidden") from None
     unset = [s for s in named if s not in set_ and s != scopes.KEY_SECRET]
     if unset:  # refused now, not found missing by each host at the rollout's deadline
         raise wire.BadRequest(
@@ -79,10 +83,6 @@ async def check_push(
             + (f"; nor are {', '.join(unset[1:])}" if unset[1:] else ""),
             code="not_found",
         )
-    try:
-        scopes.check_push(manifest, pusher=who, secrets=set_, accounts_of_others=others)
-    except scopes.Beyond as e:
-        raise wire.BadRequest(str(e), code="forbidden") from None
 
 
 async def check_serve(
