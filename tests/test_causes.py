@@ -94,3 +94,27 @@ def test_nodes_shows_each_process_restarts_and_what_its_check_said() -> None:
         in row
     )
     assert "worker restarting (exited with code 1) [3 restart(s), 3 in a row]" in row
+
+
+async def test_a_process_without_a_check_that_dies_at_start_over_and_over_is_not_done(
+    host, cli, tmp_path
+) -> None:
+    """Without a check a process counts healthy once it has run a second (supervisor.SETTLE):
+    one that dies before, each time (as one killed at its memory limit does), is a crash loop,
+    not a step done."""
+    folder = write_module(
+        tmp_path / "dies",
+        '[module]\nname = "dies"\n[bundle.code]\nkind = "files"\nsource = "src"\n'
+        '[process.dies]\nbundle = "code"\nroot = true\nrestart = "always"\n'
+        'command = ["python3", "-c", "raise SystemExit(3)"]\n'
+        '[rollout]\ndeadline = "150s"\n[assign]\nmachines = ["node-1"]\n',
+        files={"src/x": "x"},
+    )
+    failed = cli("push", str(folder), "--wait")
+    assert failed.returncode == 1, failed.stdout + failed.stderr
+    plan = _last_plan(cli)
+    assert plan["state"] == "reverted", plan
+    assert plan["failure"] == (
+        "machine node-1: process dies is in a crash loop: exited with code 3; "
+        "restarted 3 time(s) in a row"
+    ), plan["failure"]

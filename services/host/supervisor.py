@@ -35,6 +35,10 @@ log = logging.getLogger(__name__)
 
 BACKOFF_MAX = 30.0
 STEADY_AFTER = 30.0  # up this long, and the backoff starts again from 1 s
+# A process without a check counts healthy once it has run this long: one killed at start over
+# and over (its memory limit, a missing file) is never healthy, and its plan's step fails as a
+# crash loop ([rollout] crash_loop) instead of counting it done.
+SETTLE = 1.0
 
 
 def spec_digest(p: DProcess | DTool) -> str:
@@ -140,6 +144,7 @@ class Supervised:
         with self.scope:
             backoff = 1.0
             while not self._stopping:
+                adopted = adopt is not None
                 if adopt is not None:
                     self.instance, adopt = adopt, None
                     self._oom_before = limits.oom_kills(self.instance.cgroups)
@@ -160,7 +165,7 @@ class Supervised:
                 up_since = time.monotonic()
                 self._set("running", healthy=self._healthy_at_start())
                 async with anyio.create_task_group() as tg:
-                    tg.start_soon(self._alongside)
+                    tg.start_soon(self._alongside, adopted)
                     code = await processes.wait(self.instance)
                     self._exited(code)
                     tg.cancel_scope.cancel()
@@ -194,15 +199,19 @@ class Supervised:
     # What a kind of supervised process does its own way (services/host/tools.py: tool servers).
 
     def _healthy_at_start(self) -> bool:
-        return self.launch.decl.check is None
+        return False  # its check says, or (none) having run SETTLE
 
     def _policy(self) -> str:
         return self.launch.decl.restart
 
-    async def _alongside(self) -> None:
+    async def _alongside(self, adopted: bool) -> None:
         """Runs while the instance does; cancelled when it exits."""
         if self.launch.decl.check is not None:
             await self._check_loop()
+            return
+        if not adopted:  # an adopted one has been running all along
+            await anyio.sleep(SETTLE)
+        self._set("running", healthy=True)
 
     def _exited(self, code: int | None) -> None:
         """The instance has just exited (before what runs alongside it is cancelled)."""

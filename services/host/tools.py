@@ -88,7 +88,7 @@ class ToolServer(Supervised):
             # what its calls in flight fail with
             self.session.closed = "it exited" + ("" if code is None else f" with code {code}")
 
-    async def _alongside(self) -> None:
+    async def _alongside(self, adopted: bool) -> None:
         """The MCP session, for as long as the process runs. A server that answers badly is
         killed: the supervisor starts it again, with backoff."""
         assert self.pipes is not None and self.instance is not None
