@@ -292,6 +292,10 @@ class ProcessState(msgspec.Struct, omit_defaults=True):
     in_a_row: int = 0
     check: str = ""
     since: datetime | None = None
+    # While it is not running: the last line it printed before it exited (its log's, the
+    # time in front left out), often the cause itself: "OSError: [Errno 98] Address already
+    # in use".
+    said: str = ""
 
 
 class Node(msgspec.Struct):

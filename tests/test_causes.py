@@ -4,6 +4,7 @@ rather than when the deadline passes; a process whose check fails names what the
 Real hosts, real processes, through the command line."""
 
 import io
+import socket
 from datetime import UTC, datetime, timedelta
 
 from helpers import ok_json
@@ -45,10 +46,11 @@ async def test_a_crash_loop_fails_its_step_at_once_saying_how_it_exited(
     assert failed.returncode == 1, failed.stdout + failed.stderr
     plan = _last_plan(cli)
     assert plan["state"] == "reverted", plan
-    assert plan["failure"] == (
-        "machine node-1: process svc is in a crash loop: exited with code 3; "
-        "restarted 3 time(s) in a row"
-    ), plan["failure"]
+    said = plan["failure"]  # with the last line it printed before it exited
+    assert said.startswith(
+        "machine node-1: process svc is in a crash loop: exited with code 3 (its last line: "
+        "version 1 starting at "
+    ) and said.endswith("); restarted 3 time(s) in a row"), said
     assert "crash loop" in failed.stderr.strip().splitlines()[-1], failed.stderr
 
 
@@ -96,25 +98,32 @@ def test_nodes_shows_each_process_restarts_and_what_its_check_said() -> None:
     assert "worker restarting (exited with code 1) [3 restart(s), 3 in a row]" in row
 
 
+BIND = "import socket, sys; socket.socket().bind(('127.0.0.1', int(sys.argv[1])))"
+
+
 async def test_a_process_without_a_check_that_dies_at_start_over_and_over_is_not_done(
     host, cli, tmp_path
 ) -> None:
     """Without a check a process counts healthy once it has run a second (supervisor.SETTLE):
-    one that dies before, each time (as one killed at its memory limit does), is a crash loop,
-    not a step done."""
-    folder = write_module(
-        tmp_path / "dies",
-        '[module]\nname = "dies"\n[bundle.code]\nkind = "files"\nsource = "src"\n'
-        '[process.dies]\nbundle = "code"\nroot = true\nrestart = "always"\n'
-        'command = ["python3", "-c", "raise SystemExit(3)"]\n'
-        '[rollout]\ndeadline = "150s"\n[assign]\nmachines = ["node-1"]\n',
-        files={"src/x": "x"},
-    )
-    failed = cli("push", str(folder), "--wait")
+    one that dies before, each time (here: its port is taken), is a crash loop, not a step
+    done, and the plan says the last line it printed."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        folder = write_module(
+            tmp_path / "dies",
+            '[module]\nname = "dies"\n[bundle.code]\nkind = "files"\nsource = "src"\n'
+            '[process.dies]\nbundle = "code"\nroot = true\nrestart = "always"\n'
+            f'command = ["python3", "-c", "{BIND}", "{port}"]\n'
+            '[rollout]\ndeadline = "150s"\n[assign]\nmachines = ["node-1"]\n',
+            files={"src/x": "x"},
+        )
+        failed = cli("push", str(folder), "--wait")
     assert failed.returncode == 1, failed.stdout + failed.stderr
     plan = _last_plan(cli)
     assert plan["state"] == "reverted", plan
     assert plan["failure"] == (
-        "machine node-1: process dies is in a crash loop: exited with code 3; "
-        "restarted 3 time(s) in a row"
+        "machine node-1: process dies is in a crash loop: exited with code 1 (its last line: "
+        "OSError: [Errno 98] Address already in use); restarted 3 time(s) in a row"
     ), plan["failure"]

@@ -137,7 +137,8 @@ def nodes(console: Console, r: NodesReply, *, want: int | None = None) -> None:
             ", ".join(
                 f"{p.name}{' (new version)' if p.trial else ''} {p.state}"
                 f"{' healthy' if p.healthy else ''}{f' pid {p.pid}' if p.pid else ''}{_use(p)}"
-                f"{f' ({escape(p.reason)})' if p.reason else ''}{_life(p)}"
+                f"{f' ({escape(p.reason)})' if p.reason else ''}"
+                f"{f' last said: {escape(p.said)}' if p.said else ''}{_life(p)}"
                 for p in n.processes
             )
             or "-"

@@ -185,6 +185,20 @@ def _line_at(log_file: Path, offset: int, end: int) -> tuple[int | None, bytes]:
     return start, head
 
 
+LAST_LINE_MOST = 200  # characters of a process's last line a report carries
+
+
+def last_line(log_file: Path) -> str:
+    """The last line the process printed (the host's own `[mesh]` lines and the time in front
+    left out), at most LAST_LINE_MOST characters; "" if none."""
+    _, data = read(log_file, None, 8192)
+    for line in reversed(data.decode(errors="replace").splitlines()):
+        text = line[STAMP_BYTES:] if len(line) >= STAMP_BYTES and line[10:11] == "T" else line
+        if text.strip() and not text.startswith("[mesh] "):
+            return text.strip()[:LAST_LINE_MOST]
+    return ""
+
+
 class Writer:
     """Appends to `log_file`, rotating it at `limit` bytes, keeping `keep` older files."""
 

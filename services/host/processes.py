@@ -9,6 +9,7 @@ a process whether or not it is our child. A tool server is started the same way,
 stdin and stdout as pipes to the host (MCP over stdio) and only its stderr to its log.
 """
 
+import contextlib
 import logging
 import os
 import signal
@@ -60,6 +61,7 @@ def alive(instance: Instance) -> bool:
 
 _children: dict[int, subprocess.Popen] = {}
 _writers: list[subprocess.Popen] = []  # log writers this host started, until reaped
+_writer_of: dict[int, subprocess.Popen] = {}  # an instance's (by pid), until it has exited
 
 
 def _reap_writers() -> None:
@@ -67,7 +69,7 @@ def _reap_writers() -> None:
     _writers[:] = [w for w in _writers if w.poll() is None]
 
 
-def _log_writer(log_file: Path) -> int:
+def _log_writer(log_file: Path) -> tuple[int, subprocess.Popen]:
     """Start the log writer of one instance; the write end of its pipe, for the process."""
     read_end, write_end = os.pipe()
     try:
@@ -83,7 +85,17 @@ def _log_writer(log_file: Path) -> int:
     finally:
         os.close(read_end)
     _writers.append(writer)
-    return write_end
+    return write_end, writer
+
+
+async def drained(instance: Instance, *, within: float) -> None:
+    """Until the log writer of an instance that has exited has written all it printed (it
+    ends with the pipe), at most `within` seconds: its last lines are then in its log."""
+    writer = _writer_of.pop(instance.pid, None)
+    if writer is None:  # an adopted instance's: another host started its writer
+        return
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        await anyio.to_thread.run_sync(writer.wait, within)
 
 
 def credentials(uid: int | None, gid: int | None, groups: Sequence[int] = ()) -> dict:
@@ -131,7 +143,7 @@ def spawn(
     log_file.parent.mkdir(parents=True, exist_ok=True)
     log_file.parent.chmod(0o700)  # output may carry secrets: the host's (root's) alone
     _reap_writers()
-    out = _log_writer(log_file)
+    out, writer = _log_writer(log_file)
     ours: list[int] = []  # the host's ends of the pipes, closed if the start fails
     try:
         if marker:
@@ -167,6 +179,7 @@ def spawn(
     # Held until we reap it ourselves: a collected Popen of a live process would be reaped by
     # the subprocess module behind our back, and its exit code lost.
     _children[proc.pid] = proc
+    _writer_of[proc.pid] = writer
     started = start_time(proc.pid)
     instance = Instance(
         pid=proc.pid, start_time=started or 0, spec=spec, child=True, cgroups=cgroups

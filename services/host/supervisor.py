@@ -27,7 +27,7 @@ from mesh.lifetime import first_of
 from mesh.model import ProcessState, ProcessStatus
 from mesh.modules.compose import DProcess, DTool, canonical_process
 from mesh.modules.gate import duration
-from services.host import checks, limits, metrics, processes
+from services.host import checks, limits, logwriter, metrics, processes
 from services.host.limits import Cgroups
 from services.host.processes import Instance
 
@@ -39,6 +39,7 @@ STEADY_AFTER = 30.0  # up this long, and the backoff starts again from 1 s
 # and over (its memory limit, a missing file) is never healthy, and its plan's step fails as a
 # crash loop ([rollout] crash_loop) instead of counting it done.
 SETTLE = 1.0
+DRAINED_WITHIN = 1.0  # seconds an exited process's log writer gets to write its last lines
 
 
 def spec_digest(p: DProcess | DTool) -> str:
@@ -96,6 +97,7 @@ class Supervised:
         self.in_a_row = 0  # restarts with no steady run between (STEADY_AFTER): a crash loop
         self.since: datetime | None = None  # when its running instance started
         self.check_said = ""  # its last check's failure, until a check passes
+        self.said = ""  # the last line it printed before it last exited
         self.oom_kills = 0  # by its memory limit, since this host started it
         self._oom_before = 0  # its cgroup's count when the instance started
         self.meter = limits.Meter()
@@ -116,7 +118,7 @@ class Supervised:
             memory=memory, cpu=cpu, reason=self.reason if down else "", restarts=self.restarts,
             in_a_row=0 if self._steady() else self.in_a_row,
             check="" if down or self.healthy else self.check_said,
-            since=None if down else self.since,
+            since=None if down else self.since, said=self.said if down else "",
         )  # fmt: skip
 
     def _steady(self) -> bool:
@@ -171,6 +173,9 @@ class Supervised:
                     tg.cancel_scope.cancel()
                 processes.kill_group(self.instance.pid)  # what it left behind goes with it
                 how = self._why_exited(code)
+                if not self._stopping:  # its last words, once its log writer has them all
+                    await processes.drained(self.instance, within=DRAINED_WITHIN)
+                    self.said = logwriter.last_line(self.launch.log_file)
                 with anyio.CancelScope(shield=True):  # a stop must not leave it behind
                     await limits.remove(self.instance.cgroups)
                 self.instance = None

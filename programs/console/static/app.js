@@ -322,7 +322,7 @@ function machine_view(name) {
       el("td", { class: "cpu" }, p.pid && p.cpu !== undefined && p.cpu !== null ? p.cpu.toFixed(2) : "–"),
       el("td", { class: "restarts" }, `${p.restarts || 0}` + (p.in_a_row ? ` (${p.in_a_row} in a row)` : "")),
       el("td", { class: "since" }, p.since ? when(p.since) : "–"),
-      el("td", { class: "reason" }, [p.reason || "", p.check ? ` check: ${p.check}` : ""]),
+      el("td", { class: "reason" }, [p.reason || "", p.said ? ` — last said: ${p.said}` : "", p.check ? ` check: ${p.check}` : ""]),
       el("td", {}, el("button", { type: "button", "data-log": p.name, onclick: () => open_log(name, p.name) }, "log"))));
   return [back, card("machine", `Machine ${node.name}`, el("dl", {}, rows)),
     card("machine-processes", "Processes",

@@ -73,7 +73,7 @@ def judge(
 def cause(ps: ProcessState) -> str:
     """What a process's host says of why it is not healthy: how it last exited, what its check
     said, how often it was restarted; "" when the host says nothing more."""
-    said = [ps.reason] if ps.reason else []
+    said = [ps.reason + (f" (its last line: {ps.said})" if ps.said else "")] if ps.reason else []
     said += [f"its check said: {ps.check}"] if ps.check else []
     said += [ps.error] if ps.error else []  # a tool server's (it does not speak MCP, ...)
     if ps.in_a_row:
