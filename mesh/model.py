@@ -1010,7 +1010,7 @@ class ToolCallReply(msgspec.Struct):
 
 # --- trust: the audit log and named operators (docs/verbs.md: audit, operator-*) --------------
 
-OperatorRole = Literal["admin", "deployer", "viewer", "tools"]  # as mesh.auth.policy.Role
+OperatorRole = Literal["admin", "deployer", "viewer", "tools", "agent"]  # as mesh.auth.policy.Role
 
 
 class AuditRequest(Request, omit_defaults=True):

@@ -20,7 +20,7 @@ from secured import Secured
 from mesh import bus
 from mesh.auth import creds as credentials
 from mesh.auth import registry, tls
-from mesh.auth.policy import DEPLOYER_VERBS, READ_VERBS
+from mesh.auth.policy import AGENT_VERBS, DEPLOYER_VERBS, READ_VERBS
 from mesh.meshdir import MeshDir
 from services.controller.serving.verbs import TABLE
 from services.controller.trust.operators import subject_of
@@ -144,6 +144,43 @@ async def test_a_deployer_sets_and_deletes_only_its_own_modules_secrets(
             ("secret-set", "admins-token", "forbidden")} <= said, said  # fmt: skip
 
 
+async def test_an_agent_proposes_and_a_person_approves(
+    secured_fleet, secured: Secured, as_identity, tmp_path: Path
+):
+    added = _add(secured, "ada", "--role", "agent", "--modules", "web-*")
+    assert (added["role"], added["modules"]) == ("agent", "web-*")
+    ada = added["creds"]
+
+    # Whatever it asks, its change is held: nothing runs until a person approves.
+    pushed = ok_json(secured.cli(ada, "--json", "push", str(_web(tmp_path, "web-a")),
+                                 "--timeout", "60"))  # fmt: skip
+    assert pushed["state"] == "held", pushed
+    line = one_line_error(secured.cli(ada, "plan", "approve", str(pushed["plan"])))
+    assert "forbidden" in line, line  # the server refuses its publish: it may not steer
+    ok(secured.cli(secured.admin, "plan", "approve", str(pushed["plan"]), "--timeout", "60"))
+    assigned = ok_json(secured.cli(ada, "--json", "assign", "web-a", "node-2", "--timeout", "60"))
+    assert assigned["state"] == "held", assigned
+    ok(secured.cli(secured.admin, "plan", "approve", str(assigned["plan"]), "--wait",
+                   "--timeout", "60"))  # fmt: skip
+    plan = ok_json(secured.cli(secured.viewer, "--json", "plan", str(assigned["plan"])))
+    assert (plan["state"], plan["by"]) == ("done", "ada"), plan
+
+    # Beyond its glob, and what only people do: refused, by the controller or the server.
+    line = one_line_error(secured.cli(ada, "push", str(HELLO), "--timeout", "60"))
+    assert "forbidden" in line and "module hello" in line, line
+    raw = await as_identity(ada)
+    for subject in ("mesh.op.ada.plan-approve", "mesh.op.ada.plan-cancel", "mesh.op.ada.rollback",
+                    "mesh.op.ada.secret-set", "mesh.op.ada.drain", "mesh.op.ada.operator-add",
+                    "mesh.ctl.push"):  # fmt: skip
+        assert await raw.publish_refused(subject), subject
+    assert not await raw.publish_refused("mesh.op.ada.unassign")
+
+    # The audit log: the agent as the one who asked, the person as the one who approved.
+    said = [(e["who"], e["verb"], e["subject"]) for e in reversed(_audit(secured))]
+    asked = said.index(("ada", "push", "web-a"))
+    assert ("admin", "plan-approve", f"plan {pushed['plan']}") in said[asked:], said
+
+
 async def test_a_removed_operator_is_cut_off_at_once(secured_fleet, secured: Secured, tmp_path):
     olga = _add(secured, "olga", "--role", "admin")["creds"]
     kept = tmp_path / "olga-kept.creds"
@@ -259,6 +296,7 @@ def test_the_verb_tables_roles_are_the_bus_permissions() -> None:
     roles = {name: served.role for name, served in TABLE.items()}
     assert {n for n, r in roles.items() if r == "reader"} == READ_VERBS
     assert {n for n, r in roles.items() if r == "deployer"} == set(DEPLOYER_VERBS)
+    assert set(AGENT_VERBS) <= set(DEPLOYER_VERBS)  # what an agent proposes, a deployer may ask
     # every method is a part's, found by its class when the verb is served; a read, or a change
     # the audit keeps nothing of, is given no Audit to write
     assert all(isinstance(served.owner, type) for served in TABLE.values())

@@ -29,8 +29,8 @@ from mesh import subjects
 from mesh.blobs import BUILDS, BUNDLES, DECLARATIONS, SEAT, UPLOADS
 
 Kind = Literal["host", "controller", "operator"]
-Role = Literal["admin", "deployer", "viewer", "tools"]
-ROLES: tuple[Role, ...] = ("admin", "deployer", "viewer", "tools")
+Role = Literal["admin", "deployer", "viewer", "tools", "agent"]
+ROLES: tuple[Role, ...] = ("admin", "deployer", "viewer", "tools", "agent")
 
 # The controller verbs that only read. Every other verb, including one added later and not
 # listed here, is for admins only: a new verb fails closed.
@@ -47,6 +47,10 @@ DEPLOYER_VERBS = (
     "plan-approve", "plan-pause", "plan-resume", "plan-cancel",
     "secret-set", "secret-delete",  # its own modules' secrets
 )  # fmt: skip
+# What an agent may ask on its own subjects: to propose a deployer's changes of the modules its
+# glob matches, each recorded held until a person approves it (the controller sees to it: never
+# approve, pause, resume, cancel, roll back, drain, operators or secrets).
+AGENT_VERBS = ("push", "diff", "assign", "unassign")
 HOST_READ_VERBS = ("status", "logs")  # mesh.host.<name>.<verb> an operator may ask
 HOST_ADMIN_VERBS = ("restart",)
 HOST_TOOL_VERBS = ("tool",)  # calling a tool: an admin's and a tools operator's
@@ -238,12 +242,13 @@ def _operator(user: User) -> Permissions:
             ],
             subscribe=[f"{inbox(user)}.>", *OPERATOR_WATCH],
         )
-    if user.role == "deployer":
+    if user.role in ("deployer", "agent"):
+        verbs = DEPLOYER_VERBS if user.role == "deployer" else AGENT_VERBS
         # JetStream: its uploads alone. No purge, delete, consumer or direct get of the mesh's
         # streams: a consumer's deliver subject is not checked against its creator's
         # permissions, and a purge of the bundle store fails every plan after it.
         return Permissions(
-            publish=[*reads, *(subjects.op(user.name, v) for v in DEPLOYER_VERBS), *_uploads()],
+            publish=[*reads, *(subjects.op(user.name, v) for v in verbs), *_uploads()],
             subscribe=[f"{inbox(user)}.>", *OPERATOR_WATCH],
         )
     return Permissions(

@@ -163,8 +163,8 @@ async def cmd_operator_add(args: argparse.Namespace) -> None:
 
 
 def _glob(modules: str | None, *, role: str) -> str | None:
-    if modules is not None and role != "deployer":
-        raise CliError(f"--modules: {modules!r} is for a deployer, not a {role}")
+    if modules is not None and role not in ("deployer", "agent"):
+        raise CliError(f"--modules: {modules!r} is for a deployer or agent, not a {role}")
     return modules
 
 
@@ -260,7 +260,7 @@ async def cmd_operator_list(args: argparse.Namespace) -> None:
     for column in ("NAME", "ROLE", "MODULES", "ALLOWED"):
         table.add_column(column)
     for o in reply.operators:
-        modules = o.modules or ("*" if o.role == "deployer" else "-")
+        modules = o.modules or ("*" if o.role in ("deployer", "agent") else "-")
         table.add_row(escape(o.name), o.role, escape(modules), escape(" ".join(o.allow)) or "-")
     console().print(table)
 

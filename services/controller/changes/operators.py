@@ -31,10 +31,12 @@ class Operators:
     changes: Changes  # `--revert` unassigns the removed operator's modules through plans
 
     async def add(self, req: OperatorAddRequest, audit: Audit) -> OperatorReply:
-        for field, given in (("modules", req.modules), ("allow", " ".join(req.allow))):
-            if given and req.role != "deployer":
+        for field, given, roles in (("modules", req.modules, ("deployer", "agent")),
+                                    ("allow", " ".join(req.allow), ("deployer",))):  # fmt: skip
+            if given and req.role not in roles:
                 raise wire.BadRequest(
-                    f"{field}: {given!r} is for a deployer, not a {req.role}", code="bad_request"
+                    f"{field}: {given!r} is for a {' or '.join(roles)}, not a {req.role}",
+                    code="bad_request",
                 )
         async with self.pool.acquire() as conn, conn.transaction():
             if not await stored.add_operator(conn, name=req.name, role=req.role,

@@ -34,6 +34,7 @@ import asyncpg
 import msgspec
 
 from mesh import paging, subjects, wire
+from mesh.auth.policy import AGENT_VERBS
 from mesh.auth.scopes import CONTROLLER_SECRETS
 from mesh.model import AuditReply, AuditRequest, OperatorInfo, OperatorsReply, OperatorsRequest
 from mesh.serving import Bound, Parts, Verb
@@ -210,10 +211,15 @@ async def _allowed(t: Trust, who: str | None, verb: str, role: Role, req: Any) -
         )
     if row.role == "admin":
         return req
-    if row.role != "deployer" or role != "deployer":
+    agent = row.role == "agent" and verb in AGENT_VERBS
+    if (row.role != "deployer" and not agent) or role != "deployer":
         raise wire.BadRequest(
-            f"forbidden: operator {who} ({row.role}) may not {verb}", code="forbidden"
-        )
+            f"forbidden: operator {who} ({row.role}) may not {verb}"
+            + (": an agent proposes changes, a person steers them" if row.role == "agent" else ""),
+            code="forbidden",
+        )  # fmt: skip
+    if agent and getattr(req, "hold", True) is False:  # every change it asks is held
+        req = msgspec.structs.replace(req, hold=True)
     glob = row.modules or "*"
     if verb in SECRET_VERBS:
         return await _deployer_secret(t, who, glob, req)
