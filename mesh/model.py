@@ -560,14 +560,20 @@ class PlanReply(msgspec.Struct):
     soak: Soak | None = None  # as PlanSummary
     cancelled: str | None = None
     note: str = ""  # its push's `--note`
+    # What it does, as one digest: sha256 over each step's tier, machine and new declaration's
+    # digest (`plan approve --digest` binds an approval to it).
+    digest: str = ""
 
 
 # --- steering a plan (docs/verbs.md: plan-approve, plan-pause, plan-resume, plan-cancel) ------
 
 
-class SteerRequest(Request):
+class SteerRequest(Request, omit_defaults=True):
     id: Annotated[int, msgspec.Meta(ge=1, le=2**63 - 1)]
     by: By = ""
+    # `plan-approve` only: approve only if the plan still does exactly this (its `digest`, as
+    # `plan` shows it): a plan whose change the catalog moved since it was reviewed is refused.
+    digest: Digest | None = None
 
 
 class SteerReply(msgspec.Struct):

@@ -578,3 +578,33 @@ async def test_a_plan_cancelled_while_its_bundles_build_is_not_pushed_again(
     assert ok_json(await mesh("modules", "--json"))["modules"] == []
     plans = ok_json(await mesh("plan", "--json"))["plans"]
     assert [(p["id"], p["state"]) for p in plans] == [(plan_id, "cancelled")]
+
+
+async def test_an_approval_binds_to_what_the_plan_does_when_it_was_reviewed(
+    start_fleet, cli, tmp_path
+) -> None:
+    """`plan approve --digest D`: a held plan whose change the catalog moved since it was
+    reviewed (another push onto its machine) is refused, its steps recorded as they are now,
+    with their new digest; approved with that one, it runs."""
+    await start_fleet(hosts=1)
+    ok(cli("push", str(gated_module(tmp_path / "a", name="alpha", tiers="[]"))))
+    held = ok_json(cli("assign", "alpha", "node-1", "--hold", "--json"))
+    plan_id = held["plan"]
+    reviewed = ok_json(cli("plan", str(plan_id), "--json"))["digest"]
+    assert reviewed.startswith("sha256:") and f"digest: {reviewed}" in ok(cli("plan", str(plan_id)))
+    # Meanwhile, another module comes to node-1: what the held plan would give it is not what
+    # was reviewed any more.
+    ok(cli("push", str(gated_module(tmp_path / "b", name="beta", tiers="[0]")), "--wait"))
+    line = one_line_error(cli("plan", "approve", str(plan_id), "--digest", reviewed))
+    now = ok_json(cli("plan", str(plan_id), "--json"))
+    assert now["state"] == "held" and now["digest"] not in ("", reviewed), now
+    assert f"plan {plan_id} now does {now['digest']}, not {reviewed}" in line, line
+    assert f"approve with --digest {now['digest']}" in line, line
+    done = ok_json(cli("plan", "approve", str(plan_id), "--digest", now["digest"], "--wait",
+                       "--json"))  # fmt: skip
+    assert done["state"] == "done" and now["digest"] in done["message"], done
+    for args, why in ((("approve", str(plan_id), "--digest", "sha256:12"), "is not a digest"),):
+        usage = cli("plan", *args)
+        assert usage.returncode == 2 and why in usage.stderr, usage.stderr
+    line = one_line_error(cli("plan", "pause", str(plan_id), "--digest", now["digest"]))
+    assert "--digest: only `mesh plan approve ID` takes it" in line, line

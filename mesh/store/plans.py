@@ -5,7 +5,9 @@ the holder's planner, always in a transaction that first checks the seat's epoch
 plan in progress can be continued by whichever controller holds the seat next.
 """
 
+import hashlib
 import json
+from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -438,6 +440,21 @@ async def locked(conn: asyncpg.Connection, plan_id: int) -> Plan | None:
     the other, each seeing what the one before wrote."""
     r = await conn.fetchrow(f"SELECT {_PLAN} FROM plans WHERE id = $1 FOR UPDATE", plan_id)
     return None if r is None else _plan(r, [])
+
+
+def digest_of(steps: Iterable[tuple[int, str, str]]) -> str:
+    """A plan's change as one digest: sha256 over its steps' (tier, machine, new declaration's
+    digest), in tier then machine order. The same steps, the same digest."""
+    text = "".join(f"{tier} {machine} {after}\n" for tier, machine, after in sorted(steps))
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
+
+
+async def step_digest(conn: asyncpg.Connection, plan_id: int) -> str:
+    """The digest of a plan's recorded steps (digest_of)."""
+    rows = await conn.fetch(
+        "SELECT tier, machine, after FROM plan_steps WHERE plan_id = $1", plan_id
+    )
+    return digest_of((r["tier"], r["machine"], r["after"]) for r in rows)
 
 
 async def replace_steps(conn: asyncpg.Connection, plan_id: int, steps: list[Step]) -> None:

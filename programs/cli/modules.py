@@ -68,6 +68,7 @@ def add_parsers(verbs: Any, common: argparse.ArgumentParser) -> None:
         "review needs nothing but its id)",
     )  # fmt: skip
     steering.wait_flag(plan)
+    steering.digest_flag(plan)
     plan.add_argument(
         "--limit", type=count, default=None, metavar="N",
         help="show at most N recent plans (20), steps of a plan, machines of a diff (all)",

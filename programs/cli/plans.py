@@ -108,6 +108,8 @@ def render(out: Console, p: PlanReply, *, want: int | None = None) -> None:
     out.print(head)
     if p.note:
         out.print(f"  note: {escape(p.note)}")
+    if p.digest:  # held: what an approval binds to
+        out.print(f"  digest: {p.digest} (mesh plan approve {p.id} --digest {p.digest})")
     if p.cancelled:
         out.print(f"  {escape(p.cancelled)}")
     if p.failure:

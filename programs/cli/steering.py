@@ -3,6 +3,7 @@ unassign: the operator's hand on a plan (docs/operations.md, Steering a change).
 
 import argparse
 import getpass
+import re
 from typing import Any
 
 import msgspec
@@ -30,6 +31,21 @@ def hold_flag(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
+def digest_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--digest", type=plan_digest, metavar="D",
+        help="approve: only if the plan still does what `mesh plan ID` showed (its digest)",
+    )  # fmt: skip
+
+
+def plan_digest(text: str) -> str:
+    if not re.fullmatch(r"sha256:[0-9a-f]{64}", text):
+        raise argparse.ArgumentTypeError(
+            f"{text[:80]!r} is not a digest (sha256: and 64 hex digits)"
+        )
+    return text
+
+
 def wait_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--wait", action="store_true",
@@ -43,7 +59,10 @@ async def cmd_steer(args: argparse.Namespace, what: list[str]) -> None:
     if len(what) != 2 or not what[1].isdigit():
         raise CliError(f"usage: mesh plan {word} ID")
     plan_id = int(what[1])
-    body = SteerRequest(id=plan_id, by=getpass.getuser())
+    digest = getattr(args, "digest", None)
+    if digest is not None and word != "approve":
+        raise CliError(f"--digest: only `mesh plan approve ID` takes it, not `{word}`")
+    body = SteerRequest(id=plan_id, by=getpass.getuser(), digest=digest)
     reply = await verb(args, VERBS[word], SteerReply, body, changes=True)
     if not getattr(args, "wait", False) or word not in ENDS:
         print_json(reply) if args.json else console().print(reply.message)

@@ -38,7 +38,7 @@ from services.controller.fleet.publishing import Manifests
 from services.controller.plans import states
 from services.controller.plans.planner import Planner
 from services.controller.plans.recording import Recorder
-from services.controller.plans.writes import PlanWrites
+from services.controller.plans.writes import OnePlan, PlanWrites
 from services.controller.trust.audit import Audit
 
 log = logging.getLogger(__name__)
@@ -116,26 +116,58 @@ class HeldChanges:
         """Make a held plan's change and put it in the queue (`pending`); with no machine to
         change by now, it ends `done`. A conflict the catalog has come to since refuses the
         approval (the plan stays held)."""
+        stale: str | None = None
         async with self._rec.one_change:
             async with PlanWrites(pool=self._pool, epoch=self._epoch).on(req.id) as w:
                 p = states.found(await w.locked(), req.id)
                 if p.state != "held" or p.hold is None:
                     raise states.refused(p, states.why_not_approved(p))
-                targets, undo, settings = await self._make(w.conn, p)
-                steps = await self._rec.steps(w.conn, targets)
-                hold = msgspec.structs.replace(p.hold, approved_by=req.by)
-                await w.approved(steps, settings=settings, undo=undo, hold=hold)
-                state: PlanState = "pending"
-                if not steps:
-                    state = "done"
-                    await w.plan(state=state, finished=datetime.now(UTC))
-                await w.event("plan.approved", by=req.by, machines=len(steps))
-                await audit.write(w.conn, detail=f"plan {p.id} {state}")
+                if req.digest is not None:
+                    stale = await self._moved(w.conn, p, req.digest)
+                if stale is None:
+                    steps, state = await self._approve(w, p, req, audit)
+        if stale is not None:  # its steps are recorded as they are now: reviewed again, then
+            raise wire.BadRequest(
+                f"plan {req.id} now does {stale}, not {req.digest}: the catalog changed under "
+                f"it since it was reviewed; review it again (mesh plan {req.id} --changes) and "
+                f"approve with --digest {stale}", code="conflict",
+            )  # fmt: skip
         self._rec.wake()
         await self._planner.tell(p.id)
         log.info("plan %d approved by %s: %d machine(s)", p.id, req.by or "?", len(steps))
         what = f"it changes {len(steps)} machine(s)" if steps else "no machine changes now"
-        return SteerReply(plan=p.id, state=state, message=f"plan {p.id} approved: {what}")
+        done = plans.digest_of((s.tier, s.machine, s.after) for s in steps)
+        return SteerReply(plan=p.id, state=state,
+                          message=f"plan {p.id} approved ({done}): {what}")  # fmt: skip
+
+    async def _approve(
+        self, w: OnePlan, p: plans.Plan, req: SteerRequest, audit: Audit
+    ) -> tuple[list[plans.Step], PlanState]:
+        """The held change made, and the plan queued (or done, with nothing to change)."""
+        assert p.hold is not None
+        targets, undo, settings = await self._make(w.conn, p)
+        steps = await self._rec.steps(w.conn, targets)
+        hold = msgspec.structs.replace(p.hold, approved_by=req.by)
+        await w.approved(steps, settings=settings, undo=undo, hold=hold)
+        state: PlanState = "pending"
+        if not steps:
+            state = "done"
+            await w.plan(state=state, finished=datetime.now(UTC))
+        await w.event("plan.approved", by=req.by, machines=len(steps))
+        await audit.write(w.conn, detail=f"plan {p.id} {state}")
+        return steps, state
+
+    async def _moved(self, conn: asyncpg.Connection, p: plans.Plan, digest: str) -> str | None:
+        """None if the held change, made now, does what `digest` says; else what it does now,
+        with its steps recorded so (the change itself tried, not kept)."""
+        async with _tried(conn):
+            targets, _, _ = await self._make(conn, p)
+            steps = await self._rec.steps(conn, targets)
+        now = plans.digest_of((s.tier, s.machine, s.after) for s in steps)
+        if now == digest:
+            return None
+        await plans.replace_steps(conn, p.id, steps)
+        return now
 
     async def _make(
         self, conn: asyncpg.Connection, p: plans.Plan

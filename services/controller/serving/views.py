@@ -215,6 +215,8 @@ class Views:
             steps = await plans.step_views(conn, req.id, after=at, most=req.limit + 1)
             if req.changes:
                 steps = await _with_changes(conn, p, steps)
+            # What an approval binds to (`plan approve --digest`): a held plan's alone
+            digest = await plans.step_digest(conn, p.id) if p.state == "held" else ""
         soaking = p.soak_tier if p.soak_until is not None else None
         tiers = [rollout.tier_shown(t, soaking=t.tier == soaking) for t in counted]
         reply = PlanReply(
@@ -223,6 +225,7 @@ class Views:
             phase=p.phase, failure=p.error, settings=p.settings, builds=p.builds, tiers=tiers,
             steps=[], total=sum(t.total for t in counted),
             soak=plans.soak_shown(p.soak_tier, p.soak_until), cancelled=p.cancel, note=p.note,
+            digest=digest,
         )  # fmt: skip
         page = paging.fill(
             (((s.tier, s.machine), s) for s in steps), verb="plan", limit=req.limit,
