@@ -118,6 +118,13 @@ def test_a_host_reporting_an_older_epoch_after_a_newer() -> None:
     assert kinds(h) == ["epochs-rise"]  # a failed apply: no declaration applied
 
 
+def test_a_host_refusing_an_older_epoch_by_its_fence_keeps_the_promise() -> None:
+    h = clean()
+    h.insert(19, {"t": 9.8, "type": "epoch", "source": "applied", "machine": "node-1",
+                  "epoch": 3, "digest": "d1", "ok": False, "step": "fence"})  # fmt: skip
+    assert kinds(h) == []  # it names the stale epoch it refused, not one it took
+
+
 def test_a_machine_applying_an_older_declaration_after_a_newer() -> None:
     h = clean()
     h.insert(19, {"t": 9.8, "type": "epoch", "source": "applied", "machine": "node-1",

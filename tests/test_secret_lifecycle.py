@@ -50,8 +50,8 @@ async def test_a_secret_is_listed_never_shown_required_by_push_and_deleted_once_
     shown = ok(cli("secret", "list"))
     assert "hello-token" in shown and "hel*" in shown
     assert HELLO_TOKEN not in shown and HELLO_TOKEN not in str(listed) and "unused" not in shown
-    page = await ask(nc, "mesh.ctl.secrets", {"limit": 1})
-    rest = await ask(nc, "mesh.ctl.secrets", {"limit": 10, "after": page["next"]})
+    page = await ask(nc, "mesh.ctl.secrets", {"limit": 1}, timeout=30)  # a loaded machine
+    rest = await ask(nc, "mesh.ctl.secrets", {"limit": 10, "after": page["next"]}, timeout=30)
     assert [s["name"] for s in page["secrets"] + rest["secrets"]] == sorted(rows)
 
     # Deleting: refused while a module's current version names it; gone once none does.

@@ -117,7 +117,8 @@ def _epochs_rise(history: list[dict], final: dict | None, report: Report) -> Non
     for e in epochs:
         if e["source"] == "declared":
             declared[e["machine"]].append((e["t"], e["epoch"]))
-        elif e["source"] == "applied":
+        elif e["source"] == "applied" and e.get("step") != "fence":
+            # A fence refusal names the stale epoch it refused, not one the host took.
             hosts[e["machine"]].append((e["t"], e["epoch"]))
     for machine, seen in sorted(declared.items()):
         _rising(seen, f"{machine}'s declaration put on the bus", "epochs-rise", report)

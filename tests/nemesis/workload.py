@@ -212,7 +212,7 @@ class Workload:
         async def applied(msg) -> None:
             e = json.loads(msg.data)
             self.history.add("epoch", source="applied", machine=e["name"], epoch=e["epoch"],
-                             digest=e["digest"], ok=e["ok"])  # fmt: skip
+                             digest=e["digest"], ok=e["ok"], step=e.get("step", ""))  # fmt: skip
 
         async def declared(msg) -> None:
             e = json.loads(msg.data)
