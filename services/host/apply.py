@@ -12,7 +12,6 @@ import base64
 import json
 import logging
 import os
-import subprocess
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -29,7 +28,6 @@ from mesh.model import (
     ProcessState,
     SecretReply,
     SecretRequest,
-    apply_step,
 )
 from mesh.modules.compose import DBundle, Declaration, DProcess, DTool, tools_of
 from mesh.modules.gate import AGENT, duration
@@ -39,13 +37,13 @@ from services.host import (
     containers,
     files,
     limits,
-    logwriter,
     metrics,
+    preparing,
     successor,
     watch,
 )
 from services.host.limits import Cgroups
-from services.host.processes import credentials, kill_group
+from services.host.steps import StepFailed
 from services.host.supervisor import Launch, Supervisor, spec_digest
 from services.host.tools import ToolRuntime
 
@@ -61,7 +59,6 @@ class Envelope(msgspec.Struct):
 
 
 RETRY_FIRST = 5.0
-PREPARE_KEPT = 256 * 1024  # bytes of a preparation's output kept (the last), for `logs --prepare`
 RETRY_MAX = 60.0
 BUS_PATIENCE = 30.0  # how long a step waits out a bus or JetStream that does not answer
 KEEP_PATIENCE = 5.0  # a secret already on disk for the declaration applied: asked this long
@@ -128,17 +125,6 @@ def _head(value: bytes) -> _Head | None:
         return wire.decode_json(value, _Head)
     except msgspec.DecodeError:
         return None
-
-
-class StepFailed(Exception):
-    """Where an apply stopped (its step's kind, and the name of what it acts on, if any) and
-    why; `step` as `Applied.step` says it."""
-
-    def __init__(self, kind: ApplyStepKind, error: str, *, name: str = "") -> None:
-        self.kind = kind
-        self.step = apply_step(kind, name)
-        self.error = error
-        super().__init__(f"{self.step}: {error}")
 
 
 class Applier:
@@ -358,7 +344,7 @@ class Applier:
             running = self.supervisor.running.get(name)
             if launch.decl.prepare and (running is None or running.launch.spec != launch.spec):
                 if not self.supervisor.adoptable(name, launch.spec):
-                    await self._prepare(launch)
+                    await preparing.prepare(launch)
         problems = await self.supervisor.reconcile(launches, interrupt=self._newer)
         if problems:
             raise StepFailed("processes", "; ".join(problems))
@@ -492,48 +478,6 @@ class Applier:
             group=f"{p.module}.{name}",
         )
 
-    async def _prepare(self, launch: Launch) -> None:
-        """The prepare step, as the account, before a new version starts; a failure leaves
-        whatever runs now running."""
-        assert launch.decl.prepare is not None
-        limit = duration(launch.decl.prepare_timeout)
-        log.info("process %s: prepare %s", launch.name, launch.decl.prepare)
-        try:
-            process = await anyio.open_process(
-                launch.decl.prepare, cwd=launch.cwd, env=launch.env, stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-                **credentials(launch.uid, launch.gid, launch.groups),
-            )  # fmt: skip
-        except (OSError, ValueError) as e:
-            raise StepFailed("prepare", str(e), name=launch.name) from None
-        output, at_start = b"", True
-        said = f"[mesh] prepare {launch.decl.prepare} of {launch.name}, spec {launch.spec[:19]}\n"
-        kept = logwriter.stamp(time.time()) + said.encode()
-        try:
-            with anyio.fail_after(limit):
-                assert process.stdout is not None
-                async for chunk in process.stdout:
-                    output = (output + chunk)[-8192:]
-                    chunk, at_start = logwriter.stamped(
-                        chunk, at_start=at_start, now=logwriter.stamp(time.time())
-                    )
-                    kept = (kept + chunk)[-PREPARE_KEPT:]
-                await process.wait()
-        except TimeoutError:
-            raise StepFailed("prepare", f"timed out after {limit:g}s", name=launch.name) from None
-        finally:
-            kill_group(process.pid)  # nothing it started outlives it
-            with anyio.CancelScope(shield=True):
-                await process.wait()
-                ended = f"[mesh] prepare ended: exit code {process.returncode}\n".encode()
-                last = (b"" if at_start else b"\n") + logwriter.stamp(time.time()) + ended
-                _keep(launch.log_file.with_name("prepare.log"), kept + last)
-        if process.returncode != 0:
-            tail = output.decode(errors="replace").strip().splitlines()[-3:]
-            raise StepFailed(
-                "prepare", f"exit code {process.returncode}: {' | '.join(tail)}", name=launch.name
-            )
-
     async def _bundle(self, key: str, bundle: DBundle) -> None:
         await bundles.ensure(self._nc, self._root, key, bundle)
 
@@ -555,20 +499,6 @@ class Applier:
             raise
         reply = wire.decode_reply(data, SecretReply)
         return base64.b64decode(reply.value)
-
-
-def _keep(path: Path, output: bytes) -> None:
-    """A preparation's output, for `mesh logs --prepare` (the host's alone: it may carry
-    secrets); lost, if it cannot be written, without failing the step."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.parent.chmod(0o700)
-        temporary = path.with_name(path.name + ".tmp")
-        temporary.write_bytes(output)
-        temporary.chmod(0o600)
-        temporary.replace(path)
-    except OSError as e:
-        log.warning("prepare output not kept in %s: %s", path, e)
 
 
 def _count_failure(step: ApplyStepKind, started: float) -> None:

@@ -38,7 +38,7 @@ from mesh.model import (
     RollbackRequest,
 )
 from mesh.modules.manifest import Manifest
-from mesh.store import events, modules, plans, seats, selectors
+from mesh.store import events, modules, plans, seats
 from services.controller.catalog import builds as build_requests
 from services.controller.catalog import scoping, versions
 from services.controller.catalog.pushing import (
@@ -48,6 +48,7 @@ from services.controller.catalog.pushing import (
     register,
     settings_of,
 )
+from services.controller.changes import selecting
 from services.controller.fleet.fleet import Fleet
 from services.controller.fleet.publishing import Manifests
 from services.controller.plans.approvals import HeldChanges, held_said
@@ -329,13 +330,13 @@ class Changes:
         async with self.recorder.one_change:
             machines = self.recorder.select(machines=req.machines, tier=req.tier, labels=req.labels)
             if not machines and selector:
-                return await self._selector_alone(req, audit, undo=undo)
+                return await selecting.alone(self.pool, self.epoch, req, audit, undo=undo)
             if not machines:
                 raise wire.BadRequest("no machine matches", code="not_found")
             async with self.pool.acquire() as conn, conn.transaction():
                 await seats.fence(conn, epoch=self.epoch)
                 if selector:
-                    await self._keep_selector(conn, req, undo=undo)
+                    await selecting.keep(conn, req, undo=undo)
                 old = await self.recorder.supersede(conn, req.module, by=req.by)
                 current = (await modules.current_modules(conn)).get(req.module)
                 if current is None:
@@ -376,32 +377,6 @@ class Changes:
             + (f"plan {plan} changes {len(changed)} machine(s)" if changed else "no change")
             + follows,
         )
-
-    async def _keep_selector(
-        self, conn: asyncpg.Connection, req: AssignRequest, *, undo: bool
-    ) -> bool:
-        """The module's standing selector `req.labels` kept (assign) or dropped (unassign)."""
-        if (await modules.current_modules(conn)).get(req.module) is None:
-            raise wire.BadRequest(f"module {req.module} has not been pushed", code="not_found")
-        if undo:
-            return await selectors.forget(conn, module=req.module, labels=req.labels)
-        return await selectors.record(conn, module=req.module, labels=req.labels, by=req.by)
-
-    async def _selector_alone(self, req: AssignRequest, audit: Audit, *, undo: bool) -> ChangeReply:
-        """A selector that matches no machine now: kept or dropped, no plan."""
-        said = ",".join(f"{k}={v}" for k, v in sorted(req.labels.items()))
-        async with self.pool.acquire() as conn, conn.transaction():
-            await seats.fence(conn, epoch=self.epoch)
-            changed = await self._keep_selector(conn, req, undo=undo)
-            await audit.write(conn, detail=f"labels {said}: no machine matches now")
-        if undo:
-            message = (f"{req.module} is no longer placed by labels {said}" if changed
-                       else f"{req.module} had no placement by labels {said}")  # fmt: skip
-        else:
-            message = (f"no machine matches {said} now: {req.module} goes to each machine "
-                       "labelled so, as it comes")  # fmt: skip
-        log.info("%s: labels %s %s", req.module, said, "dropped" if undo else "kept")
-        return replied(plan=None, changed=[], message=message)
 
     # --- going back to a version; machines out of the plans and back ---------------------------
 
