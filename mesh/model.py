@@ -39,8 +39,9 @@ Version = Annotated[str, msgspec.Meta(max_length=80, pattern=r"^[^\x00-\x1f\x7f]
 # (docs/operations.md, Steering a change); a tier is `soaking` while its canaries (or, without
 # canaries, the whole tier) must stay healthy before the plan goes on.
 PlanState = Literal[
-    "pending", "building", "held", "rolling", "paused", "done", "failed", "reverted", "cancelled"
-]
+    "pending", "building", "held", "rolling", "paused", "done", "failed", "reverted", "cancelled",
+    "rejected",  # a held plan ended by `plan reject`, nothing changed
+]  # fmt: skip
 StepState = Literal["pending", "applying", "done", "failed", "skipped", "reverted"]
 TierState = Literal["pending", "rolling", "soaking", "done", "failed", "reverted"]
 # `rollback`: a module back at an earlier version; `undrain`: a machine brought up to date as it
@@ -539,6 +540,13 @@ class PlanSettings(msgspec.Struct):
     crash_loop: int = 3
 
 
+class PlanApproval(msgspec.Struct):
+    by: str
+    at: datetime
+    digest: str  # what the plan did when it was given
+    void: bool = False  # the plan does something else now: it counts for nothing
+
+
 class PlanReply(msgspec.Struct):
     id: int
     state: PlanState
@@ -563,6 +571,10 @@ class PlanReply(msgspec.Struct):
     # What it does, as one digest: sha256 over each step's tier, machine and new declaration's
     # digest (`plan approve --digest` binds an approval to it).
     digest: str = ""
+    # A held plan's approvals so far (each bound to the digest it approved: one given for
+    # another is void), and how many distinct operators it needs (`mesh policy`).
+    approvals: list[PlanApproval] = []
+    approvals_needed: int = 0
 
 
 # --- steering a plan (docs/verbs.md: plan-approve, plan-pause, plan-resume, plan-cancel) ------
@@ -574,6 +586,29 @@ class SteerRequest(Request, omit_defaults=True):
     # `plan-approve` only: approve only if the plan still does exactly this (its `digest`, as
     # `plan` shows it): a plan whose change the catalog moved since it was reviewed is refused.
     digest: Digest | None = None
+    reason: Note = ""  # `plan-reject` only: why, in the operator's words
+
+
+# --- the mesh's policy (`mesh policy`): what a change needs before it runs --------------------
+
+MOST_APPROVALS = 9
+
+
+class PolicyRequest(Request):
+    pass
+
+
+class PolicySetRequest(Request):
+    # distinct operators, none of them the plan's author, who approve a held plan before it runs
+    approvals: Annotated[int, msgspec.Meta(ge=1, le=MOST_APPROVALS)]
+    by: By = ""
+
+
+class PolicyReply(msgspec.Struct):
+    approvals: int
+    set_by: str | None = None
+    set_at: datetime | None = None
+    message: str = ""
 
 
 class SteerReply(msgspec.Struct):

@@ -26,7 +26,7 @@ from nats.errors import TimeoutError as NatsTimeout
 from mesh import bus, paging, subjects, wire
 from mesh.client import asking
 from mesh.model import SeatAnnounce
-from services.controller.plans import planner
+from services.controller.plans import heard
 from services.controller.seat import handover, standbys
 from services.controller.serving.verbs import SLOW_IN_FLIGHT
 
@@ -373,14 +373,14 @@ async def test_a_standby_that_misses_held_leaves_the_verb_group_after_early_for(
 
 
 def test_the_planners_process_names_are_bounded(monkeypatch) -> None:
-    monkeypatch.setattr(planner, "NAMES_KEPT", 100)
-    p = planner.Planner(pool=None, publisher=None, fleet=None, epoch=1)  # type: ignore[arg-type]
+    monkeypatch.setattr(heard, "NAMES_KEPT", 100)
+    p = heard.Heard(fleet=None)  # type: ignore[arg-type]
     body = b'{"machine": "m", "modules": {}, "processes": {}}'
     for i in range(150):
-        assert p._processes(f"sha256:{i}", body) == frozenset()
+        assert p.names(f"sha256:{i}", body) == frozenset()
     assert len(p._names) == 100
-    p._processes("sha256:60", body)  # used again: the newest
-    p._processes("sha256:new", body)
+    p.names("sha256:60", body)  # used again: the newest
+    p.names("sha256:new", body)
     assert "sha256:60" in p._names and "sha256:50" not in p._names
 
 

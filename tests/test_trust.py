@@ -171,6 +171,7 @@ async def test_an_agent_proposes_and_a_person_approves(
     raw = await as_identity(ada)
     for subject in ("mesh.op.ada.plan-approve", "mesh.op.ada.plan-cancel", "mesh.op.ada.rollback",
                     "mesh.op.ada.secret-set", "mesh.op.ada.drain", "mesh.op.ada.operator-add",
+                    "mesh.op.ada.plan-reject", "mesh.op.ada.policy-set",
                     "mesh.ctl.push"):  # fmt: skip
         assert await raw.publish_refused(subject), subject
     assert not await raw.publish_refused("mesh.op.ada.unassign")
@@ -179,6 +180,78 @@ async def test_an_agent_proposes_and_a_person_approves(
     said = [(e["who"], e["verb"], e["subject"]) for e in reversed(_audit(secured))]
     asked = said.index(("ada", "push", "web-a"))
     assert ("admin", "plan-approve", f"plan {pushed['plan']}") in said[asked:], said
+
+
+async def test_two_persons_approve_a_held_plan_and_a_rejected_one_changes_nothing(
+    secured_fleet, secured: Secured, tmp_path: Path
+):
+    """`mesh policy set approvals 2`: a held plan runs only after two distinct operators, never
+    its author, approve what it does now; an approval given before the catalog moved under it
+    is void; `plan reject` ends a held plan with no machine touched. Every step audited."""
+    admin, viewer = secured.admin, secured.viewer
+    ann = _add(secured, "ann", "--role", "admin")["creds"]
+    bea = _add(secured, "bea", "--role", "admin")["creds"]
+    assert ok_json(secured.cli(viewer, "--json", "policy"))["approvals"] == 1  # the default
+    assert "forbidden" in one_line_error(secured.cli(viewer, "policy", "set", "approvals", "2"))
+    bad = secured.cli(admin, "policy", "set", "approvals", "12")  # refused as it is parsed
+    assert bad.returncode == 2 and "is not a number of approvals (1 to 9)" in bad.stderr, bad
+    assert "(was 1)" in ok(secured.cli(admin, "policy", "set", "approvals", "2"))
+    policy = ok_json(secured.cli(viewer, "--json", "policy"))
+    assert (policy["approvals"], policy["set_by"]) == (2, "admin"), policy
+
+    ok(secured.cli(admin, "push", str(_web(tmp_path, "web-a")), "--timeout", "60"))
+    held = ok_json(secured.cli(admin, "--json", "assign", "web-a", "node-2", "--hold"))["plan"]
+    line = one_line_error(secured.cli(admin, "plan", "approve", str(held)))
+    assert "forbidden" in line and "asked by admin" in line, line  # never its author
+    said = " ".join(ok(secured.cli(ann, "plan", "approve", str(held), "--wait")).split())
+    assert "1 of 2" in said and "stays held" in said, said
+    line = one_line_error(secured.cli(ann, "plan", "approve", str(held)))
+    assert "ann approved it already" in line, line
+    plan = ok_json(secured.cli(viewer, "--json", "plan", str(held)))
+    assert plan["state"] == "held" and plan["approvals_needed"] == 2, plan
+    assert [(a["by"], a["void"]) for a in plan["approvals"]] == [("ann", False)], plan
+
+    # The catalog moves under it (another module onto node-2, whose declaration it changes
+    # too): ann's approval was for what it did before. (A change of web-a itself supersedes it.)
+    ok(secured.cli(admin, "push", str(_web(tmp_path, "web-b")), "--timeout", "60"))
+    ok(secured.cli(admin, "assign", "web-b", "node-2", "--wait", "--timeout", "60"))
+    said = " ".join(ok(secured.cli(bea, "plan", "approve", str(held))).split())  # unwrapped
+    assert "1 of 2" in said and "1 approval(s) given before are void" in said, said
+    plan = ok_json(secured.cli(viewer, "--json", "plan", str(held)))
+    assert [(a["by"], a["void"]) for a in plan["approvals"]] == [("ann", True), ("bea", False)]
+    assert "void: given for" in " ".join(ok(secured.cli(viewer, "plan", str(held))).split())
+    ok(secured.cli(ann, "plan", "approve", str(held), "--wait", "--timeout", "60"))
+    plan = ok_json(secured.cli(viewer, "--json", "plan", str(held)))
+    assert (plan["state"], plan["by"]) == ("done", "admin"), plan
+
+    # A reject: the plan ends `rejected`, node-1 never hears of web-a.
+    before = _applied(secured, "node-1")
+    other = ok_json(secured.cli(admin, "--json", "assign", "web-a", "node-1", "--hold"))["plan"]
+    said = " ".join(ok(secured.cli(bea, "plan", "reject", str(other), "--reason",
+                                   "not on node-1")).split())  # fmt: skip
+    assert f"plan {other} rejected by bea: not on node-1: no machine changed" in said, said
+    plan = ok_json(secured.cli(viewer, "--json", "plan", str(other)))
+    assert plan["state"] == "rejected" and "not on node-1" in plan["cancelled"], plan
+    assert [s["state"] for s in plan["steps"]] == ["pending"]
+    assert _applied(secured, "node-1") == before
+    for plan_id in (other, held):  # ended, and started: neither is rejected
+        line = one_line_error(secured.cli(bea, "plan", "reject", str(plan_id)))
+        assert "nothing to reject" in line, line
+    line = one_line_error(secured.cli(bea, "plan", "approve", str(other)))
+    assert "rejected: nothing to approve" in line, line
+
+    entries = {(e["who"], e["verb"], e["subject"], e["outcome"]) for e in _audit(secured)}
+    for wanted in [("admin", "policy-set", "approvals", "ok"),
+                   ("admin", "plan-approve", f"plan {held}", "forbidden"),
+                   ("ann", "plan-approve", f"plan {held}", "ok"),
+                   ("bea", "plan-approve", f"plan {held}", "ok"),
+                   ("bea", "plan-reject", f"plan {other}", "ok")]:  # fmt: skip
+        assert wanted in entries, (wanted, entries)
+
+
+def _applied(secured: Secured, machine: str) -> str | None:
+    nodes = ok_json(secured.cli(secured.viewer, "--json", "nodes"))["nodes"]
+    return next(n["digest_applied"] for n in nodes if n["name"] == machine)
 
 
 async def test_a_removed_operator_is_cut_off_at_once(secured_fleet, secured: Secured, tmp_path):
@@ -221,7 +294,9 @@ async def test_every_change_verb_is_audited_with_its_operator(secured_fleet, sec
     one_line_error(secured.cli(admin, "plan", "pause", str(held)))  # refused: it has ended
     one_line_error(secured.cli(admin, "plan", "resume", str(held)))
     again = ok_json(secured.cli(admin, "--json", "unassign", "hello", "node-1", "--hold"))["plan"]
-    ok(secured.cli(admin, "plan", "approve", str(again)))
+    line = one_line_error(secured.cli(admin, "plan", "approve", str(again)))  # its own: refused
+    assert "forbidden" in line and "never approves its own plan" in line, line
+    ok(secured.cli(_add(secured, "ann", "--role", "admin")["creds"], "plan", "approve", str(again)))
     ok(secured.cli(admin, "label", "node-2", "zone=a"))
     ok(secured.cli(admin, "tier", "node-2", "2"))
     ok(secured.cli(admin, "drain", "node-2"))

@@ -39,12 +39,13 @@ READ_VERBS = frozenset(
     | {"history", "version-diff"}  # a module's versions (issue 27), and what changed
     | {"secrets"}  # the secrets that are set, never a value
     | {"audit", "operators"}  # who did what, and who may (issue 28)
+    | {"policy"}  # what a held plan needs before it runs
 )
 # What a deployer may ask on its own subjects: changes of the modules its glob matches (the
 # controller checks the module: services/controller/trust/operators.py), and the dry run of a push.
 DEPLOYER_VERBS = (
     "push", "diff", "assign", "unassign", "rollback",
-    "plan-approve", "plan-pause", "plan-resume", "plan-cancel",
+    "plan-approve", "plan-pause", "plan-resume", "plan-cancel", "plan-reject",
     "secret-set", "secret-delete",  # its own modules' secrets
 )  # fmt: skip
 # What an agent may ask on its own subjects: to propose a deployer's changes of the modules its

@@ -23,7 +23,7 @@ from mesh.client.asking import VerbFailed
 from mesh.client.pages import ask_list
 from mesh.model import PlanProgress, PlanReply, PlanRequest
 
-FINAL = ("done", "failed", "reverted", "cancelled")
+FINAL = ("done", "failed", "reverted", "cancelled", "rejected")
 QUIET = 3.0  # seconds without a word from the holder before `plan` is asked
 # A plan held for its approval, or paused, may wait for hours with nothing to tell; the verb
 # that moves it on tells it at once, so `plan` is asked far less often meanwhile.

@@ -27,6 +27,8 @@ from mesh.model import (
 )
 
 OPEN: tuple[PlanState, ...] = ("pending", "building", "held", "rolling", "paused")
+# A plan that has ended: it will never send a declaration again.
+ENDED: tuple[PlanState, ...] = ("done", "failed", "reverted", "cancelled", "rejected")
 # Plans whose change is in the catalog and not yet on every machine (a held plan's change is
 # made in the catalog only when it is approved: services/controller/changes/modules.py).
 CHANGING: tuple[PlanState, ...] = ("pending", "building", "rolling", "paused")
@@ -51,30 +53,39 @@ class Step(msgspec.Struct):
     error: str | None = None
 
 
+class Approval(msgspec.Struct, kw_only=True):
+    """One operator's approval of a held plan, bound to what the plan did then (its digest):
+    once the plan does something else, it is void."""
+
+    by: str
+    at: datetime
+    digest: str
+
+
 # What a held plan will do when it is approved, by its trigger (services/controller/plans/
 # approvals.py). Stored in the plan's `hold` without its tag: the plan's trigger is the tag.
-class HeldPush(msgspec.Struct, tag="push", tag_field="trigger", kw_only=True):
+class _Held(msgspec.Struct, kw_only=True):
+    module: str
+    approvals: list[Approval] = []  # given so far, in order (`mesh policy`: how many it needs)
+    approved_by: str | None = None  # whose approval made the change
+
+
+class HeldPush(_Held, tag="push", tag_field="trigger", kw_only=True):
     """A push held: its version is stored, made current when approved."""
 
-    module: str
     version: int  # the stored version's id
-    approved_by: str | None = None
 
 
-class HeldAssign(msgspec.Struct, tag="assign", tag_field="trigger", kw_only=True):
+class HeldAssign(_Held, tag="assign", tag_field="trigger", kw_only=True):
     """An assign held: the machines it adds the module to when approved."""
 
-    module: str
     machines: list[str]
-    approved_by: str | None = None
 
 
-class HeldUnassign(msgspec.Struct, tag="unassign", tag_field="trigger", kw_only=True):
+class HeldUnassign(_Held, tag="unassign", tag_field="trigger", kw_only=True):
     """An unassign held: the machines it takes the module from when approved."""
 
-    module: str
     machines: list[str]
-    approved_by: str | None = None
 
 
 Held = HeldPush | HeldAssign | HeldUnassign
@@ -440,6 +451,14 @@ async def locked(conn: asyncpg.Connection, plan_id: int) -> Plan | None:
     the other, each seeing what the one before wrote."""
     r = await conn.fetchrow(f"SELECT {_PLAN} FROM plans WHERE id = $1 FOR UPDATE", plan_id)
     return None if r is None else _plan(r, [])
+
+
+async def set_hold(conn: asyncpg.Connection, plan_id: int, hold: Held) -> None:
+    """A held plan's `hold` (its approvals so far); it stays held."""
+    await conn.execute(
+        "UPDATE plans SET hold = $2::jsonb WHERE id = $1 AND state = 'held'",
+        plan_id, _held_json(hold),
+    )  # fmt: skip
 
 
 def digest_of(steps: Iterable[tuple[int, str, str]]) -> str:

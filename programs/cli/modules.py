@@ -58,9 +58,11 @@ def add_parsers(verbs: Any, common: argparse.ArgumentParser) -> None:
     plan = verbs.add_parser(
         "plan", parents=[common],
         help="recent plans; `plan ID`: one; `plan diff DIR`: a dry run; "
-        "`plan approve|pause|resume|cancel ID`: steer one",
+        "`plan approve|pause|resume|cancel|reject ID`: steer one",
     )  # fmt: skip
-    plan.add_argument("what", nargs="*", metavar="ID | diff DIR | approve|pause|resume|cancel ID")
+    plan.add_argument(
+        "what", nargs="*", metavar="ID | diff DIR | approve|pause|resume|cancel|reject ID"
+    )
     plan.add_argument("--follow", action="store_true", help="show progress until the plan ends")
     plan.add_argument(
         "--changes", action="store_true",
@@ -69,6 +71,7 @@ def add_parsers(verbs: Any, common: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     steering.wait_flag(plan)
     steering.digest_flag(plan)
+    steering.reason_flag(plan)
     plan.add_argument(
         "--limit", type=count, default=None, metavar="N",
         help="show at most N recent plans (20), steps of a plan, machines of a diff (all)",

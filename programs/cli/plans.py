@@ -84,8 +84,22 @@ def doing(p: PlanSummary | PlanReply | PlanProgress, *, left: bool = True) -> st
 
 def ended(p: PlanReply) -> str:
     """How a plan that did not end done ended, in one line."""
-    why = p.cancelled if p.state == "cancelled" else None
+    why = p.cancelled if p.state in ("cancelled", "rejected") else None
     return f"plan {p.id} {p.state}: {why or p.failure or 'no reason recorded'}"
+
+
+def _approvals(out: Console, p: PlanReply) -> None:
+    """Who approved it, and while it is held, how many more it needs and which approvals the
+    catalog made void (given for what the plan did before it changed)."""
+    counted = [a for a in p.approvals if not a.void]
+    if p.state == "held" and p.approvals_needed:
+        more = p.approvals_needed - len(counted)
+        out.print(f"  approvals: {len(counted)} of {p.approvals_needed}; {more} more by "
+                  "operators other than its author and those who approved")  # fmt: skip
+    for a in p.approvals:
+        void = (f" [yellow]void: given for {a.digest[:19]}…, the plan changed since[/]"
+                if a.void else "")  # fmt: skip
+        out.print(f"  approved by {escape(a.by)} at {a.at.astimezone():%H:%M:%S}{void}")
 
 
 def _step_state(p: PlanReply, s: PlanStep) -> str:
@@ -110,6 +124,7 @@ def render(out: Console, p: PlanReply, *, want: int | None = None) -> None:
         out.print(f"  note: {escape(p.note)}")
     if p.digest:  # held: what an approval binds to
         out.print(f"  digest: {p.digest} (mesh plan approve {p.id} --digest {p.digest})")
+    _approvals(out, p)
     if p.cancelled:
         out.print(f"  {escape(p.cancelled)}")
     if p.failure:

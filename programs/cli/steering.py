@@ -1,4 +1,4 @@
-"""`mesh plan approve|pause|resume|cancel ID [--wait]`, and `--hold` for push, assign and
+"""`mesh plan approve|pause|resume|cancel|reject ID [--wait]`, and `--hold` for push, assign and
 unassign: the operator's hand on a plan (docs/operations.md, Steering a change)."""
 
 import argparse
@@ -8,7 +8,7 @@ from typing import Any
 
 import msgspec
 
-from mesh.model import SteerReply, SteerRequest
+from mesh.model import NOTE_MOST, SteerReply, SteerRequest
 from programs.cli import plans
 from programs.cli.client import CliError, verb
 from programs.cli.output import console, print_json, whole
@@ -19,6 +19,7 @@ VERBS = {
     "pause": "plan-pause",
     "resume": "plan-resume",
     "cancel": "plan-cancel",
+    "reject": "plan-reject",
 }
 # How a followed plan ends well after each word (`pause` is not followed: a paused plan waits).
 ENDS = {"approve": "done", "resume": "done", "cancel": "cancelled"}
@@ -46,6 +47,21 @@ def plan_digest(text: str) -> str:
     return text
 
 
+def reason_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--reason", type=reason, metavar="TEXT",
+        help="reject: why, in a line (the plan and the audit keep it)",
+    )  # fmt: skip
+
+
+def reason(text: str) -> str:
+    if len(text) > NOTE_MOST or any(ord(c) < 32 or ord(c) == 127 for c in text):
+        raise argparse.ArgumentTypeError(
+            f"one line of at most {NOTE_MOST} characters, without control characters"
+        )
+    return text
+
+
 def wait_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--wait", action="store_true",
@@ -62,9 +78,13 @@ async def cmd_steer(args: argparse.Namespace, what: list[str]) -> None:
     digest = getattr(args, "digest", None)
     if digest is not None and word != "approve":
         raise CliError(f"--digest: only `mesh plan approve ID` takes it, not `{word}`")
-    body = SteerRequest(id=plan_id, by=getpass.getuser(), digest=digest)
+    why = getattr(args, "reason", None)
+    if why is not None and word != "reject":
+        raise CliError(f"--reason: only `mesh plan reject ID` takes it, not `{word}`")
+    body = SteerRequest(id=plan_id, by=getpass.getuser(), digest=digest, reason=why or "")
     reply = await verb(args, VERBS[word], SteerReply, body, changes=True)
-    if not getattr(args, "wait", False) or word not in ENDS:
+    # An approval that leaves the plan held (it waits for more, `mesh policy`) ends nothing.
+    if not getattr(args, "wait", False) or word not in ENDS or reply.state == "held":
         print_json(reply) if args.json else console().print(reply.message)
         return
     if not args.json:

@@ -8,9 +8,13 @@ machine add` does): its credentials are issued into the folder and the mesh's na
 reloaded. The controller records the operator first (`operator-add`, `operator-remove`, with
 their audit entries), so an operator whose credentials work is one the controller knows; a
 removed operator is refused by the controller from that moment, and by the servers once they
-reload, which closes its connections."""
+reload, which closes its connections.
+
+`mesh policy` / `policy set approvals N`: what a held plan needs before it runs (the two-person
+rule at 2)."""
 
 import argparse
+import getpass
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +27,7 @@ from mesh.auth.policy import ROLES
 from mesh.client.asking import VerbFailed
 from mesh.meshdir import DEFAULT_DIR, MeshDir
 from mesh.model import (
+    MOST_APPROVALS,
     Allow,
     AuditReply,
     AuditRequest,
@@ -32,6 +37,9 @@ from mesh.model import (
     OperatorReply,
     OperatorsReply,
     OperatorsRequest,
+    PolicyReply,
+    PolicyRequest,
+    PolicySetRequest,
 )
 from mesh.names import check_name
 from programs.cli.args import Parser, count, module_glob
@@ -102,6 +110,20 @@ def add_parsers(verbs: Any, common: argparse.ArgumentParser) -> None:
             "--dir", type=Path, default=DEFAULT_DIR, help=f"the mesh's folder ({DEFAULT_DIR})"
         )
     operator_verbs.add_parser("list", parents=[common], help="the operators the mesh knows")
+
+    policy = verbs.add_parser(
+        "policy", parents=[common],
+        help="what a held plan needs before it runs; `policy set approvals N`: change it",
+    )  # fmt: skip
+    policy_verbs = policy.add_subparsers(
+        dest="policy_command", metavar="COMMAND", parser_class=Parser
+    )
+    setting = policy_verbs.add_parser(
+        "set", parents=[common],
+        help="approvals N: distinct operators, none of them its author, approve a held plan",
+    )  # fmt: skip
+    setting.add_argument("what", choices=["approvals"])
+    setting.add_argument("approvals", type=approvals, metavar="N")
 
 
 async def cmd_audit(args: argparse.Namespace) -> None:
@@ -265,8 +287,36 @@ async def cmd_operator_list(args: argparse.Namespace) -> None:
     console().print(table)
 
 
+def approvals(text: str) -> int:
+    if not text.isdigit() or not 1 <= int(text) <= MOST_APPROVALS:
+        raise argparse.ArgumentTypeError(
+            f"{text[:20]!r} is not a number of approvals (1 to {MOST_APPROVALS})"
+        )
+    return int(text)
+
+
+async def cmd_policy(args: argparse.Namespace) -> None:
+    reply = await verb(args, "policy", PolicyReply, PolicyRequest())
+    if args.json:
+        print_json(reply)
+        return
+    who = f" (set by {escape(reply.set_by)}" if reply.set_by else " (the default"
+    when = f", {reply.set_at.strftime('%Y-%m-%d %H:%M:%S')})" if reply.set_at else ")"
+    console().print(f"approvals {reply.approvals}{who}{when}: a held plan runs once "
+                    f"{reply.approvals} distinct operator(s), none of them its author, "
+                    "approve it")  # fmt: skip
+
+
+async def cmd_policy_set(args: argparse.Namespace) -> None:
+    body = PolicySetRequest(approvals=args.approvals, by=getpass.getuser())
+    reply = await verb(args, "policy-set", PolicyReply, body, changes=True)
+    print_json(reply) if args.json else console().print(reply.message)
+
+
 COMMANDS = {
     ("audit",): cmd_audit,
+    ("policy",): cmd_policy,
+    ("policy", "set"): cmd_policy_set,
     ("operator", "add"): cmd_operator_add,
     ("operator", "remove"): cmd_operator_remove,
     ("operator", "list"): cmd_operator_list,

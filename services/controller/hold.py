@@ -36,12 +36,15 @@ from services.controller.changes.following import FollowLabels
 from services.controller.changes.machines import Machines
 from services.controller.changes.modules import Changes
 from services.controller.changes.operators import Operators
+from services.controller.changes.policy import PolicyChanges
 from services.controller.changes.secrets import SecretChanges
 from services.controller.fleet.admission import Admission
 from services.controller.fleet.fleet import Fleet, open_bus
 from services.controller.fleet.joining import Joins
 from services.controller.fleet.noisy import Budgets
+from services.controller.fleet.placing import Placing
 from services.controller.fleet.publishing import Manifests, Publisher
+from services.controller.fleet.registering import Registrations
 from services.controller.fleet.reports import HostReports
 from services.controller.fleet.tokens import Tokens
 from services.controller.plans import pruning
@@ -172,10 +175,12 @@ class Hold:
             held, changes,
             SecretChanges(pool=self.pool, epoch=epoch, keys=self.keys, recorder=recorder,
                           manifests=manifests),
-            Machines(nc=self.nc, fleet=fleet, manifests=manifests, recorder=recorder),
+            Machines(nc=self.nc, fleet=fleet, manifests=manifests, recorder=recorder,
+                     placing=Placing(fleet=fleet, pool=self.pool, epoch=epoch)),
             Steering(writes=PlanWrites(pool=self.pool, epoch=epoch), planner=planner,
                      one_change=recorder.one_change),
             Operators(pool=self.pool, changes=changes),
+            PolicyChanges(pool=self.pool, epoch=epoch, secured=self.signing.seed is not None),
             Tokens(pool=self.pool, epoch=epoch, admission=self.admission,
                    budget=lambda: paging.budget(self.nc.max_payload)),
             Joins(pool=self.pool, epoch=epoch, fleet=fleet, admission=self.admission),
@@ -205,6 +210,8 @@ class Hold:
                 writers = self._writers(epoch=row.epoch, fleet=fleet, obs=obs,
                                         manifests=manifests, recorder=recorder,
                                         planner=planner)  # fmt: skip
+                registrations = Registrations(fleet=fleet, pool=self.pool, epoch=row.epoch,
+                                              open_bus=lambda: open_bus(self.nc))  # fmt: skip
                 follow = FollowLabels(changes=Parts(*writers).of(Changes), epoch=row.epoch)
                 fleet.relabelled = follow.heard
 
@@ -228,12 +235,14 @@ class Hold:
                         tasks=serving, stop=self.stop.handover,
                     )  # fmt: skip
                     await self._serve(
-                        parts=Parts(holding, views, trust, fleet, *writers), tasks=serving,
+                        parts=Parts(holding, views, trust, fleet, registrations, *writers),
+                        tasks=serving,
                         held=held, background=background, taken=taken,
                         reports=HostReports(fleet=fleet, publisher=publisher,
                                             budgets=self.budgets),
                     )  # fmt: skip
                     background.start_soon(fleet.run)
+                    background.start_soon(registrations.run)
                     background.start_soon(follow.run)
                     background.start_soon(publisher.keep_published)
                     plans = anyio.CancelScope()
@@ -288,7 +297,6 @@ class Hold:
             # trip was sent (a flood's backlog ahead of the PONG holds beats sent meanwhile).
             fleet = Fleet(
                 pool=self.pool, epoch=row.epoch, down_after=self.down_after,
-                open_bus=lambda: open_bus(self.nc),
                 bus_answered=lambda: self.hosts_link.caught_up, noisy=self.budgets.noisy,
             )  # fmt: skip
             await fleet.load()

@@ -67,7 +67,7 @@ function card(id, title, ...body) {
 
 // --- steering (docs/operations.md, Steering a change) ----------------------------------------
 
-const FINAL = new Set(["done", "failed", "reverted", "cancelled"]);
+const FINAL = new Set(["done", "failed", "reverted", "cancelled", "rejected"]);
 
 // What the operator's hand adds to a plan's state: held (waiting for approval), paused, a
 // revert or a cancel in progress, a tier soaking (its time left, counting down), why cancelled.

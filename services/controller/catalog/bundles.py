@@ -26,7 +26,7 @@ from nats.js.object_store import ObjectStore
 from mesh import blobs
 from mesh.config import VersionsKept
 from mesh.errors import reason
-from mesh.store import db, events, modules, seats
+from mesh.store import db, events, modules, plans, seats
 from services.controller import metrics
 
 log = logging.getLogger(__name__)
@@ -34,9 +34,37 @@ log = logging.getLogger(__name__)
 PRUNE_MOST = 100  # versions a run looks at: a few JetStream requests each
 PRUNE_AGAIN = 1.0  # seconds between runs while a backlog lasts
 PRUNE_WITHIN = 120.0  # a run not done by then is given up, and tried next time
-# Plan states in which a plan names nothing any more: it will never send a declaration again.
-ENDED = ["done", "failed", "reverted", "cancelled"]
 NAMED = 5  # versions a log line names; the rest are counted
+# How long a plan waits for the bundle store to say whether it has its bundles (a nats-server
+# lost, JetStream electing): past it the plan starts, the hosts fetching with their own retries.
+BUNDLE_CHECK_WITHIN = 15.0
+
+
+async def missing(pool: asyncpg.Pool, obs: ObjectStore, module: str, *, plan: int) -> str | None:
+    """Why a plan of `module` cannot start, if a bundle of its current version is not in the
+    bundle store (lost with JetStream's data, or purged): then every machine would fail to
+    fetch it. A push of the module's folder stores it again (changes.Changes.push)."""
+    async with pool.acquire() as conn:
+        current = (await modules.current_modules(conn)).get(module)
+    if current is None:
+        return None
+    for name, digest in sorted(current.bundles.items()):
+        if not digest.startswith("sha256:"):
+            continue
+        try:  # JetStream electing a leader (a nats-server lost) answers late, or 503
+            there = await blobs.patiently(lambda d=digest: blobs.has(obs, d),
+                                          within=BUNDLE_CHECK_WITHIN)  # fmt: skip
+        except blobs.BlobsUnavailable as e:
+            log.warning("plan %d: could not look for bundle %s in the bundle store (%s); "
+                        "starting it all the same", plan, name, e)  # fmt: skip
+            return None
+        if not there:
+            return (
+                f"bundle {name} of module {module} ({digest[:19]}…) is not in the "
+                f"bundle store: push the module's folder again (mesh push DIR) to store "
+                "it, then ask again"
+            )
+    return None
 
 
 async def keep_pruned(
@@ -78,7 +106,11 @@ async def prune(
             await seats.fence(conn, epoch=epoch)
             old, kept = await modules.old_versions(conn, keep=keep, most=PRUNE_MOST, after=after)
             candidates = sorted({d for v in old for d in v.digests} - kept)
-            held = await modules.still_named(conn, candidates, ended=ENDED) if candidates else set()
+            held = (
+                await modules.still_named(conn, candidates, ended=list(plans.ENDED))
+                if candidates
+                else set()
+            )
         if not old:
             return None
         deleted = [d for d in candidates if d not in held and await blobs.delete(obs, d)]

@@ -17,7 +17,7 @@ LISTED = 20  # versions a refusal names, newest first; `mesh history` shows them
 SHORT = 19  # `sha256:` and 12 hex digits: how a digest is shown in a line
 MIN_PREFIX = 4  # hex digits of a digest prefix at least: fewer would name too much by chance
 # How a version's last rollout ended when it never ran on the machines it went to.
-NEVER_RAN = ("failed", "reverted", "cancelled")
+NEVER_RAN = ("failed", "reverted", "cancelled", "rejected")
 
 
 def known(rows: list[HistoryRow]) -> str:

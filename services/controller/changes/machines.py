@@ -22,6 +22,7 @@ from mesh.model import (
 from mesh.store import modules
 from services.controller.catalog.pushing import settings_of
 from services.controller.fleet.fleet import Fleet, tell_changed
+from services.controller.fleet.placing import Placing
 from services.controller.fleet.publishing import Manifests
 from services.controller.plans.recording import Recorder
 from services.controller.trust.audit import Audit
@@ -31,15 +32,16 @@ from services.controller.trust.audit import Audit
 class Machines:
     nc: Client
     fleet: Fleet
+    placing: Placing
     manifests: Manifests
     recorder: Recorder
 
     async def tier(self, req: TierRequest, audit: Audit) -> TierReply:
-        was, registered = await self.fleet.set_tier(req.machine, req.tier, audit)
+        was, registered = await self.placing.set_tier(req.machine, req.tier, audit)
         return TierReply(machine=req.machine, tier=req.tier, was=was, registered=registered)
 
     async def label(self, req: LabelRequest, audit: Audit) -> LabelReply:
-        labels, was, registered = await self.fleet.set_labels(
+        labels, was, registered = await self.placing.set_labels(
             req.machine, add=req.set, remove=req.remove, audit=audit
         )
         return LabelReply(machine=req.machine, labels=labels, was=was, registered=registered)
@@ -67,7 +69,7 @@ class Machines:
             return plan
 
         async with self.recorder.one_change:
-            was, plan = await self.fleet.set_drained(
+            was, plan = await self.placing.set_drained(
                 name, drained=not undo, by=req.by, then=up_to_date
             )
         if undo and plan is None:

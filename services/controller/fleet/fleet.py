@@ -1,20 +1,19 @@
 """The holder's view of the fleet: machines, their heartbeats, and up/down transitions.
 
-Heartbeats are kept in memory and written to the store in batches; only registrations and
-up/down transitions are written at once, each with an event. A machine is down after
-`down_after` of its own beat intervals without a beat, and up again at its next beat. What one
-machine can make us write is bounded (REGISTER_BURST, CHANGE_BURST): a host that registers or
-comes and goes in a loop costs a few rows and one log line a window, not one of each per message.
+Heartbeats are kept in memory and written to the store in batches; up/down transitions are
+written at once, each with an event. A machine is down after `down_after` of its own beat
+intervals without a beat, and up again at its next beat. What one machine can make us write is
+bounded (CHANGE_BURST): a host that comes and goes in a loop costs a few rows and one log line a
+window, not one of each per message. Registrations are registering.py's, and an operator's
+placement (tier, labels, drain) placing.py's; both keep this memory.
 """
 
 import bisect
-import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Callable
 from datetime import UTC, datetime
-from typing import TypeVar
 
 import anyio
 import asyncpg
@@ -29,17 +28,13 @@ from mesh.model import (
     Node,
     NodeCounts,
     ProcessState,
-    Register,
     ToolServerReport,
-    labels_said,
 )
 from mesh.ratelimit import PerKey
-from mesh.store import db, events, machines, seats
+from mesh.store import db, events, machines
 from mesh.store.machines import MachineRow
-from services.controller.trust.audit import Audit
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 CHECK_EVERY = 0.25
 FLUSH_EVERY = 5.0
@@ -52,16 +47,9 @@ REGISTER_BATCH = 1000
 REGISTER_RATE = 2000.0
 TRANSITIONS_LOGGED = 10  # machines named a batch of registrations, ups or downs; the rest counted
 REGISTER_WINDOW = 5.0
-MAX_LABELS = 64  # as a registration could carry (mesh.model.Labels)
-# What one machine can make the holder write and log (mesh/ratelimit.py). A host registers at
-# its start and once per new holder; one registering in a loop (a crash loop, or a compromised
-# machine: 5,000 registrations were 5,000 rows and log lines) has REGISTER_BURST written at
-# once, then one each REGISTER_EVERY seconds. The rest are answered from memory, the newest
-# written when its turn comes, and counted in one line per window.
-REGISTER_BURST = 3
-REGISTER_EVERY = 10.0
-# Likewise its changes between up and down (each a row, an event and a line): a machine that
-# comes and goes faster than this is held in its state until its next turn.
+# What one machine can make the holder write by coming and going (each change between up and
+# down a row, an event and a line; mesh/ratelimit.py): a machine that comes and goes faster
+# than this is held in its state until its next turn.
 CHANGE_BURST = 4  # two whole outages
 CHANGE_EVERY = 10.0
 
@@ -129,7 +117,6 @@ class Fleet:
         pool: asyncpg.Pool,
         epoch: int,
         down_after: int = 3,
-        open_bus: Callable[[], bool] = lambda: False,
         bus_answered: Callable[[], float] = time.monotonic,
         noisy: Callable[[str], bool] = lambda _: False,
     ) -> None:
@@ -142,7 +129,6 @@ class Fleet:
         self._bus_answered = bus_answered
         self._epoch = epoch
         self._down_after = down_after
-        self._open_bus = open_bus  # asked at each registration: a server reload may add auth
         # Told of a machine registered for the first time (its labels before: None) or labelled
         # (changes/following.py places it by its labels).
         self.relabelled: Callable[[str, dict[str, str] | None, dict[str, str]], None] = lambda *_: (
@@ -151,23 +137,18 @@ class Fleet:
         self.machines: dict[str, MachineRow] = {}
         # The names of up machines, kept beside `machines` so `status` costs the same for a
         # fleet of any size (bench/verbs.py: walking 1000 machines per call halved its rate).
-        self._up: set[str] = set()
+        self.up_names: set[str] = set()
         # (tier, name) of every machine, kept sorted as machines come and move: `nodes`
         # answers a page from its place here (mesh/paging.py), never sorting the fleet.
         self.order: list[tuple[int, str]] = []
-        self._beat_at: dict[str, float] = {}  # monotonic time of the last beat (or takeover)
+        self.beat_at: dict[str, float] = {}  # monotonic time of the last beat (or takeover)
         self._unflushed: dict[str, datetime] = {}
-        self._unknown_logged: set[str] = set()
+        self.unknown_logged: set[str] = set()
         self._unknown_heard: list[str] = []  # beating before registering: not logged yet
-        self._registered: dict[str, Register] = {}  # machine -> its last registration written
-        self._registering = PerKey[str](burst=REGISTER_BURST, every=REGISTER_EVERY)
-        self._held_back: dict[str, Register] = {}  # machine -> its newest registration not written
-        self._late: set[str] = set()  # held-back registrations being written: said in the count
         self._changing_state = PerKey[str](burst=CHANGE_BURST, every=CHANGE_EVERY)
-        self._claims_logged: set[str] = set()  # machines whose own tier/labels were not taken
         # Registrations and up/down transitions come from three tasks (verbs, beats, watch);
         # one at a time keeps memory, the store and the event order in agreement.
-        self._changing = anyio.Lock()
+        self.changing = anyio.Lock()
         self.applied: dict[str, str] = {}  # machine -> digest it reports applied
         self.processes: dict[str, list[ProcessState]] = {}  # machine -> as it last reported
         self.apply_errors: dict[str, str] = {}  # machine -> where and why its apply stopped
@@ -182,12 +163,6 @@ class Fleet:
         # looked: it re-judges only those, so a tier of a thousand machines costs per event.
         self._touched: set[str] = set()
         self._touch = anyio.Event()
-        self._registrations: Batches[str, Register, MachineRow] = Batches(
-            key=lambda req: req.name, write=self._register_batch, most=REGISTER_BATCH,
-            stopped=lambda: wire.BadRequest(
-                "the controller stopped holding the seat; try again", code="unavailable"
-            ),
-        )  # fmt: skip
         self._transitions: Batches[str, tuple[str, bool, datetime], None] = Batches(
             key=lambda change: change[0], write=self._write_transitions, most=REGISTER_BATCH,
             stopped=lambda: wire.BadRequest("the controller stopped holding the seat"),
@@ -208,7 +183,7 @@ class Fleet:
         return touched
 
     def up(self, machine: str) -> bool:
-        return machine in self._up
+        return machine in self.up_names
 
     def heard_applied(
         self, name: str, digest: str, error: str | None, processes: list[ProcessState]
@@ -239,7 +214,7 @@ class Fleet:
         """Read the fleet from the store at takeover; up machines get a full threshold to beat."""
         self.machines = {m.name: m for m in await machines.all_machines(self._pool)}
         self.order = sorted((m.tier, m.name) for m in self.machines.values())
-        self._up = {name for name, m in self.machines.items() if m.up}
+        self.up_names = {name for name, m in self.machines.items() if m.up}
         if any(m.drained for m in self.machines.values()):
             self.wanted_while_drained = await machines.wanted_while_drained(self._pool)
         self.forgive()
@@ -247,155 +222,9 @@ class Fleet:
     def forgive(self) -> None:
         """Judge nobody on the silence just past: after a takeover, a reconnect to NATS, or a
         stall of this process, beats were lost by us, not by the machines."""
-        self._beat_at = dict.fromkeys(self.machines, time.monotonic())
+        self.beat_at = dict.fromkeys(self.machines, time.monotonic())
 
-    async def register(self, req: Register) -> MachineRow:
-        """Register a machine: written with the others that came meanwhile, in one batch. The
-        same registration again, while the machine is up, is answered from memory: a host
-        asking again because our answer came after its window (a cold start of ten thousand)
-        would otherwise be written again, and again, each retry more work than the last. A
-        known machine past its allowance (REGISTER_BURST) is answered from memory too, and its
-        newest registration is written when its turn comes (`_write_held_back`)."""
-        if self._registered.get(req.name) == req and req.name in self._up:
-            self._beat_at[req.name] = time.monotonic()  # registering is a sign of life
-            return self.machines[req.name]
-        known = self.machines.get(req.name)
-        if known is not None and not self._registering.allows(req.name):
-            self._held_back[req.name] = req
-            self._registering.hold(req.name)
-            self._beat_at[req.name] = time.monotonic()
-            return known  # its tier and labels are the operator's: the answer is the same
-        self._held_back.pop(req.name, None)  # this one is newer
-        return await self._registrations.submit(req)
-
-    def _write_held_back(self) -> None:
-        """Held-back registrations whose machine has its turn again, into the next batch
-        (whose writer says its own failures: nobody waits for these)."""
-        for name in [n for n in self._held_back if self._registering.allows(n)]:
-            req = self._held_back.pop(name)
-            if self._registrations.put(req) is None:
-                return  # no longer writing: the seat's next holder hears from the host
-            self._late.add(name)
-
-    async def _register_batch(self, reqs: list[Register]) -> dict[str, MachineRow]:
-        async with self._changing:
-            try:
-                return await self._write_registrations(reqs)
-            except (*db.GONE, asyncpg.PostgresError) as e:
-                # Said once for the batch; every host of it hears `unavailable` and asks again
-                # after its pause (services/host/registration.py).
-                log.warning("could not write %d registration(s); they will be asked again: "
-                            "%s: %s", len(reqs), type(e).__name__, e)  # fmt: skip
-                raise wire.BadRequest(
-                    f"the store did not take the registration ({type(e).__name__}); try again",
-                    code="unavailable",
-                ) from None
-
-    async def _write_registrations(self, reqs: list[Register]) -> dict[str, MachineRow]:
-        trusted = self._open_bus()
-        was = {req.name: self.machines.get(req.name) for req in reqs}
-        async with self._pool.acquire() as conn, conn.transaction():
-            rows = await machines.register_many(
-                conn,
-                [
-                    machines.Registration(
-                        name=req.name, facts=req.facts, beat_interval=req.beat_interval,
-                        version=req.version, claimed_tier=req.tier if trusted else None,
-                        claimed_labels=req.labels if trusted else None,
-                    )
-                    for req in reqs
-                ],
-            )  # fmt: skip
-            by_name = {row.name: row for row in rows}
-            recorded: list[tuple[str, str | None, int | None, dict[str, object]]] = []
-            for req in reqs:
-                recorded.append(("machine.registered", req.name, self._epoch,
-                                 {"tier": by_name[req.name].tier}))  # fmt: skip
-                before = was[req.name]
-                if before is not None and not before.up:
-                    recorded.append(("machine.up", req.name, self._epoch, {}))
-            await events.record_many(conn, recorded)
-        now = time.monotonic()
-        again, new = 0, 0
-        for req in reqs:
-            self._registering.spend(req.name)  # what was written counts, whoever asked for it
-            row, before = by_name[req.name], was[req.name]
-            self.machines[req.name] = row
-            self._place(req.name, was=before.tier if before is not None else None, tier=row.tier)
-            if req.applied:  # what it had when it asked: an applied event heard meanwhile is newer
-                self.applied.setdefault(req.name, req.applied)
-            self.touch(req.name)
-            self._up.add(req.name)  # registering is a sign of life
-            self._beat_at[req.name] = now
-            self._unknown_logged.discard(req.name)
-            self._registered[req.name] = req
-            if before is None:
-                self.relabelled(req.name, None, row.labels)
-            if req.name in self._late:
-                self._late.discard(req.name)  # said in its window's count (`_say_held_back`)
-            elif before is not None and before.up and before.tier == row.tier:
-                again += 1  # a known machine saying hello to a new holder: counted, not logged
-            else:
-                new += 1  # named up to TRANSITIONS_LOGGED a batch: a cold start of thousands
-                if new <= TRANSITIONS_LOGGED:
-                    log.info("machine %s registered (tier %d, pid %d)", req.name, row.tier,
-                             req.pid)  # fmt: skip
-            self._log_claims(req, row)
-        if new > TRANSITIONS_LOGGED:
-            log.info("... and %d more machine(s) registered", new - TRANSITIONS_LOGGED)
-        if again:
-            log.info("%d machine(s) registered again%s", again,
-                     f" (in a batch of {len(reqs)})" if len(reqs) > again else "")  # fmt: skip
-        return by_name
-
-    def _log_claims(self, req: Register, row: MachineRow) -> None:
-        ignored = req.tier not in (None, row.tier) or (
-            bool(req.labels) and req.labels != row.labels
-        )
-        if ignored and req.name not in self._claims_logged:
-            self._claims_logged.add(req.name)
-            log.info(
-                "machine %s asked for tier %s and labels %s: it keeps tier %d and labels %s "
-                "(the operator's: mesh tier, mesh label)",
-                req.name, req.tier, req.labels, row.tier, row.labels,
-            )  # fmt: skip
-
-    @contextlib.asynccontextmanager
-    async def _placing(
-        self, name: str
-    ) -> AsyncIterator[tuple[asyncpg.Connection, machines.Placement | None]]:
-        """A fenced transaction changing machine `name`'s tier or labels, with its placement
-        (as stored, or the default) if it has not registered: None if it has (`machines`)."""
-        async with self._pool.acquire() as conn, conn.transaction():
-            await seats.fence(conn, epoch=self._epoch)
-            if name in self.machines:
-                yield conn, None
-            else:
-                yield conn, await machines.placement(conn, name) or machines.Placement()
-
-    async def set_tier(self, name: str, tier: int, audit: Audit) -> tuple[int, bool]:
-        """Move a machine to another tier (plans recorded from now on use it), or place one
-        that has not registered yet; the old tier, and whether it is registered."""
-        async with self._changing:
-            m = self.machines.get(name)
-            async with self._placing(name) as (conn, placed):
-                if placed is not None:
-                    was = placed.tier
-                    await machines.place(conn, name=name, tier=tier, labels=placed.labels)
-                else:
-                    was = m.tier
-                    await machines.set_tier(conn, name=name, tier=tier)
-                await events.record(conn, "machine.tier", machine=name, epoch=self._epoch,
-                                    tier=tier, was=was, registered=m is not None)  # fmt: skip
-                await audit.write(conn, detail=f"tier {tier} (was {was})")
-            if m is not None:
-                self._place(name, was=m.tier, tier=tier)
-                m.tier = tier
-        log.info("machine %s moved from tier %d to tier %d%s", name, was, tier,
-                 "" if m is not None else " (for its first registration)")  # fmt: skip
-        return was, m is not None
-
-    def _place(self, name: str, *, was: int | None, tier: int) -> None:
+    def place(self, name: str, *, was: int | None, tier: int) -> None:
         """Keep `order` sorted: a new machine goes in at its place, a moved one moves."""
         if was == tier:
             return
@@ -405,73 +234,11 @@ class Fleet:
                 del self.order[at]
         bisect.insort(self.order, (tier, name))
 
-    async def set_labels(
-        self, name: str, *, add: dict[str, str], remove: list[str], audit: Audit
-    ) -> tuple[dict[str, str], dict[str, str], bool]:
-        """Set and remove labels of a machine, or of one that has not registered yet (its first
-        registration takes them); (labels, the labels it had, whether it is registered)."""
-        both = sorted(set(add) & set(remove))
-        if both:
-            raise wire.BadRequest(f"label {both[0]}: both set and removed")
-        async with self._changing:
-            m = self.machines.get(name)
-            async with self._placing(name) as (conn, placed):
-                was = dict((placed or m).labels)  # type: ignore[union-attr]  # one of the two
-                labels = {k: v for k, v in {**was, **add}.items() if k not in remove}
-                if len(labels) > MAX_LABELS:
-                    raise wire.BadRequest(
-                        f"labels: machine {name} would carry {len(labels)} labels, "
-                        f"at most {MAX_LABELS}"
-                    )
-                if placed is not None:
-                    await machines.place(conn, name=name, tier=placed.tier, labels=labels)
-                else:
-                    await machines.set_labels(conn, name=name, labels=labels)
-                await events.record(conn, "machine.labels", machine=name, epoch=self._epoch,
-                                    labels=labels, was=was, registered=m is not None)  # fmt: skip
-                await audit.write(
-                    conn, detail=f"labels {labels_said(labels)} (were {labels_said(was)})"[:200]
-                )
-            if m is not None:
-                m.labels = labels
-                self.relabelled(name, was, labels)
-        log.info("machine %s labels %s (were %s)%s", name, labels, was,
-                 "" if m is not None else " for its first registration")  # fmt: skip
-        return labels, was, m is not None
-
     # --- drained machines -----------------------------------------------------------------------
 
     def drained(self, name: str) -> bool:
         m = self.machines.get(name)
         return m is not None and m.drained
-
-    async def set_drained(
-        self,
-        name: str,
-        *,
-        drained: bool,
-        by: str,
-        then: Callable[[asyncpg.Connection], Awaitable[T]],
-    ) -> tuple[bool, T]:
-        """Drain a machine (or undrain it) in one fenced transaction with its event and `then`
-        (the plan that brings an undrained machine up to date); whether it was drained before,
-        and what `then` gave. Memory follows the store, under the lock registrations take: a
-        registration written meanwhile carries the flag as the store has it."""
-        async with self._changing:
-            m = self.machines.get(name)
-            if m is None:
-                raise wire.BadRequest(f"machine {name} is not registered", code="not_found")
-            was = m.drained
-            async with self._pool.acquire() as conn, conn.transaction():
-                await seats.fence(conn, epoch=self._epoch)
-                await machines.set_drained(conn, name=name, drained=drained)
-                await events.record(conn, "machine.drained" if drained else "machine.undrained",
-                                    machine=name, epoch=self._epoch, by=by, was=was)  # fmt: skip
-                then_gave = await then(conn)
-            m.drained = drained
-        log.info("machine %s %s%s", name, "drained" if drained else "undrained",
-                 "" if was != drained else " (it already was)")  # fmt: skip
-        return was, then_gave
 
     def drained_count(self) -> int:
         return sum(m.drained for m in self.machines.values())
@@ -488,12 +255,12 @@ class Fleet:
     def beat(self, beat: Beat) -> None:
         m = self.machines.get(beat.name)
         if m is None:
-            if beat.name not in self._unknown_logged:  # said by `watch`, many in one line
-                self._unknown_logged.add(beat.name)
+            if beat.name not in self.unknown_logged:  # said by `watch`, many in one line
+                self.unknown_logged.add(beat.name)
                 self._unknown_heard.append(beat.name)
             return
         now = datetime.now(UTC)
-        self._beat_at[beat.name] = time.monotonic()
+        self.beat_at[beat.name] = time.monotonic()
         m.last_seen = now
         m.beat_interval = beat.interval
         if not m.up:
@@ -514,7 +281,7 @@ class Fleet:
     ) -> dict[str, None]:
         """Machines up or down, in one transaction (a fleet coming back after an outage is
         thousands at once); memory follows once the store has them."""
-        async with self._changing:
+        async with self.changing:
             todo = [
                 (m, up, at)
                 for name, up, at in changes
@@ -538,7 +305,7 @@ class Fleet:
             for m, up, _ in todo:
                 self._changing_state.spend(m.name)
                 m.up = up  # only once the store has it
-                (self._up.add if up else self._up.discard)(m.name)
+                (self.up_names.add if up else self.up_names.discard)(m.name)
                 self.touch(m.name)
                 self._unflushed.pop(m.name, None)
         for up in (True, False):
@@ -554,7 +321,6 @@ class Fleet:
         """The holder's fleet work, until cancelled: registrations written in batches, beats
         judged, last-seen times flushed."""
         async with anyio.create_task_group() as tg:
-            tg.start_soon(self._registrations.run)
             tg.start_soon(self._transitions.run)
             tg.start_soon(self.watch)
 
@@ -576,32 +342,16 @@ class Fleet:
             judged = self.arrivals.handled_until(self._bus_answered())
             at = datetime.now(UTC)
             for m in self.machines.values():
-                due = self._beat_at.get(m.name, now) + self._down_after * m.beat_interval
+                due = self.beat_at.get(m.name, now) + self._down_after * m.beat_interval
                 if m.up and due < judged:
                     self._change(m.name, False, at)
-            self._write_held_back()
-            self._say_held_back()
+            self._say_changing()
             if now - flushed >= FLUSH_EVERY:
                 await self.flush()
                 flushed = now
 
-    def _say_held_back(self) -> None:
-        """Once per window, the machines held back in it: one line for each of the first few,
-        with how many of its registrations were answered from memory; one for the rest."""
-        registered = self._registering.held()
-        if registered:
-            named = sorted(registered.items(), key=lambda kv: -kv[1])
-            for name, n in named[:TRANSITIONS_LOGGED]:
-                log.warning(
-                    "machine %s: %d registration(s) in the last %gs answered from memory, "
-                    "not written (a machine's are written %d at once, then one each %gs, its "
-                    "newest in turn): a host restarting in a loop, or one not behaving as a host",
-                    name, n, REGISTER_EVERY, REGISTER_BURST, REGISTER_EVERY,
-                )  # fmt: skip
-            if len(named) > TRANSITIONS_LOGGED:
-                log.warning("... and %d more machine(s) (%d registrations) held back likewise",
-                            len(named) - TRANSITIONS_LOGGED,
-                            sum(n for _, n in named[TRANSITIONS_LOGGED:]))  # fmt: skip
+    def _say_changing(self) -> None:
+        """Once per window, the machines whose ups and downs were held back in it."""
         changed = self._changing_state.held()
         if changed:
             names = sorted(changed)
@@ -637,7 +387,7 @@ class Fleet:
             # With the other writes of many machines' rows, one at a time: two statements
             # locking the same rows in different orders deadlock (a takeover's registrations
             # beside this flush did, bench/scale.py at 10,000 machines).
-            async with self._changing, self._pool.acquire() as conn:
+            async with self.changing, self._pool.acquire() as conn:
                 await machines.touch_many(conn, seen)
         except (*db.GONE, asyncpg.PostgresError) as e:
             log.warning("could not write %d last-seen time(s); with the next: %s", len(seen), e)
@@ -649,7 +399,7 @@ class Fleet:
         return 0.0 if n <= REGISTER_BATCH else min(REGISTER_WINDOW, n / REGISTER_RATE)
 
     def counts(self) -> NodeCounts:
-        total, up = len(self.machines), len(self._up)
+        total, up = len(self.machines), len(self.up_names)
         return NodeCounts(total=total, up=up, down=total - up)
 
     def node(self, name: str, *, wanted: dict[str, str]) -> Node:

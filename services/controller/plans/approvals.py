@@ -14,7 +14,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 import asyncpg
 import msgspec
@@ -31,7 +31,7 @@ from mesh.model import (
 )
 from mesh.modules import gate
 from mesh.modules.manifest import Manifest
-from mesh.store import events, modules, plans
+from mesh.store import events, modules, plans, policy
 from services.controller.catalog.pushing import register, settings_of
 from services.controller.fleet.fleet import Fleet
 from services.controller.fleet.publishing import Manifests
@@ -39,7 +39,7 @@ from services.controller.plans import states
 from services.controller.plans.planner import Planner
 from services.controller.plans.recording import Recorder
 from services.controller.plans.writes import OnePlan, PlanWrites
-from services.controller.trust.audit import Audit
+from services.controller.trust.audit import ANONYMOUS, Audit
 
 log = logging.getLogger(__name__)
 
@@ -113,41 +113,100 @@ class HeldChanges:
         return recorded
 
     async def approve(self, req: SteerRequest, audit: Audit) -> SteerReply:
-        """Make a held plan's change and put it in the queue (`pending`); with no machine to
-        change by now, it ends `done`. A conflict the catalog has come to since refuses the
-        approval (the plan stays held)."""
+        """One operator's approval of a held plan, bound to what the plan does now. With as
+        many as the policy asks (`mesh policy`: distinct operators, never its author), its
+        change is made and the plan queued (`pending`); with no machine to change by now, it
+        ends `done`. An approval given before the catalog moved under the plan is void. A
+        conflict the catalog has come to since refuses it (the plan stays held)."""
         stale: str | None = None
         async with self._rec.one_change:
             async with PlanWrites(pool=self._pool, epoch=self._epoch).on(req.id) as w:
                 p = states.found(await w.locked(), req.id)
                 if p.state != "held" or p.hold is None:
                     raise states.refused(p, states.why_not_approved(p))
-                if req.digest is not None:
-                    stale = await self._moved(w.conn, p, req.digest)
-                if stale is None:
-                    steps, state = await self._approve(w, p, req, audit)
-        if stale is not None:  # its steps are recorded as they are now: reviewed again, then
+                _not_its_author(p, req.by)
+                now = await self._doing_now(w.conn, p)
+                if req.digest is not None and req.digest != now:
+                    stale = now  # its steps are recorded as they are now, for the next review
+                else:
+                    counted = await self._count(w, p, req, now, audit)
+        if stale is not None:
             raise wire.BadRequest(
                 f"plan {req.id} now does {stale}, not {req.digest}: the catalog changed under "
                 f"it since it was reviewed; review it again (mesh plan {req.id} --changes) and "
                 f"approve with --digest {stale}", code="conflict",
             )  # fmt: skip
-        self._rec.wake()
-        await self._planner.tell(p.id)
-        log.info("plan %d approved by %s: %d machine(s)", p.id, req.by or "?", len(steps))
-        what = f"it changes {len(steps)} machine(s)" if steps else "no machine changes now"
-        done = plans.digest_of((s.tier, s.machine, s.after) for s in steps)
-        return SteerReply(plan=p.id, state=state,
-                          message=f"plan {p.id} approved ({done}): {what}")  # fmt: skip
+        await self._planner.progress.tell(p.id)
+        message = f"plan {p.id} approved by {req.by or '?'} ({now}"
+        if counted.waiting:
+            log.info("plan %d: approval %d of %d, by %s", p.id, counted.given, counted.needed,
+                     req.by or "?")  # fmt: skip
+            message += (f"; {counted.given} of {counted.needed}): it stays held until "
+                        f"{counted.needed - counted.given} more operator(s) approve it, "
+                        "none of them its author")  # fmt: skip
+        else:
+            self._rec.wake()
+            log.info("plan %d approved by %s: %d machine(s)", p.id, req.by or "?",
+                     len(counted.steps))  # fmt: skip
+            what = (f"it changes {len(counted.steps)} machine(s)" if counted.steps
+                    else "no machine changes now")  # fmt: skip
+            message += f"): {what}"
+        if counted.void:
+            message += (f"; {counted.void} approval(s) given before are void: the plan "
+                        "changed since")  # fmt: skip
+        return SteerReply(plan=p.id, state=counted.state, message=message)
+
+    async def _count(
+        self, w: OnePlan, p: plans.Plan, req: SteerRequest, now: str, audit: Audit
+    ) -> "_Counted":
+        """This approval counted with those given for what the plan does now; the change made
+        once there are as many as the policy asks."""
+        assert p.hold is not None
+        valid = [a for a in p.hold.approvals if a.digest == now]
+        for a in valid:
+            if a.by == req.by:
+                raise wire.BadRequest(
+                    f"plan {p.id}: {req.by} approved it already "
+                    f"({a.at.isoformat(timespec='seconds')}); another operator approves it",
+                    code="conflict",
+                )  # fmt: skip
+        mine = plans.Approval(by=req.by, at=datetime.now(UTC), digest=now)
+        hold = msgspec.structs.replace(p.hold, approvals=[*p.hold.approvals, mine])
+        needed = (await policy.policy(w.conn)).approvals
+        given, void = len(valid) + 1, len(p.hold.approvals) - len(valid)
+        if given < needed:
+            await w.hold(hold)
+            await w.event("plan.approval", by=req.by, given=given, needed=needed, digest=now)
+            await audit.write(w.conn, detail=f"plan {p.id} approval {given} of {needed}")
+            return _Counted("held", [], given, needed, void, waiting=True)
+        steps, state = await self._approve(w, p, req, audit, hold=hold)
+        return _Counted(state, steps, given, needed, void, waiting=False)
+
+    async def reject(self, req: SteerRequest, audit: Audit) -> SteerReply:
+        """End a held plan `rejected`: nothing changes (its change was never made; a push's
+        stored version stays in the history, never current)."""
+        async with PlanWrites(pool=self._pool, epoch=self._epoch).on(req.id) as w:
+            p = states.found(await w.locked(), req.id)
+            if p.state != "held":
+                raise states.refused(p, states.why_not("reject", p))
+            why = f"rejected by {req.by or 'an operator'}" + (f": {req.reason}" if req.reason
+                                                               else "")  # fmt: skip
+            await w.plan(state="rejected", finished=datetime.now(UTC), cancel=why)
+            await w.event("plan.rejected", by=req.by, reason=req.reason or None)
+            await audit.write(w.conn, detail=f"plan {p.id} rejected"
+                              + (f": {req.reason}" if req.reason else ""))  # fmt: skip
+        await self._planner.progress.tell(p.id)
+        log.info("plan %d %s", p.id, why)
+        return SteerReply(plan=p.id, state="rejected",
+                          message=f"plan {p.id} {why}: no machine changed")  # fmt: skip
 
     async def _approve(
-        self, w: OnePlan, p: plans.Plan, req: SteerRequest, audit: Audit
+        self, w: OnePlan, p: plans.Plan, req: SteerRequest, audit: Audit, *, hold: plans.Held
     ) -> tuple[list[plans.Step], PlanState]:
         """The held change made, and the plan queued (or done, with nothing to change)."""
-        assert p.hold is not None
         targets, undo, settings = await self._make(w.conn, p)
         steps = await self._rec.steps(w.conn, targets)
-        hold = msgspec.structs.replace(p.hold, approved_by=req.by)
+        hold = msgspec.structs.replace(hold, approved_by=req.by)
         await w.approved(steps, settings=settings, undo=undo, hold=hold)
         state: PlanState = "pending"
         if not steps:
@@ -157,16 +216,15 @@ class HeldChanges:
         await audit.write(w.conn, detail=f"plan {p.id} {state}")
         return steps, state
 
-    async def _moved(self, conn: asyncpg.Connection, p: plans.Plan, digest: str) -> str | None:
-        """None if the held change, made now, does what `digest` says; else what it does now,
-        with its steps recorded so (the change itself tried, not kept)."""
+    async def _doing_now(self, conn: asyncpg.Connection, p: plans.Plan) -> str:
+        """What the held change, made now, does (its digest); its steps recorded so when that
+        moved since they were (the change itself tried, not kept)."""
         async with _tried(conn):
             targets, _, _ = await self._make(conn, p)
             steps = await self._rec.steps(conn, targets)
         now = plans.digest_of((s.tier, s.machine, s.after) for s in steps)
-        if now == digest:
-            return None
-        await plans.replace_steps(conn, p.id, steps)
+        if now != await plans.step_digest(conn, p.id):
+            await plans.replace_steps(conn, p.id, steps)
         return now
 
     async def _make(
@@ -203,6 +261,25 @@ class HeldChanges:
                     settings_of(self._manifests.of(current)),
                 )
         raise AssertionError(f"plan {p.id}: nothing held")  # approve checked it holds one
+
+
+class _Counted(NamedTuple):
+    state: PlanState
+    steps: list[plans.Step]
+    given: int  # approvals for what the plan does now, this one included
+    needed: int
+    void: int  # given for what it did before
+    waiting: bool  # for more approvals
+
+
+def _not_its_author(p: plans.Plan, by: str) -> None:
+    """An operator never approves its own plan (on a bus where nobody is verified, `by` is
+    nobody's: the rule has no one to tell apart, and the policy asks for one approval)."""
+    if by == p.by and by != ANONYMOUS:
+        raise wire.BadRequest(
+            f"forbidden: plan {p.id} was asked by {by}: an operator never approves its own "
+            "plan; another operator approves it", code="forbidden",
+        )  # fmt: skip
 
 
 def held_said(plan: int | None, changed: list[str]) -> str:

@@ -34,31 +34,25 @@ from typing import Any
 
 import anyio
 import asyncpg
-import msgspec
 from nats.aio.client import Client
 from nats.js.object_store import ObjectStore
 
-from mesh import blobs, subjects, wire
-from mesh.model import MachineChanged, PlanProgress, PlanState, PlanSummary
-from mesh.modules.compose import Declaration, tools_of
-from mesh.store import declarations, modules, plans, seats
+from mesh import wire
+from mesh.model import MachineChanged, PlanState
+from mesh.store import declarations, plans, seats
 from services.controller import metrics
+from services.controller.catalog import bundles
 from services.controller.fleet.fleet import Fleet, tell_changed
 from services.controller.fleet.publishing import Publisher
 from services.controller.plans import rollout
+from services.controller.plans.heard import Heard
+from services.controller.plans.progress import Progress
 from services.controller.plans.writes import PlanWrites
 
 log = logging.getLogger(__name__)
 
-# Digests whose process names are remembered, the most recently used: every machine's
-# declaration has its own digest, and a plan judges one or two per machine (after, before).
-# Forgotten when the plan ends; this bounds what one very large plan keeps.
-NAMES_KEPT = 16384
 IDLE_CHECK = 5.0  # look for a plan this often even without being woken (a missed wake-up)
 LOOK_EVERY = 1.0  # the longest the planner waits without judging deadlines
-# How long a plan waits for the bundle store to say whether it has its bundles (a nats-server
-# lost, JetStream electing): past it the plan starts, the hosts fetching with their own retries.
-BUNDLE_CHECK_WITHIN = 15.0
 
 
 class _Stopped(Exception):
@@ -72,30 +66,15 @@ class Planner:
         nc: Client | None = None, obs: ObjectStore | None = None,
     ) -> None:  # fmt: skip
         self._pool = pool
-        self._nc = nc  # where progress is told (mesh.plan.<id>); None: nowhere
+        self._nc = nc  # where drained machines' skips are told; None: nowhere
         self._obs = obs  # the bundle store, checked before a plan starts; None: not checked
         self._publisher = publisher
         self._fleet = fleet
         self._epoch = epoch
         self._writes = PlanWrites(pool=pool, epoch=epoch)  # every write of a plan's life
         self._wake = anyio.Event()
-        # digest -> the processes it declares, least recently used first (at most NAMES_KEPT)
-        self._names: dict[str, frozenset[str]] = {}
-        self._plan: plans.Plan | None = None
-        self._tier: int | None = None
-        self.current: PlanSummary | None = None  # what `status` shows
-
-    def _report(self, name: str) -> rollout.Report:
-        """What the fleet last heard of a machine, as the planner's rules take it."""
-        f = self._fleet
-        return rollout.Report(
-            up=f.up(name),
-            applied=f.applied.get(name),
-            failed=f.failed_digest.get(name),
-            error=f.apply_errors.get(name),
-            processes=f.processes.get(name, []),
-            heard=name in f.processes,
-        )
+        self._reports = Heard(fleet)  # what the fleet last heard of each machine
+        self.progress = Progress(pool=pool, nc=nc)  # what `status` shows, and what is told
 
     def wake(self) -> None:
         """A plan was recorded, or an operator steered one (steering.py): look again."""
@@ -105,20 +84,21 @@ class Planner:
         while True:
             plan_id = await plans.oldest_open(self._pool)
             if plan_id is None:
-                self._plan = None
-                await self._show(None)
+                self.progress.plan = None
+                await self.progress.show(None)
                 await self._woken(IDLE_CHECK)
                 continue
-            plan = self._plan = await plans.load(self._pool, plan_id)
+            self.progress.plan = plan_id
+            plan = await plans.load(self._pool, plan_id)
             assert plan is not None
             if plan.state == "paused" and plan.started is None:
                 # Paused before it started: the queue waits for it (its change is in the
                 # catalog) until it is resumed or cancelled.
-                await self._show(plan)
+                await self.progress.show(plan)
                 await self._woken(IDLE_CHECK)
                 continue
             await self._run(plan)
-            self._names.clear()  # its digests are done with; the next plan brings its own
+            self._reports.forget()
 
     async def _woken(self, within: float) -> None:
         with anyio.move_on_after(within):
@@ -128,10 +108,12 @@ class Planner:
     # --- one plan ------------------------------------------------------------------------------
 
     async def _run(self, p: plans.Plan) -> None:
-        self._tier = None  # not the last plan's
-        await self._show(p)
+        self.progress.tier = None  # not the last plan's
+        await self.progress.show(p)
         if p.state == "pending":
-            missing = await self._missing_bundle(p)
+            missing = None
+            if self._obs is not None and p.trigger in ("push", "assign", "rollback"):
+                missing = await bundles.missing(self._pool, self._obs, p.subject, plan=p.id)
             if missing is not None:  # no machine is touched for a bundle it cannot fetch
                 await self._finish(p, "reverted" if p.settings.auto_revert else "failed", missing)
                 return
@@ -159,7 +141,7 @@ class Planner:
             failure = await self._forward(p)
         except _Stopped:
             log.info("plan %d cancelled (%s): reverting", p.id, p.cancel)
-            await self._show(p)
+            await self.progress.show(p)
             return False
         if failure is None and await self._finish(p, "done", None):
             return True
@@ -170,7 +152,7 @@ class Planner:
             log.info("plan %d stopped: %s; reverting", p.id, failure)
             p.error = failure
         p.phase = "revert"
-        await self._show(p)
+        await self.progress.show(p)
         return False
 
     async def _forward(self, p: plans.Plan) -> str | None:
@@ -217,37 +199,8 @@ class Planner:
         tiers = rollout.tiers(p.steps)
         log.info("plan %d (%s %s): %d machine(s) in tier(s) %s", p.id, p.trigger, p.subject,
                  len(p.steps), ", ".join(map(str, tiers)))  # fmt: skip
-        await self._show(p)
+        await self.progress.show(p)
         return True
-
-    async def _missing_bundle(self, p: plans.Plan) -> str | None:
-        """Why the plan cannot start, if a bundle its module needs is not in the bundle store
-        (lost with JetStream's data, or purged): then every machine would fail to fetch it.
-        A push of the module's folder stores it again (changes.Changes.push)."""
-        if self._obs is None or p.trigger not in ("push", "assign", "rollback"):
-            return None
-        async with self._pool.acquire() as conn:
-            current = (await modules.current_modules(conn)).get(p.subject)
-        if current is None:
-            return None
-        obs = self._obs
-        for name, digest in sorted(current.bundles.items()):
-            if not digest.startswith("sha256:"):
-                continue
-            try:  # JetStream electing a leader (a nats-server lost) answers late, or 503
-                there = await blobs.patiently(lambda d=digest: blobs.has(obs, d),
-                                              within=BUNDLE_CHECK_WITHIN)  # fmt: skip
-            except blobs.BlobsUnavailable as e:
-                log.warning("plan %d: could not look for bundle %s in the bundle store (%s); "
-                            "starting it all the same", p.id, name, e)  # fmt: skip
-                return None
-            if not there:
-                return (
-                    f"bundle {name} of module {p.subject} ({digest[:19]}…) is not in the "
-                    f"bundle store: push the module's folder again (mesh push DIR) to store "
-                    "it, then ask again"
-                )
-        return None
 
     async def _finish(self, p: plans.Plan, state: PlanState, error: str | None) -> bool:
         """End the plan; False (nothing written) when it was cancelled before it could end
@@ -273,7 +226,7 @@ class Planner:
             log.info("plan %d %s after %.1fs: %s", p.id, state, took, error)
         else:
             log.info("plan %d %s in %.1fs", p.id, state, took)
-        await self._show(p)  # its end told; no longer `current`
+        await self.progress.show(p)  # its end told; no longer `current`
         return True
 
     # --- rolling forward -------------------------------------------------------------------------
@@ -285,14 +238,14 @@ class Planner:
         t = rollout.rolling(wave.steps, tier=tier, settings=p.settings)
         if t is None:
             return None
-        self._tier = tier
+        self.progress.tier = tier
         resumed = rollout.resumed(t)
         if resumed:  # a step in flight when the last holder stopped: send it again
             await self._send(p, resumed, "after")
             rollout.await_(t, resumed, now=time.monotonic())
         what = "canary machine(s)" if wave.canary else "machine(s)"
         log.info("plan %d: tier %d: %d %s", p.id, tier, len(t.steps), what)
-        await self._show(p)
+        await self.progress.show(p)
         look: set[str] = {s.machine for s in resumed}
         while not t.finished:
             await self._heard(p)
@@ -309,7 +262,7 @@ class Planner:
                     min(LOOK_EVERY, rollout.soonest(t, now=time.monotonic()))
                 )
             verdict = rollout.look(
-                t, machines=look, report=self._report, names=self._processes,
+                t, machines=look, report=self._reports.report, names=self._reports.names,
                 now=time.monotonic(), at=datetime.now(UTC),
             )  # fmt: skip
             look = set()
@@ -342,7 +295,7 @@ class Planner:
             until = datetime.now(UTC) + timedelta(seconds=soak)
             await self._set(p, "plan.soaking", soak_tier=tier, soak_until=until)
         assert p.soak_until is not None
-        self._tier = tier
+        self.progress.tier = tier
         log.info("plan %d: tier %d: %d machine(s) soak until %s", p.id, tier, len(watched),
                  p.soak_until.isoformat(timespec="seconds"))  # fmt: skip
         everyone = {s.machine for s in watched}
@@ -351,7 +304,7 @@ class Planner:
             await self._heard(p)
             left = (p.soak_until - datetime.now(UTC)).total_seconds()
             failure = rollout.soak_look(
-                watched, machines=look, report=self._report, names=self._processes,
+                watched, machines=look, report=self._reports.report, names=self._reports.names,
                 soak=soak, left=left, at=datetime.now(UTC),
             )  # fmt: skip
             if failure is not None:
@@ -382,7 +335,7 @@ class Planner:
         p.state, p.paused_after = "paused", tier
         log.info("plan %d paused itself after tier %d (pause_after): mesh plan resume %d",
                  p.id, tier, p.id)  # fmt: skip
-        await self._show(p)
+        await self.progress.show(p)
         await self._while_paused(p)
 
     async def _while_paused(self, p: plans.Plan) -> None:
@@ -407,7 +360,7 @@ class Planner:
             raise _Stopped
         if p.state != was:
             log.info("plan %d: %s (was %s)", p.id, p.state, was)
-            await self._show(p)
+            await self.progress.show(p)
 
     async def _changes(self, within: float) -> set[str]:
         """The machines whose reports changed (fleet.changes), waiting up to `within`, or
@@ -433,7 +386,7 @@ class Planner:
             await w.event(event, **{k: v for k, v in fields.items() if v is not None})
         for name, value in fields.items():
             setattr(p, name, value)
-        await self._show(p)
+        await self.progress.show(p)
 
     async def _send(self, p: plans.Plan, steps: list[plans.Step], which: str) -> None:
         """Store and publish each step's `after` (or, reverting, `before`) declaration."""
@@ -458,7 +411,7 @@ class Planner:
         await self._publisher.publish(bodies)
         for machine in passed:
             await tell_changed(self._nc, MachineChanged(machine=machine, drained=True))
-        await self._show(p)
+        await self.progress.show(p)
 
     def _skipped_for_drain(self, p: plans.Plan, s: plans.Step, *, at: datetime) -> bool:
         """A step whose machine is drained as it would start: skipped (rollout.skip_drained),
@@ -475,7 +428,7 @@ class Planner:
             await w.steps(steps)
             if plan:
                 await w.plan(**plan)
-        await self._show(p)
+        await self.progress.show(p)
 
     # --- reverting -----------------------------------------------------------------------------
 
@@ -489,83 +442,25 @@ class Planner:
             steps = [s for s in steps if s not in kept]
         if not steps:
             return
-        self._tier = tier
+        self.progress.tier = tier
         log.info("plan %d: reverting tier %d: %d machine(s)", p.id, tier, len(steps))
         await self._send(p, steps, "before")
         until = time.monotonic() + p.settings.deadline
         waiting = {s.machine: s for s in steps if self._fleet.up(s.machine)}
         look = set(waiting)
         while waiting and time.monotonic() < until:
-            rollout.settled(waiting, machines=look, report=self._report, names=self._processes)
+            heard = self._reports
+            rollout.settled(waiting, machines=look, report=heard.report, names=heard.names)
             look = await self._fleet.changes(min(LOOK_EVERY, max(0.0, until - time.monotonic())))
         unsettled: dict[str, str] = {}
         for machine, s in waiting.items():
             digest, body = rollout.before(s)
             unsettled[machine] = rollout.why(
-                machine=machine, report=self._report(machine), digest=digest,
-                names=self._processes(digest, body), deadline=p.settings.deadline,
+                machine=machine, report=self._reports.report(machine), digest=digest,
+                names=self._reports.names(digest, body), deadline=p.settings.deadline,
             )  # fmt: skip
         rollout.reverted(steps, unsettled=unsettled)
         await self._write(p, steps)
-
-    # --- judging a machine ---------------------------------------------------------------------
-
-    def _processes(self, digest: str, body: bytes) -> frozenset[str]:
-        names = self._names.pop(digest, None)
-        if names is None:
-            decl = msgspec.json.decode(body, type=Declaration)
-            # tool servers too: a plan waits until each is ready (initialized, tools listed)
-            names = frozenset(decl.processes) | frozenset(tools_of(decl))
-            if len(self._names) >= NAMES_KEPT:  # forget the least recently used
-                del self._names[next(iter(self._names))]
-        self._names[digest] = names  # last: the most recently used
-        return names
-
-    # --- what status shows -----------------------------------------------------------------------
-
-    async def _show(self, p: plans.Plan | None) -> None:
-        """What `status` shows, and the same summary told on mesh.plan.<id> with each tier's
-        counts: every step or tier change passes here, so a watcher (the console, `--wait`)
-        hears each one."""
-        if p is None:
-            self.current = None
-            return
-        counted = rollout.tier_counts(p.steps)
-        summary = _summary(p, counted, tier=self._tier)
-        self.current = summary if p.state in plans.OPEN else None
-        await self._tell(p, summary, counted)
-
-    async def tell(self, plan_id: int) -> None:
-        """Tell a plan's state after a verb moved it (approved, paused, resumed, cancelled:
-        steering.py), so its followers hear it whether or not the planner is rolling it."""
-        async with self._pool.acquire() as conn:
-            p = await plans.head(conn, plan_id)
-            counted = await plans.tiers(conn, plan_id)
-        if p is not None:
-            mine = self._plan is not None and self._plan.id == plan_id
-            await self._tell(p, _summary(p, counted, tier=self._tier if mine else None), counted)
-
-    async def _tell(
-        self, p: plans.Plan, summary: PlanSummary, counted: list[plans.TierCounts]
-    ) -> None:
-        if self._nc is None:
-            return
-        soaking = p.soak_tier if p.soak_until is not None else None
-        tiers = [rollout.tier_shown(t, soaking=t.tier == soaking) for t in counted]
-        told = PlanProgress(**msgspec.structs.asdict(summary), tiers=tiers)
-        try:
-            await self._nc.publish(subjects.plan(p.id), wire.encode(told))
-        except Exception as e:  # told, not stored: a lost one costs a watcher a refresh
-            log.debug("plan %d: progress not told: %s: %s", p.id, type(e).__name__, e)
-
-
-def _summary(p: plans.Plan, counted: list[plans.TierCounts], *, tier: int | None) -> PlanSummary:
-    return PlanSummary(
-        id=p.id, state=p.state, trigger=p.trigger, subject=p.subject, by=p.by,
-        created=p.created, finished=p.finished, machines=sum(t.total for t in counted),
-        done=sum(t.done for t in counted), tier=tier, phase=p.phase, failure=p.error,
-        soak=plans.soak_shown(p.soak_tier, p.soak_until), cancelled=p.cancel,
-    )  # fmt: skip
 
 
 def _count_finished(steps: list[plans.Step]) -> None:

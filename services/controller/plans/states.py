@@ -61,8 +61,10 @@ def why_not_approved(p: plans.Plan) -> str:
 
 def why_not(verb: str, p: plans.Plan) -> str:
     """Why `verb` does nothing to `p`, after its state."""
-    if p.state in ("done", "failed", "reverted", "cancelled"):
+    if p.state in plans.ENDED:
         return f"nothing to {verb}"
+    if verb == "reject":
+        return f"only a held plan is rejected; cancel it instead (mesh plan cancel {p.id})"
     if p.state == "held":
         return f"approve it first (mesh plan approve {p.id}), or cancel it"
     if p.state == "building":

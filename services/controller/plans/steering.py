@@ -96,6 +96,6 @@ class Steering:
     async def _told(self, p: plans.Plan, message: str) -> SteerReply:
         """The reply; the planner woken to look again, and the plan's followers told."""
         self.planner.wake()
-        await self.planner.tell(p.id)
+        await self.planner.progress.tell(p.id)
         log.info("%s", message)
         return SteerReply(plan=p.id, state=p.state, message=message, phase=p.phase)

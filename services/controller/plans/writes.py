@@ -55,6 +55,10 @@ class OnePlan:
         await plans.replace_steps(self.conn, self.plan_id, steps)
         await plans.approved(self.conn, self.plan_id, settings=settings, undo=undo, hold=hold)
 
+    async def hold(self, hold: plans.Held) -> None:
+        """What a held plan holds, with the approvals given so far (it stays held)."""
+        await plans.set_hold(self.conn, self.plan_id, hold)
+
     async def undo(self, p: plans.Plan) -> str:
         """Its catalog change taken back (a later change of the module or secret stands); in
         words."""

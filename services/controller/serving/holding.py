@@ -37,7 +37,7 @@ class Holding:
             seat=self.seat,
             standbys=self.standbys.current(),
             nodes=self.fleet.counts(),
-            plan=self.planner.current,
+            plan=self.planner.progress.current,
             handover=self.handover,
         )
 

@@ -24,11 +24,12 @@ from mesh.serving import Bound, Endpoint, Parts, Verb
 from services.controller.changes.machines import Machines
 from services.controller.changes.modules import Changes
 from services.controller.changes.operators import Operators
+from services.controller.changes.policy import PolicyChanges
 from services.controller.changes.secrets import SecretChanges
 from services.controller.fleet import joining
-from services.controller.fleet.fleet import Fleet
 from services.controller.fleet.joining import Joins
 from services.controller.fleet.publishing import MAX_DECLARATION
+from services.controller.fleet.registering import Registrations
 from services.controller.fleet.tokens import Tokens
 from services.controller.plans.approvals import HeldChanges
 from services.controller.plans.steering import Steering
@@ -98,6 +99,10 @@ TABLE: dict[str, Served] = {
     "plan-pause": Served(Steering.pause, "deployer", SLOW, _SMALL),
     "plan-resume": Served(Steering.resume, "deployer", SLOW, _SMALL),
     "plan-cancel": Served(Steering.cancel, "deployer", SLOW, _SMALL),
+    "plan-reject": Served(HeldChanges.reject, "deployer", SLOW, _SMALL),  # a held one, ended
+    # what a held plan needs before it runs (`mesh policy`): approvals by distinct operators
+    "policy": Served(Views.policy, "reader", SLOW, _SMALL),
+    "policy-set": Served(PolicyChanges.policy_set, "admin", SLOW, _SMALL),
     # going back, and machines out of the plans (docs/operations.md, Steering a change)
     "history": Served(Views.history, "reader", SLOW, _SMALL, _PAGED),
     "version-diff": Served(Views.version_diff, "reader", SLOW, _SMALL),
@@ -147,7 +152,7 @@ async def register(a: Asking, req: Register) -> RegisterReply:
             f"name: {req.name!r} differs from the subject's machine {a.machine!r}",
             code="forbidden",
         )
-    row = await a.parts.of(Fleet).register(req)
+    row = await a.parts.of(Registrations).register(req)
     epoch = a.parts.of(Holding).seat.epoch
     return RegisterReply(name=row.name, tier=row.tier, epoch=epoch, labels=row.labels)
 

@@ -37,11 +37,14 @@ from mesh.model import (
     ModulesRequest,
     NodesReply,
     NodesRequest,
+    PlanApproval,
     PlanReply,
     PlanRequest,
     PlansReply,
     PlansRequest,
     PlanStep,
+    PolicyReply,
+    PolicyRequest,
     SecretInfo,
     SecretReply,
     SecretsReply,
@@ -55,7 +58,7 @@ from mesh.model import (
 )
 from mesh.modules.compose import Declaration
 from mesh.modules.diff import diff
-from mesh.store import builds, declarations, modules, plans, secrets
+from mesh.store import builds, declarations, modules, plans, policy, secrets
 from mesh.store.modules import StoredVersion
 from services.controller.catalog import pushing, scoping, versions
 from services.controller.catalog.secretkeys import Keys
@@ -217,6 +220,7 @@ class Views:
                 steps = await _with_changes(conn, p, steps)
             # What an approval binds to (`plan approve --digest`): a held plan's alone
             digest = await plans.step_digest(conn, p.id) if p.state == "held" else ""
+            needed = (await policy.policy(conn)).approvals if p.state == "held" else 0
         soaking = p.soak_tier if p.soak_until is not None else None
         tiers = [rollout.tier_shown(t, soaking=t.tier == soaking) for t in counted]
         reply = PlanReply(
@@ -225,13 +229,18 @@ class Views:
             phase=p.phase, failure=p.error, settings=p.settings, builds=p.builds, tiers=tiers,
             steps=[], total=sum(t.total for t in counted),
             soak=plans.soak_shown(p.soak_tier, p.soak_until), cancelled=p.cancel, note=p.note,
-            digest=digest,
+            digest=digest, approvals=_approvals(p, digest), approvals_needed=needed,
         )  # fmt: skip
         page = paging.fill(
             (((s.tier, s.machine), s) for s in steps), verb="plan", limit=req.limit,
             room=paging.room(self.budget(), reply), what=lambda s: f"step {s.machine}",
         )  # fmt: skip
         return msgspec.structs.replace(reply, steps=page.items, next=page.next)
+
+    async def policy(self, req: PolicyRequest) -> PolicyReply:
+        """What a change needs before it runs (`mesh policy`)."""
+        now = await policy.policy(self.pool)
+        return PolicyReply(approvals=now.approvals, set_by=now.set_by, set_at=now.set_at)
 
     async def plans(self, req: PlansRequest) -> PlansReply:
         """Newest first: the cursor is the last plan given, the page the ones older."""
@@ -432,3 +441,11 @@ async def _with_changes(
         return s.before if p.started else (now[s.machine][0] if s.machine in now else None)
 
     return [msgspec.structs.replace(s, changes=spelled(s), before=before(s)) for s in steps]
+
+
+def _approvals(p: plans.Plan, digest: str) -> list[PlanApproval]:
+    """A plan's approvals; while it is held, one given for what it no longer does is void."""
+    given = p.hold.approvals if p.hold is not None else []
+    held = p.state == "held"
+    return [PlanApproval(by=a.by, at=a.at, digest=a.digest, void=held and a.digest != digest)
+            for a in given]  # fmt: skip
