@@ -45,8 +45,9 @@ PlanState = Literal[
 StepState = Literal["pending", "applying", "done", "failed", "skipped", "reverted"]
 TierState = Literal["pending", "rolling", "soaking", "done", "failed", "reverted"]
 # `rollback`: a module back at an earlier version; `undrain`: a machine brought up to date as it
-# leaves the drain (docs/operations.md, Steering a change).
-Trigger = Literal["push", "assign", "unassign", "secret", "rollback", "undrain"]
+# leaves the drain (docs/operations.md, Steering a change); `restart`: a module's processes
+# restarted tier by tier, no declaration changed.
+Trigger = Literal["push", "assign", "unassign", "secret", "rollback", "undrain", "restart"]
 Phase = Literal["forward", "revert"]  # rolling forward, or giving machines `before` back
 # The words a machine's life is told in, between the mesh's own pieces (mesh.event.<name>.*):
 # a supervised process's state; a tool server's state as a caller sees it (`ready`: callable);
@@ -438,6 +439,16 @@ class AssignRequest(Request, omit_defaults=True):
     machines: Annotated[list[Name], msgspec.Meta(max_length=MACHINES_NAMED)] = []
     tier: Tier | None = None
     labels: Labels = {}
+    by: By = ""
+    hold: bool = False  # as `push`
+
+
+class RestartPlanRequest(Request, omit_defaults=True):
+    """`mesh restart MODULE [MACHINE...]`: a plan that restarts the module's processes (and
+    tool servers) on each machine that runs it, or those named, tier by tier."""
+
+    module: Name
+    machines: Annotated[list[Name], msgspec.Meta(max_length=MACHINES_NAMED)] = []
     by: By = ""
     hold: bool = False  # as `push`
 

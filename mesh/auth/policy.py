@@ -44,14 +44,14 @@ READ_VERBS = frozenset(
 # What a deployer may ask on its own subjects: changes of the modules its glob matches (the
 # controller checks the module: services/controller/trust/operators.py), and the dry run of a push.
 DEPLOYER_VERBS = (
-    "push", "diff", "assign", "unassign", "rollback",
+    "push", "diff", "assign", "unassign", "rollback", "restart",
     "plan-approve", "plan-pause", "plan-resume", "plan-cancel", "plan-reject",
     "secret-set", "secret-delete",  # its own modules' secrets
 )  # fmt: skip
 # What an agent may ask on its own subjects: to propose a deployer's changes of the modules its
 # glob matches, each recorded held until a person approves it (the controller sees to it: never
 # approve, pause, resume, cancel, roll back, drain, operators or secrets).
-AGENT_VERBS = ("push", "diff", "assign", "unassign")
+AGENT_VERBS = ("push", "diff", "assign", "unassign", "restart")
 HOST_READ_VERBS = ("status", "logs")  # mesh.host.<name>.<verb> an operator may ask
 HOST_ADMIN_VERBS = ("restart",)
 HOST_TOOL_VERBS = ("tool",)  # calling a tool: an admin's and a tools operator's
@@ -203,6 +203,7 @@ def _controller(user: User) -> Permissions:
             subjects.plan("*"),  # plans' progress (services/controller/plans/planner.py)
             subjects.machine("*"),  # a machine drained or undrained (changes/machines.py)
             subjects.host("*", "build"),
+            subjects.host("*", "restart"),  # a restart plan's steps (plans/restarting.py)
             # a standby passes on the operators' requests it held (handover.py)
             subjects.OP_VERBS,
             f"{_API}.>",

@@ -150,6 +150,14 @@ async def assigned_after(
     return [(r["module"], r["machine"]) for r in rows]
 
 
+async def machines_of(conn: asyncpg.Connection, module: str) -> list[str]:
+    """The machines a module is assigned to, by name."""
+    rows = await conn.fetch(
+        "SELECT machine FROM assignments WHERE module = $1 ORDER BY machine", module
+    )
+    return [r["machine"] for r in rows]
+
+
 async def assigned_to(conn: asyncpg.Connection, machine: str) -> set[str]:
     """The modules assigned to one machine."""
     rows = await conn.fetch("SELECT module FROM assignments WHERE machine = $1", machine)

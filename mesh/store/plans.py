@@ -88,7 +88,13 @@ class HeldUnassign(_Held, tag="unassign", tag_field="trigger", kw_only=True):
     machines: list[str]
 
 
-Held = HeldPush | HeldAssign | HeldUnassign
+class HeldRestart(_Held, tag="restart", tag_field="trigger", kw_only=True):
+    """A restart held: the machines whose processes of the module it restarts when approved."""
+
+    machines: list[str]
+
+
+Held = HeldPush | HeldAssign | HeldUnassign | HeldRestart
 
 
 def _held_json(hold: Held) -> str:

@@ -28,6 +28,7 @@ from mesh.model import (
     ModulesReply,
     ModulesRequest,
     PushRequest,
+    RestartPlanRequest,
     RotateKeyReply,
     RotateKeyRequest,
     SecretDeleteReply,
@@ -93,6 +94,17 @@ def add_parsers(verbs: Any, common: argparse.ArgumentParser) -> None:
         )  # fmt: skip
         _wait_flag(p)
         steering.hold_flag(p)
+
+    again = verbs.add_parser(
+        "restart", parents=[common],
+        help="restart a module's processes, tier by tier, through its health gates (a plan)",
+    )  # fmt: skip
+    again.add_argument("module")
+    again.add_argument(
+        "machines", nargs="*", metavar="MACHINE", help="only these (each must run it); else all"
+    )  # fmt: skip
+    _wait_flag(again)
+    steering.hold_flag(again)
 
     mods = verbs.add_parser("modules", parents=[common], help="modules, versions, assignments")
     mods.add_argument("--limit", type=count, metavar="N", help=LIMIT_HELP)
@@ -245,6 +257,15 @@ async def cmd_unassign(args: argparse.Namespace) -> None:
     await _assign(args, "unassign")
 
 
+async def cmd_restart(args: argparse.Namespace) -> None:
+    if len(args.machines) > MACHINES_NAMED:
+        raise CliError(f"restart: {len(args.machines)} machines named, at most {MACHINES_NAMED}")
+    body = RestartPlanRequest(module=args.module, machines=args.machines, by=getpass.getuser(),
+                              hold=args.hold)  # fmt: skip
+    reply = await verb(args, "restart", ChangeReply, body, changes=True)
+    await plans.wait_for(args, reply)
+
+
 async def cmd_modules(args: argparse.Namespace) -> None:
     reply = await listed(args, "modules", ModulesReply, ModulesRequest(), want=args.limit)
     if args.json:
@@ -355,6 +376,7 @@ COMMANDS = {
     ("tier",): plans.cmd_tier,
     ("assign",): cmd_assign,
     ("unassign",): cmd_unassign,
+    ("restart",): cmd_restart,
     ("modules",): cmd_modules,
     ("declaration",): cmd_declaration,
     ("secret", "set"): cmd_secret_set,

@@ -37,6 +37,7 @@ from services.controller.changes.machines import Machines
 from services.controller.changes.modules import Changes
 from services.controller.changes.operators import Operators
 from services.controller.changes.policy import PolicyChanges
+from services.controller.changes.restarts import Restarts
 from services.controller.changes.secrets import SecretChanges
 from services.controller.fleet.admission import Admission
 from services.controller.fleet.fleet import Fleet, open_bus
@@ -181,6 +182,7 @@ class Hold:
                      one_change=recorder.one_change),
             Operators(pool=self.pool, changes=changes),
             PolicyChanges(pool=self.pool, epoch=epoch, secured=self.signing.seed is not None),
+            Restarts(pool=self.pool, epoch=epoch, recorder=recorder, manifests=manifests),
             Tokens(pool=self.pool, epoch=epoch, admission=self.admission,
                    budget=lambda: paging.budget(self.nc.max_payload)),
             Joins(pool=self.pool, epoch=epoch, fleet=fleet, admission=self.admission),

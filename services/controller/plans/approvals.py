@@ -35,7 +35,7 @@ from mesh.store import events, modules, plans, policy
 from services.controller.catalog.pushing import register, settings_of
 from services.controller.fleet.fleet import Fleet
 from services.controller.fleet.publishing import Manifests
-from services.controller.plans import states
+from services.controller.plans import rollout, states
 from services.controller.plans.planner import Planner
 from services.controller.plans.recording import Recorder
 from services.controller.plans.writes import OnePlan, PlanWrites
@@ -205,7 +205,7 @@ class HeldChanges:
     ) -> tuple[list[plans.Step], PlanState]:
         """The held change made, and the plan queued (or done, with nothing to change)."""
         targets, undo, settings = await self._make(w.conn, p)
-        steps = await self._rec.steps(w.conn, targets)
+        steps = await self._steps(w.conn, p, targets)
         hold = msgspec.structs.replace(hold, approved_by=req.by)
         await w.approved(steps, settings=settings, undo=undo, hold=hold)
         state: PlanState = "pending"
@@ -221,11 +221,20 @@ class HeldChanges:
         moved since they were (the change itself tried, not kept)."""
         async with _tried(conn):
             targets, _, _ = await self._make(conn, p)
-            steps = await self._rec.steps(conn, targets)
+            steps = await self._steps(conn, p, targets)
         now = plans.digest_of((s.tier, s.machine, s.after) for s in steps)
         if now != await plans.step_digest(conn, p.id):
             await plans.replace_steps(conn, p.id, steps)
         return now
+
+    async def _steps(
+        self, conn: asyncpg.Connection, p: plans.Plan, targets: list[str]
+    ) -> list[plans.Step]:
+        """The held change's steps: each machine whose declaration it changes, or, for a
+        restart, each machine it restarts (its declaration kept)."""
+        if isinstance(p.hold, plans.HeldRestart):
+            return await self._rec.restart_steps(conn, targets)
+        return await self._rec.steps(conn, targets)
 
     async def _make(
         self, conn: asyncpg.Connection, p: plans.Plan
@@ -246,6 +255,14 @@ class HeldChanges:
                 if current is not None and current.id == now.id:
                     undo["to"] = None  # it was current already: nothing to take back
                 return targets, undo, settings_of(manifest)
+            case plans.HeldRestart(machines=held):
+                if current is None:
+                    raise wire.BadRequest(
+                        f"module {module} is no longer registered: plan {p.id} cannot be "
+                        f"approved (cancel it: mesh plan cancel {p.id})", code="conflict",
+                    )  # fmt: skip
+                settings = rollout.restart_settings(settings_of(self._manifests.of(current)))
+                return [m for m in held if m in self._fleet.machines], {}, settings
             case plans.HeldAssign(machines=held) | plans.HeldUnassign(machines=held):
                 if current is None:
                     raise wire.BadRequest(

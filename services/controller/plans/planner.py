@@ -38,15 +38,16 @@ from nats.aio.client import Client
 from nats.js.object_store import ObjectStore
 
 from mesh import wire
-from mesh.model import MachineChanged, PlanState
+from mesh.model import PlanState
 from mesh.store import declarations, plans, seats
 from services.controller import metrics
 from services.controller.catalog import bundles
-from services.controller.fleet.fleet import Fleet, tell_changed
+from services.controller.fleet.fleet import Fleet
 from services.controller.fleet.publishing import Publisher
 from services.controller.plans import rollout
 from services.controller.plans.heard import Heard
 from services.controller.plans.progress import Progress
+from services.controller.plans.sending import Sending
 from services.controller.plans.writes import PlanWrites
 
 log = logging.getLogger(__name__)
@@ -66,7 +67,6 @@ class Planner:
         nc: Client | None = None, obs: ObjectStore | None = None,
     ) -> None:  # fmt: skip
         self._pool = pool
-        self._nc = nc  # where drained machines' skips are told; None: nowhere
         self._obs = obs  # the bundle store, checked before a plan starts; None: not checked
         self._publisher = publisher
         self._fleet = fleet
@@ -75,6 +75,10 @@ class Planner:
         self._wake = anyio.Event()
         self._reports = Heard(fleet)  # what the fleet last heard of each machine
         self.progress = Progress(pool=pool, nc=nc)  # what `status` shows, and what is told
+        self._sending = Sending(
+            fleet=fleet, writes=self._writes, publisher=publisher, nc=nc, heard=self._reports,
+            progress=self.progress,
+        )  # fmt: skip
 
     def wake(self) -> None:
         """A plan was recorded, or an operator steered one (steering.py): look again."""
@@ -187,10 +191,14 @@ class Planner:
             row = await w.locked()
             if row is None or row.state != "pending":
                 return False
-            composed = await self._publisher.compose(w.conn, machines)
             stored = await declarations.declarations(w.conn, machines)
+            if p.trigger == "restart":  # its machines keep what they run, restarted
+                composed = {m: (d, b) for m, (d, b, _) in stored.items()}
+            else:
+                composed = await self._publisher.compose(w.conn, machines)
             tier_of = {m: self._fleet.machines[m].tier for m in machines}
-            rollout.prepare(p.steps, composed=composed, stored=stored, tier_of=tier_of, at=now)
+            rollout.prepare(p.steps, composed=composed, stored=stored, tier_of=tier_of, at=now,
+                            restart=p.trigger == "restart")  # fmt: skip
             await w.steps(p.steps)
             await w.plan(state="rolling", started=now)
             await w.event("plan.started")
@@ -241,7 +249,7 @@ class Planner:
         self.progress.tier = tier
         resumed = rollout.resumed(t)
         if resumed:  # a step in flight when the last holder stopped: send it again
-            await self._send(p, resumed, "after")
+            await self._sending.send(p, resumed, "after")
             rollout.await_(t, resumed, now=time.monotonic())
         what = "canary machine(s)" if wave.canary else "machine(s)"
         log.info("plan %d: tier %d: %d %s", p.id, tier, len(t.steps), what)
@@ -251,7 +259,7 @@ class Planner:
             await self._heard(p)
             batch = rollout.next_batch(t) if p.state != "paused" else []
             if batch:
-                await self._send(p, batch, "after")
+                await self._sending.send(p, batch, "after")
                 rollout.await_(t, batch, now=time.monotonic())  # not those skipped: down
                 look |= {s.machine for s in batch}
             if not look and not t.active:  # paused, nothing in flight: until resumed
@@ -388,40 +396,6 @@ class Planner:
             setattr(p, name, value)
         await self.progress.show(p)
 
-    async def _send(self, p: plans.Plan, steps: list[plans.Step], which: str) -> None:
-        """Store and publish each step's `after` (or, reverting, `before`) declaration."""
-        now = datetime.now(UTC)
-        bodies: dict[str, tuple[str, bytes]] = {}
-        passed: list[str] = []  # drained: told, as no host reports what it now wants
-        for s in steps:
-            if which == "after" and self._skipped_for_drain(p, s, at=now):
-                passed.append(s.machine)
-                continue  # nothing stored or published: it keeps what it runs
-            self._fleet.wants_what_it_is_sent(s.machine)
-            if which == "after":
-                bodies[s.machine] = (s.after, s.after_body)
-                up = self._fleet.up(s.machine)
-                rollout.send(s, up=up, skip_down=p.settings.skip_down, at=now)
-            else:
-                bodies[s.machine] = rollout.before(s)
-            self._fleet.forget_error(s.machine)  # an old failure is not this step's
-        async with self._writes.on(p.id) as w:
-            await w.declarations(bodies)
-            await w.steps(steps)
-        await self._publisher.publish(bodies)
-        for machine in passed:
-            await tell_changed(self._nc, MachineChanged(machine=machine, drained=True))
-        await self.progress.show(p)
-
-    def _skipped_for_drain(self, p: plans.Plan, s: plans.Step, *, at: datetime) -> bool:
-        """A step whose machine is drained as it would start: skipped (rollout.skip_drained),
-        and `nodes` shows what it would have got as its wanted declaration."""
-        if not rollout.skip_drained(s, drained=self._fleet.drained(s.machine), at=at):
-            return False
-        self._fleet.skipped_for_drain(s.machine, s.after)
-        log.info("plan %d: machine %s is drained: skipped", p.id, s.machine)
-        return True
-
     async def _write(self, p: plans.Plan, steps: list[plans.Step], **plan: Any) -> None:
         """Steps (and, given, the plan's own fields) in one fenced transaction."""
         async with self._writes.on(p.id) as w:
@@ -444,7 +418,7 @@ class Planner:
             return
         self.progress.tier = tier
         log.info("plan %d: reverting tier %d: %d machine(s)", p.id, tier, len(steps))
-        await self._send(p, steps, "before")
+        await self._sending.send(p, steps, "before")
         until = time.monotonic() + p.settings.deadline
         waiting = {s.machine: s for s in steps if self._fleet.up(s.machine)}
         look = set(waiting)

@@ -15,7 +15,7 @@ import asyncpg
 
 from mesh import wire
 from mesh.model import CHANGED_LISTED, ChangeReply, PlanBuild, PlanSettings, PlanState
-from mesh.store import plans
+from mesh.store import declarations, plans
 from services.controller.fleet.fleet import Fleet
 from services.controller.fleet.publishing import Publisher
 from services.controller.plans import states
@@ -71,6 +71,18 @@ class Recorder:
             )
             for m, (d, b) in composed.items()
             if expected.get(m) != d
+        ]
+
+    async def restart_steps(
+        self, conn: asyncpg.Connection, machines: Iterable[str]
+    ) -> list[plans.Step]:
+        """A restart's step for each machine: its declaration as stored, which it keeps."""
+        stored = await declarations.declarations(conn, sorted(machines))
+        tier = {m: self._fleet.machines[m].tier for m in stored if m in self._fleet.machines}
+        return [
+            plans.Step(machine=m, tier=tier[m], state="pending", after=d, after_body=b)
+            for m, (d, b, _) in stored.items()
+            if m in tier
         ]
 
     @property

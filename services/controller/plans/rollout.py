@@ -181,15 +181,20 @@ def prepare(
     stored: dict[str, tuple[str, bytes, int]],  # digest, body, the epoch that wrote it
     tier_of: dict[str, int],
     at: datetime,
+    restart: bool = False,
 ) -> None:
     """A plan starting: each step's new and old declarations and its machine's tier as it is
-    now (`mesh tier` may have moved it); a step whose machine has nothing to change is skipped."""
+    now (`mesh tier` may have moved it); a step whose machine has nothing to change is skipped
+    (a restart's keeps its declaration: it has nothing to change, and is restarted)."""
     for s in steps:
+        if s.machine not in composed:  # a restart's machine with no declaration any more
+            s.state, s.finished, s.error = "skipped", at, "it has no declaration to restart"
+            continue
         s.after, s.after_body = composed[s.machine]
         old = stored.get(s.machine)
         s.before, s.before_body = (old[0], old[1]) if old else (None, None)
         s.tier = tier_of[s.machine]
-        if s.before == s.after:
+        if s.before == s.after and not restart:
             s.state, s.finished = "skipped", at
             s.error = "no change by the time the plan started"
 
@@ -512,3 +517,9 @@ def pause_due(*, tier: int, settings: PlanSettings, paused_after: int | None) ->
     """The plan pauses itself after `tier` (`pause_after`), once: not again after a resume or
     a takeover (`paused_after`, the last tier it paused after, is kept in the store)."""
     return tier in settings.pause_after and (paused_after is None or paused_after < tier)
+
+
+def restart_settings(settings: PlanSettings) -> PlanSettings:
+    """A restart's plan: the module's `[rollout]`, but a failure only stops it (a restart
+    changed no declaration: there is nothing to revert)."""
+    return msgspec.structs.replace(settings, auto_revert=False)

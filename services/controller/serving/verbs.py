@@ -25,6 +25,7 @@ from services.controller.changes.machines import Machines
 from services.controller.changes.modules import Changes
 from services.controller.changes.operators import Operators
 from services.controller.changes.policy import PolicyChanges
+from services.controller.changes.restarts import Restarts
 from services.controller.changes.secrets import SecretChanges
 from services.controller.fleet import joining
 from services.controller.fleet.joining import Joins
@@ -76,6 +77,8 @@ TABLE: dict[str, Served] = {
     "diff": Served(Views.diff, "deployer", SLOW, _MODULE_BODY, _PAGED, audited=False),
     "assign": Served(Changes.assign, "deployer", SLOW, _MODULE_BODY),
     "unassign": Served(Changes.unassign, "deployer", SLOW, _MODULE_BODY),
+    # a plan restarting a module's processes tier by tier (changes/restarts.py)
+    "restart": Served(Restarts.restart, "deployer", SLOW, _MODULE_BODY),
     "modules": Served(Views.modules, "reader", SLOW, _SMALL, _PAGED),
     # A declaration is at most MAX_DECLARATION (768 KiB): it fits a reply on a server of the
     # default max_payload (1 MiB); only a smaller one can refuse it.
