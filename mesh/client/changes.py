@@ -42,13 +42,13 @@ def push_request(
 
 
 async def push(
-    nc: Client, *, url: str, module: LocalModule, hold: bool = False,
+    nc: Client, *, url: str, module: LocalModule, hold: bool = False, note: str = "",
     timeout: float = CHANGE_TIMEOUT,
 ) -> ChangeReply:  # fmt: skip
     """Upload, then ask `push`, tried once per answer window (a slow answer, e.g. a build, must
     not be taken for a lost request and sent again)."""
     staged = await upload(nc, module)
-    body = wire.encode(push_request(module, hold=hold, upload=staged))
+    body = wire.encode(push_request(module, hold=hold, upload=staged, note=note))
     return await ask(nc, url=url, verb="push", reply=ChangeReply, timeout=timeout, body=body,
                      attempt=timeout)  # fmt: skip
 

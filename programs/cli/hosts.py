@@ -6,15 +6,14 @@ import json
 import re
 import signal
 import sys
-import time
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import anyio
 
-from mesh import bus, subjects, wire
-from mesh.client.asking import VerbFailed, ask, connected
-from mesh.model import LogsReply, LogsRequest, NodesReply, NodesRequest
+from mesh.client.asking import connected
+from mesh.client.logs import read_logs
+from mesh.model import LogsRequest
 from mesh.names import check_name
 from programs.cli.args import count
 from programs.cli.client import CliError, where
@@ -69,36 +68,6 @@ def _lines(data: str) -> list[dict[str, str | None]]:
     return found
 
 
-async def _read(nc: Any, machine: str, req: LogsRequest, timeout: float) -> LogsReply:
-    subject = subjects.host(machine, "logs")
-    try:
-        data = await bus.request(
-            nc, subject, wire.encode(req), deadline=time.monotonic() + timeout + req.wait,
-            attempt_timeout=1.0 + req.wait,
-        )  # fmt: skip
-    except bus.NoAnswer:
-        raise CliError(await _why_silent(nc, machine, subject, timeout)) from None
-    try:
-        return wire.decode_reply(data, LogsReply)
-    except wire.RemoteError as e:
-        raise CliError(f"logs: {e}") from None
-
-
-async def _why_silent(nc: Any, machine: str, subject: str, timeout: float) -> str:
-    """Why a host did not answer, as far as the controller knows: no such machine, or down."""
-    said = f"host {machine} did not answer on {subject}"
-    try:
-        known = await ask(nc, url="", verb="nodes", reply=NodesReply, timeout=timeout,
-                          body=wire.encode(NodesRequest(names=[machine])))  # fmt: skip
-    except VerbFailed:  # no controller either: say what is known
-        return f"{said}; is it up? (`mesh nodes`)"
-    if not known.nodes:
-        return f"machine {machine} is not known to this mesh (`mesh nodes` lists those it knows)"
-    if not known.nodes[0].up:
-        return f"{said}: machine {machine} is down (`mesh nodes`)"
-    return f"{said}; it is up: is its host agent running? (`mesh nodes`)"
-
-
 def _show(args: argparse.Namespace, data: str, rest: str = "") -> str:
     """Print `data`; `-f --json`: a line of JSON per whole line of output, as it comes (`rest`,
     a line not yet ended, is held back for the next read: returned)."""
@@ -123,10 +92,10 @@ async def cmd_logs(args: argparse.Namespace) -> None:
     first = LogsRequest(process=args.process, tail=args.tail, since=args.since,
                         prepare=args.prepare)  # fmt: skip
     async with connected(url=url, creds=creds, what="logs") as nc:
-        reply = await _read(nc, args.machine, first, timeout)
+        reply = await read_logs(nc, args.machine, first, timeout)
         data = reply.data
         while args.since is not None and reply.data and not args.follow:  # to the end
-            reply = await _read(
+            reply = await read_logs(
                 nc,
                 args.machine,
                 LogsRequest(process=args.process, offset=reply.offset, prepare=args.prepare),
@@ -154,7 +123,7 @@ async def cmd_logs(args: argparse.Namespace) -> None:
 
             tg.start_soon(until_interrupted)
             while True:  # from the offset the last reply ended at: nothing lost or repeated
-                reply = await _read(
+                reply = await read_logs(
                     nc, args.machine,
                     LogsRequest(process=args.process, offset=reply.offset, wait=FOLLOW_WAIT,
                                 prepare=args.prepare),

@@ -1,5 +1,7 @@
 """`mesh mcp`: an MCP server (stdio, or streamable HTTP on loopback) that offers every tool of
-the fleet to an MCP client and forwards each call over the bus to the machine that runs it.
+the fleet to an MCP client and forwards each call over the bus to the machine that runs it;
+beside them, the fleet's own verbs (`mesh_status`, `mesh_assign`, ...: fleet.py), as the
+operator of its credentials. A role that may not call the machines' tools is not offered them.
 
 Built with the `mcp` package's low-level server. A tool is named `<machine>.<server>.<tool>`
 (`node-2.files.read`): machine and server names have no dots, so the first two dots split a
@@ -35,6 +37,7 @@ from mesh.errors import MeshError
 from mesh.metrics import Listen
 from mesh.model import ToolEntry
 from mesh.names import InvalidName
+from programs.mcp.fleet import VERBS, FleetVerbs
 
 log = logging.getLogger("mesh.mcp")
 
@@ -66,9 +69,10 @@ def _error(message: str) -> types.CallToolResult:
 class FleetTools:
     """The fleet's tools as the controller lists them, and calls to them over the bus."""
 
-    def __init__(self, nc: Client, *, url: str) -> None:
+    def __init__(self, nc: Client, *, url: str, verbs: FleetVerbs) -> None:
         self._nc = nc
         self._url = url
+        self._verbs = verbs  # the fleet's own verbs (fleet.py), listed and called beside
         self._listed: dict[str, ToolEntry] = {}
         self._at = -LIST_EVERY
         self._listing = anyio.Lock()
@@ -100,20 +104,25 @@ class FleetTools:
                 self._listed, self._at = listed, time.monotonic()
             return self._listed
 
-    @staticmethod
-    def _callable(found: dict[str, ToolEntry]) -> dict[str, ToolEntry]:
+    async def _offered(self) -> dict[str, ToolEntry]:
+        """The tools that can be called now, by these credentials (none: a role that may not
+        call a machine's tools)."""
+        if not await self._verbs.may_call_tools():
+            return {}
+        found = await self.tools()
         return {n: e for n, e in sorted(found.items()) if e.up and e.state == "ready"}
 
     async def list_tools(self, ctx: Any, params: Any) -> types.ListToolsResult:
         self._sessions.add(ctx.session)
         try:
-            found = self._callable(await self.tools())
+            found = await self._offered()
         except VerbFailed as e:
             log.warning("could not list the fleet's tools: %s", e)
             found = {}
         self._shown = frozenset(found)
         return types.ListToolsResult(
-            tools=[
+            tools=await self._verbs.tools()
+            + [
                 types.Tool(
                     name=name,
                     description=f"{e.description} (tool {e.name} of tool server {e.server} on "
@@ -141,7 +150,7 @@ class FleetTools:
             if not self._sessions:
                 continue
             try:
-                now = frozenset(self._callable(await self.tools()))
+                now = frozenset(await self._offered())
             except VerbFailed:
                 continue
             if now == self._shown:
@@ -157,6 +166,8 @@ class FleetTools:
     async def call_tool(
         self, ctx: Any, params: types.CallToolRequestParams
     ) -> types.CallToolResult:
+        if params.name in VERBS:
+            return await self._verbs.call(params.name, params.arguments)
         where = split(params.name)
         if where is None:
             return _error(f"{params.name!r} is not a tool of the fleet (MACHINE.SERVER.TOOL)")
@@ -202,8 +213,9 @@ def server(fleet: FleetTools) -> Server:
     return Server(
         "mesh",
         version="1",
-        instructions="The tools of every machine of a mesh fleet, named MACHINE.SERVER.TOOL; "
-        "each call runs on that machine.",
+        instructions="A mesh fleet: its own verbs as the operator of these credentials "
+        "(mesh_status, mesh_nodes, mesh_plan, mesh_assign, ...), and the tools of every machine, "
+        "named MACHINE.SERVER.TOOL, each call run on that machine.",
         on_list_tools=fleet.list_tools,
         on_call_tool=fleet.call_tool,
     )
@@ -237,7 +249,7 @@ async def serve(*, url: str, creds: str | None, http: Listen | None = None) -> N
         url, name="mesh mcp", creds=creds, denied=lambda action: [f(action) for f in refused]
     )
     try:
-        fleet = FleetTools(nc, url=url)
+        fleet = FleetTools(nc, url=url, verbs=FleetVerbs(url=url, creds=creds))
         refused.append(fleet.denied)
         mcp = server(fleet)
         async with anyio.create_task_group() as tg:
