@@ -68,6 +68,7 @@ def test_the_fleets_tools_are_named_apart_from_the_machines_and_described() -> N
         assert not VERBS[name].hints.read_only_hint, name
     # who may: the policy's lists (mesh/auth/policy.py), nats-server's own
     assert VERBS["mesh_assign"].roles == {"admin", "deployer", "agent"}
+    assert VERBS["mesh_restart"].roles == {"admin", "deployer", "agent"}  # an agent's: held
     assert VERBS["mesh_plan_approve"].roles == {"admin", "deployer"}
     assert VERBS["mesh_drain"].roles == {"admin"}
     assert VERBS["mesh_status"].roles == {"admin", "deployer", "agent", "viewer", "tools"}
@@ -80,7 +81,13 @@ async def test_an_agent_through_mesh_mcp_proposes_and_is_held(
     ada = _add(secured, "ada", "--role", "agent", "--modules", "web-*")
     async with _stdio(secured, ada, tmp_path / "mcp-ada.log") as session:
         names = await _names(session)
-        assert {"mesh_push", "mesh_assign", "mesh_unassign", "mesh_plan_diff"} <= names
+        assert {
+            "mesh_push",
+            "mesh_assign",
+            "mesh_unassign",
+            "mesh_plan_diff",
+            "mesh_restart",
+        } <= names
         assert READ_TOOLS <= names
         for never in ("mesh_plan_approve", "mesh_plan_reject", "mesh_drain", "mesh_rollback"):
             assert never not in names, never

@@ -70,6 +70,7 @@ from mesh.model import (
     PlansReply,
     PlansRequest,
     Request,
+    RestartPlanRequest,
     RollbackRequest,
     StatusReply,
     SteerReply,
@@ -158,6 +159,12 @@ class AssignArgs(Request):
 class RollbackArgs(Request):
     module: Name
     to: VersionWord | None = None  # a number or a digest; none: the version before
+
+
+class RestartArgs(Request):
+    module: Name
+    machines: Annotated[list[Name], msgspec.Meta(max_length=10000)] = []  # none: every one
+    hold: bool = False
 
 
 class MachineArgs(Request):
@@ -346,7 +353,11 @@ VERBS: dict[str, FleetVerb] = {
     "mesh_plan_reject": FleetVerb("plan-reject", RejectArgs, SteerReply, UNDOES, change,
         "Reject a held plan: it ends rejected, no machine changed (`reason`: why).",
         lambda a: SteerRequest(id=a.id, by=getpass.getuser(), reason=a.reason)),
-    # mesh_restart (the host's `restart`, HOST_ADMIN_VERBS: admins') goes here once it is built.
+    "mesh_restart": FleetVerb("restart", RestartArgs, ChangeReply, ONCE, change,
+        "Restart a module's processes on the machines that run it (or those named), tier by "
+        "tier through its health gates; no declaration changes (`hold`: held until approved).",
+        lambda a: RestartPlanRequest(module=a.module, machines=a.machines, by=getpass.getuser(),
+                                     hold=a.hold)),
 }
 # fmt: on
 
