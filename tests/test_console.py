@@ -13,15 +13,17 @@ import re
 import signal
 import socket
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
-from helpers import MESH, DevUp, mesh_cli, ok, one_line_error
+from helpers import MESH, DevUp, mesh_cli, ok, ok_json, one_line_error
 from module_folders import write_module
 
 from mesh import subjects
 from mesh.auth.policy import OPERATOR_WATCH, User, permissions
+from mesh.embedded import ports
 from programs.console import server
 from programs.console.server import Console
 
@@ -337,3 +339,117 @@ def test_the_console_in_a_browser(tmp_path: Path) -> None:
         dev.kill()
         dev.drain()  # what `mesh dev up` said, shown by pytest when the test fails
         print("mesh dev up said:", *dev.seen[-400:], sep="\n")
+
+
+async def test_writes_need_the_page_s_origin_and_its_session_token(page_server) -> None:
+    """A held plan's approve and reject are the console's only writes: from its own page
+    (Origin) with the session's write token (/api/me), refused otherwise before anything is
+    asked; any other write is still refused."""
+    path = "/api/plan/7/approve"
+    own = {"Origin": f"http://{page_server.host}:{page_server.port}"}
+    wrong = {**own, server.WRITE_HEADER: server.new_token()}
+    cases = (({}, "another origin"), ({"Origin": "http://evil.example"}, "another origin"),
+             (own, "session token"), (wrong, "session token"))  # fmt: skip
+    for headers, said in cases:
+        refused = await page_server.post(path, headers={**AUTH, **headers}, json={})
+        assert refused.status == 403, headers
+        assert said in (await refused.json())["error"], headers
+    assert (await page_server.post("/api/plan/7/delete", headers={**AUTH, **own})).status == 405
+    assert (await page_server.post(path, headers=own)).status == 401  # a stranger: nothing said
+
+
+@pytest.mark.slow
+def test_a_held_plan_is_approved_and_rejected_in_the_console(tmp_path: Path) -> None:
+    """A console run as an admin shows a held plan's author, digest and approvals, and its
+    Approve (bound to the digest shown) and Reject act as that admin; dev up's console, a
+    viewer's, shows the review without the buttons."""
+    sync_playwright = _browser_or_skip()
+    from playwright.sync_api import expect
+
+    folder = tmp_path / "dev"
+    dev = DevUp(folder)
+    console: subprocess.Popen | None = None
+    try:
+        viewer_url = dev.match(r"console (http://127\.0\.0\.1:\d+/\?token=[\w-]+) ",
+                               within=180).group(1)  # fmt: skip
+        nats_url = dev.ready(within=60)
+        admin = str(folder / "creds" / "admin.creds")
+        dora = ok_json(mesh_cli("operator", "add", "dora", "--role", "admin", "--dir", str(folder),
+                                "--json", nats_url=nats_url, creds=admin))["creds"]  # fmt: skip
+        for name in ("site", "blog"):  # two modules: a held change of one supersedes its last
+            manifest = f'[module]\nname = "{name}"\n[bundle.web]\nkind = "files"\nsource = "src"\n'
+            made = write_module(tmp_path / name, manifest, files={"src/index.html": "hi\n"})
+            ok(mesh_cli("push", str(made), nats_url=nats_url, creds=admin))
+
+        def held(module: str, machine: str) -> dict:
+            asked = ok_json(mesh_cli("--json", "assign", module, machine, "--hold",
+                                     nats_url=nats_url, creds=dora))  # fmt: skip
+            return ok_json(mesh_cli("--json", "plan", str(asked["plan"]), nats_url=nats_url,
+                                    creds=admin))  # fmt: skip
+
+        token, port = server.new_token(), ports.free_port()
+        console = subprocess.Popen(
+            [*MESH, "console", "--listen", f"127.0.0.1:{port}"], stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL, start_new_session=True,
+            env={**os.environ, "MESH_NATS_URL": nats_url, "MESH_CREDS": admin,
+                 server.TOKEN_ENV: token},
+        )  # fmt: skip
+        admin_url = f"http://127.0.0.1:{port}/?token={token}"
+        first, second = held("site", "node-1"), held("blog", "node-2")
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+            try:
+                page = browser.new_page()
+                expect.set_options(timeout=SEEN_WITHIN)
+                page.goto(viewer_url)  # the viewer's: the review, no buttons
+                page.goto(viewer_url.split("?")[0] + f"#/plan/{first['id']}")
+                expect(page.locator("#plan-author")).to_have_text("dora")
+                expect(page.locator("#plan-digest")).to_have_text(first["digest"])
+                expect(page.locator("#plan-approvals")).to_contain_text("0 of 1 approval(s)")
+                expect(page.locator("#approve")).to_be_hidden()
+
+                _until_served(admin_url)
+                page.goto(admin_url)
+                page.goto(admin_url.split("?")[0] + f"#/plan/{first['id']}")
+                expect(page.locator("#plan-digest")).to_have_text(first["digest"])
+                page.locator("#approve").click()
+                expect(page.locator("#plan-acted")).to_contain_text(
+                    f"plan {first['id']} approved by admin ({first['digest']}"
+                )
+                page.goto(admin_url.split("?")[0] + f"#/plan/{second['id']}")
+                page.locator("#reject-reason").fill("not on node-2")
+                expect(page.locator("#reject-reason")).to_have_value("not on node-2")
+                page.locator("#reject").click()
+                expect(page.locator("#plan-acted")).to_contain_text(
+                    f"plan {second['id']} rejected by admin: not on node-2"
+                )
+            finally:
+                browser.close()
+        states = {p["id"]: p["state"] for p in ok_json(
+            mesh_cli("--json", "plan", nats_url=nats_url, creds=admin))["plans"]}  # fmt: skip
+        assert states[second["id"]] == "rejected", states
+        assert states[first["id"]] in ("pending", "rolling", "done"), states  # approved: it runs
+        said = {(e["who"], e["verb"], e["subject"]) for e in ok_json(
+            mesh_cli("--json", "audit", nats_url=nats_url, creds=admin))["entries"]}  # fmt: skip
+        assert ("admin", "plan-approve", f"plan {first['id']}") in said, said
+        assert ("admin", "plan-reject", f"plan {second['id']}") in said, said
+    finally:
+        if console is not None:
+            os.killpg(console.pid, signal.SIGKILL)
+            console.wait()
+        dev.kill()
+        dev.drain()
+        print("mesh dev up said:", *dev.seen[-200:], sep="\n")
+
+
+def _until_served(url: str) -> None:
+    """The console started by the test answers (its port bound), within a minute."""
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", int(url.split(":")[2].split("/")[0])), 1):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+        time.sleep(0.2)  # ok: polling a port with a deadline

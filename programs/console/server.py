@@ -7,8 +7,12 @@ The bus: hosts' reports (mesh.event.<name>.*) and beats, the seat's announcement
 progress (mesh.plan.<id>), machines drained, undrained or skipped by a plan for their drain
 (mesh.machine.<name>). The server keeps each verb's last answer and sends every new one to the
 open pages as a server-sent event; a burst of events is one refresh. A machine's page reads a
-process's log from its host (`logs`, as `mesh logs` does). Nothing here changes the fleet:
-viewer credentials are enough.
+process's log from its host (`logs`, as `mesh logs` does). Viewer credentials are enough for
+all of it. The one thing it changes: run with an operator's credentials that may steer plans
+(an admin's, a deployer's), a held plan's page approves or rejects it as that operator
+(`plan-approve` bound to the digest shown, `plan-reject` with a reason). Such a write must come
+from the console's own page: its Origin, and the session's write token (`/api/me`), which a
+page of another site can neither send nor read.
 
 It asks who you are (docs/security.md, the console): over TCP, every request must carry the
 console's token (a new one at each start, printed with its URL): `?token=` once, which sets a
@@ -17,6 +21,7 @@ Bearer`. Over its unix socket (`--socket`, mode 0600), the socket's mode and the
 who it is. Anything else is 401: the page, the API and the events alike.
 """
 
+import functools
 import hmac
 import logging
 import os
@@ -49,12 +54,16 @@ from mesh.model import (
     AuditReply,
     AuditRequest,
     Beat,
+    Digest,
     LogsReply,
     LogsRequest,
     ModulesReply,
     ModulesRequest,
     NodesReply,
     NodesRequest,
+    Note,
+    OperatorsReply,
+    OperatorsRequest,
     PlanReply,
     PlanRequest,
     PlansReply,
@@ -62,6 +71,8 @@ from mesh.model import (
     PlanSummary,
     SeatAnnounce,
     StatusReply,
+    SteerReply,
+    SteerRequest,
 )
 from mesh.names import InvalidName, check_name
 
@@ -86,6 +97,7 @@ AUDIT_LISTED = 20  # the audit log's newest entries the page shows
 TOKEN_BYTES = 32  # secrets.token_urlsafe: 43 characters, never guessed
 TOKEN_ENV = "MESH_CONSOLE_TOKEN"  # how a supervisor (`mesh dev up`) gives it: never on argv (ps)
 TOKEN_FORM = re.compile(r"[A-Za-z0-9_-]{32,256}")  # a given token: URL- and cookie-safe, long
+WRITE_HEADER = "X-Mesh-Console-Write"  # the session's write token, on approve and reject
 COOKIE = "mesh-console"  # its name; `-PORT` added once bound: two consoles on one host coexist
 
 
@@ -138,6 +150,8 @@ class Console:
         self._standby_heard: dict[str, float] = {}
         self._asked: dict[str, int] = {}  # a silent machine or standby -> asks since
         self._started = time.monotonic()
+        self.write_token = secrets.token_urlsafe(TOKEN_BYTES)  # sent with each write
+        self.role: str | None = None  # the console's operator's, once asked (`operators`)
 
     # --- what the bus says -------------------------------------------------------------------
 
@@ -325,6 +339,10 @@ class Console:
         app.router.add_get("/events", self._events)
         app.router.add_get("/api/plan/{id}", self._plan)
         app.router.add_get("/api/logs/{machine}/{process}", self._logs)
+        app.router.add_get("/api/me", functools.partial(me, self))
+        app.router.add_post(
+            "/api/plan/{id}/{action:approve|reject}", functools.partial(steer, self)
+        )
         app.router.add_static("/static/", STATIC, follow_symlinks=False)
         return app
 
@@ -341,7 +359,9 @@ class Console:
         if refused is not None:
             return refused
         if request.method not in ("GET", "HEAD"):
-            return web.Response(status=405, text="the console only reads\n")
+            refused = self._write_refused(request)
+            if refused is not None:
+                return refused
         response = await handler(request)
         if response.prepared:  # the event stream: its headers are gone already (set there)
             return response
@@ -353,6 +373,20 @@ class Console:
         response.headers["X-Content-Type-Options"] = "nosniff"
         response.headers["Referrer-Policy"] = "no-referrer"
         return response
+
+    def _write_refused(self, request: web.Request) -> web.Response | None:
+        """None for a write from the console's own page: a held plan's approve or reject,
+        from its own origin, with the session's write token."""
+        if not re.fullmatch(r"/api/plan/[^/]+/(approve|reject)", request.path):
+            return web.Response(status=405, text="the console only reads, but for a held "
+                                "plan's approve and reject\n")  # fmt: skip
+        origin = request.headers.get("Origin", "")
+        if origin != f"http://{request.host}":
+            return _error(403, f"a write from another origin ({origin[:100] or 'none said'})")
+        given = request.headers.get(WRITE_HEADER, "").encode(errors="replace")
+        if not hmac.compare_digest(given, self.write_token.encode()):
+            return _error(403, f"a write without the page's session token ({WRITE_HEADER})")
+        return None
 
     def _is_token(self, given: str) -> bool:
         # In constant time: how long a wrong guess took says nothing of the token.
@@ -464,6 +498,56 @@ class Console:
             return _error(504, f"host {machine} did not answer on {subject}; is it up?")
         except wire.RemoteError as e:
             return _error(404 if e.code == "not_found" else 502, f"logs: {e}")
+
+
+STEERS = frozenset({"admin", "deployer"})  # the roles that approve and reject (a deployer's glob)
+
+
+async def me(console: "Console", request: web.Request) -> web.StreamResponse:
+    """Who the console acts as, whether it may steer plans, and the session's write token."""
+    operator = bus.operator_of(console.nc)
+    if operator is not None and console.role is None:
+        try:
+            known = await console.verb("operators", OperatorsReply, OperatorsRequest())
+            console.role = next((o.role for o in known.operators if o.name == operator), "")
+        except VerbFailed:
+            console.role = ""  # may not even list the operators (a tools operator): no steering
+    role = console.role if operator is not None else None
+    steers = operator is None or role in STEERS  # on a bus with no identities, the controller says
+    return _json({"operator": operator, "role": role, "steers": steers,
+                  "write_token": console.write_token})  # fmt: skip
+
+
+async def steer(console: "Console", request: web.Request) -> web.StreamResponse:
+    """A held plan approved (bound to the digest the page showed) or rejected, as the console's
+    operator: the controller decides whether that operator may."""
+    text, action = request.match_info["id"], request.match_info["action"]
+    if not text.isdigit() or not 1 <= int(text) < 2**63:
+        return _error(400, f"plan id: {text[:40]!r} is not a plan number")
+    try:
+        asked = msgspec.json.decode(await request.read() or b"{}", type=SteerAsked)
+        body = SteerRequest(id=int(text), digest=asked.digest, reason=asked.reason)
+    except msgspec.ValidationError as e:
+        return _error(400, str(e))
+    except msgspec.DecodeError:
+        return _error(400, "the body is not a JSON object")
+    try:
+        reply = await ask(console.nc, url=console.url, verb=f"plan-{action}", reply=SteerReply,
+                          timeout=ASK_WITHIN, body=wire.encode(body),
+                          attempt=ASK_WITHIN)  # fmt: skip
+    except VerbFailed as e:
+        status = {"forbidden": 403, "conflict": 409, "not_found": 404, "bad_request": 400}
+        return _error(status.get(e.code or "", 502), str(e))
+    log.info("plan %s %s from the console: %s", text, action, reply.message)
+    console.mark("plans", "status", "audit")
+    return _json(reply)
+
+
+class SteerAsked(msgspec.Struct, forbid_unknown_fields=True):
+    """What the page sends with an approve or a reject."""
+
+    digest: Digest | None = None
+    reason: Note = ""
 
 
 def _over_socket(request: web.Request) -> bool:

@@ -13,6 +13,11 @@ const state = {
   live: false,
 };
 const log_view = { machine: null, process: null, following: null };
+// Who the console acts as, whether it may approve and reject, and the session's write token
+// (/api/me); what the last approve or reject of each plan answered.
+let me = null;
+const acted = new Map(); // plan id -> the controller's answer, in words
+
 const LOG_KEPT = 256 * 1024; // characters of a followed log the page keeps
 
 // --- building nodes -------------------------------------------------------------------------
@@ -82,6 +87,40 @@ function steering(p) {
   }
   if (p.cancelled) notes.push(" — ", word(p.cancelled, "cancelled"));
   return notes;
+}
+
+// A held plan's review: who asked, the digest an approval binds to, the approvals so far (one
+// the catalog made void shown so), and, where the console's operator may, Approve and Reject.
+function review(p) {
+  if (p.state !== "held" && !acted.has(p.id)) return "";
+  const given = (p.approvals || []).map((a) =>
+    el("li", { "data-by": a.by }, `${a.by}, `, when(a.at), a.void ? [" — ", word("void: the plan changed since", "error")] : ""));
+  const counted = (p.approvals || []).filter((a) => !a.void).length;
+  const parts = [el("h3", {}, "Approval")];
+  if (p.state === "held") {
+    parts.push(
+      el("p", {}, "asked by ", el("strong", { id: "plan-author" }, p.by || "?"), ", doing ", el("code", { id: "plan-digest" }, p.digest || "?")),
+      el("p", { id: "plan-approvals" }, `${counted} of ${p.approvals_needed || 1} approval(s), by operators other than its author`),
+      given.length ? el("ul", { id: "plan-approvers" }, given) : "");
+  }
+  if (acted.has(p.id)) parts.push(el("p", { id: "plan-acted" }, acted.get(p.id)));
+  return parts;
+}
+
+async function act(p, action, body) {
+  try {
+    const response = await fetch(`/api/plan/${p.id}/${action}`, {
+      method: "POST", body: JSON.stringify(body),
+      headers: { "Content-Type": "application/json", Accept: "application/json", "X-Mesh-Console-Write": me.write_token },
+    });
+    const answer = await response.json();
+    acted.set(p.id, response.ok ? answer.message : `refused: ${answer.error}`);
+  } catch (e) {
+    acted.set(p.id, `not sent: ${e.message}`);
+  }
+  asked_plans.delete(p.id); // its approvals, as the controller has them now
+  fetch_plan(p.id);
+  render();
 }
 
 function soak_text(until, tier) {
@@ -258,6 +297,7 @@ function plan_card(id) {
       steering(p),
       p.failure ? [" — ", word(p.failure, "error")] : ""),
     p.note ? el("p", { id: "plan-note" }, "note: ", p.note) : "",
+    review(p),
     el("h3", {}, "Tiers"),
     p.tiers.length ? table("plan-tiers", ["tier", "state", "done"], tiers) : el("p", { class: "quiet" }, "no steps yet"),
     el("h3", {}, "Steps"),
@@ -348,6 +388,11 @@ function render() {
   else if (kind === "plan" && /^\d+$/.test(arg || "")) content = plan_view(Number(arg));
   else content = overview();
   document.getElementById("view").replaceChildren(...content.flat().filter(Boolean));
+  // Approve and Reject live outside the view (drawn anew at each event), so what an operator
+  // types as a reject's reason is never lost to a redraw; shown on a held plan's page alone.
+  const held = kind === "plan" && state.plans_by_id.get(Number(arg));
+  document.getElementById("steer").hidden = !(held && held.state === "held" && me && me.steers);
+  document.getElementById("approve").textContent = `Approve as ${(me && me.operator) || "this console"}`;
   const logs = document.getElementById("log");
   logs.hidden = !(kind === "machine" && log_view.machine === arg && log_view.process);
   if (logs.hidden) log_view.following = null; // left the machine's page: stop following
@@ -381,7 +426,7 @@ async function fetch_plan(id) {
     state.changes_by_id.set(id, new Map(plan.steps.map((s) => [s.machine, s.changes || []])));
     // A `plan` event that came while this was asked is as new or newer: an answer that was
     // slower to arrive must not put an older state back (nothing may come after it to fix it).
-    if (!state.plans_by_id.has(id)) state.plans_by_id.set(id, plan);
+    if (!state.plans_by_id.has(id) || acted.has(id)) state.plans_by_id.set(id, plan);
     state.problems.delete("plan");
   } catch (e) {
     asked_plans.delete(id); // asked again at the next event
@@ -466,10 +511,15 @@ function listen() {
 
 window.addEventListener("hashchange", render);
 document.addEventListener("DOMContentLoaded", () => {
+  const shown = () => state.plans_by_id.get(Number(route()[1]));
+  document.getElementById("approve").addEventListener("click", () => act(shown(), "approve", { digest: shown().digest }));
+  document.getElementById("reject").addEventListener("click", () =>
+    act(shown(), "reject", { reason: document.getElementById("reject-reason").value }));
   document.getElementById("log-refresh").addEventListener("click", () => {
     if (log_view.machine && log_view.process) open_log(log_view.machine, log_view.process);
   });
   listen();
+  fetch_json("/api/me").then((m) => { me = m; render(); }, (e) => state.problems.set("console", e.message));
   render();
   setInterval(() => { render_beats(); render_soaks(); }, 1000);
 });
