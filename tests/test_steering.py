@@ -228,7 +228,8 @@ async def test_a_held_push_changes_nothing_until_approved(
         await counted(metrics_port, held=1)
 
         said = ok(await mesh("plan", "approve", str(plan_id)))
-        assert f"plan {plan_id} approved (sha256:" in said, said  # the digest it approved
+        # the digest it approved, and who (on this bus nobody is verified: anonymous)
+        assert f"plan {plan_id} approved by anonymous (sha256:" in said, said
         assert "): it changes 3 machine(s)" in said, said
         await anyio.to_thread.run_sync(lambda: follower.wait(timeout=120))
     finally:

@@ -215,6 +215,9 @@ async def test_two_persons_approve_a_held_plan_and_a_rejected_one_changes_nothin
     # too): ann's approval was for what it did before. (A change of web-a itself supersedes it.)
     ok(secured.cli(admin, "push", str(_web(tmp_path, "web-b")), "--timeout", "60"))
     ok(secured.cli(admin, "assign", "web-b", "node-2", "--wait", "--timeout", "60"))
+    moved = ok_json(secured.cli(viewer, "--json", "plan", str(held)))  # composed again at once
+    assert moved["digest"] != plan["digest"], moved
+    assert [(a["by"], a["void"]) for a in moved["approvals"]] == [("ann", True)], moved
     said = " ".join(ok(secured.cli(bea, "plan", "approve", str(held))).split())  # unwrapped
     assert "1 of 2" in said and "1 approval(s) given before are void" in said, said
     plan = ok_json(secured.cli(viewer, "--json", "plan", str(held)))

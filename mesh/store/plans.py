@@ -518,6 +518,17 @@ async def steered_of(conn: asyncpg.Connection, module: str) -> list[Plan]:
     return [_plan(r, []) for r in rows]
 
 
+async def held_on(conn: asyncpg.Connection, machines: list[str]) -> list[Plan]:
+    """The held plans with a step on one of `machines` (without their steps), oldest first,
+    their rows locked: what a change of those machines' declarations moves under them."""
+    rows = await conn.fetch(
+        f"SELECT {_PLAN} FROM plans WHERE state = 'held' AND id IN (SELECT plan_id FROM"
+        " plan_steps WHERE machine = ANY($1::text[])) ORDER BY id FOR UPDATE",
+        machines,
+    )
+    return [_plan(r, []) for r in rows]
+
+
 async def soaking(conn: asyncpg.Connection | asyncpg.Pool) -> int:
     """How many plans are soaking now (the controller's metrics)."""
     return await conn.fetchval(

@@ -169,6 +169,7 @@ class Hold:
         their plans through `recorder`, one at a time."""
         held = HeldChanges(pool=self.pool, epoch=epoch, fleet=fleet, manifests=manifests,
                            recorder=recorder, planner=planner)  # fmt: skip
+        recorder.moved = held.recompose  # a change under a held plan composes it again
         changes = Changes(pool=self.pool, nc=self.nc, obs=obs, fleet=fleet, epoch=epoch,
                           signing=self.signing, manifests=manifests, recorder=recorder,
                           held=held)  # fmt: skip

@@ -227,6 +227,26 @@ class HeldChanges:
             await plans.replace_steps(conn, p.id, steps)
         return now
 
+    async def recompose(self, conn: asyncpg.Connection, machines: list[str], *, by: int) -> None:
+        """A change (plan `by`) moved these machines' declarations: each held plan with a step
+        on one of them is composed again, in the change's transaction, and a new digest makes
+        the approvals given so far void (`plan` shows them so; they count for nothing)."""
+        for p in await plans.held_on(conn, machines):
+            if p.id == by or p.hold is None:
+                continue
+            was = await plans.step_digest(conn, p.id)
+            try:
+                now = await self._doing_now(conn, p)
+            except wire.BadRequest as e:  # its approval will say so (a conflict, say)
+                log.info("plan %d (held) not composed again: %s", p.id, e)
+                continue
+            if now != was:
+                void = sum(a.digest == was for a in p.hold.approvals)
+                await events.record(conn, "plan.recomposed", epoch=self._epoch, plan=p.id,
+                                    by_plan=by, was=was, now=now, void=void)  # fmt: skip
+                log.info("plan %d (held) composed again after plan %d: it now does %s; %d "
+                         "approval(s) void", p.id, by, now[:19], void)  # fmt: skip
+
     async def _steps(
         self, conn: asyncpg.Connection, p: plans.Plan, targets: list[str]
     ) -> list[plans.Step]:

@@ -7,7 +7,7 @@ plans.
 """
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 import anyio
@@ -59,6 +59,9 @@ class Recorder:
         self._publisher = publisher  # composes the machines' declarations
         self.wake = wake  # tells the planner a plan was recorded
         self._lock = anyio.Lock()
+        # Told, in the change's transaction, of the machines whose declarations a recorded plan
+        # moves (and the plan): the held plans on them are composed again (approvals.py).
+        self.moved: Callable[..., Awaitable[None]] = _nothing
 
     async def steps(self, conn: asyncpg.Connection, machines: Iterable[str]) -> list[plans.Step]:
         """A step for each machine whose composition differs from what it will have once the
@@ -137,6 +140,8 @@ class Recorder:
                 hold=hold,
             ):  # fmt: skip
                 raise await stopped_building(conn, building)
+            if not kept:
+                await self.moved(conn, [s.machine for s in steps], by=building)
             return building, [s.machine for s in steps]
         if not steps and not kept:
             return None, []
@@ -145,6 +150,8 @@ class Recorder:
             builds=builds or [], undo=undo, steps=steps, state="held" if kept else "pending",
             hold=hold,
         )  # fmt: skip
+        if not kept and trigger != "restart":  # it moves these declarations: held plans follow
+            await self.moved(conn, [s.machine for s in steps], by=plan_id)
         return plan_id, [s.machine for s in steps]
 
     def select(self, *, machines: list[str], tier: int | None, labels: dict[str, str]) -> list[str]:
@@ -182,6 +189,10 @@ class Recorder:
             w = OnePlan(conn=conn, epoch=self._epoch, plan_id=plan_id)
             await w.plan(cancel=why)
             await w.event("plan.superseded", by_plan=plan)
+
+
+async def _nothing(*_: Any, **__: Any) -> None:
+    return None
 
 
 async def stopped_building(conn: asyncpg.Connection, plan_id: int) -> wire.BadRequest:
