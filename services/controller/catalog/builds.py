@@ -16,6 +16,7 @@ import logging
 import asyncpg
 import msgspec
 from nats.aio.client import Client
+from nats.errors import Error as NatsError
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.object_store import ObjectStore
@@ -107,9 +108,18 @@ async def build(
             code="build_failed",
         ) from None
     reply = msgspec.structs.replace(reply, tail=builds.clip_tail(reply.tail))
-    if reply.staged:
-        reply = await _adopt(nc, obs, reply, log_as="build-log-" + key.replace(":", "-"))
-    if reply.ok and (reply.digest is None or not await blobs.has(obs, reply.digest)):
+    try:
+        if reply.staged:
+            reply = await _adopt(nc, obs, reply, log_as="build-log-" + key.replace(":", "-"))
+        stored = reply.digest is not None and await blobs.has(obs, reply.digest)
+    except (NatsError, TimeoutError) as e:  # the bundle store slow (a loaded server) or gone
+        metrics.BUILDS.labels("no_answer").inc()
+        await builds.finish_build(pool, key=key, ok=False, digest=None, tail="", log_object=None)
+        raise wire.BadRequest(
+            f"the build of {module}/{name} on {on} could not be stored in the bundle store "
+            f"({type(e).__name__}); try again", code="unavailable",
+        ) from None  # fmt: skip
+    if reply.ok and not stored:
         reply = msgspec.structs.replace(reply, ok=False, error="the builder stored no bundle")
     await builds.finish_build(
         pool, key=key, ok=reply.ok, digest=reply.digest, tail=reply.tail, log_object=reply.log
