@@ -3,16 +3,14 @@ output, asked of its host, each line with the time its host read it."""
 
 import argparse
 import json
-import re
 import signal
 import sys
-from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import anyio
 
 from mesh.client.asking import connected
-from mesh.client.logs import read_logs
+from mesh.client.logs import STAMP, read_logs, since
 from mesh.model import LogsRequest
 from mesh.names import check_name
 from programs.cli.args import count
@@ -39,31 +37,12 @@ def add_parsers(verbs: Any, common: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
-_AGO = re.compile(r"(\d+(?:\.\d+)?)(s|m|h|d)")
-_AT = re.compile(r"(\d{4}-\d\d-\d\dT\d\d:\d\d(?::\d\d(?:\.\d+)?)?)(Z|[+-]\d\d:\d\d)")
-_STAMP = re.compile(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z) (.*)", re.S)
-
-
-def since(text: str) -> str:
-    """`--since`: a time as the host's stamps spell it, from a while ago or a time."""
-    if m := _AGO.fullmatch(text):
-        seconds = float(m.group(1)) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
-        at = datetime.now(UTC) - timedelta(seconds=min(seconds, 10 * 365 * 86400))
-    elif _AT.fullmatch(text):
-        at = datetime.fromisoformat(text.replace("Z", "+00:00")).astimezone(UTC)
-    else:
-        raise argparse.ArgumentTypeError(
-            f"{text[:40]!r} is neither a while (90s, 15m, 2h, 7d) nor a time (2026-12-07T19:40:00Z)"
-        )
-    return at.strftime("%Y-%m-%dT%H:%M:%S.") + f"{at.microsecond // 1000:03d}Z"
-
-
 def _lines(data: str) -> list[dict[str, str | None]]:
     """Output as `--json` gives it: each line's time (null: a line written without one) and
     text."""
     found = []
     for line in data.splitlines():
-        m = _STAMP.fullmatch(line)
+        m = STAMP.fullmatch(line)
         found.append({"at": m.group(1), "text": m.group(2)} if m else {"at": None, "text": line})
     return found
 

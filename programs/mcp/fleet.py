@@ -40,7 +40,7 @@ from mesh.auth.policy import (
 )
 from mesh.client import changes
 from mesh.client.asking import VerbFailed, ask, connected
-from mesh.client.logs import read_logs
+from mesh.client.logs import read_logs, since
 from mesh.client.pages import ask_list
 from mesh.errors import MeshError
 from mesh.model import (
@@ -80,7 +80,6 @@ from mesh.model import (
 )
 from mesh.modules import gate
 from mesh.modules.load import LocalModule, load
-from programs.cli.hosts import since  # `mesh logs --since`'s words, the same here
 
 log = logging.getLogger("mesh.mcp")
 
